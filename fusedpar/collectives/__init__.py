@@ -1,0 +1,18 @@
+"""How bytes move: ParallelContext (all groups, created once) and the plain collectives."""
+
+from fusedpar.collectives.comm import (
+    all_gather_rows,
+    all_reduce_sum,
+    head_to_seq_all_to_all,
+    seq_to_head_all_to_all,
+)
+from fusedpar.collectives.context import CommGroup, ParallelContext
+
+__all__ = [
+    "CommGroup",
+    "ParallelContext",
+    "all_gather_rows",
+    "all_reduce_sum",
+    "head_to_seq_all_to_all",
+    "seq_to_head_all_to_all",
+]

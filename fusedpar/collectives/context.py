@@ -1,0 +1,89 @@
+"""ParallelContext: every process group a rank will ever use, created once at construction.
+
+torch.distributed.new_group must be called by every rank of the world, in the same order, for
+every group, members or not. Creating all groups eagerly here (instead of lazily on first
+use) keeps that order identical on all ranks and keeps communicator setup off the step path.
+Groups with identical rank lists are created once and shared (e.g. the SP group and the shift
+group when tp == 1), so no communicator is duplicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fusedpar.layouts import ParallelLayout, RankCoords
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """One process group as seen from this rank: its members in group order and our index."""
+
+    ranks: tuple[int, ...]
+    rank: int  # index of this process inside `ranks`
+    pg: dist.ProcessGroup | None  # None only for a size-1 group, which never communicates
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"CommGroup(ranks={list(self.ranks)}, rank={self.rank})"
+
+
+def _default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class ParallelContext:
+    """This rank's view of a ParallelLayout: coordinates, device and the four groups.
+
+    Requires torch.distributed to be initialised with world size == layout.world_size.
+    backend: for the subgroups; default "nccl" on CUDA devices and "gloo" on CPU.
+    """
+
+    def __init__(self, layout: ParallelLayout, backend: str | None = None, device: torch.device | str | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelContext needs torch.distributed initialised (init_process_group) first")
+        world = dist.get_world_size()
+        if world != layout.world_size:
+            raise ValueError(
+                f"layout.world_size={layout.world_size} but torch.distributed world size is {world}"
+            )
+        self.layout = layout
+        self.global_rank = dist.get_rank()
+        self.coords: RankCoords = layout.coords(self.global_rank)
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl" or (backend is None and dist.get_backend() == "nccl")
+                else torch.device("cpu")
+            )
+        self.device = torch.device(device)
+        self.backend = backend or _default_backend(self.device)
+
+        made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        # Same iteration order on every rank: the order of new_group calls must match.
+        for groups in (layout.sp_groups, layout.tp_groups, layout.shift_groups, layout.dp_groups):
+            for ranks in groups:
+                key = tuple(ranks)
+                if key not in made:
+                    made[key] = dist.new_group(list(key), backend=self.backend) if len(key) > 1 else None
+        self._pgs = made
+        self.sp = self._mine(layout.sp_group_of(self.global_rank))
+        self.tp = self._mine(layout.tp_group_of(self.global_rank))
+        self.shift = self._mine(layout.shift_group_of(self.global_rank))
+        self.dp = self._mine(layout.dp_group_of(self.global_rank))
+
+    def _mine(self, ranks: list[int]) -> CommGroup:
+        key = tuple(ranks)
+        return CommGroup(ranks=key, rank=key.index(self.global_rank), pg=self._pgs[key])
+
+    def attention_group(self, mode: str) -> CommGroup:
+        """The group the post-attention row-parallel all-reduce spans: TP in base, shift in shift."""
+        return self.tp if mode == "base" else self.shift
+
+    def __repr__(self) -> str:
+        return f"ParallelContext(rank={self.global_rank}, {self.coords}, {self.layout!r}, backend={self.backend!r})"

@@ -1,0 +1,143 @@
+"""Shift-parallel Llama/Qwen decoder layer: the plain-PyTorch path of both modes.
+
+Math (pre-norm, HF Llama/Qwen semantics):
+    h   = x + O(attn(rope(qk_norm(Q(norm1(x)))), rope(qk_norm(K(...))), V(...)))
+    out = h + Down(silu(Gate(norm2(h))) * Up(norm2(h)))
+
+Tensor layout per rank (n real tokens, n_pad = n rounded up to a multiple of SP, m = n_pad/SP,
+P = SP*TP, q/kv = local heads per rank, hd = head_dim):
+  base  (Algorithm 2): x [m, d] = SP rank s's rows of the padded step; qkv GEMM with the base
+        shard -> [m, SP*(q+2kv)*hd] -> Ulysses all-to-all in the SP group -> [n_pad, (q+2kv)*hd]
+        -> attention on the n real rows -> [n_pad, q*hd] (pad rows zero) -> all-to-all back ->
+        [m, SP*q*hd] -> O GEMM -> all-reduce over TP; MLP column/row parallel over TP.
+  shift (TP = P): x [n, d] on every rank; the same GEMMs with the shift views; all-reduces
+        over the shift group. No all-to-all, no padding.
+Both modes compute exactly the heads HeadPlacement assigns to the rank, and read/write one
+PagedKVCache.
+
+`torch_fwd` is the reference implementation; fused kernels replace its stages (qkv GEMM +
+all-to-all, attention, all-to-all + O GEMM, GEMM + all-reduce) without changing the layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusedpar.collectives import (
+    ParallelContext,
+    all_reduce_sum,
+    head_to_seq_all_to_all,
+    seq_to_head_all_to_all,
+)
+from fusedpar.layers.config import DecoderConfig
+from fusedpar.layers.functional import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin, swiglu
+from fusedpar.layers.kv_cache import PagedKVCache
+from fusedpar.layers.policy import StepBatch
+from fusedpar.layers.weights import ShardedDecoderWeights
+from fusedpar.layouts import check_mode
+
+
+@dataclass(frozen=True)
+class StepState:
+    """Everything one forward step shares across layers (built once per step by the stack).
+
+    positions, slots: [n] for the n real tokens, in packed order (slots index the paged cache).
+    padded_tokens: n_pad in base mode, n in shift mode.
+    """
+
+    mode: str
+    batch: StepBatch
+    padded_tokens: int
+    positions: torch.Tensor
+    slots: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch.num_tokens
+
+
+class ShiftParallelDecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, weights: ShardedDecoderWeights, layer_idx: int):
+        super().__init__()
+        self.cfg, self.ctx, self.w, self.layer_idx = cfg, ctx, weights, layer_idx
+        placement = ctx.layout.head_placement(cfg.num_q_heads, cfg.num_kv_heads)
+        rank = ctx.global_rank
+        for attr in ("q_heads", "kv_heads"):
+            base, shift = getattr(placement, attr)(rank, "base"), getattr(placement, attr)(rank, "shift")
+            if base != shift:  # the whole design rests on this; never run with a broken placement
+                raise AssertionError(f"rank {rank}: base {attr} {base} != shift {shift}")
+        self.q_heads = placement.q_heads(rank, "shift")
+        self.kv_heads = placement.kv_heads(rank, "shift")
+        self.register_buffer("kv_index", torch.tensor(placement.q_to_kv_index(rank), device=ctx.device),
+                             persistent=False)
+        self.nq, self.nkv = len(self.q_heads), len(self.kv_heads)
+
+    @classmethod
+    def from_full_weights(
+        cls, cfg: DecoderConfig, ctx: ParallelContext, full: dict[str, torch.Tensor], layer_idx: int
+    ) -> ShiftParallelDecoderLayer:
+        w = ShardedDecoderWeights.from_full(cfg, ctx.layout, ctx.global_rank, full)
+        return cls(cfg, ctx, w, layer_idx)
+
+    def forward(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
+        return self.torch_fwd(x, step, cache)
+
+    # ---- reference path -----------------------------------------------------------------------
+    def torch_fwd(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
+        mode = check_mode(step.mode)
+        sp = self.ctx.sp.size if mode == "base" else 1
+        rows = step.padded_tokens // sp
+        if x.dim() != 2 or x.shape != (rows, self.cfg.hidden_size):
+            raise ValueError(
+                f"{mode} mode expects hidden [{rows}, {self.cfg.hidden_size}] on this rank "
+                f"({step.num_tokens} tokens, padded to {step.padded_tokens}, SP={sp}), got {tuple(x.shape)}"
+            )
+        if cache.kv_heads != self.kv_heads:
+            raise ValueError(f"cache holds kv heads {cache.kv_heads}, this rank computes {self.kv_heads}")
+        w = self.w.weights(mode)
+        reduce_group = self.ctx.attention_group(mode)
+
+        h = rms_norm(x, self.w.replicated["input_norm"], self.cfg.rms_norm_eps)
+        qkv = F.linear(h, w["qkv"])
+        if mode == "base":
+            qkv = seq_to_head_all_to_all(qkv, self.ctx.sp)  # [n_pad, (q+2kv)*hd]
+        attn = self._attention(qkv[: step.num_tokens], step, cache)  # [n, q*hd]
+        if mode == "base":
+            attn = F.pad(attn, (0, 0, 0, step.padded_tokens - step.num_tokens))  # pad rows stay zero
+            attn = head_to_seq_all_to_all(attn, self.ctx.sp)  # [m, SP*q*hd]
+        x = x + all_reduce_sum(F.linear(attn, w["o"]), reduce_group)
+
+        h = rms_norm(x, self.w.replicated["post_norm"], self.cfg.rms_norm_eps)
+        gu = F.linear(h, w["gate_up"])  # [rows, blocks * (gate | up)] with per-block chunks
+        blocks = gu.shape[1] // (2 * (self.cfg.intermediate_size // self.ctx.layout.replica_size))
+        gu = gu.view(rows, blocks, 2, -1)
+        act = swiglu(gu[:, :, 0], gu[:, :, 1]).reshape(rows, -1)
+        return x + all_reduce_sum(F.linear(act, w["down"]), reduce_group)
+
+    def _attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
+        """qkv [n, (q+2kv)*hd] of the rank's heads for the n real tokens -> [n, q*hd].
+
+        Writes the new k/v to the cache first, then attends each sequence to its cached context.
+        """
+        cfg, n = self.cfg, qkv.shape[0]
+        hd = cfg.head_dim
+        q, k, v = qkv.split([self.nq * hd, self.nkv * hd, self.nkv * hd], dim=1)
+        q, k, v = q.reshape(n, self.nq, hd), k.reshape(n, self.nkv, hd), v.reshape(n, self.nkv, hd)
+        if cfg.qk_norm:
+            q = rms_norm(q, self.w.replicated["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, self.w.replicated["k_norm"], cfg.rms_norm_eps)
+        cos, sin = rope_cos_sin(step.positions, hd, cfg.rope_theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer_idx, step.slots, k, v)
+
+        out = torch.empty((n, self.nq, hd), dtype=qkv.dtype, device=qkv.device)
+        start = 0
+        for sid, ql in zip(step.batch.seq_ids, step.batch.query_lens, strict=True):
+            kc, vc = cache.gather(self.layer_idx, sid)
+            out[start:start + ql] = causal_gqa_attention(q[start:start + ql], kc, vc, self.kv_index, hd ** -0.5)
+            start += ql
+        return out.reshape(n, self.nq * hd)

@@ -1,0 +1,54 @@
+"""Plain PyTorch math shared by the reference paths: RMSNorm, RoPE, SwiGLU, causal GQA attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32 (HF Llama semantics)."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin of shape [n, head_dim] for rotate-half RoPE (HF layout: halves, not interleaved)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
+    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    emb = torch.cat((ang, ang), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, head_dim]; cos/sin [n, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def causal_gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of one sequence's new tokens against its whole cached context.
+
+    q [L_new, Hq, d]; k, v [L_ctx, Hkv, d] with the new tokens last (L_ctx >= L_new);
+    kv_index [Hq]: which kv head each q head reads. Query i sits at position L_ctx - L_new + i
+    and sees keys 0..that position. Returns [L_new, Hq, d].
+    """
+    L_new, L_ctx = q.shape[0], k.shape[0]
+    kh, vh = k[:, kv_index], v[:, kv_index]  # [L_ctx, Hq, d]
+    scores = torch.einsum("qhd,khd->hqk", q, kh)
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        scores = scores.float()  # fp32 softmax state for half inputs; fp64 oracles stay fp64
+    scores = scores * scale
+    q_pos = torch.arange(L_ctx - L_new, L_ctx, device=q.device)[:, None]
+    k_pos = torch.arange(L_ctx, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, vh)

@@ -1,0 +1,89 @@
+"""Paged KV cache owned once per rank and used unchanged by both modes.
+
+KV-cache invariance means a rank caches the same kv heads in base and shift mode
+(HeadPlacement proves it), so the cache stores only `kv_heads` and never learns the mode.
+Layout per layer: k, v [num_blocks, block_size, num_local_kv_heads, head_dim]; each sequence
+owns a block table. Blocks are handed out in a deterministic order, so ranks that see the same
+steps hold identical block tables without talking to each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedpar.layers.policy import StepBatch
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        kv_heads: tuple[int, ...],
+        head_dim: int,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        if min(num_layers, len(kv_heads), head_dim, block_size, num_blocks) < 1:
+            raise ValueError(
+                f"PagedKVCache sizes must be >= 1: layers={num_layers}, kv_heads={len(kv_heads)}, "
+                f"head_dim={head_dim}, block_size={block_size}, blocks={num_blocks}"
+            )
+        self.kv_heads = tuple(kv_heads)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_layers, num_blocks, block_size, len(kv_heads), head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+
+    def seq_len(self, seq_id: int) -> int:
+        return self.lengths.get(seq_id, 0)
+
+    def begin_step(self, batch: StepBatch) -> torch.Tensor:
+        """Reserve room for the step's new tokens; return the cache slot of each packed token.
+
+        Checks that each sequence's cached length is the batch's context length: a mismatch
+        means the caller lost track of a sequence, which would otherwise corrupt attention.
+        """
+        slots = []
+        for sid, q, c in zip(batch.seq_ids, batch.query_lens, batch.context_lens, strict=True):
+            if self.seq_len(sid) != c:
+                raise ValueError(f"sequence {sid}: cache holds {self.seq_len(sid)} tokens, step says context {c}")
+            table = self.block_tables.setdefault(sid, [])
+            need = -(-(c + q) // self.block_size) - len(table)
+            if need > len(self._free):
+                raise RuntimeError(
+                    f"KV cache out of blocks: sequence {sid} needs {need} more, {len(self._free)} free "
+                    f"of {self.num_blocks} (block_size {self.block_size})"
+                )
+            table.extend(self._free.pop() for _ in range(need))
+            pos = torch.arange(c, c + q)
+            slots.append(torch.tensor(table)[pos // self.block_size] * self.block_size + pos % self.block_size)
+            self.lengths[sid] = c + q
+        return torch.cat(slots).to(self.k.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [n, local kv heads, head_dim] of n real tokens at their slots."""
+        if k.shape[0] != slots.shape[0] or k.shape[1:] != self.k.shape[3:]:
+            raise ValueError(
+                f"cache write: k {tuple(k.shape)} does not match {slots.shape[0]} slots x {tuple(self.k.shape[3:])}"
+            )
+        self.k[layer].view(-1, *self.k.shape[3:])[slots] = k.to(self.k.dtype)
+        self.v[layer].view(-1, *self.v.shape[3:])[slots] = v.to(self.v.dtype)
+
+    def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [seq_len, local kv heads, head_dim] of one sequence, in position order."""
+        n = self.seq_len(seq_id)
+        blocks = torch.tensor(self.block_tables[seq_id], device=self.k.device)
+        k = self.k[layer][blocks].reshape(-1, *self.k.shape[3:])[:n]
+        v = self.v[layer][blocks].reshape(-1, *self.v.shape[3:])[:n]
+        return k, v
+
+    def free(self, seq_id: int) -> None:
+        self._free.extend(reversed(self.block_tables.pop(seq_id, [])))
+        self.lengths.pop(seq_id, None)

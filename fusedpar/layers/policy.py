@@ -1,0 +1,93 @@
+"""Per-step planning: what is in the step (StepBatch) and which mode runs it (ShiftPolicy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusedpar.layouts import check_mode
+
+# Provisional default: the plain-path crossover measured on 4x H200 (limits-h200x4.md) lies
+# between 512 tokens (TP 1.7x faster than SP) and 2048-4096 tokens (SP 1.1x faster). The
+# attention/layers issue re-measures it on the fused kernels.
+DEFAULT_SHIFT_THRESHOLD = 1024
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The sequences of one forward step, tokens packed in this order.
+
+    query_lens[i]: new tokens of sequence i in this step (prefill chunk or 1 for decode);
+    context_lens[i]: tokens of sequence i already in the KV cache before the step.
+    """
+
+    seq_ids: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+
+    def __post_init__(self):
+        n = len(self.seq_ids)
+        if not (len(self.query_lens) == len(self.context_lens) == n) or n == 0:
+            raise ValueError(
+                f"StepBatch needs equal, non-empty seq_ids/query_lens/context_lens, got lengths "
+                f"{len(self.seq_ids)}/{len(self.query_lens)}/{len(self.context_lens)}"
+            )
+        if len(set(self.seq_ids)) != n:
+            raise ValueError(f"StepBatch seq_ids must be unique, got {self.seq_ids}")
+        if min(self.query_lens) < 1 or min(self.context_lens) < 0:
+            raise ValueError(
+                f"StepBatch needs query_lens >= 1 and context_lens >= 0, got {self.query_lens} / {self.context_lens}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Absolute position of every packed token, [num_tokens] int64."""
+        return torch.cat([
+            torch.arange(c, c + q, dtype=torch.int64) for q, c in zip(self.query_lens, self.context_lens, strict=True)
+        ]).to(device)
+
+    def after(self) -> StepBatch:
+        """The context lengths once this step is done (handy for building the next decode step)."""
+        return StepBatch(self.seq_ids, self.query_lens,
+                         tuple(q + c for q, c in zip(self.query_lens, self.context_lens, strict=True)))
+
+
+def padded_token_count(num_tokens: int, sp: int) -> int:
+    """Smallest multiple of sp that holds num_tokens: base mode splits tokens evenly over SP."""
+    return -(-num_tokens // sp) * sp
+
+
+class ShiftPolicy:
+    """Mode per step from the step's token count alone: "shift" (TP over all P ranks) when
+    num_tokens <= threshold, else "base" (SP x TP). Every rank sees the same scheduled
+    batch, so every rank reaches the same answer without communicating.
+
+    threshold=None uses DEFAULT_SHIFT_THRESHOLD; use 0 for "always base" (static SP x TP) and a
+    huge number for "always shift". With sp == 1 both modes are the same computation, so the
+    policy always answers "shift" (no padding, one group).
+    """
+
+    def __init__(self, threshold: int | None = None):
+        threshold = DEFAULT_SHIFT_THRESHOLD if threshold is None else threshold
+        if not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"shift threshold must be an int >= 0, got {threshold!r}")
+        self.threshold = threshold
+
+    @classmethod
+    def always(cls, mode: str) -> ShiftPolicy:
+        check_mode(mode)
+        return cls(0 if mode == "base" else 2**62)
+
+    def mode(self, num_tokens: int, sp: int) -> str:
+        if num_tokens < 1:
+            raise ValueError(f"a step needs at least one token, got {num_tokens}")
+        if sp == 1:
+            return "shift"
+        return "shift" if num_tokens <= self.threshold else "base"
+
+    def __repr__(self) -> str:
+        return f"ShiftPolicy(threshold={self.threshold})"

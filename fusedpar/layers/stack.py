@@ -1,0 +1,67 @@
+"""A stack of shift-parallel decoder layers with the per-step mode switch (Algorithm 3).
+
+Input and output are the full hidden states [n, d], identical on every rank of a replica (as
+an embedding lookup and a sampler see them). Base mode slices this SP rank's rows of the
+padded step on the way in and all-gathers them on the way out; shift mode runs on all rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusedpar.collectives import ParallelContext, all_gather_rows
+from fusedpar.layers.config import DecoderConfig
+from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState
+from fusedpar.layers.kv_cache import PagedKVCache
+from fusedpar.layers.policy import ShiftPolicy, StepBatch, padded_token_count
+
+
+class ShiftParallelStack(nn.Module):
+    def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, layers: list[ShiftParallelDecoderLayer],
+                 policy: ShiftPolicy | None = None):
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        self.layers = nn.ModuleList(layers)
+        self.policy = policy or ShiftPolicy()
+        self.steps = {"base": 0, "shift": 0}
+
+    @classmethod
+    def from_full_weights(cls, cfg: DecoderConfig, ctx: ParallelContext, layer_weights: list[dict],
+                          policy: ShiftPolicy | None = None) -> ShiftParallelStack:
+        layers = [ShiftParallelDecoderLayer.from_full_weights(cfg, ctx, w, i) for i, w in enumerate(layer_weights)]
+        return cls(cfg, ctx, layers, policy)
+
+    def make_cache(self, *, block_size: int = 16, num_blocks: int = 256, dtype: torch.dtype | None = None,
+                   ) -> PagedKVCache:
+        """One cache for this rank's kv heads, shared by both modes."""
+        dtype = dtype or self.layers[0].w.base["qkv"].dtype
+        return PagedKVCache(num_layers=len(self.layers), kv_heads=self.layers[0].kv_heads,
+                            head_dim=self.cfg.head_dim, block_size=block_size, num_blocks=num_blocks,
+                            dtype=dtype, device=self.ctx.device)
+
+    def plan(self, batch: StepBatch, cache: PagedKVCache, mode: str | None = None) -> StepState:
+        """Pick the mode (policy, unless forced) and reserve cache slots for the step's tokens."""
+        mode = mode or self.policy.mode(batch.num_tokens, self.ctx.sp.size)
+        padded = padded_token_count(batch.num_tokens, self.ctx.sp.size) if mode == "base" else batch.num_tokens
+        slots = cache.begin_step(batch)
+        return StepState(mode, batch, padded, batch.positions(self.ctx.device), slots)
+
+    def forward(self, hidden: torch.Tensor, batch: StepBatch, cache: PagedKVCache,
+                mode: str | None = None) -> torch.Tensor:
+        n = batch.num_tokens
+        if hidden.dim() != 2 or hidden.shape != (n, self.cfg.hidden_size):
+            raise ValueError(f"hidden must be [{n}, {self.cfg.hidden_size}] for this batch, got {tuple(hidden.shape)}")
+        step = self.plan(batch, cache, mode)
+        self.steps[step.mode] += 1
+        if step.mode == "base":
+            rows = step.padded_tokens // self.ctx.sp.size
+            x = F.pad(hidden, (0, 0, 0, step.padded_tokens - n)).narrow(0, self.ctx.sp.rank * rows, rows)
+        else:
+            x = hidden
+        for layer in self.layers:
+            x = layer(x, step, cache)
+        if step.mode == "base":
+            x = all_gather_rows(x, self.ctx.sp)[:n]  # padding rows dropped here, never returned
+        return x

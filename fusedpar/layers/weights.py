@@ -1,0 +1,67 @@
+"""One rank's decoder weights: base shards plus zero-copy shift views (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusedpar.layers.config import DecoderConfig, weight_shapes
+from fusedpar.layouts import WEIGHT_NAMES, ParallelLayout, WeightShard
+
+REPLICATED = ("input_norm", "post_norm", "q_norm", "k_norm")
+
+
+def build_shard(full: dict[str, torch.Tensor], shard: WeightShard) -> torch.Tensor:
+    """Concatenate the shard's global segments (rows for dim "out", columns for "in") into one tensor."""
+    dim = shard.torch_dim
+    pieces = [full[seg.source].narrow(dim, seg.start, seg.size) for seg in shard.base]
+    return torch.cat(pieces, dim=dim).contiguous()
+
+
+@dataclass
+class ShardedDecoderWeights:
+    """base[name]: this rank's base shard; shift[name]: a narrow() view into it (no copy).
+
+    Shapes (P = sp*tp, q/kv = local heads per rank, hd = head_dim, I = intermediate):
+      base qkv [SP*(q+2kv)*hd, d]   shift qkv [(q+2kv)*hd, d]   (rows = block s)
+      base gate_up [SP*2*I/P, d]    shift gate_up [2*I/P, d]
+      base o [d, SP*q*hd]           shift o [d, q*hd]           (columns, strided view)
+      base down [d, I/TP]           shift down [d, I/P]
+    """
+
+    base: dict[str, torch.Tensor]
+    shift: dict[str, torch.Tensor]
+    replicated: dict[str, torch.Tensor]
+
+    @classmethod
+    def from_full(
+        cls, cfg: DecoderConfig, layout: ParallelLayout, rank: int, full: dict[str, torch.Tensor]
+    ) -> ShardedDecoderWeights:
+        expected = weight_shapes(cfg)
+        missing = sorted(set(expected) - set(full))
+        if missing:
+            raise ValueError(f"decoder weights missing {missing}")
+        for name, shape in expected.items():
+            if tuple(full[name].shape) != shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(full[name].shape)}, config expects {shape}")
+        shard_map = layout.weight_shards(cfg.dims)
+        base, shift = {}, {}
+        for name in WEIGHT_NAMES:
+            shard = shard_map.shard(rank, name)
+            base[name] = build_shard(full, shard)
+            lo, hi = shard.shift
+            shift[name] = base[name].narrow(shard.torch_dim, lo, hi - lo)
+        replicated = {n: full[n].clone() for n in REPLICATED if n in full}
+        return cls(base, shift, replicated)
+
+    def weights(self, mode: str) -> dict[str, torch.Tensor]:
+        return self.base if mode == "base" else self.shift
+
+    def storage_bytes(self) -> int:
+        """Bytes of distinct storages behind base and shift (shift views must add nothing)."""
+        seen = {}
+        for t in (*self.base.values(), *self.shift.values()):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())

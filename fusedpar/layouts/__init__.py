@@ -1,0 +1,20 @@
+"""Who holds what: rank grid, groups, head placement and weight shard maps. Pure Python."""
+
+from fusedpar.layouts._checks import MODES, check_mode
+from fusedpar.layouts.grid import ParallelLayout, RankCoords
+from fusedpar.layouts.heads import HeadPlacement, check_head_counts
+from fusedpar.layouts.shards import WEIGHT_NAMES, ModelDims, Segment, WeightShard, WeightShardMap
+
+__all__ = [
+    "MODES",
+    "WEIGHT_NAMES",
+    "HeadPlacement",
+    "ModelDims",
+    "ParallelLayout",
+    "RankCoords",
+    "Segment",
+    "WeightShard",
+    "WeightShardMap",
+    "check_head_counts",
+    "check_mode",
+]

@@ -1,0 +1,138 @@
+"""Head placement: which q and kv heads each rank computes and caches, in base and shift mode.
+
+The two modes are derived independently, so that tests prove KV-cache invariance rather than
+assume it:
+
+- base (SP x TP): TP shard t of the weights holds q heads [t*h/TP, (t+1)*h/TP) and the kv heads
+  plain TP would give it (a contiguous range, or one replicated head when TP > h_kv). The
+  Ulysses all-to-all cuts the shard's head columns into SP equal chunks in column order and
+  delivers chunk s to SP rank s; kv heads follow their q heads (when the shard has fewer kv
+  heads than SP ranks, SP rank s receives the shard's kv head (s * n_kv_shard) // SP, i.e. the
+  one its q heads attend to: the replicated-kv plan).
+- shift (TP = P = SP*TP over the replica, natural rank order): plain TP=P sharding.
+
+With the canonical rank order (local rank r = t*SP + s) both give rank r the q heads
+[r*h/P, (r+1)*h/P) and the same kv heads, in the same order: one KV cache serves both modes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fusedpar.layouts._checks import check_mode, positive_int
+
+if TYPE_CHECKING:
+    from fusedpar.layouts.grid import ParallelLayout
+
+
+def tp_kv_heads(num_kv_heads: int, tp: int, t: int) -> tuple[int, ...]:
+    """kv heads of TP shard t under plain tensor parallelism (replicated when tp > num_kv_heads)."""
+    if tp <= num_kv_heads:
+        per = num_kv_heads // tp
+        return tuple(range(t * per, (t + 1) * per))
+    return ((t * num_kv_heads) // tp,)
+
+
+def check_head_counts(num_q_heads: int, num_kv_heads: int, sp: int, tp: int) -> None:
+    """Raise ValueError naming the constraint if (h, h_kv) cannot be placed on an SP x TP replica."""
+    positive_int("num_q_heads", num_q_heads)
+    positive_int("num_kv_heads", num_kv_heads)
+    P = sp * tp
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads} (GQA groups must be equal)"
+        )
+    if num_q_heads % P:
+        raise ValueError(
+            f"num_q_heads={num_q_heads} is not divisible by sp*tp={sp}*{tp}={P}: every rank of a replica "
+            "computes an equal chunk of q heads"
+        )
+    if num_kv_heads % P and P % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} is neither a multiple nor a divisor of sp*tp={sp}*{tp}={P}: kv heads "
+            "are either split evenly or replicated evenly across the replica"
+        )
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} is neither a multiple nor a divisor of tp={tp}: the base-mode TP "
+            "shards must split or replicate kv heads evenly"
+        )
+
+
+class HeadPlacement:
+    """Global head ids per rank and mode, in the order the rank's attention and KV cache hold them."""
+
+    def __init__(self, layout: ParallelLayout, num_q_heads: int, num_kv_heads: int):
+        check_head_counts(num_q_heads, num_kv_heads, layout.sp, layout.tp)
+        self.layout = layout
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = num_kv_heads
+
+    @property
+    def group_size(self) -> int:
+        """q heads per kv head (GQA group)."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def q_heads_per_rank(self) -> int:
+        return self.num_q_heads // self.layout.replica_size
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.layout.replica_size)
+
+    @property
+    def kv_replication(self) -> int:
+        """How many ranks of a replica cache each kv head (1 = no replication)."""
+        return max(1, self.layout.replica_size // self.num_kv_heads)
+
+    def kv_head_of(self, q_head: int) -> int:
+        return q_head // self.group_size
+
+    def q_heads(self, rank: int, mode: str) -> tuple[int, ...]:
+        if check_mode(mode) == "shift":
+            return self._shift_q(rank)
+        return self._base_q(rank)
+
+    def kv_heads(self, rank: int, mode: str) -> tuple[int, ...]:
+        if check_mode(mode) == "shift":
+            return self._shift_kv(rank)
+        return self._base_kv(rank)
+
+    def q_to_kv_index(self, rank: int, mode: str = "base") -> tuple[int, ...]:
+        """For each q head the rank holds, the index of its kv head in kv_heads(rank, mode)."""
+        kv = self.kv_heads(rank, mode)
+        return tuple(kv.index(self.kv_head_of(q)) for q in self.q_heads(rank, mode))
+
+    # base: TP shard of the weights, then what the SP all-to-all delivers ------------------------
+    def _base_shard_q(self, t: int) -> tuple[int, ...]:
+        per = self.num_q_heads // self.layout.tp
+        return tuple(range(t * per, (t + 1) * per))
+
+    def _base_q(self, rank: int) -> tuple[int, ...]:
+        c = self.layout.coords(rank)
+        shard = self._base_shard_q(c.tp)
+        per = len(shard) // self.layout.sp
+        return shard[c.sp * per:(c.sp + 1) * per]
+
+    def _base_kv(self, rank: int) -> tuple[int, ...]:
+        c = self.layout.coords(rank)
+        shard = tp_kv_heads(self.num_kv_heads, self.layout.tp, c.tp)
+        m, sp = len(shard), self.layout.sp
+        if m >= sp:
+            per = m // sp
+            return shard[c.sp * per:(c.sp + 1) * per]
+        return (shard[(c.sp * m) // sp],)
+
+    # shift: plain TP over the replica's P ranks in natural order --------------------------------
+    def _shift_q(self, rank: int) -> tuple[int, ...]:
+        r = self.layout.coords(rank).local
+        per = self.num_q_heads // self.layout.replica_size
+        return tuple(range(r * per, (r + 1) * per))
+
+    def _shift_kv(self, rank: int) -> tuple[int, ...]:
+        r = self.layout.coords(rank).local
+        return tp_kv_heads(self.num_kv_heads, self.layout.replica_size, r)
+
+    def __repr__(self) -> str:
+        return f"HeadPlacement({self.layout!r}, num_q_heads={self.num_q_heads}, num_kv_heads={self.num_kv_heads})"

@@ -1,0 +1,73 @@
+"""Run a function on N local CPU processes joined by a gloo process group.
+
+run_distributed(fn, world_size, *args, **kwargs) calls fn(rank, world_size, *args, **kwargs) in each process and
+returns the per-rank results in rank order. A failure on any rank raises RuntimeError carrying
+that rank's traceback; a rank that hangs is killed after `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, kwargs: dict, results,
+            threads: int):
+    # 2-core CI runs 4 ranks: one intra-op thread each avoids oversubscription stalls.
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=120))
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, "ok", out))
+    except BaseException:  # report anything, including KeyboardInterrupt, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, threads: int = 1,
+                    **kwargs: Any) -> list:
+    """fn must be importable by name (a module-level function): processes are spawned."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, f"pg-{socket.gethostname()}-{os.getpid()}")
+        procs = [
+            ctx.Process(target=_worker, daemon=True,
+                        args=(r, world_size, init_file, fn, args, kwargs, results, threads))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        errors = []
+        try:
+            for _ in range(world_size):
+                rank, status, payload = results.get(timeout=timeout)
+                if status == "error":
+                    errors.append(f"rank {rank} failed:\n{payload}")
+                    break  # the others are likely blocked in a collective; do not wait for them
+                out[rank] = payload
+        except queue.Empty:
+            errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.1)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,1 @@
+"""Adapters to other frameworks; optional extras, never imported by the core."""

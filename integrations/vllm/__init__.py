@@ -1,0 +1,1 @@
+"""vLLM plugin (the `vllm` extra). Built in the vLLM plugin issue."""

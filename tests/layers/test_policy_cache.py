@@ -1,0 +1,81 @@
+"""ShiftPolicy, StepBatch and PagedKVCache bookkeeping (single process)."""
+
+import pytest
+import torch
+
+from fusedpar.layers import PagedKVCache, ShiftPolicy, StepBatch, padded_token_count
+
+
+def test_policy_threshold_is_inclusive_for_shift():
+    p = ShiftPolicy(threshold=64)
+    assert [p.mode(n, 4) for n in (1, 64, 65, 4096)] == ["shift", "shift", "base", "base"]
+    assert ShiftPolicy.always("base").mode(1, 2) == "base"
+    assert ShiftPolicy.always("shift").mode(10**6, 2) == "shift"
+    assert ShiftPolicy(0).mode(10**6, 1) == "shift"  # SP=1: the two modes are one computation
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "8"])
+def test_policy_rejects_bad_threshold(bad):
+    with pytest.raises(ValueError, match="threshold"):
+        ShiftPolicy(bad)
+
+
+def test_padding_and_positions():
+    assert [padded_token_count(n, 4) for n in (1, 4, 13, 16)] == [4, 4, 16, 16]
+    b = StepBatch((5, 9), (3, 1), (0, 7))
+    assert b.num_tokens == 4
+    assert b.positions().tolist() == [0, 1, 2, 7]
+    assert b.after().context_lens == (3, 8)
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (((), (), ()), "non-empty"),
+    (((1, 1), (2, 2), (0, 0)), "unique"),
+    (((1,), (0,), (0,)), "query_lens >= 1"),
+    (((1,), (1, 2), (0,)), "equal"),
+])
+def test_step_batch_validation(args, match):
+    with pytest.raises(ValueError, match=match):
+        StepBatch(*args)
+
+
+def _cache(num_blocks=8):
+    return PagedKVCache(num_layers=2, kv_heads=(3, 4), head_dim=2, block_size=4, num_blocks=num_blocks,
+                        dtype=torch.float32)
+
+
+def test_cache_roundtrip_over_scattered_blocks():
+    cache = _cache()
+    g = torch.Generator().manual_seed(0)
+    # interleave two sequences and free one so the third gets non-contiguous blocks
+    written = {}
+    for batch in (StepBatch((0, 1), (5, 3), (0, 0)), StepBatch((0, 1), (1, 2), (5, 3))):
+        slots = cache.begin_step(batch)
+        k = torch.randn(batch.num_tokens, 2, 2, generator=g)
+        cache.write(1, slots, k, -k)
+        start = 0
+        for sid, q in zip(batch.seq_ids, batch.query_lens, strict=True):
+            written.setdefault(sid, []).append(k[start:start + q])
+            start += q
+    cache.free(0)
+    slots = cache.begin_step(StepBatch((2,), (9,), (0,)))
+    k2 = torch.randn(9, 2, 2, generator=g)
+    cache.write(1, slots, k2, -k2)
+    assert len(set(cache.block_tables[2])) == 3
+    table = cache.block_tables[2]
+    assert table != list(range(table[0], table[0] + 3)), f"blocks {table} are contiguous: test proves nothing"
+    k1, v1 = cache.gather(1, 1)
+    assert torch.equal(k1, torch.cat(written[1])) and torch.equal(v1, -k1)
+    assert torch.equal(cache.gather(1, 2)[0], k2)
+    assert cache.k[0].abs().sum() == 0  # layer 0 never written
+
+
+def test_cache_rejects_wrong_context_and_overflow():
+    cache = _cache(num_blocks=2)
+    cache.begin_step(StepBatch((0,), (3,), (0,)))
+    with pytest.raises(ValueError, match="cache holds 3 tokens, step says context 2"):
+        cache.begin_step(StepBatch((0,), (1,), (2,)))
+    with pytest.raises(RuntimeError, match="out of blocks"):
+        cache.begin_step(StepBatch((1,), (9,), (0,)))
+    with pytest.raises(ValueError, match="does not match"):
+        cache.write(0, torch.tensor([0]), torch.zeros(1, 3, 2), torch.zeros(1, 3, 2))
