@@ -81,7 +81,8 @@ def run_layer_scenario(
 ) -> ScenarioResult:
     layout = ParallelLayout(world_size, sp=sp, tp=tp)
     ctx = ParallelContext(layout)
-    full = [random_decoder_weights(cfg, seed=seed + i, dtype=torch.float64) for i in range(num_layers)]
+    dev = ctx.device  # CPU under gloo, this rank's GPU under NCCL
+    full = [random_decoder_weights(cfg, seed=seed + i, dtype=torch.float64, device=dev) for i in range(num_layers)]
     oracle = DenseDecoderStack(cfg, full)
     stack = ShiftParallelStack.from_full_weights(
         cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full], ShiftPolicy(threshold)
@@ -94,10 +95,12 @@ def run_layer_scenario(
     for step in steps:
         batch = StepBatch(tuple(s for s, _ in step.seqs), tuple(q for _, q in step.seqs),
                           tuple(lengths.get(s, 0) for s, _ in step.seqs))
-        x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=gen, dtype=torch.float64)
+        x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=gen, dtype=torch.float64).to(dev)
         before = dict(stack.steps)
         t0 = time.perf_counter()
         y = stack(x.to(dtype), batch, cache, mode=step.mode)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - t0
         mode = next(m for m in stack.steps if stack.steps[m] != before[m])
         expected = oracle.forward(x, batch)

@@ -1,0 +1,588 @@
+"""One-shot all-reduce over a PeerTable: the decode-sized all-reduce of the row-parallel layers.
+
+out = sum over ranks of x, identical bits on every rank (DESIGN.md section 5, item 3).
+
+Three layers (DESIGN.md section 1, "@triton.jit kernel -> launcher -> registered torch op"):
+    _one_shot_all_reduce_kernel     the @triton.jit kernel, phases switchable by constexpr
+    one_shot_all_reduce(x, peers)   launcher: checks, config, grid; launches directly in eager,
+                                    goes through the registered op under torch.compile
+    torch.ops.fusedpar.one_shot_all_reduce / one_shot_all_reduce_out
+                                    custom ops with fake impls (torch.compile, CUDA graphs)
+    all_reduce(x, group, workspace) size-based choice: one-shot for small messages, NCCL above.
+
+Protocol of one launch with epoch e (the PeerTable epoch protocol, fusedpar/collectives/symmetric.py)
+    program b of rank r, over its tiles t = b, b + G, b + 2G, ... (G programs on every rank):
+    1. COPY_IN: copy x's tiles into r's own data buffer, slot e % 2 (double buffering);
+       CTA barrier; exchange e into flag word [b, r] of every rank, release, system scope.
+    2. REDUCE: spin (RMW atomics, acquire, system scope) until flag words [b, 0..W-1] of r's
+       own flags are all >= e; CTA barrier; for each tile: sum the W ranks' slot-(e % 2) copies
+       in fp32, in rank order 0..W-1 (same order everywhere -> bitwise-identical results), and
+       store to out; retire (the last program stores counters[EPOCH] = e).
+    One flag round per launch suffices because of the slot parity: a rank rewrites slot e % 2
+    only at launch e + 2, which it cannot reach before every peer finished reading launch e.
+
+CPU emulation: interpreted programs run one after another, so a rank waiting for a peer would
+spin forever if both phases ran in one launch before the peer's copy-in. The launcher therefore
+runs the phases as separate launches when asked (`launch_one_shot_all_reduce(..., copy_in=...,
+reduce=...)`), and `one_shot_all_reduce_emulated` drives every rank of an EmulatedWorld through
+them: all copy-ins first, then all reduces. The flag code still runs (USE_FLAGS): the flags are
+simply already set when the waits start. Under the interpreter the spin is bounded (SPIN_LIMIT)
+and a missing flag sets counters[STATUS] instead of hanging, so tests can prove the wait is real.
+
+CPU: set TRITON_INTERPRET=1 before this module is first imported (Triton reads it when
+@triton.jit runs); bf16 is fine here (no tl.dot involved).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from fusedpar.collectives.symmetric import (
+    ALIGN_BYTES,
+    COUNTER_EPOCH,
+    COUNTER_RETIRED,
+    COUNTER_STATUS,
+    EmulatedWorld,
+    PeerTable,
+    as_peer_table,
+)
+
+__all__ = [
+    "DEFAULT_ONE_SHOT_MAX_BYTES",
+    "OneShotConfig",
+    "all_reduce",
+    "launch_one_shot_all_reduce",
+    "one_shot_all_reduce",
+    "one_shot_all_reduce_emulated",
+    "one_shot_capacity_bytes",
+]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Messages up to this size take the one-shot path in all_reduce(). limits-h200x4.md puts the
+# stock one-shot vs NCCL crossover (both in CUDA graphs) near 1 MiB on 4 x H200; 512 KiB keeps a
+# margin until perf/bench_one_shot_all_reduce.py has measured our kernel's crossover.
+DEFAULT_ONE_SHOT_MAX_BYTES = 512 * 1024
+
+
+# Counter indices as Triton constexprs: a @jit function may only read constexpr globals.
+_EPOCH = tl.constexpr(COUNTER_EPOCH)
+_RETIRED = tl.constexpr(COUNTER_RETIRED)
+_STATUS = tl.constexpr(COUNTER_STATUS)
+
+
+@triton.jit
+def _one_shot_all_reduce_kernel(
+    x_ptr,
+    out_ptr,
+    numel,
+    buffer_ptrs,  # int64 [WORLD]: every rank's data buffer
+    signal_ptrs,  # int64 [WORLD]: every rank's flag words, int64 [max_blocks * WORLD] each
+    counters_ptr,  # int64 local: EPOCH, RETIRED, STATUS
+    rank,
+    slot_bytes,  # data bytes per double-buffer slot (multiple of ALIGN_BYTES)
+    WORLD: tl.constexpr,
+    WORLD_P2: tl.constexpr,  # next power of two >= WORLD (tl.arange needs one)
+    BLOCK: tl.constexpr,
+    COPY_IN: tl.constexpr,
+    REDUCE: tl.constexpr,
+    USE_FLAGS: tl.constexpr,
+    SPIN_LIMIT: tl.constexpr,  # 0: spin until the flag arrives (GPU); > 0: give up, set STATUS
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_tiles = tl.cdiv(numel, BLOCK)
+    dtype = x_ptr.dtype.element_ty
+    lanes = tl.arange(0, BLOCK)
+    peers = tl.arange(0, WORLD_P2)
+    peer_mask = peers < WORLD
+    # Epoch of this launch: completed launches + 1. Written by the previous launch's last program,
+    # so stream order makes it visible here; it lives in device memory so CUDA-graph replays
+    # advance it (a kernel argument would be frozen at capture).
+    epoch = tl.load(counters_ptr + _EPOCH) + 1
+    slot_off = (epoch % 2) * slot_bytes
+
+    # Grid-stride loops are `while` loops: the triton 3.6 interpreter with numpy >= 2.4 cannot
+    # take runtime bounds in range() (triton-lang/triton#9171: int() of a 1-element array), and
+    # these loops run 1-8 iterations of independent loads, so software pipelining adds nothing.
+    if COPY_IN:
+        mine = (tl.load(buffer_ptrs + rank) + slot_off).to(tl.pointer_type(dtype))
+        # Addresses loaded from memory carry no alignment facts; the workspace guarantees
+        # ALIGN_BYTES, and without the hint Triton would not emit 16-byte vector accesses.
+        mine = tl.multiple_of(mine, 16)
+        tile = pid
+        while tile < num_tiles:
+            offs = tile * BLOCK + lanes
+            m = offs < numel
+            tl.store(mine + offs, tl.load(x_ptr + offs, mask=m), mask=m)
+            tile += nprog
+        if USE_FLAGS:
+            # Every thread's copy must be done before the flag goes out: CTA barrier, then one
+            # release at system scope per destination (cumulative: publishes the CTA's stores).
+            tl.debug_barrier()
+            dst_flags = tl.load(signal_ptrs + peers, mask=peer_mask, other=0).to(tl.pointer_type(tl.int64))
+            # Word [pid, rank] of every rank: written only by this (block, rank) pair.
+            tl.atomic_xchg(dst_flags + pid * WORLD + rank, epoch, mask=peer_mask, sem="release", scope="sys")
+
+    if REDUCE:
+        if USE_FLAGS:
+            my_flags = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int64)) + pid * WORLD
+            # Stock Triton has no atomic load: an atomic add of 0 with acquire semantics is one.
+            seen = tl.atomic_add(my_flags + peers, 0, mask=peer_mask, sem="acquire", scope="sys")
+            # ">=": a fast peer may already have published epoch + 1 (module docstring).
+            missing = tl.sum((peer_mask & (seen < epoch)).to(tl.int32), axis=0)
+            spins = 0
+            while missing > 0:
+                seen = tl.atomic_add(my_flags + peers, 0, mask=peer_mask, sem="acquire", scope="sys")
+                missing = tl.sum((peer_mask & (seen < epoch)).to(tl.int32), axis=0)
+                if SPIN_LIMIT > 0:
+                    spins += 1
+                    if spins >= SPIN_LIMIT:
+                        tl.atomic_xchg(counters_ptr + _STATUS, 1)
+                        missing = 0
+            # The acquire was done by a few threads; the barrier orders every thread's peer loads
+            # after it.
+            tl.debug_barrier()
+
+        tile = pid
+        while tile < num_tiles:
+            offs = tile * BLOCK + lanes
+            m = offs < numel
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            # Fixed rank order 0..WORLD-1 on every rank: identical fp32 sums, identical outputs.
+            for p in tl.static_range(WORLD):
+                src = (tl.load(buffer_ptrs + p) + slot_off).to(tl.pointer_type(dtype))
+                src = tl.multiple_of(src, 16)
+                # .cg: bypass L1, so no line cached before the flag wait can be served stale.
+                acc += tl.load(src + offs, mask=m, cache_modifier=".cg").to(tl.float32)
+            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+            tile += nprog
+
+        # Retire: the last program of this launch publishes the epoch for the next launch.
+        retired = tl.atomic_add(counters_ptr + _RETIRED, 1, sem="acq_rel", scope="gpu")
+        if retired == nprog - 1:
+            tl.atomic_xchg(counters_ptr + _RETIRED, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(counters_ptr + _EPOCH, epoch, sem="relaxed", scope="gpu")
+
+
+# Triton picks interpreter vs compiler when @triton.jit runs, so the kind of object the
+# decorator returned tells whether this process interprets.
+_INTERPRETED = not isinstance(_one_shot_all_reduce_kernel, JITFunction)
+
+
+@dataclass(frozen=True)
+class OneShotConfig:
+    """Launch shape: BLOCK elements per tile, num_warps per program, at most max_blocks programs.
+
+    GPU default: 2048 elements = 8 per thread with 8 warps = one 16-byte access per rank per
+    thread for bf16; at most 32 programs, well under the 132 SMs of an H200, so every program is
+    co-resident with the peer programs it waits for. Tune with perf/bench_one_shot_all_reduce.py.
+    """
+
+    block: int = 2048
+    num_warps: int = 8
+    max_blocks: int = 32
+
+
+# Interpreter: small tiles and a few programs so the CPU tests exercise several programs, the
+# grid-stride loop and partial tiles on small messages.
+_INTERPRETER_CONFIG = OneShotConfig(block=256, num_warps=1, max_blocks=4)
+_INTERPRETER_SPIN_LIMIT = 8
+
+
+def _default_config() -> OneShotConfig:
+    return _INTERPRETER_CONFIG if _INTERPRETED else OneShotConfig()
+
+
+def one_shot_capacity_bytes(peers: PeerTable) -> int:
+    """Largest message (bytes) one launch can reduce: one double-buffer slot."""
+    return (peers.buffer_bytes // 2) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check(x: torch.Tensor, device: torch.device, slot_bytes: int, out: torch.Tensor | None) -> None:
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"one-shot all-reduce supports {_SUPPORTED_DTYPES}, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"one-shot all-reduce: x is on {x.device} but the peer table is on {device}")
+    if x.device.type == "cpu" and not _INTERPRETED:
+        raise RuntimeError(
+            "one-shot all-reduce on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before fusedpar.kernels.allreduce is first imported"
+        )
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"one-shot all-reduce supports CUDA (and CPU under TRITON_INTERPRET=1), got {x.device}")
+    if x.numel() * x.element_size() > slot_bytes:
+        raise ValueError(
+            f"one-shot all-reduce: {x.numel() * x.element_size()} bytes exceed the workspace slot of "
+            f"{slot_bytes} bytes (buffer_bytes / 2); use a bigger workspace or all_reduce(), which falls "
+            "back to NCCL"
+        )
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(
+            f"one-shot all-reduce: out must match x ({tuple(x.shape)}, {x.dtype}, {x.device}), "
+            f"got ({tuple(out.shape)}, {out.dtype}, {out.device})"
+        )
+    if out is not None and not out.is_contiguous():
+        raise ValueError("one-shot all-reduce: out must be contiguous")
+
+
+def _launch(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    buffer_ptrs: torch.Tensor,
+    signal_ptrs: torch.Tensor,
+    counters: torch.Tensor,
+    rank: int,
+    world_size: int,
+    slot_bytes: int,
+    max_blocks: int,
+    *,
+    copy_in: bool,
+    reduce: bool,
+    use_flags: bool,
+    spin_limit: int | None,
+    config: OneShotConfig | None,
+):
+    """Launch; returns Triton's compiled-kernel handle (None when nothing ran or interpreting)."""
+    n = x.numel()
+    if n == 0:
+        return None
+    cfg = config or _default_config()
+    if spin_limit is None:
+        spin_limit = _INTERPRETER_SPIN_LIMIT if _INTERPRETED else 0
+    grid = min(triton.cdiv(n, cfg.block), cfg.max_blocks, max_blocks)
+    return _one_shot_all_reduce_kernel[(grid,)](
+        x.contiguous(),
+        out,
+        n,
+        buffer_ptrs,
+        signal_ptrs,
+        counters,
+        rank,
+        slot_bytes,
+        WORLD=world_size,
+        WORLD_P2=_next_pow2(world_size),
+        BLOCK=cfg.block,
+        COPY_IN=copy_in,
+        REDUCE=reduce,
+        USE_FLAGS=use_flags,
+        SPIN_LIMIT=spin_limit,
+        num_warps=cfg.num_warps,
+    )
+
+
+def launch_one_shot_all_reduce(
+    x: torch.Tensor,
+    table: PeerTable,
+    out: torch.Tensor,
+    *,
+    copy_in: bool = True,
+    reduce: bool = True,
+    use_flags: bool = True,
+    spin_limit: int | None = None,
+    config: OneShotConfig | None = None,
+):
+    """Launch the kernel as `table.rank` (both phases, or one of them for the CPU emulation).
+
+    Raw launcher, no op registration: callers normally want one_shot_all_reduce(). copy_in only:
+    publishes x (out untouched); reduce only: waits, sums into out, advances the epoch.
+    use_flags=False skips the flag protocol: correct only when something else orders the ranks
+    (the phased emulation), a data race on GPUs. spin_limit None: unbounded on GPU, bounded
+    under the interpreter. Returns Triton's compiled-kernel handle on GPUs (PTX inspection).
+    """
+    if out is None:
+        raise ValueError("launch_one_shot_all_reduce: out is required (one_shot_all_reduce allocates it)")
+    slot_bytes = one_shot_capacity_bytes(table)
+    _check(x, table.device, slot_bytes, out)
+    if not (copy_in or reduce):
+        raise ValueError("launch_one_shot_all_reduce: nothing to do (copy_in=False and reduce=False)")
+    return _launch(
+        x,
+        out,
+        table.buffer_ptrs,
+        table.signal_ptrs,
+        table.counters,
+        table.rank,
+        table.world_size,
+        slot_bytes,
+        table.max_blocks,
+        copy_in=copy_in,
+        reduce=reduce,
+        use_flags=use_flags,
+        spin_limit=spin_limit,
+        config=config,
+    )
+
+
+# ---- registered ops: one opaque node for torch.compile / CUDA graphs --------------------------
+# The peer table travels as its tensors + ints (no registry of workspaces: no module globals).
+# counters is declared mutated: it is (the epoch advances), and it keeps the op from being
+# dead-code eliminated or reordered across another launch on the same table, which would
+# desynchronise the ranks.
+
+
+@torch.library.custom_op("fusedpar::one_shot_all_reduce", mutates_args=("counters",))
+def _one_shot_op(
+    x: torch.Tensor,
+    buffer_ptrs: torch.Tensor,
+    signal_ptrs: torch.Tensor,
+    counters: torch.Tensor,
+    rank: int,
+    world_size: int,
+    slot_bytes: int,
+    max_blocks: int,
+    block: int,
+    num_warps: int,
+    grid_cap: int,
+    use_flags: bool,
+) -> torch.Tensor:
+    _check(x, counters.device, slot_bytes, None)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(
+        x,
+        out,
+        buffer_ptrs,
+        signal_ptrs,
+        counters,
+        rank,
+        world_size,
+        slot_bytes,
+        max_blocks,
+        copy_in=True,
+        reduce=True,
+        use_flags=use_flags,
+        spin_limit=None,
+        config=OneShotConfig(block, num_warps, grid_cap),
+    )
+    return out
+
+
+@_one_shot_op.register_fake
+def _one_shot_fake(
+    x,
+    buffer_ptrs,
+    signal_ptrs,
+    counters,
+    rank,
+    world_size,
+    slot_bytes,
+    max_blocks,
+    block,
+    num_warps,
+    grid_cap,
+    use_flags,
+):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("fusedpar::one_shot_all_reduce_out", mutates_args=("out", "counters"))
+def _one_shot_out_op(
+    x: torch.Tensor,
+    buffer_ptrs: torch.Tensor,
+    signal_ptrs: torch.Tensor,
+    counters: torch.Tensor,
+    out: torch.Tensor,
+    rank: int,
+    world_size: int,
+    slot_bytes: int,
+    max_blocks: int,
+    block: int,
+    num_warps: int,
+    grid_cap: int,
+    use_flags: bool,
+) -> None:
+    _check(x, counters.device, slot_bytes, out)
+    _launch(
+        x,
+        out,
+        buffer_ptrs,
+        signal_ptrs,
+        counters,
+        rank,
+        world_size,
+        slot_bytes,
+        max_blocks,
+        copy_in=True,
+        reduce=True,
+        use_flags=use_flags,
+        spin_limit=None,
+        config=OneShotConfig(block, num_warps, grid_cap),
+    )
+
+
+@_one_shot_out_op.register_fake
+def _one_shot_out_fake(
+    x,
+    buffer_ptrs,
+    signal_ptrs,
+    counters,
+    out,
+    rank,
+    world_size,
+    slot_bytes,
+    max_blocks,
+    block,
+    num_warps,
+    grid_cap,
+    use_flags,
+):
+    return None
+
+
+def _call_op(
+    x: torch.Tensor, table: PeerTable, out: torch.Tensor | None, use_flags: bool, cfg: OneShotConfig
+) -> torch.Tensor:
+    """Run through the registered op (what torch.compile traces): both phases, one launch."""
+    args = (table.buffer_ptrs, table.signal_ptrs, table.counters)
+    meta = (
+        table.rank,
+        table.world_size,
+        one_shot_capacity_bytes(table),
+        table.max_blocks,
+        cfg.block,
+        cfg.num_warps,
+        cfg.max_blocks,
+        use_flags,
+    )
+    if out is None:
+        return torch.ops.fusedpar.one_shot_all_reduce(x, *args, *meta)
+    torch.ops.fusedpar.one_shot_all_reduce_out(x, *args, out, *meta)
+    return out
+
+
+def one_shot_all_reduce(
+    x: torch.Tensor,
+    peers,
+    *,
+    out: torch.Tensor | None = None,
+    use_flags: bool = True,
+    config: OneShotConfig | None = None,
+) -> torch.Tensor:
+    """Sum of x over the ranks of `peers` (a SymmetricWorkspace or PeerTable), one kernel, one flag round.
+
+    Collective: every rank calls it with the same shape and dtype, in the same order relative to
+    other launches on the same workspace, from one stream. x may be any tensor of at most
+    one_shot_capacity_bytes(peers) bytes (it is copied into the workspace); out=x is allowed
+    (in place). Capture-safe: allocates only `out` (nothing when out is given).
+    Under torch.compile it is the registered op; in eager it launches directly, because the
+    custom-op dispatcher's host cost is a sizeable part of a ~10 us decode all-reduce.
+    """
+    table = as_peer_table(peers)
+    slot_bytes = one_shot_capacity_bytes(table)
+    _check(x, table.device, slot_bytes, out)
+    cfg = config or _default_config()
+    if torch.compiler.is_compiling():
+        return _call_op(x, table, out, use_flags, cfg)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(
+        x,
+        out,
+        table.buffer_ptrs,
+        table.signal_ptrs,
+        table.counters,
+        table.rank,
+        table.world_size,
+        slot_bytes,
+        table.max_blocks,
+        copy_in=True,
+        reduce=True,
+        use_flags=use_flags,
+        spin_limit=None,
+        config=cfg,
+    )
+    return out
+
+
+def one_shot_all_reduce_emulated(
+    world: EmulatedWorld,
+    inputs: list[torch.Tensor],
+    *,
+    outs: list[torch.Tensor] | None = None,
+    use_flags: bool = True,
+    schedule: str = "phased",
+    config: OneShotConfig | None = None,
+) -> list[torch.Tensor]:
+    """One all-reduce on every rank of an EmulatedWorld (CPU, interpreter); rank r's output at [r].
+
+    schedule "phased": every rank's copy-in, then every rank's reduce (two launches per rank).
+    schedule "staggered": copy-in for ranks 0..W-2, the registered op (both phases in ONE launch,
+    the GPU path) for rank W-1, then reduce for ranks 0..W-2: a legal interleaving of the real
+    protocol that exercises the registered op with live flags.
+    Raises RuntimeError if a bounded flag wait timed out (a protocol bug).
+    """
+    W = world.world_size
+    if len(inputs) != W:
+        raise ValueError(f"one_shot_all_reduce_emulated: {len(inputs)} inputs for {W} ranks")
+    if outs is None:
+        outs = [torch.empty_like(x) for x in inputs]
+    if schedule not in ("phased", "staggered"):
+        raise ValueError(f"one_shot_all_reduce_emulated: unknown schedule {schedule!r}")
+
+    def checked(r: int) -> None:
+        if world[r].status() != 0:
+            raise RuntimeError(f"emulated one-shot all-reduce: rank {r} waited for a flag that never came")
+
+    first = range(W) if schedule == "phased" else range(W - 1)
+    for r in first:
+        launch_one_shot_all_reduce(inputs[r], world[r], outs[r], reduce=False, use_flags=use_flags, config=config)
+    if schedule == "staggered":
+        _call_op(inputs[W - 1], world[W - 1], outs[W - 1], use_flags, config or _default_config())
+        checked(W - 1)
+    for r in first:
+        launch_one_shot_all_reduce(inputs[r], world[r], outs[r], copy_in=False, use_flags=use_flags, config=config)
+        checked(r)
+    return outs
+
+
+def _group_size_and_pg(group):
+    """(size, ProcessGroup or None) of a ProcessGroup or a CommGroup-like object (.size, .pg)."""
+    pg = getattr(group, "pg", group)
+    size = group.size() if callable(getattr(group, "size", None)) else group.size
+    return int(size), pg
+
+
+def all_reduce(
+    x: torch.Tensor,
+    group,
+    workspace=None,
+    *,
+    max_one_shot_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
+    inplace: bool = False,
+    config: OneShotConfig | None = None,
+) -> torch.Tensor:
+    """Sum of x over `group`: one-shot through `workspace` for small messages, NCCL otherwise.
+
+    group: a torch ProcessGroup or a CommGroup (fusedpar.collectives.context; .size, .pg).
+    workspace: SymmetricWorkspace / PeerTable of the same group, or None (always NCCL).
+    The choice depends only on x's size and dtype and the arguments, so every rank makes the
+    same one. inplace=True reduces into x (both paths) and returns x; otherwise x is untouched.
+    """
+    size, pg = _group_size_and_pg(group)
+    if size == 1:
+        return x if inplace else x.clone()
+    if workspace is not None:
+        table = as_peer_table(workspace)
+        if table.world_size != size:
+            raise ValueError(f"all_reduce: workspace spans {table.world_size} ranks but the group has {size}")
+        nbytes = x.numel() * x.element_size()
+        if (
+            x.dtype in _SUPPORTED_DTYPES
+            and x.device == table.device
+            and nbytes <= min(max_one_shot_bytes, one_shot_capacity_bytes(table))
+        ):
+            return one_shot_all_reduce(x, table, out=x if inplace else None, config=config)
+    import torch.distributed as dist
+
+    y = x if inplace else x.clone()
+    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=pg)
+    return y

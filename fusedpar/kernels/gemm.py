@@ -1,0 +1,376 @@
+"""Persistent Triton GEMM over strided weight views: the base of the fused GEMM+collective ops.
+
+Math and layout
+    C[M, N] = A[M, K] @ W[N, K]^T, i.e. C[m, n] = sum_k A[m, k] * W[n, k]  (torch.nn.functional.linear
+    without bias). W is in nn.Linear orientation [out_features, in_features]. A, W and C may have
+    ANY strides: shift-mode weights are `narrow` views of the rank's base weight (DESIGN.md
+    section 3) - a row sub-range for column-parallel weights (qkv, gate_up) and a column sub-range
+    for row-parallel ones (o, down; non-contiguous, stride(0) = the base width) - and the kernel
+    reads them in place, so the shift config costs zero weight bytes.
+    Inputs are fp16, bf16 or fp32 (A and W the same); the accumulator is always fp32; C is stored
+    in C's own dtype (the input dtype, or fp32).
+
+Three layers (DESIGN.md section 1, "@triton.jit kernel -> launcher -> registered torch op"):
+    _persistent_matmul_kernel   the @triton.jit kernel
+    matmul(a, w, out=None)      launcher: checks, block-size heuristics, output allocation, grid
+    torch.ops.fusedpar.matmul / torch.ops.fusedpar.matmul_out
+                                custom ops (with fake impls) so torch.compile and CUDA graphs see
+                                one opaque op instead of tracing into Triton.
+
+Persistence: the grid is min(#SMs, #tiles) programs; program p handles output tiles p, p + #SMs,
+p + 2 #SMs, ... in a GROUP_M-swizzled order (GROUP_M consecutive tile rows sweep the N tiles
+together, so a band of A rows and the W tiles they meet stay in L2). The fused ops built on top
+of this kernel need exactly this shape: a fixed set of resident CTAs that own a known sequence of
+tiles and can publish each finished tile (flags, peer stores) from the epilogue.
+
+CPU: with TRITON_INTERPRET=1 set before this module is first imported (Triton reads it when
+@triton.jit runs), the same kernel runs on CPU tensors through the Triton interpreter, which
+cannot do tl.dot on bf16: interpret in fp16/fp32, test bf16 on a GPU (DESIGN.md section 6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+__all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config"]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Interpreter: a few "SMs" so the persistent loop runs several tiles per program even on the
+# small shapes the CPU tests use.
+_INTERPRETER_NUM_SMS = 4
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of linear tile `tile_id` in the GROUP_M-swizzled order.
+
+    Tiles are numbered in groups of GROUP_M tile rows; inside a group the order is column-major,
+    so consecutive tiles (which run concurrently on neighbouring programs) share W tiles and a
+    narrow band of A rows. The last group may have fewer than GROUP_M rows (ragged M).
+    """
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _persistent_matmul_kernel(
+    a_ptr,
+    w_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_wn,
+    stride_wk,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """C[M, N] = A[M, K] @ W[N, K]^T with fp32 accumulation; every operand arbitrarily strided.
+
+    W is read as B = W^T, a [K, N] matrix with strides (stride_wk, stride_wn): no transpose is
+    materialised, and the same code serves row views, column views and transposed storage.
+    NUM_SMS is the stride of the persistent loop (the device's SM count); the grid may be smaller
+    when there are fewer tiles than SMs, in which case each program runs exactly one tile.
+    EVEN_K: K % BLOCK_K == 0, so the K loop needs no mask.
+    INPUT_PRECISION: "ieee" for fp32 inputs (exact fp32 products, like torch's default of no
+    TF32); for fp16/bf16 Triton ignores it.
+    """
+    start_pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+
+    # A second tile counter for the epilogue, as in Triton's persistent-matmul tutorial, which
+    # works around a pipelining bug (seen on Blackwell) with a value used both by the loads and
+    # by the epilogue of the flattened loop: the epilogue recomputes its tile coordinates.
+    tile_id_c = start_pid - NUM_SMS
+
+    offs_k_base = tl.arange(0, BLOCK_K)
+
+    # flatten=True fuses the tile loop and the K loop into one loop for the software pipeliner,
+    # so the loads of the next tile are in flight while this tile's epilogue runs.
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+        offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_wn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Ragged M/N edges: clamp out-of-range rows/columns to index 0 (always valid memory)
+        # instead of masking them, so the K-loop loads carry at most a K mask; the extra
+        # results land in rows/columns of the accumulator that the store masks off.
+        offs_am = tl.where(offs_am < M, offs_am, 0)
+        offs_wn = tl.where(offs_wn < N, offs_wn, 0)
+
+        accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            offs_k = ki * BLOCK_K + offs_k_base
+            a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
+            b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                # Zero-fill past K on both operands so the tail contributes nothing.
+                k_left = K - ki * BLOCK_K
+                a = tl.load(a_ptrs, mask=offs_k_base[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
+            accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+
+        tile_id_c += NUM_SMS
+        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + (offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn)
+        c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
+        tl.store(c_ptrs, accumulator.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# Triton decides interpreter vs compiler when @triton.jit runs (triton/runtime/jit.py reads
+# knobs.runtime.interpret there), so what matters is the kind of object the decorator returned.
+_INTERPRETED = not isinstance(_persistent_matmul_kernel, JITFunction)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Compile-time tiling of one launch (Triton specialises the kernel on these)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def pick_config(
+    m: int,
+    n: int,
+    k: int,
+    *,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype | None = None,
+    num_sms: int,
+    interpret: bool,
+) -> GemmConfig:
+    """Block sizes for C[m, n] = A[m, k] @ W[n, k]^T (A, W of `dtype`; C of `out_dtype`).
+
+    Interpreter: 32x32x32 tiles, GROUP_M=2, so CPU tests are quick yet still see several tiles,
+    ragged edges and more than one swizzle group per program.
+
+    GPU (chosen by reasoning for Hopper, 227 KiB of shared memory per CTA; to be re-tuned by
+    measurement with perf/bench_gemm.py). Budget: num_stages operand buffers
+    (BLOCK_M + BLOCK_N) * BLOCK_K plus one BLOCK_M x BLOCK_N output tile for the epilogue's
+    layout conversion.
+      - m <= 64 (decode): memory bound on W. BLOCK_M = next power of two >= m (min 16) so little
+        MMA work is spent on padding rows; BLOCK_N 64, or 32 when 64 gives a poor last wave
+        (see below); BLOCK_K 128 for long contiguous W reads; 4 warps, 4 stages.
+      - otherwise 128x256x64, 8 warps, 3 stages (Triton's persistent-matmul tutorial config for
+        Hopper fp16: 3 x 48 KiB of operands + a 64 KiB epilogue tile; a 4th stage would not
+        fit), unless its wave efficiency is poor or C is fp32 (128 KiB epilogue tile), then
+        128x128x64 with 4 stages.
+    Wave efficiency = tiles / (waves * SMs): below 3/4, too many SMs idle in the last (or only)
+    wave. Shapes with few tiles even at the smaller tile (M <= ~256 with narrow N, e.g. the
+    qkv GEMM) would need split-K or stream-K to fill the GPU; that is not done here.
+    fp32 inputs halve BLOCK_K so the operand buffers keep the same byte size.
+    """
+    if interpret:
+        return GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1)
+    in_bytes = torch.empty((), dtype=dtype).element_size()
+    out_bytes = torch.empty((), dtype=out_dtype or dtype).element_size()
+
+    def fills_gpu(block_m: int, block_n: int) -> bool:
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        return tiles >= 0.75 * triton.cdiv(tiles, num_sms) * num_sms
+
+    if m <= 64:
+        block_m = max(16, _next_pow2(m))
+        block_n = 64 if fills_gpu(block_m, 64) else 32
+        cfg = GemmConfig(block_m, block_n, 128, group_m=8, num_warps=4, num_stages=4)
+    elif out_bytes <= 2 and fills_gpu(128, 256):
+        cfg = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
+    else:
+        cfg = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
+    if in_bytes == 4:
+        cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+    return cfg
+
+
+@functools.cache
+def _device_num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    """Largest element offset the kernel forms from t's base pointer."""
+    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
+def _check_args(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Shape/dtype/device checks shared by the real launch and the fake (meta) impl."""
+    if a.dim() != 2 or w.dim() != 2:
+        raise ValueError(
+            f"fusedpar.matmul: a must be [M, K] and w [N, K] (2-D), got a {tuple(a.shape)}, "
+            f"w {tuple(w.shape)}; flatten leading dims of a first"
+        )
+    if a.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"fusedpar.matmul: inner dims differ: a {tuple(a.shape)} is [M, K] and w {tuple(w.shape)} "
+            f"is [N, K] (nn.Linear orientation), so a.shape[1] must equal w.shape[1]"
+        )
+    if a.dtype not in _SUPPORTED_DTYPES or w.dtype != a.dtype:
+        raise TypeError(
+            f"fusedpar.matmul: a and w must share one dtype of {_SUPPORTED_DTYPES}, got a {a.dtype}, w {w.dtype}"
+        )
+    if a.device != w.device:
+        raise ValueError(f"fusedpar.matmul: a is on {a.device} but w is on {w.device}")
+    if out is not None:
+        want = (a.shape[0], w.shape[0])
+        if tuple(out.shape) != want:
+            raise ValueError(
+                f"fusedpar.matmul: out must be [M, N] = {want} for a {tuple(a.shape)}, w {tuple(w.shape)}, "
+                f"got {tuple(out.shape)}"
+            )
+        if out.dtype not in (a.dtype, torch.float32):
+            raise TypeError(f"fusedpar.matmul: out dtype must be {a.dtype} or torch.float32, got {out.dtype}")
+        if out.device != a.device:
+            raise ValueError(f"fusedpar.matmul: out is on {out.device} but a is on {a.device}")
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """Check the arguments and run the kernel into `out` (allocated by the caller); `config` overrides the
+    block-size heuristic (tests use it to exercise other tilings)."""
+    _check_args(a, w, out)
+    m, k = a.shape
+    n = w.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if a.device.type == "cpu" and not _INTERPRETED:
+        raise RuntimeError(
+            "fusedpar.matmul got CPU tensors but its Triton kernel was compiled for a GPU: set "
+            "TRITON_INTERPRET=1 before fusedpar.kernels.gemm is first imported (Triton reads it "
+            "when @triton.jit runs) to use the CPU interpreter"
+        )
+    if a.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"fusedpar.matmul supports CUDA (and CPU under TRITON_INTERPRET=1), got {a.device}")
+    for name, t in (("a", a), ("w", w), ("out", out)):
+        # The kernel forms offsets as int32 products of index and stride.
+        if _max_offset(t) >= 2**31:
+            raise ValueError(
+                f"fusedpar.matmul: {name} {tuple(t.shape)} with strides {t.stride()} spans >= 2**31 "
+                "elements; int32 offsets would overflow (split the call)"
+            )
+
+    if _INTERPRETED:
+        num_sms = _INTERPRETER_NUM_SMS
+    else:
+        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        num_sms = _device_num_sms(index)
+    cfg = config or pick_config(m, n, k, dtype=a.dtype, out_dtype=out.dtype, num_sms=num_sms, interpret=_INTERPRETED)
+    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    grid = (min(num_sms, num_tiles),)
+    # Triton launches on the current CUDA device; make it the tensors' device.
+    guard = torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _persistent_matmul_kernel[grid](
+            a,
+            w,
+            out,
+            m,
+            n,
+            k,
+            a.stride(0),
+            a.stride(1),
+            w.stride(0),
+            w.stride(1),
+            out.stride(0),
+            out.stride(1),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            NUM_SMS=num_sms,
+            EVEN_K=k % cfg.block_k == 0,
+            INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    return out
+
+
+# ---- torch custom ops -------------------------------------------------------------------------
+# torch.library.custom_op re-registers cleanly when this module is re-imported (the new
+# definition replaces the old one), so import has no side effect beyond these registrations.
+
+
+@torch.library.custom_op("fusedpar::matmul", mutates_args=())
+def _matmul_op(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """C = A @ W^T into a new contiguous [M, N] tensor of A's dtype."""
+    out = torch.empty((a.shape[0], w.shape[0]), dtype=a.dtype, device=a.device)
+    return _launch(a, w, out)
+
+
+@_matmul_op.register_fake
+def _matmul_fake(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    _check_args(a, w, None)
+    return a.new_empty((a.shape[0], w.shape[0]))
+
+
+@torch.library.custom_op("fusedpar::matmul_out", mutates_args=("out",))
+def _matmul_out_op(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out[:] = A @ W^T; out may be any strided [M, N] view of A's dtype or fp32."""
+    _launch(a, w, out)
+
+
+@_matmul_out_op.register_fake
+def _matmul_out_fake(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    _check_args(a, w, out)
+
+
+def matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """C[M, N] = a[M, K] @ w[N, K]^T (fp32 accumulation) with the persistent Triton kernel.
+
+    a: [M, K], w: [N, K] in nn.Linear orientation; both fp16/bf16/fp32 (same dtype), any strides
+    (w is typically a `narrow` view of a larger base weight). out: optional [M, N] destination of
+    a's dtype or fp32, any strides; it is fully overwritten. Returns out (or a new tensor).
+    Goes through the registered ops, so it is safe under torch.compile and CUDA-graph capture.
+    No autograd: this is an inference kernel.
+    """
+    if out is None:
+        return torch.ops.fusedpar.matmul(a, w)
+    torch.ops.fusedpar.matmul_out(a, w, out)
+    return out
+
+
+def matmul_reference(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The plain PyTorch result (cuBLAS on GPU): torch.nn.functional.linear(a, w), a's dtype.
+
+    This is both the perf baseline and a same-precision oracle; tests that check accuracy
+    compare against a float64 product instead.
+    """
+    return torch.nn.functional.linear(a, w)

@@ -1,0 +1,281 @@
+"""Benchmark: persistent Triton GEMM (fusedpar.kernels.gemm) vs cuBLAS, per-rank GEMMs of one TP=4 layer.
+
+For each model (Llama-3-70B, Qwen3-32B) and token count M, times C[M, N] = A[M, K] @ W[N, K]^T
+for the four per-rank GEMMs of a TP=4 decoder layer (DESIGN.md section 9):
+    qkv      N = (h + 2 h_kv) d / 4,  K = hidden      (column-parallel)
+    o        N = hidden,              K = h d / 4      (row-parallel)
+    gate_up  N = 2 I / 4,             K = hidden      (column-parallel)
+    down     N = hidden,              K = I / 4       (row-parallel)
+By default W is what shift mode really uses: block 1 of a 4-block base weight (a `narrow` view:
+a row range for column-parallel, a non-contiguous column range for row-parallel). The baseline
+is torch.nn.functional.linear (cuBLAS) on the very same view, in the same process.
+
+Protocol: CUDA events around each call, after a GPU-side spin (torch.cuda._sleep) so the host's
+launch cost is not in the measurement; warm-up first (includes Triton compilation); median of
+--iters samples; inputs and weights rotate over enough sets to exceed the L2 cache, so every
+call reads its operands from HBM as a real layer would. The roofline of each case is
+max(2 M N K / peak, bytes / bandwidth), where peak is a cuBLAS 8192^3 GEMM and bandwidth a 1 GiB
+device copy, both measured in this run.
+
+Usage (on a GPU machine, from the repo root):
+    python perf/bench_gemm.py [--shapes llama70b,qwen32b] [--tokens 8,64,4096] [--iters 20]
+                              [--out perf/results/gemm.json]
+Without a GPU it prints a message and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TP = 4  # per-rank shapes of a TP=4 layer; the shift view is block SHIFT_BLOCK of TP blocks
+SHIFT_BLOCK = 1  # not 0, so the view really starts at an offset
+SLEEP_CYCLES = 200_000  # ~0.1 ms GPU spin ahead of each timed call: longer than a launch
+BASELINE = "cuBLAS torch.nn.functional.linear"
+
+MODELS = {
+    "llama70b": {"hidden": 8192, "heads": 64, "kv_heads": 8, "head_dim": 128, "intermediate": 28672},
+    "qwen32b": {"hidden": 5120, "heads": 64, "kv_heads": 8, "head_dim": 128, "intermediate": 25600},
+}
+DEFAULT_TOKENS = [2**i for i in range(3, 15)]  # 8 .. 16384
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    gemm: str
+    n: int
+    k: int
+    parallel: str  # "column" (shift view = row range of W) or "row" (column range of W)
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}.{self.gemm}"
+
+
+def layer_cases(model: str) -> list[Case]:
+    m = MODELS[model]
+    hidden, d = m["hidden"], m["head_dim"]
+    return [
+        Case(model, "qkv", (m["heads"] + 2 * m["kv_heads"]) * d // TP, hidden, "column"),
+        Case(model, "o", hidden, m["heads"] * d // TP, "row"),
+        Case(model, "gate_up", 2 * m["intermediate"] // TP, hidden, "column"),
+        Case(model, "down", hidden, m["intermediate"] // TP, "row"),
+    ]
+
+
+def make_weight(case: Case, dtype: torch.dtype, layout: str, device) -> torch.Tensor:
+    """W [N, K] for the case: the shift view of a 4-block base weight, or a contiguous tensor."""
+    n, k = case.n, case.k
+    if layout == "contiguous":
+        return torch.randn((n, k), device=device, dtype=dtype) / math.sqrt(k)
+    if case.parallel == "column":
+        base = torch.randn((TP * n, k), device=device, dtype=dtype) / math.sqrt(k)
+        return base.narrow(0, SHIFT_BLOCK * n, n)
+    base = torch.randn((n, TP * k), device=device, dtype=dtype) / math.sqrt(k)
+    return base.narrow(1, SHIFT_BLOCK * k, k)
+
+
+def time_ms(fn, arg_sets, iters: int, warmup: int) -> float:
+    """Median GPU time (ms) of fn(*arg_sets[i % len]) over `iters` calls, each timed alone."""
+    for i in range(warmup):
+        fn(*arg_sets[i % len(arg_sets)])
+    torch.cuda.synchronize()
+    sleep = getattr(torch.cuda, "_sleep", None)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        if sleep is not None:
+            sleep(SLEEP_CYCLES)  # the GPU is busy while the host enqueues the timed call
+        starts[i].record()
+        fn(*arg_sets[(warmup + i) % len(arg_sets)])
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def measure_ceilings(dtype: torch.dtype, iters: int, device) -> tuple[float, float]:
+    """(peak FLOP/s of a cuBLAS 8192^3 GEMM, HBM bytes/s of a 1 GiB device copy), this run."""
+    size = 8192
+    mats = [(torch.randn((size, size), device=device, dtype=dtype),) * 2 for _ in range(2)]
+    t = time_ms(torch.matmul, mats, iters, warmup=3)
+    peak = 2 * size**3 / (t * 1e-3)
+    del mats
+    n = (1 << 30) // 4
+    copies = [(torch.empty(n, device=device), torch.rand(n, device=device))]
+    t = time_ms(torch.Tensor.copy_, copies, iters, warmup=3)
+    bandwidth = 2 * (1 << 30) / (t * 1e-3)  # read + write
+    del copies
+    torch.cuda.empty_cache()
+    return peak, bandwidth
+
+
+def bench_case(case, tokens, args, dtype, peak, bandwidth, l2_bytes, gemm, device) -> dict:
+    m, n, k = tokens, case.n, case.k
+    elem = torch.empty((), dtype=dtype).element_size()
+    set_bytes = (m * k + n * k + m * n) * elem
+    # Enough operand sets that one rotation is 3x the L2 size (2..8 sets).
+    n_sets = min(8, max(2, math.ceil(3 * l2_bytes / set_bytes)))
+    sets = [
+        (torch.randn((m, k), device=device, dtype=dtype), make_weight(case, dtype, args.weight, device))
+        for _ in range(n_sets)
+    ]
+
+    base_out = gemm.matmul_reference(*sets[0])
+    fused_out = gemm.matmul(*sets[0])
+    scale = base_out.float().abs().max().item() or 1.0
+    max_rel_diff = (fused_out.float() - base_out.float()).abs().max().item() / scale
+    del base_out, fused_out
+
+    baseline_ms = time_ms(gemm.matmul_reference, sets, args.iters, args.warmup)
+    fused_ms = time_ms(gemm.matmul, sets, args.iters, args.warmup)
+
+    flops = 2 * m * n * k
+    floor_compute_ms = flops / peak * 1e3
+    floor_memory_ms = set_bytes / bandwidth * 1e3
+    floor_ms = max(floor_compute_ms, floor_memory_ms)
+    cfg = gemm.pick_config(
+        m,
+        n,
+        k,
+        dtype=dtype,
+        num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
+        interpret=False,
+    )
+    return {
+        "m": m,
+        "n": n,
+        "k": k,
+        "weight": f"{args.weight} ({case.parallel}-parallel, block {SHIFT_BLOCK} of {TP})"
+        if args.weight == "view"
+        else "contiguous",
+        "weight_strides": list(sets[0][1].stride()),
+        "dtype": str(dtype).removeprefix("torch."),
+        "baseline_ms": baseline_ms,
+        "fused_ms": fused_ms,
+        "speedup": baseline_ms / fused_ms,
+        "roofline_pct": 100 * floor_ms / fused_ms,
+        "baseline_roofline_pct": 100 * floor_ms / baseline_ms,
+        "floor_ms": floor_ms,
+        "bound": "compute" if floor_compute_ms >= floor_memory_ms else "memory",
+        "max_rel_diff_vs_baseline": max_rel_diff,
+        "triton_config": vars(cfg),
+        "operand_sets": n_sets,
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="llama70b,qwen32b", help=f"comma list of {sorted(MODELS)}")
+    p.add_argument("--gemms", default="qkv,o,gate_up,down", help="comma list of qkv,o,gate_up,down")
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma list of token counts (M)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median taken)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--weight", choices=("view", "contiguous"), default="view")
+    p.add_argument("--out", default="perf/results/gemm.json")
+    args = p.parse_args(argv)
+    unknown = set(args.shapes.split(",")) - set(MODELS)
+    if unknown:
+        p.error(f"unknown --shapes {sorted(unknown)}; known: {sorted(MODELS)}")
+    if args.iters < 20:
+        print(f"note: --iters {args.iters} is below the protocol's 20 (DESIGN.md section 9)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemm: no CUDA GPU visible; nothing measured (run this on a GPU machine).")
+        return 0
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
+    import triton
+
+    from fusedpar.kernels import gemm
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    dtype = getattr(torch, args.dtype)
+    props = torch.cuda.get_device_properties(device)
+    l2_bytes = getattr(props, "L2_cache_size", 50 * 2**20)
+    gpu = torch.cuda.get_device_name(device)
+    tokens_list = [int(t) for t in args.tokens.split(",") if t]
+    gemms = set(args.gemms.split(","))
+
+    peak, bandwidth = measure_ceilings(dtype, max(args.iters, 20), device)
+    print(
+        f"{gpu}: cuBLAS {args.dtype} 8192^3 {peak / 1e12:.0f} TFLOP/s, "
+        f"device copy {bandwidth / 1e9:.0f} GB/s, "
+        f"L2 {l2_bytes / 2**20:.0f} MiB, {props.multi_processor_count} SMs; "
+        f"torch {torch.__version__}, triton {triton.__version__}"
+    )
+    header = (
+        f"{'case':<18}{'tokens':>7}{'N':>7}{'K':>7}{'cuBLAS ms':>11}{'fused ms':>10}{'speedup':>9}"
+        f"{'fused %roof':>12}{'cuBLAS %roof':>13}  bound   config"
+    )
+    print(header)
+    print("-" * len(header))
+
+    common = {
+        "bench": "gemm",
+        "world": 1,
+        "gpu": gpu,
+        "baseline": BASELINE,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "peak_tflops": peak / 1e12,
+        "hbm_gbps": bandwidth / 1e9,
+    }
+    records = []
+    for model in args.shapes.split(","):
+        for case in layer_cases(model):
+            if case.gemm not in gemms:
+                continue
+            for tokens in tokens_list:
+                record = {**common, "case": case.name, "tokens": tokens}
+                try:
+                    record |= bench_case(case, tokens, args, dtype, peak, bandwidth, l2_bytes, gemm, device)
+                except Exception as exc:
+                    # Unattended run: one failing shape (Triton compile or shared-memory error,
+                    # OOM) is recorded with its message and must not lose the other results.
+                    record |= {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                    print(f"{case.name:<18}{tokens:>7}  ERROR {record['error'][:200]}")
+                    records.append(record)
+                    torch.cuda.empty_cache()
+                    continue
+                records.append(record)
+                cfg = record["triton_config"]
+                warn = "" if record["max_rel_diff_vs_baseline"] < 3e-2 else "  WARNING: results differ"
+                print(
+                    f"{case.name:<18}{tokens:>7}{case.n:>7}{case.k:>7}{record['baseline_ms']:>11.4f}"
+                    f"{record['fused_ms']:>10.4f}{record['speedup']:>9.2f}{record['roofline_pct']:>11.1f}%"
+                    f"{record['baseline_roofline_pct']:>12.1f}%  {record['bound']:<7} "
+                    f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} w{cfg['num_warps']} "
+                    f"s{cfg['num_stages']}{warn}"
+                )
+                torch.cuda.empty_cache()
+
+    out = Path(args.out)
+    if not out.is_absolute():
+        out = REPO / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+    print(f"wrote {len(records)} records to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Shared test setup.
+
+CPU (CI): Triton kernels run on the Triton interpreter. Triton 3.6 decides interpreter vs
+compiler when `@triton.jit` decorates a kernel (runtime/jit.py reads knobs.runtime.interpret),
+i.e. when a fusedpar.kernels module is first imported, so TRITON_INTERPRET must be set before
+any test module is imported: this root conftest is the one place that is early enough for all.
+GPU: tests marked `gpu` run under torchrun (`bash perf/run_gpu.sh`) and use `nccl_world`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _fix_interpreter_for_numpy_2_4() -> None:
+    """Work around triton-lang/triton#9171 (triton 3.6 interpreter + numpy >= 2.4).
+
+    The interpreter keeps scalars as 1-element arrays and converts them with int(array), which
+    numpy 2.4 turned into a TypeError; every `for i in range(tensor_bound)` in a kernel then
+    fails. Re-define the patched tensor.__index__ the way the upstream fix does (squeeze first).
+    Applied only when numpy actually rejects the conversion; a no-op once triton is fixed.
+    """
+    try:
+        int(np.array([1]))
+    except TypeError:
+        pass
+    else:
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_fusedpar_numpy24_fix", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched._fusedpar_numpy24_fix = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_interpreter_for_numpy_2_4()
+
+
+@pytest.fixture(scope="session")
+def nccl_world():
+    """(rank, world_size) of an NCCL process group made from torchrun's environment; skips otherwise.
+
+    Session-scoped and never torn down, so every GPU test shares one process group.
+    """
+    from fusedpar.testing.gpu import init_torchrun_nccl, launched_by_torchrun
+
+    if not torch.cuda.is_available() or not launched_by_torchrun():
+        pytest.skip("needs CUDA and a torchrun launch (see perf/run_gpu.sh)")
+    return init_torchrun_nccl()
