@@ -30,15 +30,15 @@ run() {  # run CMD..., logging the command and its output; remember failures
 
 if [ "$WHAT" = all ] || [ "$WHAT" = tests ]; then
   # One process per GPU; single-GPU tests just run on every rank.
-  run timeout 900 torchrun --standalone --nproc-per-node "$NGPU" -m pytest -m gpu -q -p no:cacheprovider tests
+  run timeout "${TEST_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$NGPU" -m pytest -m gpu -q \
+    -p no:cacheprovider --ignore=tests/integrations tests
 fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
-  [ -f perf/bench_gemm.py ] && run timeout 600 python3 perf/bench_gemm.py --out "$RES/gemm.json"
-  [ -f perf/bench_one_shot_all_reduce.py ] && run timeout 600 torchrun --standalone --nproc-per-node "$NGPU" \
+  # A device call lasts at most 600 s: keep the sum of these timeouts under that.
+  [ -f perf/bench_gemm.py ] && run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json"
+  [ -f perf/bench_one_shot_all_reduce.py ] && run timeout 120 torchrun --standalone --nproc-per-node "$NGPU" \
     perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json"
-  [ -f perf/bench_layer.py ] && run timeout 900 torchrun --standalone --nproc-per-node "$NGPU" \
-    perf/bench_layer.py --out "$RES/layer.json"
 fi
 echo "overall status=$status" | tee -a "$LOG"
 exit $status
