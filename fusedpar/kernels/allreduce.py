@@ -64,10 +64,10 @@ __all__ = [
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Messages up to this size take the one-shot path in all_reduce(). limits-h200x4.md puts the
-# stock one-shot vs NCCL crossover (both in CUDA graphs) near 1 MiB on 4 x H200; 512 KiB keeps a
-# margin until perf/bench_one_shot_all_reduce.py has measured our kernel's crossover.
-DEFAULT_ONE_SHOT_MAX_BYTES = 512 * 1024
+# Measured on 4 x H200 in CUDA graphs (perf/results/one_shot_all_reduce.json, 2026-11-21): ours
+# beats torch's symm_mem one-shot and NCCL up to 256 KiB (10.4 vs 11.2 / 13.6 us); at 512 KiB
+# torch's one-shot wins (13.3 vs 14.8 us) and from 2 MiB NCCL does. Above this size: NCCL.
+DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
 
 
 # Counter indices as Triton constexprs: a @jit function may only read constexpr globals.

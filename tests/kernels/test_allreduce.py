@@ -459,8 +459,15 @@ def test_gpu_all_reduce_routes_by_size(gpu_world, gpu_workspace):
         torch.cuda.synchronize()
         if (gpu_workspace.table.epoch() == before + 1) != one_shot:
             errors.append(f"numel={numel}: expected one_shot={one_shot}")
-        err = _gpu_check(out, x, f"all_reduce numel={numel}")
+        if one_shot:
+            err = _gpu_check(out, x, f"all_reduce numel={numel}")
+        else:
+            # Routed to NCCL, which accumulates in bf16 (no fp32 bound applies): it must be
+            # exactly what a plain NCCL all-reduce returns.
+            nccl = x.clone()
+            torch.distributed.all_reduce(nccl)
+            err = None if torch.equal(out, nccl) else f"numel={numel}: NCCL route differs from NCCL"
         if err:
             errors.append(err)
     assert _all_ok(not errors), "\n".join(errors)
-    assert ar.DEFAULT_ONE_SHOT_MAX_BYTES == 512 * 1024
+    assert ar.DEFAULT_ONE_SHOT_MAX_BYTES == 256 * 1024
