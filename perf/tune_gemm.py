@@ -1,0 +1,108 @@
+"""Sweep tile configs of the persistent Triton GEMM on the benchmark shapes (one GPU).
+
+For every (shape, tokens) of perf/bench_gemm.py it times cuBLAS, the current pick_config()
+choice and each candidate GemmConfig, and writes the table to --out (JSON). The winners feed the
+heuristic in fusedpar/kernels/gemm.py:pick_config; this script changes nothing by itself.
+
+    python3 perf/tune_gemm.py --out perf/results/gemm_tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gemm  # the bench's shapes and timing helpers
+
+from fusedpar.kernels import gemm
+
+SMEM_BYTES = 227 * 1024
+
+
+def candidates(m: int) -> list[gemm.GemmConfig]:
+    """Tile configs that fit Hopper shared memory: stages*(BM+BN)*BK*2 + BM*BN*2 bytes."""
+    out = []
+    if m <= 64:
+        bm = max(16, 1 << (m - 1).bit_length())
+        grid = itertools.product((32, 64, 128), (128, 256), (3, 4, 5), (4,))
+        out = [gemm.GemmConfig(bm, bn, bk, 8, w, s) for bn, bk, s, w in grid]
+    else:
+        grid = itertools.product((64, 128), (64, 128, 256), (64, 128), (3, 4, 5), (4, 8))
+        out = [gemm.GemmConfig(bm, bn, bk, 8, w, s) for bm, bn, bk, s, w in grid
+               if not (bm == 64 and w == 8 and bn < 128)]
+    return [c for c in out if c.num_stages * (c.block_m + c.block_n) * c.block_k * 2
+            + c.block_m * c.block_n * 2 <= SMEM_BYTES]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="llama70b,qwen32b")
+    p.add_argument("--tokens", default="8,32,64,128,256,512,1024,2048,4096,8192,16384")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this many seconds")
+    p.add_argument("--out", default="perf/results/gemm_tune.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("tune_gemm: no CUDA device; nothing to tune")
+        return 0
+    dev = torch.device("cuda", 0)
+    dtype = torch.bfloat16
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    t_start = time.time()
+    rows = []
+    for model in args.shapes.split(","):
+        for case in bench_gemm.layer_cases(model):
+            for m in map(int, args.tokens.split(",")):
+                if time.time() - t_start > args.budget_s:
+                    print("budget reached; stopping", flush=True)
+                    break
+                n, k = case.n, case.k
+                w = bench_gemm.make_weight(case, dtype, "view", dev)
+                sets = [(torch.randn((m, k), device=dev, dtype=dtype), w) for _ in range(4)]
+                outs = [torch.empty((m, n), device=dev, dtype=dtype) for _ in range(4)]
+                ref = torch.nn.functional.linear(*sets[0]).float()
+                cublas = bench_gemm.time_ms(torch.nn.functional.linear, sets, args.iters, 3)
+                default = gemm.pick_config(m, n, k, dtype=dtype, num_sms=sms, interpret=False)
+                results = []
+                for cfg in [default, *candidates(m)]:
+                    try:
+                        gemm._launch(sets[0][0], w, outs[0], config=cfg)
+                        err = (outs[0].float() - ref).abs().max().item() / ref.abs().max().item()
+                        if not math.isfinite(err) or err > 2e-2:
+                            results.append((cfg, float("inf"), f"wrong: rel err {err:.3g}"))
+                            continue
+                        arg_sets = [(a, w_, o) for (a, w_), o in zip(sets, outs, strict=True)]
+                        ms = bench_gemm.time_ms(lambda a, w_, o, c=cfg: gemm._launch(a, w_, o, config=c),
+                                                arg_sets, args.iters, 3)
+                        results.append((cfg, ms, ""))
+                    except Exception as e:  # a config that fails to compile is skipped, not fatal
+                        results.append((cfg, float("inf"), f"{type(e).__name__}: {str(e)[:80]}"))
+                best = min(results, key=lambda r: r[1])
+                row = {"case": case.name, "m": m, "n": n, "k": k, "cublas_ms": cublas,
+                       "default": vars(default), "default_ms": results[0][1],
+                       "best": vars(best[0]), "best_ms": best[1],
+                       "best_vs_cublas": cublas / best[1], "default_vs_cublas": cublas / results[0][1],
+                       "top5": [[vars(c), ms] for c, ms, _ in sorted(results, key=lambda r: r[1])[:5]]}
+                rows.append(row)
+                b = best[0]
+                print(f"{case.name:16s} m={m:6d} cublas {cublas:.4f}  default {results[0][1]:.4f} "
+                      f"({row['default_vs_cublas']:.2f}x)  best {best[1]:.4f} ({row['best_vs_cublas']:.2f}x) "
+                      f"{b.block_m}x{b.block_n}x{b.block_k} w{b.num_warps} s{b.num_stages}", flush=True)
+                del sets, outs, w
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                                          "command": " ".join(sys.argv), "rows": rows}, indent=1))
+    print(f"wrote {len(rows)} rows to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
