@@ -44,6 +44,8 @@ __all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+_SMEM_BYTES = 227 * 1024  # Hopper: dynamic shared memory per CTA
+
 # Interpreter: a few "SMs" so the persistent loop runs several tiles per program even on the
 # small shapes the CPU tests use.
 _INTERPRETER_NUM_SMS = 4
@@ -183,20 +185,20 @@ def pick_config(
     Interpreter: 32x32x32 tiles, GROUP_M=2, so CPU tests are quick yet still see several tiles,
     ragged edges and more than one swizzle group per program.
 
-    GPU (chosen by reasoning for Hopper, 227 KiB of shared memory per CTA; to be re-tuned by
-    measurement with perf/bench_gemm.py). Budget: num_stages operand buffers
-    (BLOCK_M + BLOCK_N) * BLOCK_K plus one BLOCK_M x BLOCK_N output tile for the epilogue's
-    layout conversion.
-      - m <= 64 (decode): memory bound on W. BLOCK_M = next power of two >= m (min 16) so little
-        MMA work is spent on padding rows; BLOCK_N 64, or 32 when 64 gives a poor last wave
-        (see below); BLOCK_K 128 for long contiguous W reads; 4 warps, 4 stages.
-      - otherwise 128x256x64, 8 warps, 3 stages (Triton's persistent-matmul tutorial config for
-        Hopper fp16: 3 x 48 KiB of operands + a 64 KiB epilogue tile; a 4th stage would not
-        fit), unless its wave efficiency is poor or C is fp32 (128 KiB epilogue tile), then
-        128x128x64 with 4 stages.
-    Wave efficiency = tiles / (waves * SMs): below 3/4, too many SMs idle in the last (or only)
-    wave. Shapes with few tiles even at the smaller tile (M <= ~256 with narrow N, e.g. the
-    qkv GEMM) would need split-K or stream-K to fill the GPU; that is not done here.
+    GPU: measured on one H200 (perf/tune_gemm.py sweep of 40-70 tilings per shape over the Llama-3-70B
+    and Qwen3-32B TP=4 shapes, perf/results/gemm_tune.json). Hopper has 227 KiB of shared memory
+    per CTA; a config needs num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + BLOCK_M * BLOCK_N * 2.
+      - m <= 64 (decode): weight-read bound, so the grid must cover the SMs: BLOCK_M = next
+        power of two >= m (min 16); BLOCK_N the widest of 128/64/32 that still gives >= 0.6 x #SMs
+        column tiles; BLOCK_K 256 (m <= 16, BLOCK_N <= 64) or 128; 4 warps; as many stages
+        (<= 5) as fit.
+      - otherwise by wave quantisation of 128x256 tiles (the fastest tile when it fills the
+        machine): 128x256x64 (8 warps, 3 stages) when those tiles fill their waves >= 84% or
+        form one wave of >= 60% of the SMs; else 128x128x64 (4 warps, 5 stages) when that gives
+        >= 0.6 x #SMs tiles; else 64x128x128 (4 warps, 4 stages). fp32 output never takes
+        128x256 (its epilogue tile alone is 128 KiB).
+    Narrow-N shapes at 512-2048 rows (the qkv GEMM) still trail cuBLAS (0.7-0.8x): closing that
+    needs split-K / stream-K or TMA loads, not a different tile.
     fp32 inputs halve BLOCK_K so the operand buffers keep the same byte size.
     """
     if interpret:
@@ -204,18 +206,28 @@ def pick_config(
     in_bytes = torch.empty((), dtype=dtype).element_size()
     out_bytes = torch.empty((), dtype=out_dtype or dtype).element_size()
 
-    def fills_gpu(block_m: int, block_n: int) -> bool:
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        return tiles >= 0.75 * triton.cdiv(tiles, num_sms) * num_sms
+    def tiles(block_m: int, block_n: int) -> int:
+        return triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+
+    def max_stages(bm: int, bn: int, bk: int, cap: int = 5) -> int:
+        per_stage = (bm + bn) * bk * max(2, in_bytes)
+        return max(2, min(cap, (_SMEM_BYTES - bm * bn * out_bytes) // per_stage))
 
     if m <= 64:
         block_m = max(16, _next_pow2(m))
-        block_n = 64 if fills_gpu(block_m, 64) else 32
-        cfg = GemmConfig(block_m, block_n, 128, group_m=8, num_warps=4, num_stages=4)
-    elif out_bytes <= 2 and fills_gpu(128, 256):
-        cfg = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
+        block_n = next((bn for bn in (128, 64) if triton.cdiv(n, bn) >= 0.6 * num_sms), 32)
+        block_k = 256 if (m <= 16 and block_n <= 64) else 128
+        cfg = GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=4,
+                         num_stages=max_stages(block_m, block_n, block_k))
     else:
-        cfg = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
+        t256 = tiles(128, 256)
+        wave_fill = t256 / (triton.cdiv(t256, num_sms) * num_sms)
+        if out_bytes <= 2 and (wave_fill >= 0.84 or 0.6 * num_sms <= t256 <= num_sms):
+            cfg = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
+        elif tiles(128, 128) >= 0.6 * num_sms:
+            cfg = GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=max_stages(128, 128, 64))
+        else:
+            cfg = GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=max_stages(64, 128, 128, cap=4))
     if in_bytes == 4:
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
     return cfg
