@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# One device call does it all: GPU tests, then the benchmarks. Installs nothing.
-#   bash perf/run_gpu.sh [tests|bench|all]      (default all)
-# Results: $OUT if set (the device tool brings it back), else perf/results/. At most 8 files:
-#   gpu_run.log (environment + every command + its output) and one JSON per benchmark.
+# GPU tests and benchmarks in one device call. Installs nothing.
+#   bash perf/run_gpu.sh [ITEM ...]     items: tests gemm one_shot gemm_all_reduce attention
+#                                              qkv_all_to_all all_to_all_o_proj   (default: all)
+# A device call lasts at most 600 s: "all" does not fit one call; pass a subset per call, e.g.
+#   bash perf/run_gpu.sh tests attention gemm_all_reduce
+#   bash perf/run_gpu.sh qkv_all_to_all all_to_all_o_proj gemm one_shot
+# Results: $OUT if set (the device tool brings it back), else perf/results/. Each run writes
+# gpu_run.log (environment, every command and its output) and one JSON per benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -10,8 +14,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 RES=${OUT:-perf/results}
 mkdir -p "$RES"
 LOG="$RES/gpu_run.log"
-WHAT=${1:-all}
+ITEMS=("$@")
+[ ${#ITEMS[@]} -eq 0 ] && ITEMS=(tests gemm one_shot gemm_all_reduce attention qkv_all_to_all all_to_all_o_proj)
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+TRUN=(torchrun --standalone --nproc-per-node "$NGPU")
 status=0
 
 run() {  # run CMD..., logging the command and its output; remember failures
@@ -25,20 +31,24 @@ run() {  # run CMD..., logging the command and its output; remember failures
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "nccl", torch.cuda.nccl.version())'
-  echo "GPUs: $NGPU"
+  echo "GPUs: $NGPU; items: ${ITEMS[*]}"
 } 2>&1 | tee -a "$LOG"
 
-if [ "$WHAT" = all ] || [ "$WHAT" = tests ]; then
-  # One process per GPU; single-GPU tests just run on every rank.
-  run timeout "${TEST_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$NGPU" -m pytest -m gpu -q \
-    -p no:cacheprovider --ignore=tests/integrations tests
-fi
-
-if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
-  # A device call lasts at most 600 s: keep the sum of these timeouts under that.
-  [ -f perf/bench_gemm.py ] && run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json"
-  [ -f perf/bench_one_shot_all_reduce.py ] && run timeout 120 torchrun --standalone --nproc-per-node "$NGPU" \
-    perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json"
-fi
+for item in "${ITEMS[@]}"; do
+  case "$item" in
+    # One process per GPU; single-GPU tests just run on every rank. tests/integrations needs
+    # the package installed (fusedpar.integrations maps to ./integrations), so it runs on CPU.
+    tests) run timeout "${TEST_TIMEOUT:-300}" "${TRUN[@]}" -m pytest -m gpu -q -p no:cacheprovider \
+             --ignore=tests/integrations tests ;;
+    gemm) run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json" ;;
+    one_shot) run timeout 120 "${TRUN[@]}" perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json" ;;
+    gemm_all_reduce) run timeout 150 "${TRUN[@]}" perf/bench_gemm_all_reduce.py --out "$RES/gemm_all_reduce.json" ;;
+    attention) run timeout 130 python3 perf/bench_attention.py --out "$RES/attention.json" ;;
+    qkv_all_to_all) run timeout 120 "${TRUN[@]}" perf/bench_qkv_all_to_all.py --out "$RES/qkv_all_to_all.json" ;;
+    all_to_all_o_proj) run timeout 120 "${TRUN[@]}" perf/bench_all_to_all_o_proj.py \
+                         --out "$RES/all_to_all_o_proj.json" ;;
+    *) echo "unknown item $item" | tee -a "$LOG"; status=1 ;;
+  esac
+done
 echo "overall status=$status" | tee -a "$LOG"
 exit $status

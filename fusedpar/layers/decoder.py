@@ -15,8 +15,10 @@ P = SP*TP, q/kv = local heads per rank, hd = head_dim):
 Both modes compute exactly the heads HeadPlacement assigns to the rank, and read/write one
 PagedKVCache.
 
-`torch_fwd` is the reference implementation; fused kernels replace its stages (qkv GEMM +
-all-to-all, attention, all-to-all + O GEMM, GEMM + all-reduce) without changing the layouts.
+`torch_fwd` is the reference implementation (and the CPU path); `fused_fwd` runs the same
+stages on the fused kernels (qkv GEMM + all-to-all, Triton paged attention, all-to-all + O
+GEMM, GEMM + all-reduce; fusedpar.layers.fused) without changing any layout. forward() takes
+the fused path when the layer was given FusedKernels and the input is on CUDA.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class StepState:
 
     positions, slots: [n] for the n real tokens, in packed order (slots index the paged cache).
     padded_tokens: n_pad in base mode, n in shift mode.
+    attn_metadata: the Triton attention's per-step tensors (block tables, offsets), built once
+    per step for the fused path; None on the reference path.
     """
 
     mode: str
@@ -54,6 +58,7 @@ class StepState:
     padded_tokens: int
     positions: torch.Tensor
     slots: torch.Tensor
+    attn_metadata: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +80,7 @@ class ShiftParallelDecoderLayer(nn.Module):
         self.register_buffer("kv_index", torch.tensor(placement.q_to_kv_index(rank), device=ctx.device),
                              persistent=False)
         self.nq, self.nkv = len(self.q_heads), len(self.kv_heads)
+        self.fused = None  # FusedKernels, shared by the stack's layers (set by ShiftParallelStack)
 
     @classmethod
     def from_full_weights(
@@ -84,10 +90,11 @@ class ShiftParallelDecoderLayer(nn.Module):
         return cls(cfg, ctx, w, layer_idx)
 
     def forward(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
+        if self.fused is not None and x.is_cuda:
+            return self.fused_fwd(x, step, cache)
         return self.torch_fwd(x, step, cache)
 
-    # ---- reference path -----------------------------------------------------------------------
-    def torch_fwd(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
+    def _check(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> tuple[str, int]:
         mode = check_mode(step.mode)
         sp = self.ctx.sp.size if mode == "base" else 1
         rows = step.padded_tokens // sp
@@ -98,6 +105,32 @@ class ShiftParallelDecoderLayer(nn.Module):
             )
         if cache.kv_heads != self.kv_heads:
             raise ValueError(f"cache holds kv heads {cache.kv_heads}, this rank computes {self.kv_heads}")
+        return mode, rows
+
+    def _mlp_act(self, h: torch.Tensor, w_gate_up: torch.Tensor, rows: int) -> torch.Tensor:
+        """silu(gate) * up with the gate_up GEMM output laid out as per-block [gate | up] chunks."""
+        gu = F.linear(h, w_gate_up)
+        blocks = gu.shape[1] // (2 * (self.cfg.intermediate_size // self.ctx.layout.replica_size))
+        gu = gu.view(rows, blocks, 2, -1)
+        return swiglu(gu[:, :, 0], gu[:, :, 1]).reshape(rows, -1)
+
+    # ---- fused path -------------------------------------------------------------------------
+    def fused_fwd(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
+        from fusedpar.kernels.attention import attention_step
+
+        mode, rows = self._check(x, step, cache)
+        w, rep, cfg, fk = self.w.weights(mode), self.w.replicated, self.cfg, self.fused
+        h = rms_norm(x, rep["input_norm"], cfg.rms_norm_eps)
+        qkv = fk.qkv(h, w["qkv"], mode)  # [n_pad, blk] in base (read in place), [n, blk] in shift
+        attn = attention_step(qkv, step, cache, self.layer_idx, q_norm=rep.get("q_norm"), k_norm=rep.get("k_norm"),
+                              eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, metadata=step.attn_metadata)
+        x = x + fk.o_proj(attn, w["o"], mode)  # attention writes zeros into padding rows
+        h = rms_norm(x, rep["post_norm"], cfg.rms_norm_eps)
+        return x + fk.row_parallel(self._mlp_act(h, w["gate_up"], rows), w["down"], mode)
+
+    # ---- reference path -----------------------------------------------------------------------
+    def torch_fwd(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
+        mode, rows = self._check(x, step, cache)
         w = self.w.weights(mode)
         reduce_group = self.ctx.attention_group(mode)
 
@@ -112,10 +145,7 @@ class ShiftParallelDecoderLayer(nn.Module):
         x = x + all_reduce_sum(F.linear(attn, w["o"]), reduce_group)
 
         h = rms_norm(x, self.w.replicated["post_norm"], self.cfg.rms_norm_eps)
-        gu = F.linear(h, w["gate_up"])  # [rows, blocks * (gate | up)] with per-block chunks
-        blocks = gu.shape[1] // (2 * (self.cfg.intermediate_size // self.ctx.layout.replica_size))
-        gu = gu.view(rows, blocks, 2, -1)
-        act = swiglu(gu[:, :, 0], gu[:, :, 1]).reshape(rows, -1)
+        act = self._mlp_act(h, w["gate_up"], rows)
         return x + all_reduce_sum(F.linear(act, w["down"]), reduce_group)
 
     def _attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 from fusedpar.collectives import ParallelContext, all_gather_rows
 from fusedpar.layers.config import DecoderConfig
 from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState
+from fusedpar.layers.fused import FusedKernels
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import ShiftPolicy, StepBatch, padded_token_count
 
@@ -26,6 +27,16 @@ class ShiftParallelStack(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.policy = policy or ShiftPolicy()
         self.steps = {"base": 0, "shift": 0}
+        self.fused: FusedKernels | None = None
+
+    def enable_fused(self, *, max_tokens: int) -> ShiftParallelStack:
+        """Switch the layers to the fused kernels (CUDA only); steps up to max_tokens fit the
+        symmetric workspaces (larger ones fall back per op). Collective: call on every rank."""
+        self.fused = FusedKernels(self.ctx, self.cfg, max_tokens=max_tokens,
+                                  dtype=self.layers[0].w.base["qkv"].dtype)
+        for layer in self.layers:
+            layer.fused = self.fused
+        return self
 
     @classmethod
     def from_full_weights(cls, cfg: DecoderConfig, ctx: ParallelContext, layer_weights: list[dict],
@@ -46,7 +57,12 @@ class ShiftParallelStack(nn.Module):
         mode = mode or self.policy.mode(batch.num_tokens, self.ctx.sp.size)
         padded = padded_token_count(batch.num_tokens, self.ctx.sp.size) if mode == "base" else batch.num_tokens
         slots = cache.begin_step(batch)
-        return StepState(mode, batch, padded, batch.positions(self.ctx.device), slots)
+        metadata = None
+        if self.fused is not None:
+            from fusedpar.kernels.attention import AttentionMetadata
+
+            metadata = AttentionMetadata.from_step(batch, cache, device=self.ctx.device)
+        return StepState(mode, batch, padded, batch.positions(self.ctx.device), slots, metadata)
 
     def forward(self, hidden: torch.Tensor, batch: StepBatch, cache: PagedKVCache,
                 mode: str | None = None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Shift-parallel decoder runs checked step by step against the unsharded oracle.
 
-`run_layer_scenario` is the per-rank body of a multi-process run (see dist.run_distributed):
-it builds a ShiftParallelStack from seeded full weights, drives a list of steps (each forced
+`run_layer_scenario` is the per-rank body of a multi-process run (see dist.run_distributed, or
+torchrun on GPUs): it builds a ShiftParallelStack from seeded full weights (on the fused
+kernels with fused=True), drives a list of steps (each forced
 to a mode or left to the policy) on one shared PagedKVCache, and compares every step's output
 with DenseDecoderStack in float64. It returns plain data so tests can assert on it and the
 demo can print it.
@@ -78,6 +79,7 @@ def run_layer_scenario(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     block_size: int = 4,
+    fused: bool = False,
 ) -> ScenarioResult:
     layout = ParallelLayout(world_size, sp=sp, tp=tp)
     ctx = ParallelContext(layout)
@@ -88,6 +90,8 @@ def run_layer_scenario(
         cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full], ShiftPolicy(threshold)
     )
     total = sum(q for s in steps for _, q in s.seqs)
+    if fused:  # Triton + symmetric-memory path (CUDA); workspaces sized for the largest step
+        stack.enable_fused(max_tokens=max(-(-sum(q for _, q in s.seqs) // sp) * sp for s in steps))
     cache = stack.make_cache(block_size=block_size, num_blocks=-(-total // block_size) + 2 * len(steps) + 4)
     result = ScenarioResult(rank=rank, kv_heads=stack.layers[0].kv_heads)
     gen = torch.Generator().manual_seed(seed + 1000)  # same inputs on every rank

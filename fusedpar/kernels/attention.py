@@ -1,0 +1,1089 @@
+"""Paged flash attention in Triton that reads q/k/v straight from the all-to-all receive layout.
+
+Math (per rank; nq local q heads, nkv local kv heads, G = nq / nkv, hd = head_dim)
+    For every real token t of the step (packed order, sequence s, position p_t = ctx_s + i):
+        q_t,h  = rope(norm_q(Q[t, h]), p_t)           h = 0..nq-1
+        k_t,j  = rope(norm_k(K[t, j]), p_t)           j = 0..nkv-1   (written to the cache)
+        v_t,j  = V[t, j]                                             (written to the cache)
+        out[t, h] = sum_{u <= p_t} softmax_u(scale * q_t,h . k_{s,u,j}) v_{s,u,j},   j = h // G
+    where k_{s,u}, v_{s,u} are sequence s's cached keys/values at position u (the ctx_s tokens
+    cached by earlier steps followed by this step's new tokens). norm is Qwen3's per-head RMSNorm
+    over hd, x / sqrt(mean(x^2) + eps) * w (optional), and rope is HF rotate-half RoPE,
+    x * cos(p f) + rotate_half(x) * sin(p f), f_i = theta^(-2 (i mod hd/2) / hd) (optional; or cos/sin
+    tables). This is exactly `ShiftParallelDecoderLayer._attention` (norm, then RoPE; post-RoPE k and
+    raw v are cached), with fp32 transforms, fp32 softmax state and fp32 accumulation.
+
+Layouts
+    qkv  [rows, (nq + 2 nkv) hd]: row t = packed token t of the step; columns = q heads, then k
+         heads, then v heads (what the base-mode Ulysses all-to-all delivers and what the shift-mode
+         qkv GEMM produces). Only rows < num_tokens are real; padding rows are never read. Any row
+         stride (a view into a larger receive buffer is fine); columns must be contiguous.
+    out  [rows, nq hd]: row t = token t, heads in rank order (what the return all-to-all sends).
+         Rows < num_tokens hold the attention output; rows >= num_tokens are zero-filled (the
+         reference pads the output with zeros before the return exchange).
+    k_cache, v_cache  [num_blocks, block_size, nkv, hd] (one layer of PagedKVCache; any strides
+         with a contiguous hd). Token t is stored at slot = block * block_size + offset.
+    block_tables [num_seqs, max_blocks] int32: block_tables[s, i] = physical block holding
+         positions [i bs, (i+1) bs) of sequence s (entries past the sequence are never read).
+    cu_seqlens_q [num_seqs + 1] int32: tokens of sequence s are rows cu[s] .. cu[s+1]-1.
+    context_lens [num_seqs] int32: tokens of each sequence cached before this step.
+    GQA: q head h reads local kv head h // G; the G q heads of one kv head are contiguous (that is
+         HeadPlacement.q_to_kv_index for every layout, kv replication included: nkv = 1, G = nq).
+
+Kernels (three layers, DESIGN.md section 1: @triton.jit kernel -> launcher -> registered torch op)
+    _write_kv_kernel     one program per real token: k -> norm -> RoPE -> cache; v -> cache.
+    _attention_kernel    one program per (q tile, kv head, kv split). A q tile packs BLOCK_Q
+                         tokens x G q heads of one kv head into its BLOCK_M rows (row r = token
+                         r // G, head r % G), so one K/V tile load serves the whole GQA group:
+                         decode reads each cached K/V byte once per step, prefill G times less
+                         than a per-head kernel. q is normed/roped in registers after the load.
+                         K/V are gathered from the paged cache through the block table, in
+                         BLOCK_N-key tiles: an unmasked loop over tiles wholly below the causal
+                         diagonal, then a masked loop over the rest. Online softmax in base 2.
+                         Split-KV (flash decoding): with few (tile, kv head) programs the key
+                         range is cut into `num_splits` chunks whose partial (max, sum, acc) go to
+                         fp32 scratch and are merged by
+    _combine_kernel      one program per (token, q head).
+    paged_attention(...)         launcher (asserts, heuristics, grid, padding-row zero fill)
+    torch.ops.fusedpar.paged_attention[_out]   custom ops with fake impls (torch.compile, graphs)
+    AttentionMetadata.from_step / attention_step(...)   glue for the decoder layer's contract.
+
+Known limits (see pick_config for the tilings): head_dim must be a power of two >= 16; the cache
+dtype equals the model dtype (no fp8 KV); a mixed batch uses prefill-sized q tiles for its decode
+sequences too (one token in a 128-row tile: wasted MMA work, but each K/V byte is still read once
+per kv head); a future split into a decode launch + a prefill launch would remove that.
+
+CPU: under TRITON_INTERPRET=1 (set before this module is first imported) the kernels run on CPU
+tensors; the interpreter cannot tl.dot bf16, so interpret fp16/fp32 and test bf16 on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+if TYPE_CHECKING:  # annotations only: kernels must not import fusedpar.layers at runtime
+    from fusedpar.layers.decoder import StepState
+    from fusedpar.layers.kv_cache import PagedKVCache
+    from fusedpar.layers.policy import StepBatch
+
+__all__ = [
+    "AttentionConfig",
+    "AttentionMetadata",
+    "attention_step",
+    "check_kv_index",
+    "paged_attention",
+    "pick_config",
+]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+# Interpreter: the SM count the split-KV heuristic assumes, sized so that it splits the keys of
+# CPU-test decode batches (a handful of sequences) and the combine path is exercised.
+_INTERPRETER_NUM_SMS = 16
+_MAX_SPLITS = 64
+# Score masks use -inf; the running max starts at this finite value instead, so a row that has
+# seen only masked keys keeps exp2(-inf - m) = 0 and alpha = exp2(m - m) = 1 (never inf - inf).
+_M_INIT = tl.constexpr(-1.0e38)
+
+ROPE_NONE, ROPE_THETA, ROPE_TABLES = 0, 1, 2
+
+
+# ---- Triton kernels -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_rope(
+    row_ptrs,
+    row_mask,
+    rope_rows,
+    positions_ptr,
+    inv_freq_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_rope,
+    w_ptr,
+    eps,
+    HD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    """Load R head vectors (row_ptrs[r] -> element 0 of a contiguous [HD] vector) and return
+    rope(norm(x)) as fp32 [R, HD]; masked rows are zeros.
+
+    Rotate-half needs x[(d + HD/2) % HD] next to x[d]: it is loaded a second time through permuted
+    column offsets (an L1 hit) instead of shuffling registers. RMSNorm's row scale is shared by
+    both loads; the weight is applied per column.
+    rope_rows[r]: the packed token of row r (index into positions or the cos/sin tables).
+    """
+    HALF: tl.constexpr = HD // 2
+    offs_d = tl.arange(0, HD)
+    x = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)
+        w = tl.load(w_ptr + offs_d).to(tl.float32)
+        x = x * rstd[:, None] * w[None, :]
+    if ROPE != 0:
+        offs_rot = (offs_d + HALF) % HD
+        xr = tl.load(row_ptrs[:, None] + offs_rot[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+        if HAS_NORM:
+            wr = tl.load(w_ptr + offs_rot).to(tl.float32)
+            xr = xr * rstd[:, None] * wr[None, :]
+        sign = tl.where(offs_d < HALF, -1.0, 1.0)
+        if ROPE == 1:
+            pos = tl.load(positions_ptr + rope_rows, mask=row_mask, other=0).to(tl.float32)
+            inv_freq = tl.load(inv_freq_ptr + (offs_d % HALF))
+            ang = pos[:, None] * inv_freq[None, :]
+            # Reduce to [-pi, pi] with a two-constant 2*pi (6.28125 has 8 significant bits, so
+            # k * 6.28125 is exact for k < 2**16): accurate cos/sin whether they lower to libdevice
+            # or to the hardware approximations, which lose accuracy for large arguments.
+            k = tl.floor(ang * 0.15915494309189535 + 0.5)
+            ang = (ang - k * 6.28125) - k * 0.0019353071795864769
+            c = tl.cos(ang)
+            s = tl.sin(ang)
+        else:
+            t_off = rope_rows.to(tl.int64)[:, None] * stride_rope + offs_d[None, :]
+            c = tl.load(cos_ptr + t_off, mask=row_mask[:, None], other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + t_off, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        x = x * c + sign[None, :] * xr * s
+    return x
+
+
+@triton.jit
+def _write_kv_kernel(
+    qkv_ptr,
+    slots_ptr,
+    positions_ptr,
+    inv_freq_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_norm_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_qkv,
+    stride_blk,
+    stride_tok,
+    stride_head,
+    stride_rope,
+    eps,
+    NQ: tl.constexpr,
+    NKV: tl.constexpr,
+    NKV_P2: tl.constexpr,
+    HD: tl.constexpr,
+    PAGE: tl.constexpr,
+    HAS_K_NORM: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    """Program t (one per real token): k_cache[slot_t] = rope(norm(K[t])), v_cache[slot_t] = V[t].
+
+    All NKV heads of the token in one [NKV_P2, HD] tile. A negative slot means "not a real token"
+    (a CUDA-graph padding row): nothing is written. Padding rows >= num_tokens have no program.
+    """
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    offs_h = tl.arange(0, NKV_P2)
+    offs_d = tl.arange(0, HD)
+    h_mask = offs_h < NKV
+    row = qkv_ptr + t.to(tl.int64) * stride_qkv
+    rope_rows = tl.full([NKV_P2], 0, tl.int32) + t
+    k = _norm_rope(
+        row + (NQ + offs_h) * HD, h_mask, rope_rows, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr,
+        stride_rope, k_norm_ptr, eps, HD, HAS_K_NORM, ROPE,
+    )
+    dst = (slot // PAGE) * stride_blk + (slot % PAGE) * stride_tok
+    dst_ptrs = dst + offs_h[:, None] * stride_head + offs_d[None, :]
+    tl.store(k_cache_ptr + dst_ptrs, k.to(k_cache_ptr.dtype.element_ty), mask=h_mask[:, None])
+    v = tl.load(row + (NQ + NKV + offs_h)[:, None] * HD + offs_d[None, :], mask=h_mask[:, None])
+    tl.store(v_cache_ptr + dst_ptrs, v.to(v_cache_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+@triton.jit
+def _find_seq(cu_seqlens_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The sequence that owns virtual q tile `tile`.
+
+    Sequence s owns virtual tiles [cu[s] // BLOCK_Q + s, cu[s+1] // BLOCK_Q + s + 1): at least
+    cdiv(len_s, BLOCK_Q) of them, so num_tokens // BLOCK_Q + num_seqs tiles cover every batch
+    without a per-step tile map (the surplus tiles exit at once). Binary search for the last s
+    whose first tile is <= tile.
+    """
+    lo: tl.int32 = 0  # a tensor from the start: it is loop-carried
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_seqlens_ptr + mid) // BLOCK_Q + mid
+        if first <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row_ptr,
+    head_off,
+    start,
+    end,
+    p_row,
+    kv_len,
+    stride_blk,
+    stride_tok,
+    qk_scale,
+    HD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update over key tiles [start, end) (multiples of BLOCK_N) of one sequence.
+
+    Keys are gathered from the paged cache: key u lives in block bt_row[u // PAGE], offset
+    u % PAGE. MASKED=False is only used for tiles wholly inside every valid row's causal window
+    (no load or score masks); MASKED=True masks keys u > p_row (causal) and u >= kv_len (never
+    load past the sequence: those slots may hold anything, NaN included).
+    Scores stay in fp32 and in base 2 (qk_scale = softmax scale * log2(e)).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HD)
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k_pos = start_n + offs_n
+        if MASKED:
+            k_ok = k_pos < kv_len
+            page = tl.load(bt_row_ptr + k_pos // PAGE, mask=k_ok, other=0)
+        else:
+            page = tl.load(bt_row_ptr + k_pos // PAGE)
+        # int64: a layer of a large cache can exceed 2**31 elements.
+        key_off = page.to(tl.int64) * stride_blk + (k_pos % PAGE) * stride_tok + head_off
+        kv_ptrs = key_off[:, None] + offs_d[None, :]
+        # (constexpr conditional expressions: Triton compiles only the taken branch)
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=k_ok[:, None], other=0.0) if MASKED else tl.load(k_cache_ptr + kv_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            s = tl.where((k_pos[None, :] <= p_row[:, None]) & k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # Masked V loads use other=0, not garbage: p = 0 there, but 0 * NaN would poison the row.
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=k_ok[:, None], other=0.0) if MASKED else tl.load(v_cache_ptr + kv_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attention_kernel(
+    qkv_ptr,
+    out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_seqlens_ptr,
+    context_lens_ptr,
+    positions_ptr,
+    inv_freq_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_norm_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    stride_qkv,
+    stride_out,
+    stride_blk,
+    stride_tok,
+    stride_head,
+    stride_bt,
+    stride_rope,
+    num_seqs,
+    num_tokens,
+    num_tiles,
+    split_len,
+    qk_scale,
+    eps,
+    NQ: tl.constexpr,
+    G: tl.constexpr,
+    HD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    ONE_TOKEN_PER_SEQ: tl.constexpr,
+    HAS_Q_NORM: tl.constexpr,
+    ROPE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (tile, kv head j, split): BLOCK_Q tokens x the G q heads of kv head j.
+
+    Tiles run longest-first (reversed program order): under a causal mask the last tiles of a
+    sequence see the most keys, and starting them first shortens the tail of the grid.
+    ONE_TOKEN_PER_SEQ (pure decode, num_tokens == num_seqs): tile = sequence, no search.
+    SPLIT: this program covers keys [split * split_len, (split + 1) * split_len) (the last split
+    runs to the end whatever split_len says, so an underestimated bound stays correct) and writes
+    unnormalised partials; otherwise it covers every key and writes the output rows.
+    """
+    tile = num_tiles - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if ONE_TOKEN_PER_SEQ:
+        seq = tile
+        first_tile = tile
+    else:
+        seq = _find_seq(cu_seqlens_ptr, num_seqs, tile, BLOCK_Q)
+        first_tile = tl.load(cu_seqlens_ptr + seq) // BLOCK_Q + seq
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    q_local = (tile - first_tile) * BLOCK_Q
+    if q_local >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    kv_len = ctx + q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HD)
+    tok_local = q_local + offs_m // G
+    row_ok = (offs_m < BLOCK_Q * G) & (tok_local < q_len)
+    token = q_start + tok_local
+    head = kvh * G + offs_m % G
+    p_row = ctx + tok_local  # key positions row r may see: 0 .. p_row
+
+    q_rows = qkv_ptr + token.to(tl.int64) * stride_qkv + head * HD
+    q = _norm_rope(
+        q_rows, row_ok, token, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope,
+        q_norm_ptr, eps, HD, HAS_Q_NORM, ROPE,
+    )
+    # Round q to the cache dtype like the reference (which attends with q in the model dtype).
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    kv_hi = ctx + tl.minimum(q_local + BLOCK_Q, q_len)  # 1 + the tile's last position
+    if SPLIT:
+        lo = split * split_len
+        hi = tl.where(split == tl.num_programs(2) - 1, kv_hi, tl.minimum(lo + split_len, kv_hi))
+    else:
+        lo = 0
+        hi = kv_hi
+    # Key tiles ending at or before the tile's first position + 1 are visible to every row.
+    diag = (ctx + q_local + 1) // BLOCK_N * BLOCK_N
+    mid = tl.maximum(lo, tl.minimum(hi, diag))
+
+    m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HD], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kvh * stride_head
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, lo, mid, p_row, kv_len,
+        stride_blk, stride_tok, qk_scale, HD, PAGE, BLOCK_N, False, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, mid, hi, p_row, kv_len,
+        stride_blk, stride_tok, qk_scale, HD, PAGE, BLOCK_N, True, DOT_PRECISION,
+    )
+
+    if SPLIT:
+        part = (split * num_tokens + token).to(tl.int64) * NQ + head
+        tl.store(part_acc_ptr + part[:, None] * HD + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    else:
+        # Every valid row sees key 0, so l_i > 0 there; the guard only keeps dead rows finite.
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        out_ptrs = out_ptr + token.to(tl.int64)[:, None] * stride_out + (head * HD)[:, None] + offs_d[None, :]
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    stride_out,
+    num_tokens,
+    num_splits,
+    NQ: tl.constexpr,
+    HD: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    """Program (token t, q head h): out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
+    M = max_s m_s (splits that saw no key carry m = -1e38, l = 0, acc = 0: weight 0)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HD)
+    s_ok = offs_s < num_splits
+    part = (offs_s * num_tokens + t).to(tl.int64) * NQ + h
+    m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    acc = tl.load(part_acc_ptr + part[:, None] * HD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + h * HD + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+# Triton decides interpreter vs compiler when @triton.jit runs (see gemm.py).
+_INTERPRETED = not isinstance(_attention_kernel, JITFunction)
+
+
+# ---- launcher -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Compile-time tiling of one attention launch.
+
+    block_m: q-tile rows (= block_q tokens x G heads, padded to a power of two >= 16);
+    block_n: keys per K/V tile; num_splits: key-range splits (1 = no split, no combine kernel).
+    """
+
+    block_m: int
+    block_n: int
+    block_q: int
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: int = 1
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def pick_config(
+    *,
+    head_dim: int,
+    group: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_kv_len: int,
+    dtype: torch.dtype,
+    num_sms: int,
+    interpret: bool,
+) -> AttentionConfig:
+    """Tiling for one launch (GPU choices reasoned for Hopper and to be tuned with
+    perf/bench_attention.py --sweep; they are not measured yet).
+
+    Decode (max_query_len == 1): block_q = 1, block_m = max(16, next_pow2(G)): one token's G
+      heads (tl.dot needs M >= 16, so G < 16 wastes rows, but decode is bound by the K/V bytes,
+      which are read once per kv head). block_n 64, 4 warps, 3 stages: 3 x 32 KiB of K+V in
+      flight per CTA at hd=128 bf16, two CTAs per SM.
+    Prefill/mixed: block_m 128 (hd <= 128) with block_q = 128 // G tokens, block_n 64, 8 warps,
+      3 stages (q 32 KiB + 3 x 32 KiB K/V at hd=128 bf16), the FA2-style Hopper shape; hd 256 or
+      fp32 inputs: block_m 64, block_n 32 to stay inside 227 KiB of shared memory.
+    Split-KV when every sequence fits in one q tile (decode-like) and the (sequence, kv head)
+      programs cannot fill the GPU: enough splits for ~2 programs per SM, each split at least
+      4 key tiles long (1 in the interpreter, so CPU tests split), at most 64.
+    Interpreter: small tiles (16/32 rows, 16 keys) so CPU tests cover many tiles and splits.
+    """
+    big = head_dim > 128 or dtype == torch.float32
+    if interpret:
+        block_m, block_n, warps, stages = (16 if max_query_len == 1 else 32), 16, 4, 1
+        block_m = max(block_m, _next_pow2(group))
+    elif max_query_len == 1:
+        block_m, block_n, warps, stages = max(16, _next_pow2(group)), (32 if big else 64), 4, 3
+    else:
+        block_m = max(64 if big else 128, _next_pow2(group))
+        block_n, warps, stages = (32 if big else 64), (4 if big else 8), (2 if big else 3)
+    block_q = 1 if max_query_len == 1 else max(1, block_m // group)
+
+    splits = 1
+    if max_query_len <= block_q:
+        programs = num_seqs * num_kv_heads
+        # Nearest whole number of waves of ~2 CTAs per SM (a rounded-up count can leave a
+        # mostly idle last wave: 128 programs x 3 splits on 132 SMs is 1.45 waves).
+        want = max(1, round(2 * num_sms / programs))
+        by_len = triton.cdiv(max(max_kv_len, 1), (1 if interpret else 4) * block_n)
+        splits = max(1, min(want, by_len, _MAX_SPLITS))
+    return AttentionConfig(block_m, block_n, block_q, warps, stages, splits)
+
+
+@functools.cache
+def _device_num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """fp32 [hd/2] inverse frequencies theta^(-2i/hd), computed in float64 like rope_cos_sin.
+
+    Cached per (hd, theta, device): the first call copies to the device, so make it before a
+    CUDA-graph capture (any warm-up run does).
+    """
+    i = torch.arange(0, head_dim, 2, dtype=torch.float64)
+    return (1.0 / theta ** (i / head_dim)).to(torch.float32).to(device)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _is_index_vector(t: torch.Tensor | None, n: int) -> bool:
+    return t is not None and t.dim() == 1 and t.shape[0] >= n and t.dtype in _INDEX_DTYPES
+
+
+def _check_args(
+    qkv: torch.Tensor,
+    out: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slots: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    rope_cos: torch.Tensor | None,
+    rope_sin: torch.Tensor | None,
+    num_tokens: int,
+    num_q_heads: int,
+    rope_theta: float,
+    write_kv: bool,
+) -> None:
+    """Shape/dtype/device checks shared by the launch and the fake impl (no data access)."""
+    fn = "fusedpar.paged_attention"
+    if qkv.dim() != 2:
+        raise ValueError(f"{fn}: qkv must be 2-D [rows, (nq + 2 nkv) * hd], got {tuple(qkv.shape)}")
+    if qkv.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"{fn}: qkv dtype must be one of {_SUPPORTED_DTYPES}, got {qkv.dtype}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"{fn}: k_cache and v_cache must be one layer's [num_blocks, block_size, nkv, hd] with equal "
+            f"shapes and strides, got {tuple(k_cache.shape)}/{k_cache.stride()} and "
+            f"{tuple(v_cache.shape)}/{v_cache.stride()}"
+        )
+    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise TypeError(f"{fn}: cache dtype {k_cache.dtype}/{v_cache.dtype} must equal qkv dtype {qkv.dtype}")
+    _, _, nkv, hd = k_cache.shape
+    if not _is_pow2(hd) or hd < 16:
+        raise ValueError(f"{fn}: head_dim must be a power of two >= 16 (tl.arange / tl.dot), got {hd}")
+    if num_q_heads < 1 or num_q_heads % nkv:
+        raise ValueError(f"{fn}: num_q_heads={num_q_heads} must be a positive multiple of the cache's {nkv} kv heads")
+    width = (num_q_heads + 2 * nkv) * hd
+    if qkv.shape[1] != width:
+        raise ValueError(
+            f"{fn}: qkv has {qkv.shape[1]} columns, expected (nq + 2 nkv) * hd = ({num_q_heads} + 2*{nkv}) * {hd} "
+            f"= {width}"
+        )
+    if qkv.shape[1] > 1 and qkv.stride(1) != 1:
+        raise ValueError(f"{fn}: qkv columns must be contiguous (stride(1) == 1), got strides {qkv.stride()}")
+    if k_cache.stride(3) != 1:
+        raise ValueError(f"{fn}: cache head_dim must be contiguous, got strides {k_cache.stride()}")
+    if not 0 <= num_tokens <= qkv.shape[0]:
+        raise ValueError(f"{fn}: num_tokens={num_tokens} must be in [0, rows={qkv.shape[0]}]")
+    tensors: dict[str, torch.Tensor | None] = {
+        "out": out, "k_cache": k_cache, "v_cache": v_cache, "cu_seqlens_q": cu_seqlens_q,
+        "context_lens": context_lens, "block_tables": block_tables, "slots": slots, "positions": positions,
+        "q_norm": q_norm, "k_norm": k_norm, "rope_cos": rope_cos, "rope_sin": rope_sin,
+    }
+    for name, t in tensors.items():
+        if t is not None and t.device != qkv.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but qkv is on {qkv.device}")
+    for name in ("cu_seqlens_q", "context_lens", "block_tables"):
+        t = tensors[name]
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise TypeError(f"{fn}: {name} must be a contiguous int32 tensor, got {t.dtype} strides {t.stride()}")
+    num_seqs = cu_seqlens_q.numel() - 1
+    if cu_seqlens_q.dim() != 1 or num_seqs < 1:
+        raise ValueError(
+            f"{fn}: cu_seqlens_q must be [num_seqs + 1] with num_seqs >= 1, got {tuple(cu_seqlens_q.shape)}"
+        )
+    if context_lens.shape != (num_seqs,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"{fn}: context_lens must be [{num_seqs}] and block_tables [{num_seqs}, max_blocks], got "
+            f"{tuple(context_lens.shape)} and {tuple(block_tables.shape)}"
+        )
+    if num_seqs > max(num_tokens, 1):
+        raise ValueError(f"{fn}: {num_seqs} sequences but only {num_tokens} tokens (every sequence needs >= 1)")
+    if write_kv and not _is_index_vector(slots, num_tokens):
+        raise ValueError(
+            f"{fn}: write_kv needs slots, an int32/int64 [>= num_tokens={num_tokens}] tensor, got "
+            f"{None if slots is None else (tuple(slots.shape), slots.dtype)}"
+        )
+    if rope_theta > 0 and (rope_cos is not None or rope_sin is not None):
+        raise ValueError(f"{fn}: pass rope_theta or rope_cos/rope_sin tables, not both")
+    if rope_theta > 0 and not _is_index_vector(positions, num_tokens):
+        raise ValueError(
+            f"{fn}: RoPE with rope_theta needs positions, an int32/int64 [>= num_tokens={num_tokens}] tensor, got "
+            f"{None if positions is None else (tuple(positions.shape), positions.dtype)}"
+        )
+    if (rope_cos is None) != (rope_sin is None):
+        raise ValueError(f"{fn}: pass both rope_cos and rope_sin, or neither")
+    if rope_cos is not None:
+        for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+            if t.dim() != 2 or t.shape[0] < num_tokens or t.shape[1] != hd or t.stride(1) != 1:
+                raise ValueError(
+                    f"{fn}: {name} must be [>= num_tokens={num_tokens}, hd={hd}] with contiguous columns, got "
+                    f"{tuple(t.shape)} strides {t.stride()}"
+                )
+        if rope_cos.stride(0) != rope_sin.stride(0):
+            raise ValueError(f"{fn}: rope_cos and rope_sin must share a row stride")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and (w.shape != (hd,) or not w.is_contiguous()):
+            raise ValueError(f"{fn}: {name} must be a contiguous [hd={hd}] weight, got {tuple(w.shape)}")
+    if out is not None:
+        want = (qkv.shape[0], num_q_heads * hd)
+        if tuple(out.shape) != want or out.dtype != qkv.dtype:
+            raise ValueError(
+                f"{fn}: out must be [rows, nq * hd] = {want} of {qkv.dtype}, got {tuple(out.shape)} {out.dtype}"
+            )
+        if out.shape[1] > 1 and out.stride(1) != 1:
+            raise ValueError(f"{fn}: out columns must be contiguous (stride(1) == 1), got strides {out.stride()}")
+
+
+def _launch(
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slots: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    rope_cos: torch.Tensor | None,
+    rope_sin: torch.Tensor | None,
+    *,
+    num_tokens: int,
+    num_q_heads: int,
+    max_query_len: int,
+    max_kv_len: int,
+    scale: float,
+    eps: float,
+    rope_theta: float,
+    write_kv: bool,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """Check, write the new k/v into the cache, run attention into `out`, zero `out`'s padding rows."""
+    _check_args(
+        qkv, out, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions,
+        q_norm, k_norm, rope_cos, rope_sin, num_tokens, num_q_heads, rope_theta, write_kv,
+    )
+    if qkv.device.type == "cpu" and not _INTERPRETED:
+        raise RuntimeError(
+            "fusedpar.paged_attention got CPU tensors but its Triton kernels were compiled for a GPU: set "
+            "TRITON_INTERPRET=1 before fusedpar.kernels.attention is first imported to use the CPU interpreter"
+        )
+    if qkv.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"fusedpar.paged_attention supports CUDA (and CPU under TRITON_INTERPRET=1), got {qkv.device}")
+    if num_tokens < qkv.shape[0]:
+        out[num_tokens:].zero_()  # padding rows: zeros, as the reference sends them
+    if num_tokens == 0:
+        return out
+
+    _, page, nkv, hd = k_cache.shape
+    group = num_q_heads // nkv
+    num_seqs = cu_seqlens_q.numel() - 1
+    if _INTERPRETED:
+        num_sms = _INTERPRETER_NUM_SMS
+    else:
+        index = qkv.device.index if qkv.device.index is not None else torch.cuda.current_device()
+        num_sms = _device_num_sms(index)
+    cfg = config or pick_config(
+        head_dim=hd, group=group, num_seqs=num_seqs, num_kv_heads=nkv, max_query_len=max_query_len,
+        max_kv_len=max_kv_len, dtype=qkv.dtype, num_sms=num_sms, interpret=_INTERPRETED,
+    )
+    if not (_is_pow2(cfg.block_m) and _is_pow2(cfg.block_n) and cfg.block_m >= 16 and cfg.block_n >= 16):
+        raise ValueError(f"fusedpar.paged_attention: block_m/block_n must be powers of two >= 16, got {cfg}")
+    if not 1 <= cfg.block_q * group <= cfg.block_m or not 1 <= cfg.num_splits <= 1024:
+        raise ValueError(
+            f"fusedpar.paged_attention: need 1 <= block_q * G ({group}) <= block_m and 1 <= splits, got {cfg}"
+        )
+
+    if rope_theta > 0:
+        rope_mode, inv_freq = ROPE_THETA, _rope_inv_freq(hd, float(rope_theta), qkv.device)
+    elif rope_cos is not None:
+        rope_mode, inv_freq = ROPE_TABLES, qkv
+    else:
+        rope_mode, inv_freq = ROPE_NONE, qkv
+    # Unused pointer arguments get a harmless tensor: their constexpr flags keep them unread.
+    positions_arg = positions if positions is not None else cu_seqlens_q
+    cos_arg = rope_cos if rope_cos is not None else qkv
+    sin_arg = rope_sin if rope_sin is not None else qkv
+    stride_rope = rope_cos.stride(0) if rope_cos is not None else 0
+    blk_stride, tok_stride, head_stride = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+
+    one_token_per_seq = num_tokens == num_seqs  # every sequence has >= 1 token, so all have exactly 1
+    block_q = 1 if one_token_per_seq else cfg.block_q
+    num_tiles = num_seqs if one_token_per_seq else num_tokens // block_q + num_seqs
+    splits = cfg.num_splits
+    split_len = 0
+    if splits > 1:
+        split_len = triton.cdiv(triton.cdiv(max(max_kv_len, 1), splits), cfg.block_n) * cfg.block_n
+        splits = triton.cdiv(max(max_kv_len, 1), split_len)  # no split that is empty for every sequence
+    if splits > 1:
+        part_acc = torch.empty((splits, num_tokens, num_q_heads, hd), dtype=torch.float32, device=qkv.device)
+        part_m = torch.empty((splits, num_tokens, num_q_heads), dtype=torch.float32, device=qkv.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = qkv  # unused
+
+    guard = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        if write_kv:
+            _write_kv_kernel[(num_tokens,)](
+                qkv, slots, positions_arg, inv_freq, cos_arg, sin_arg,
+                k_norm if k_norm is not None else qkv, k_cache, v_cache,
+                qkv.stride(0), blk_stride, tok_stride, head_stride, stride_rope, eps,
+                NQ=num_q_heads, NKV=nkv, NKV_P2=_next_pow2(nkv), HD=hd, PAGE=page,
+                HAS_K_NORM=k_norm is not None, ROPE=rope_mode,
+                num_warps=1 if nkv * hd <= 256 else 4,
+            )
+        _attention_kernel[(num_tiles, nkv, splits)](
+            qkv, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+            positions_arg, inv_freq, cos_arg, sin_arg, q_norm if q_norm is not None else qkv,
+            part_acc, part_m, part_l,
+            qkv.stride(0), out.stride(0), blk_stride, tok_stride, head_stride, block_tables.stride(0), stride_rope,
+            num_seqs, num_tokens, num_tiles, split_len, scale * _LOG2E, eps,
+            NQ=num_q_heads, G=group, HD=hd, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_Q=block_q, ONE_TOKEN_PER_SEQ=one_token_per_seq, HAS_Q_NORM=q_norm is not None,
+            ROPE=rope_mode, SPLIT=splits > 1,
+            DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if splits > 1:
+            _combine_kernel[(num_tokens, num_q_heads)](
+                part_acc, part_m, part_l, out, out.stride(0), num_tokens, splits,
+                NQ=num_q_heads, HD=hd, SPLITS_P2=_next_pow2(splits), num_warps=1 if hd <= 64 else 2,
+            )
+    return out
+
+
+# ---- torch custom ops ---------------------------------------------------------------------------
+# mutates_args lists the cache layer views: the op writes the new k/v into them (declared even when
+# write_kv=False, which is harmless). Re-importing re-registers cleanly (as in gemm.py).
+
+
+@torch.library.custom_op("fusedpar::paged_attention_out", mutates_args=("out", "k_cache", "v_cache"))
+def _paged_attention_out_op(
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slots: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    rope_cos: torch.Tensor | None,
+    rope_sin: torch.Tensor | None,
+    num_tokens: int,
+    num_q_heads: int,
+    max_query_len: int,
+    max_kv_len: int,
+    scale: float,
+    eps: float,
+    rope_theta: float,
+    write_kv: bool,
+) -> None:
+    """paged_attention into `out` (see the module docstring); rope_theta <= 0 means no theta RoPE."""
+    _launch(
+        qkv, out, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions, q_norm,
+        k_norm, rope_cos, rope_sin, num_tokens=num_tokens, num_q_heads=num_q_heads,
+        max_query_len=max_query_len, max_kv_len=max_kv_len, scale=scale, eps=eps, rope_theta=rope_theta,
+        write_kv=write_kv,
+    )
+
+
+@_paged_attention_out_op.register_fake
+def _paged_attention_out_fake(
+    qkv, out, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions, q_norm, k_norm,
+    rope_cos, rope_sin, num_tokens, num_q_heads, max_query_len, max_kv_len, scale, eps, rope_theta, write_kv,
+) -> None:
+    _check_args(
+        qkv, out, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions, q_norm,
+        k_norm, rope_cos, rope_sin, num_tokens, num_q_heads, rope_theta, write_kv,
+    )
+
+
+@torch.library.custom_op("fusedpar::paged_attention", mutates_args=("k_cache", "v_cache"))
+def _paged_attention_op(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slots: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    rope_cos: torch.Tensor | None,
+    rope_sin: torch.Tensor | None,
+    num_tokens: int,
+    num_q_heads: int,
+    max_query_len: int,
+    max_kv_len: int,
+    scale: float,
+    eps: float,
+    rope_theta: float,
+    write_kv: bool,
+) -> torch.Tensor:
+    """paged_attention into a new contiguous [rows, nq * hd] tensor of qkv's dtype."""
+    out = torch.empty((qkv.shape[0], num_q_heads * k_cache.shape[3]), dtype=qkv.dtype, device=qkv.device)
+    return _launch(
+        qkv, out, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions, q_norm,
+        k_norm, rope_cos, rope_sin, num_tokens=num_tokens, num_q_heads=num_q_heads,
+        max_query_len=max_query_len, max_kv_len=max_kv_len, scale=scale, eps=eps, rope_theta=rope_theta,
+        write_kv=write_kv,
+    )
+
+
+@_paged_attention_op.register_fake
+def _paged_attention_fake(
+    qkv, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions, q_norm, k_norm,
+    rope_cos, rope_sin, num_tokens, num_q_heads, max_query_len, max_kv_len, scale, eps, rope_theta, write_kv,
+) -> torch.Tensor:
+    _check_args(
+        qkv, None, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions, q_norm,
+        k_norm, rope_cos, rope_sin, num_tokens, num_q_heads, rope_theta, write_kv,
+    )
+    return qkv.new_empty((qkv.shape[0], num_q_heads * k_cache.shape[3]))
+
+
+# ---- public API ---------------------------------------------------------------------------------
+
+
+def paged_attention(
+    qkv: torch.Tensor,
+    *,
+    num_tokens: int,
+    num_q_heads: int,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_kv_len: int | None = None,
+    scale: float | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    rope_theta: float | None = None,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    write_kv: bool = True,
+    out: torch.Tensor | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """Causal varlen/paged GQA attention of one step, reading the all-to-all layout in place.
+
+    qkv [rows, (nq + 2 nkv) hd] (fp16/bf16/fp32; rows >= num_tokens, padding rows never read).
+    k_cache, v_cache: this layer's [num_blocks, block_size, nkv, hd] cache views (same dtype).
+    cu_seqlens_q [S+1], context_lens [S], block_tables [S, max_blocks]: contiguous int32, on the
+      device (AttentionMetadata builds them). num_q_heads = nq; G = nq / nkv; q head h reads kv
+      head h // G.
+    slots [>= num_tokens] (int32/64): cache slot of each new token; negative = skip. Needed when
+      write_kv (default): the new k (normed, roped) and raw v are written there before attending.
+      With write_kv=False the new tokens' k/v must already be in the cache.
+    RoPE: rope_theta (with positions [>= num_tokens], absolute position of each token), or
+      rope_cos/rope_sin tables [>= num_tokens, hd] (row t for token t), or neither (no RoPE).
+    q_norm / k_norm: optional [hd] RMSNorm weights (Qwen3), applied before RoPE with eps.
+    max_query_len / max_kv_len: host-side upper bounds used only for tiling and split-KV choices
+      (results are correct for any values); None derives them from the tensors (a device sync).
+      In a CUDA graph pass bounds valid for every replay (e.g. the model's max length).
+    scale: softmax scale, default hd ** -0.5. out: optional [rows, nq hd] destination (any row
+      stride, contiguous columns). config: explicit tiling (bypasses the custom op; tests/tuning).
+    Returns out: rows < num_tokens = attention output, rows >= num_tokens = 0.
+    Goes through torch.ops.fusedpar.paged_attention[_out] unless config is given.
+    """
+    hd = k_cache.shape[-1]
+    if scale is None:
+        scale = hd**-0.5
+    if max_query_len is None or max_kv_len is None:
+        # Validate before reading the metadata, so a malformed call fails with the shape message.
+        _check_args(
+            qkv, out, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions, q_norm,
+            k_norm, rope_cos, rope_sin, num_tokens, num_q_heads, float(rope_theta or 0.0), write_kv,
+        )
+        lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
+        if max_query_len is None:
+            max_query_len = int(lens.max()) if lens.numel() else 1
+        if max_kv_len is None:
+            max_kv_len = int((lens + context_lens).max()) if lens.numel() else 1
+    theta = float(rope_theta) if rope_theta is not None else 0.0
+    args = (cu_seqlens_q, context_lens, block_tables, slots, positions, q_norm, k_norm, rope_cos, rope_sin)
+    kwargs: dict[str, Any] = dict(
+        num_tokens=num_tokens, num_q_heads=num_q_heads, max_query_len=max_query_len, max_kv_len=max_kv_len,
+        scale=float(scale), eps=float(eps), rope_theta=theta, write_kv=write_kv,
+    )
+    if config is not None:
+        if out is None:
+            out = torch.empty((qkv.shape[0], num_q_heads * hd), dtype=qkv.dtype, device=qkv.device)
+        return _launch(qkv, out, k_cache, v_cache, *args, **kwargs, config=config)
+    if out is None:
+        return torch.ops.fusedpar.paged_attention(qkv, k_cache, v_cache, *args, **kwargs)
+    torch.ops.fusedpar.paged_attention_out(qkv, out, k_cache, v_cache, *args, **kwargs)
+    return out
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Device-side batch description of one step, shared by every layer of the step.
+
+    cu_seqlens_q [S+1], context_lens [S], block_tables [S, max_blocks]: int32 on the cache's device
+    (views of one buffer, copied in one host->device transfer). num_tokens, max_query_len,
+    max_kv_len: host ints (tiling choices; no device sync at launch).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_tokens: int
+    max_query_len: int
+    max_kv_len: int
+
+    @classmethod
+    def from_step(
+        cls, batch: StepBatch, cache: PagedKVCache, device: torch.device | str | None = None
+    ) -> AttentionMetadata:
+        """Build from a StepBatch and a PagedKVCache AFTER cache.begin_step(batch) (which allocates the
+        blocks of the new tokens). Python touches each sequence once (to read its block list),
+        never each token. Raises if a block table is too short for its context + new tokens.
+        """
+        bs = cache.block_size
+        q_lens = torch.tensor(batch.query_lens, dtype=torch.int64)
+        ctx = torch.tensor(batch.context_lens, dtype=torch.int64)
+        need = (ctx + q_lens + bs - 1) // bs
+        tables = [cache.block_tables.get(sid, []) for sid in batch.seq_ids]
+        have = torch.tensor([len(t) for t in tables], dtype=torch.int64)
+        short = (have < need).nonzero().flatten().tolist()
+        if short:
+            i = short[0]
+            raise ValueError(
+                f"AttentionMetadata: sequence {batch.seq_ids[i]} has {int(have[i])} cache blocks but needs "
+                f"{int(need[i])} for {batch.context_lens[i]} + {batch.query_lens[i]} tokens: call "
+                f"cache.begin_step(batch) first"
+            )
+        num_seqs, max_blocks = len(tables), max(1, int(need.max()))
+        buf = torch.zeros(2 * num_seqs + 1 + num_seqs * max_blocks, dtype=torch.int32)
+        buf[1 : num_seqs + 1] = torch.cumsum(q_lens, 0).to(torch.int32)
+        buf[num_seqs + 1 : 2 * num_seqs + 1] = ctx.to(torch.int32)
+        # Scatter every block id into its (sequence, index) cell of the padded table at once.
+        counts = torch.minimum(have, need)
+        flat = torch.tensor([b for t, c in zip(tables, counts.tolist(), strict=True) for b in t[:c]], dtype=torch.int32)
+        seq_of = torch.repeat_interleave(torch.arange(num_seqs), counts)
+        idx_in_seq = torch.arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        buf[2 * num_seqs + 1 :].view(num_seqs, max_blocks)[seq_of, idx_in_seq] = flat
+        dev_buf = buf.to(device if device is not None else cache.k.device)
+        return cls(
+            cu_seqlens_q=dev_buf[: num_seqs + 1],
+            context_lens=dev_buf[num_seqs + 1 : 2 * num_seqs + 1],
+            block_tables=dev_buf[2 * num_seqs + 1 :].view(num_seqs, max_blocks),
+            num_tokens=int(q_lens.sum()),
+            max_query_len=int(q_lens.max()),
+            max_kv_len=int((q_lens + ctx).max()),
+        )
+
+
+_VALIDATED_KV_INDEX: set[tuple] = set()
+
+
+def check_kv_index(kv_index: torch.Tensor | Sequence[int], num_q_heads: int, num_kv_heads: int) -> None:
+    """Raise unless kv_index == arange(nq) // (nq / nkv), the only GQA map the kernel implements
+    (HeadPlacement.q_to_kv_index always has this form). Remembered per tensor (pointer, version),
+    so the device->host read happens once per buffer, not once per layer call."""
+    key = None
+    if isinstance(kv_index, torch.Tensor):
+        key = (kv_index.device, kv_index.data_ptr(), kv_index._version, kv_index.numel(), num_q_heads, num_kv_heads)
+        if key in _VALIDATED_KV_INDEX:
+            return
+        values = [int(x) for x in kv_index.tolist()]
+    else:
+        values = [int(x) for x in kv_index]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"kv_index: {num_q_heads} q heads are not a multiple of {num_kv_heads} kv heads")
+    want = [h // (num_q_heads // num_kv_heads) for h in range(num_q_heads)]
+    if values != want:
+        raise ValueError(
+            f"kv_index {values} is not the contiguous GQA map {want} (q heads of one kv head must be adjacent)"
+        )
+    if key is not None:
+        _VALIDATED_KV_INDEX.add(key)
+
+
+def attention_step(
+    qkv: torch.Tensor,
+    step: StepState,
+    cache: PagedKVCache,
+    layer_idx: int,
+    *,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    rope_theta: float | None = 10000.0,
+    scale: float | None = None,
+    kv_index: torch.Tensor | Sequence[int] | None = None,
+    metadata: AttentionMetadata | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Drop-in for ShiftParallelDecoderLayer._attention on the Triton kernels.
+
+    qkv [rows, (nq + 2 nkv) hd] with rows = step.num_tokens (or the padded count: rows past
+    num_tokens are ignored, so the all-to-all receive buffer can be passed whole). Writes the new
+    tokens' post-RoPE k and raw v at step.slots of layer `layer_idx`, attends each sequence to its
+    cached context + new tokens, returns [rows, nq hd] with zero padding rows.
+    rope_theta: the model's RoPE base (None: no RoPE); q_norm/k_norm: Qwen3 weights or None;
+    kv_index: optional, validated once per buffer (must be the contiguous GQA map).
+    metadata: AttentionMetadata.from_step(step.batch, cache), ideally built once per step and shared
+    by all layers; built here when None (host work + one small host->device copy per call).
+    Works identically for base-mode and shift-mode inputs: nothing here depends on the mode.
+    """
+    nkv, hd = cache.k.shape[3], cache.k.shape[4]
+    if qkv.dim() != 2 or qkv.shape[1] % hd or qkv.shape[1] // hd <= 2 * nkv:
+        raise ValueError(
+            f"attention_step: qkv must be [rows, (nq + 2*{nkv}) * {hd}] for this cache, got {tuple(qkv.shape)}"
+        )
+    nq = qkv.shape[1] // hd - 2 * nkv
+    if kv_index is not None:
+        check_kv_index(kv_index, nq, nkv)
+    md = metadata if metadata is not None else AttentionMetadata.from_step(step.batch, cache, qkv.device)
+    if md.num_tokens != step.num_tokens:
+        raise ValueError(f"attention_step: metadata has {md.num_tokens} tokens, the step {step.num_tokens}")
+    return paged_attention(
+        qkv,
+        num_tokens=step.num_tokens,
+        num_q_heads=nq,
+        cu_seqlens_q=md.cu_seqlens_q,
+        context_lens=md.context_lens,
+        block_tables=md.block_tables,
+        k_cache=cache.k[layer_idx],
+        v_cache=cache.v[layer_idx],
+        slots=step.slots,
+        positions=step.positions,
+        max_query_len=md.max_query_len,
+        max_kv_len=md.max_kv_len,
+        scale=scale,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        eps=eps,
+        rope_theta=rope_theta,
+        out=out,
+    )

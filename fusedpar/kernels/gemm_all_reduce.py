@@ -1,0 +1,1080 @@
+"""Row-parallel GEMM fused with its all-reduce: out = sum over ranks r of x_r @ w_r^T, no NCCL call.
+
+Math and layouts
+    Rank r of a group of W ranks holds x_r [M, K_r] (activations, any strides) and w_r [N, K_r], the
+    row-parallel weight shard in nn.Linear orientation (out_features N = d_out, in_features K_r =
+    K_local), typically a non-contiguous column view of the rank's base weight (DESIGN.md section
+    3). Every rank returns the same [M, N] tensor of x's dtype:
+
+        out[m, n] = round( sum_{r = 0..W-1} round_p( sum_k x_r[m, k] w_r[n, k] ) )
+
+    The inner sum is the GEMM's fp32 accumulator; round_p rounds it once to the partial dtype
+    (x's dtype by default, which is what the plain path's NCCL all-reduce sends; fp32 on request,
+    which doubles the bytes on NVLink); the rank sum is done in fp32 in the fixed order 0..W-1
+    (NCCL instead rounds to bf16 after every step), and round() is the final cast to x's dtype.
+    Every rank's output has identical bits: one-shot sums in the same order everywhere, two-shot
+    computes each tile once and copies it.
+
+Two fused paths, one Triton kernel (`_gemm_all_reduce_kernel`, constexpr TWO_SHOT)
+    one_shot (decode, M <= ONE_SHOT_MAX_TOKENS): weight-read-bound GEMM + one-shot all-reduce in
+        one launch. Program p computes its output tiles t = p, p + S, ... (S = NUM_SMS, the
+        persistent stride), PUSHES each fp32-accumulated partial tile (cast to the partial dtype)
+        into slot e % 2 of EVERY rank's workspace (region [src = r][t], a contiguous
+        BLOCK_M x BLOCK_N block), then publishes flag word [p, r] on every rank. Then it waits for
+        flag words [p, 0..W-1] of its own rank (program p of every rank computed the same tiles,
+        since every rank launches the same grid), and sums the W local partial copies of its
+        tiles in fp32, rank order 0..W-1, into out. One cross-GPU hop per launch; all reads local.
+    two_shot (prefill, M >= TWO_SHOT_MIN_TOKENS): persistent GEMM + reduce-scatter + all-gather.
+        Tile t is OWNED by rank t % W. Phase A (GEMM): program p computes tiles t = p, p + S, ...
+        and pushes each partial straight into its owner's workspace, region partial[src = r]
+        [j = t // W]; the remote stores leave from the GEMM epilogue, so the reduce-scatter
+        traffic overlaps the rest of the GEMM. After its last tile: flag word [p, r] on every rank.
+        Phase B (reduce): program p takes owned tiles j = p, p + P, ... (P = grid size); waits
+        for flag words [t % S, 0..W-1] (the program that produced tile t, on every rank); sums
+        the W partials (all local) in fp32; stores the result to its own out and pushes it into
+        every peer's result region [t] (x's dtype); then flag word [S + j, r] on every peer.
+        Phase C (copy): program p takes the non-owned tiles (k-th non-owned tile, k = p, p + P,
+        ...), waits for flag word [S + t // W, t % W], copies result[t] into out. Every byte that
+        crosses NVLink is a posted remote STORE (no remote loads: no round-trip latency to hide)
+        and every load is local. Each rank sends and receives 2 (W-1)/W of the output, the
+        all-reduce minimum; the reduce-scatter half is hidden behind the GEMM, the all-gather
+        half runs after it on all SMs.
+    Large M is processed in row chunks (one launch each) sized to the workspace; each chunk
+    must have >= W tiles (the double-buffering argument below needs every rank to own a tile).
+
+Co-residency (DESIGN.md section 5, pitfall c)
+    Grid <= NUM_SMS = the device's SM count, and each program does ALL of its GEMM work before it
+    waits for anything; GEMM work never waits. So a waiting program only waits for (a) GEMM work
+    of programs that never block, or (b) phase B of peers, which only waits for (a). No cycle,
+    provided every program of a launch gets an SM eventually, which holds when the kernel is not
+    sharing the GPU with other spinning kernels. A wait that still never ends (protocol bug, a
+    rank that skipped a call) gives up after SPIN_LIMIT polls and sets counters[STATUS] = 1: a
+    reported error, never a hang. The GEMM loop itself has no flag code (no barrier or atomic
+    inside the pipelined loop, pitfall e): the only addition there is the store's destination.
+
+Memory ordering (the PeerTable epoch protocol, fusedpar/collectives/symmetric.py)
+    Launch e reads e = counters[EPOCH] + 1 and uses data slot e % 2; the last program to retire
+    stores counters[EPOCH] = e (device-side, so CUDA-graph replays advance it).
+    Publish: data stores (local or remote), CTA barrier (tl.debug_barrier), then one atomic
+    exchange of e into each destination's flag word with release semantics at system scope; the
+    release is cumulative over the CTA's stores ordered before it by the barrier.
+    Consume: spin with RMW atomics (add 0) with acquire semantics at system scope on LOCAL flag
+    words until >= e, CTA barrier, then load with .cg (L2, no stale L1 line).
+    Each flag word has one writer per launch: word [p, src] only program p of rank src (phase A)
+    and word [S + j, owner] only the owner's program reducing j (phase B). ">= e" because a fast
+    peer may already have published e + 1; epochs never repeat, so an old value never passes. A
+    value >= e + 1 in word [row, src] is only written by rank src in a later launch (the column
+    is always the writer, in every kernel using the table), which src starts only after it
+    finished launch e, including the launch-e stores that the word guards: so it is as good as e.
+    Double buffering (why one flag round per launch suffices): all reads of rank q's workspace
+    are q's own (local). Rank r writes into q's slot e % 2 again only at launch e + 2, i.e.
+    after r's launch e + 1 finished; in launch e + 1, r waited for at least one flag that q
+    published in its launch e + 1 (one-shot: every program waits for every rank; two-shot:
+    r owns tile r < W, whose partials come from every rank), and q publishes those only after
+    its launch e completed, reads included (stream order). Launches of other kernels on the
+    same PeerTable (the one-shot all-reduce of the fallback) follow the same rule, so they may
+    interleave with these: flags are epoch-valued and the slot parity is global.
+
+CPU emulation (DESIGN.md section 6)
+    The interpreter runs programs one after another, so a launch that waits for a peer's later
+    phase would spin forever. `gemm_all_reduce_emulated` therefore drives every rank of an
+    EmulatedWorld phase by phase (constexprs DO_GEMM / DO_REDUCE / DO_COPY): every rank's GEMM
+    launch, then every rank's reduce, then (two-shot) every rank's copy. The flag code still
+    runs (USE_FLAGS): the flags are simply set when the waits start; USE_FLAGS=False skips it.
+
+Layers (DESIGN.md section 1): kernel -> launcher (`launch_gemm_all_reduce`) -> registered ops
+`torch.ops.fusedpar.gemm_all_reduce` / `gemm_all_reduce_out` (fake impls; torch.compile and
+CUDA-graph capture see one opaque node) -> the size-based router `gemm_all_reduce`, which falls
+back to cuBLAS + fusedpar.kernels.allreduce.all_reduce (our one-shot or NCCL) where the fused
+paths are not measured to win.
+
+CPU: set TRITON_INTERPRET=1 before this module is first imported; the interpreter cannot tl.dot
+bf16, so CPU tests use fp16/fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from fusedpar.collectives.symmetric import (
+    ALIGN_BYTES,
+    COUNTER_EPOCH,
+    COUNTER_RETIRED,
+    COUNTER_STATUS,
+    EmulatedWorld,
+    PeerTable,
+    as_peer_table,
+)
+from fusedpar.kernels.gemm import GemmConfig, _tile_coords, pick_config
+
+__all__ = [
+    "GPU_SPIN_LIMIT",
+    "ONE_SHOT_MAX_TOKENS",
+    "PATHS",
+    "TWO_SHOT_MIN_TOKENS",
+    "FusedConfig",
+    "FusedPlan",
+    "choose_path",
+    "default_config",
+    "fused_plan",
+    "gemm_all_reduce",
+    "gemm_all_reduce_emulated",
+    "gemm_all_reduce_reference",
+    "launch_gemm_all_reduce",
+    "required_workspace",
+    "slot_bytes_of",
+]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# ---- router thresholds (rows of x per rank) ---------------------------------------------------
+# Set from perf/bench_gemm_all_reduce.py on 4 x H200; until that run they are reasoned guesses:
+#  - one-shot: a decode GEMM is weight-read bound (~14-40 us for the Llama-70B row-parallel shards)
+#    and the fused one-shot adds one cross-GPU hop (~5 us) instead of a separate ~8-13 us
+#    all-reduce launch; at 64 rows the pushed partials are 1 MiB per rank, where our standalone
+#    one-shot stops winning (perf/results/one_shot_all_reduce.json), so 64 is the upper end.
+#  - two-shot: the fused path hides the reduce-scatter half behind the GEMM; below ~1K rows the
+#    GEMM is too short to hide anything and the fixed costs (two flag hops) dominate.
+# Between the two (and whenever the workspace is too small) the router uses cuBLAS + all_reduce.
+ONE_SHOT_MAX_TOKENS = 64
+TWO_SHOT_MIN_TOKENS = 1024
+
+# Bounded spin on GPUs: polls of a local flag word (an acquire RMW at system scope, ~0.2-1 us
+# each) before a wait gives up and reports counters[STATUS] = 1: ~7 s to ~30 s, far above any
+# legitimate wait (a peer's GEMM, launch skew, a peer's first-call Triton compile).
+GPU_SPIN_LIMIT = 1 << 25
+_INTERPRETER_SPIN_LIMIT = 8  # phased emulation: flags are already set, a miss is a bug
+_INTERPRETER_NUM_SMS = 4  # interpreter "SMs": several tiles per program even on small shapes
+
+PATHS = ("auto", "local", "one_shot", "two_shot", "unfused")
+
+# Counter indices as Triton constexprs (a @jit function may only read constexpr globals).
+_EPOCH = tl.constexpr(COUNTER_EPOCH)
+_RETIRED = tl.constexpr(COUNTER_RETIRED)
+_STATUS = tl.constexpr(COUNTER_STATUS)
+
+
+@triton.jit
+def _wait_flags(flag_ptrs, mask, epoch, counters_ptr, SPIN_LIMIT: tl.constexpr):
+    """Spin until every masked int64 flag word is >= epoch (acquire, system scope), then CTA barrier.
+
+    Stock Triton has no atomic load: an atomic add of 0 with acquire semantics is one. With
+    SPIN_LIMIT > 0 the wait gives up after that many polls and sets counters[STATUS] = 1.
+    """
+    seen = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    missing = tl.sum((mask & (seen < epoch)).to(tl.int32), axis=0)
+    spins = 0
+    while missing > 0:
+        seen = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+        missing = tl.sum((mask & (seen < epoch)).to(tl.int32), axis=0)
+        if SPIN_LIMIT > 0:
+            spins += 1
+            if spins >= SPIN_LIMIT:
+                tl.atomic_xchg(counters_ptr + _STATUS, 1)
+                missing = 0
+    # The acquire was done by a few threads; the barrier orders every thread's later loads after it.
+    tl.debug_barrier()
+
+
+@triton.jit
+def _publish(signal_ptrs, word, epoch, peers, mask):
+    """Exchange epoch into flag word `word` of every masked rank: release, system scope.
+
+    The caller's CTA barrier before this makes the release cover every thread's stores.
+    """
+    dst = tl.load(signal_ptrs + peers, mask=mask, other=0).to(tl.pointer_type(tl.int64))
+    tl.atomic_xchg(dst + word, epoch, mask=mask, sem="release", scope="sys")
+
+
+@triton.jit
+def _store_tile_rows(out_ptr, vals, tile_id, r0, M, N, stride_om, stride_on, num_pid_in_group, num_pid_m,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                     COMM_ROWS: tl.constexpr):
+    """Masked store of rows [r0, r0 + COMM_ROWS) of output tile `tile_id` (a [COMM_ROWS, BLOCK_N] block)."""
+    pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+    rows = pid_m * BLOCK_M + r0 + tl.arange(0, COMM_ROWS)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(ptrs, vals.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _gemm_all_reduce_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    buffer_ptrs,  # int64 [WORLD]: every rank's data buffer
+    signal_ptrs,  # int64 [WORLD]: every rank's flag words (int64 [max_blocks * WORLD] each)
+    counters_ptr,  # int64 local: EPOCH, RETIRED, STATUS
+    rank,
+    slot_bytes,  # bytes per double-buffer slot (multiple of ALIGN_BYTES)
+    result_off,  # two-shot: byte offset of the result region inside a slot
+    own_cap,  # two-shot: tiles per (src) partial region = cdiv(num_tiles, WORLD)
+    WORLD: tl.constexpr,
+    WORLD_P2: tl.constexpr,  # next power of two >= WORLD (tl.arange needs one)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr,  # persistent stride; flag rows [0, NUM_SMS) are per-producer
+    EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    PARTIAL_FP32: tl.constexpr,  # partials in fp32 (else in x's dtype)
+    COMM_ROWS: tl.constexpr,  # tile rows per step of the reduce / copy loops
+    TWO_SHOT: tl.constexpr,
+    DO_GEMM: tl.constexpr,
+    DO_REDUCE: tl.constexpr,
+    DO_COPY: tl.constexpr,  # two-shot only
+    RETIRE: tl.constexpr,  # this launch runs the last phase: advance the epoch
+    USE_FLAGS: tl.constexpr,
+    SPIN_LIMIT: tl.constexpr,  # 0: spin until the flag arrives; > 0: give up, set STATUS
+):
+    pid = tl.program_id(axis=0)
+    nprog = tl.num_programs(axis=0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+    TILE: tl.constexpr = BLOCK_M * BLOCK_N
+    pdt = tl.float32 if PARTIAL_FP32 else a_ptr.dtype.element_ty  # constexpr condition: resolved at compile time
+    odt = out_ptr.dtype.element_ty
+    peers = tl.arange(0, WORLD_P2)
+    peer_mask = peers < WORLD
+    # Epoch of this launch (module docstring); it lives in device memory so graph replays advance it.
+    epoch = tl.load(counters_ptr + _EPOCH) + 1
+    slot_off = (epoch % 2) * slot_bytes
+    my_flags = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int64))
+    # Workspace addresses come from memory and carry no alignment facts; the workspace guarantees
+    # ALIGN_BYTES, and without the hint Triton would not emit 16-byte vector accesses.
+    mine = tl.multiple_of((tl.load(buffer_ptrs + rank) + slot_off).to(tl.pointer_type(pdt)), 16)
+    # Offsets of one contiguous BLOCK_M x BLOCK_N tile block and of one COMM_ROWS-row step of it.
+    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    offs_rows = tl.arange(0, COMM_ROWS)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+
+    # ---- phase A: the persistent GEMM (a copy of fusedpar.kernels.gemm's loop; only the epilogue's
+    # destination differs: a contiguous tile block in a workspace instead of C) -----------------
+    if DO_GEMM:
+        tile_id_c = pid - NUM_SMS  # epilogue's own tile counter (see gemm.py: pipelining workaround)
+        offs_k_base = tl.arange(0, BLOCK_K)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=True):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+            offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_wn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            # Ragged edges: clamp to index 0 (valid memory) instead of masking; the extra rows and
+            # columns are finite and only ever reach masked-off output positions.
+            offs_am = tl.where(offs_am < M, offs_am, 0)
+            offs_wn = tl.where(offs_wn < N, offs_wn, 0)
+            accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                offs_k = ki * BLOCK_K + offs_k_base
+                a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
+                b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_left = K - ki * BLOCK_K
+                    a = tl.load(a_ptrs, mask=offs_k_base[None, :] < k_left, other=0.0)
+                    b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
+                accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+
+            tile_id_c += NUM_SMS
+            part = accumulator.to(pdt)
+            if TWO_SHOT:
+                # Reduce-scatter by push: straight into the owner's partial region [rank][t // WORLD].
+                owner = tile_id_c % WORLD
+                dst = tl.multiple_of((tl.load(buffer_ptrs + owner) + slot_off).to(tl.pointer_type(pdt)), 16)
+                tl.store(dst + (rank * own_cap + tile_id_c // WORLD) * TILE + offs_tile, part)
+            else:
+                # One-shot by push: into region [rank][t] of every rank (own copy included).
+                for q in tl.static_range(WORLD):
+                    dst = tl.multiple_of((tl.load(buffer_ptrs + q) + slot_off).to(tl.pointer_type(pdt)), 16)
+                    tl.store(dst + (rank * num_tiles + tile_id_c) * TILE + offs_tile, part)
+        if USE_FLAGS:
+            # One flag per program and rank, after ALL its tiles: nothing of the flag protocol sits
+            # inside the pipelined loop, and the system-scope fence is paid once per program.
+            tl.debug_barrier()
+            _publish(signal_ptrs, pid * WORLD + rank, epoch, peers, peer_mask)
+
+    # ---- phase B: reduce -------------------------------------------------------------------------
+    if DO_REDUCE:
+        if TWO_SHOT:
+            n_own = (num_tiles - rank + WORLD - 1) // WORLD
+            j = pid
+            while j < n_own:
+                t = j * WORLD + rank
+                if USE_FLAGS:
+                    # Tile t was produced by program t % NUM_SMS of every rank.
+                    _wait_flags(my_flags + (t % NUM_SMS) * WORLD + peers, peer_mask, epoch, counters_ptr, SPIN_LIMIT)
+                src = mine + j * TILE
+                for r0 in range(0, BLOCK_M, COMM_ROWS):
+                    acc = tl.zeros((COMM_ROWS, BLOCK_N), dtype=tl.float32)
+                    # Fixed rank order 0..WORLD-1; the result is computed once and copied everywhere.
+                    for q in tl.static_range(WORLD):
+                        acc += tl.load(src + q * own_cap * TILE + r0 * BLOCK_N + offs_rows,
+                                       cache_modifier=".cg").to(tl.float32)
+                    res = acc.to(odt)
+                    _store_tile_rows(out_ptr, res, t, r0, M, N, stride_om, stride_on, num_pid_in_group,
+                                     num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS)
+                    # All-gather by push: the full tile block (ragged rows too: finite values) into
+                    # every peer's result region [t].
+                    for q in tl.static_range(WORLD):
+                        if q != rank:
+                            dst = (tl.load(buffer_ptrs + q) + slot_off + result_off).to(tl.pointer_type(odt))
+                            dst = tl.multiple_of(dst, 16)
+                            tl.store(dst + t * TILE + r0 * BLOCK_N + offs_rows, res)
+                if USE_FLAGS:
+                    tl.debug_barrier()
+                    _publish(signal_ptrs, (NUM_SMS + j) * WORLD + rank, epoch, peers, peer_mask & (peers != rank))
+                j += nprog
+        else:
+            if USE_FLAGS:
+                # Program pid of every rank computed exactly this program's tiles.
+                _wait_flags(my_flags + pid * WORLD + peers, peer_mask, epoch, counters_ptr, SPIN_LIMIT)
+            t = pid
+            while t < num_tiles:
+                src = mine + t * TILE
+                for r0 in range(0, BLOCK_M, COMM_ROWS):
+                    acc = tl.zeros((COMM_ROWS, BLOCK_N), dtype=tl.float32)
+                    # Fixed rank order 0..WORLD-1 on every rank: identical bits everywhere.
+                    for q in tl.static_range(WORLD):
+                        acc += tl.load(src + q * num_tiles * TILE + r0 * BLOCK_N + offs_rows,
+                                       cache_modifier=".cg").to(tl.float32)
+                    _store_tile_rows(out_ptr, acc, t, r0, M, N, stride_om, stride_on, num_pid_in_group,
+                                     num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS)
+                t += NUM_SMS
+
+    # ---- phase C (two-shot): copy the tiles reduced by their owners into out ----------------------
+    if DO_COPY and WORLD > 1:  # WORLD == 1 has no tile to copy (and WORLD - 1 would divide by 0)
+        n_own = (num_tiles - rank + WORLD - 1) // WORLD
+        n_other = num_tiles - n_own
+        results = tl.multiple_of((tl.load(buffer_ptrs + rank) + slot_off + result_off).to(tl.pointer_type(odt)), 16)
+        one = tl.arange(0, 1)
+        k = pid
+        while k < n_other:
+            # k-th non-owned tile in increasing order: groups of WORLD tiles minus the own one.
+            g = k // (WORLD - 1)
+            rr = k % (WORLD - 1)
+            owner = tl.where(rr >= rank, rr + 1, rr)
+            t = g * WORLD + owner
+            if USE_FLAGS:
+                _wait_flags(my_flags + (NUM_SMS + g) * WORLD + owner + one, one < 1, epoch, counters_ptr,
+                            SPIN_LIMIT)
+            for r0 in range(0, BLOCK_M, COMM_ROWS):
+                vals = tl.load(results + t * TILE + r0 * BLOCK_N + offs_rows, cache_modifier=".cg")
+                _store_tile_rows(out_ptr, vals, t, r0, M, N, stride_om, stride_on, num_pid_in_group,
+                                 num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS)
+            k += nprog
+
+    if RETIRE:
+        # The last program of this launch publishes the epoch for the next launch.
+        retired = tl.atomic_add(counters_ptr + _RETIRED, 1, sem="acq_rel", scope="gpu")
+        if retired == nprog - 1:
+            tl.atomic_xchg(counters_ptr + _RETIRED, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(counters_ptr + _EPOCH, epoch, sem="relaxed", scope="gpu")
+
+
+# Triton picks interpreter vs compiler when @triton.jit runs.
+_INTERPRETED = not isinstance(_gemm_all_reduce_kernel, JITFunction)
+
+
+# ---- configuration and planning ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Launch shape of one fused path.
+
+    gemm: tiling of the GEMM phase (fusedpar.kernels.gemm.GemmConfig).
+    num_sms: persistent stride and upper bound of the grid (the device's SM count: every program
+        must be co-resident with the ones it waits for).
+    comm_rows: tile rows per step of the reduce / copy loops (comm_rows x block_n elements).
+    """
+
+    gemm: GemmConfig
+    num_sms: int
+    comm_rows: int
+
+    def as_list(self) -> list[int]:
+        g = self.gemm
+        return [g.block_m, g.block_n, g.block_k, g.group_m, g.num_warps, g.num_stages, self.num_sms, self.comm_rows]
+
+    @staticmethod
+    def from_list(v: list[int]) -> FusedConfig:
+        return FusedConfig(GemmConfig(*v[:6]), num_sms=v[6], comm_rows=v[7])
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """How one fused call runs: path, config, partial dtype and the row chunks (one launch each)."""
+
+    path: str  # "one_shot" or "two_shot"
+    config: FusedConfig
+    partial_dtype: torch.dtype
+    chunks: tuple[tuple[int, int], ...]  # (first row, rows)
+    slot_bytes: int
+
+
+_COMM_ELEMS_PER_WARP = 512  # elements per reduce/copy step and warp: 16 per thread (two 16-byte bf16 vectors)
+_COMM_ELEMS_INTERPRETER = 256  # several steps per 32 x 32 tile
+
+
+@functools.cache
+def _device_num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if _INTERPRETED:
+        return _INTERPRETER_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_num_sms(index)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _align(n: int, a: int = ALIGN_BYTES) -> int:
+    return (n + a - 1) // a * a
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def default_config(path: str, m: int, n: int, k: int, dtype: torch.dtype, partial_dtype: torch.dtype,
+                   num_sms: int, *, interpret: bool | None = None) -> FusedConfig:
+    """Tiling of a fused path.
+
+    Interpreter: 32x32x32 tiles (as fusedpar.kernels.gemm), 8-row comm steps.
+    GPU: fusedpar.kernels.gemm.pick_config, the tiling measured best for the plain GEMM on H200
+    (perf/results/gemm_tune.json), with the partial dtype as the epilogue dtype: for decode
+    (m <= 64) BLOCK_M = next power of two >= m, BLOCK_N 64 on these shapes, BLOCK_K 256/128,
+    4 warps; above, 128x256x64 / 8 warps, or 128x128x64 / 4 warps where 128x256 tiles quantise
+    badly. The fused kernel's GEMM loop is the plain kernel's, so its best tiling should carry
+    over (to be confirmed by perf/bench_gemm_all_reduce.py). Comm steps move 16 elements per
+    thread (two 16-byte vectors of bf16 per rank).
+    path is accepted for symmetry; both fused paths use the same GEMM tiling.
+    """
+    del path
+    if _INTERPRETED if interpret is None else interpret:
+        gcfg = pick_config(m, n, k, dtype=dtype, out_dtype=partial_dtype, num_sms=num_sms, interpret=True)
+        comm = _COMM_ELEMS_INTERPRETER
+    else:
+        gcfg = pick_config(m, n, k, dtype=dtype, out_dtype=partial_dtype, num_sms=num_sms, interpret=False)
+        comm = _COMM_ELEMS_PER_WARP * gcfg.num_warps
+    return FusedConfig(gcfg, num_sms=num_sms, comm_rows=max(1, min(gcfg.block_m, comm // gcfg.block_n)))
+
+
+def _layout(path: str, rows: int, n: int, world: int, cfg: FusedConfig, psize: int, osize: int):
+    """(tiles, own_cap, result_off, slot bytes needed, flag rows needed) of one launch over `rows` rows."""
+    g = cfg.gemm
+    tiles = triton.cdiv(rows, g.block_m) * triton.cdiv(n, g.block_n)
+    tile = g.block_m * g.block_n
+    if path == "one_shot":
+        return tiles, 0, 0, world * tiles * tile * psize, min(cfg.num_sms, tiles)
+    own_cap = triton.cdiv(tiles, world)
+    result_off = _align(world * own_cap * tile * psize)
+    return tiles, own_cap, result_off, result_off + tiles * tile * osize, cfg.num_sms + own_cap
+
+
+def required_workspace(
+    path: str,
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    world_size: int,
+    *,
+    num_sms: int,
+    partial_dtype: torch.dtype | None = None,
+    config: FusedConfig | None = None,
+) -> tuple[int, int]:
+    """(nbytes, max_blocks) of a SymmetricWorkspace that runs `path` over m rows in ONE launch.
+
+    nbytes covers both double-buffer slots. Smaller workspaces still run two_shot, in row chunks.
+    """
+    pdt = partial_dtype or dtype
+    cfg = config or default_config(path, m, n, k, dtype, pdt, num_sms)
+    _, _, _, need, flag_rows = _layout(path, m, n, world_size, cfg, _esize(pdt), _esize(dtype))
+    return 2 * _align(need), flag_rows
+
+
+def slot_bytes_of(table: PeerTable) -> int:
+    """Bytes of one double-buffer slot of `table` (half the data buffer, ALIGN_BYTES-aligned)."""
+    return (table.buffer_bytes // 2) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def fused_plan(
+    path: str,
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    table: PeerTable,
+    *,
+    partial_dtype: torch.dtype | None = None,
+    config: FusedConfig | None = None,
+) -> tuple[FusedPlan | None, str]:
+    """(plan, "") if the fused `path` can run this call on `table`, else (None, why not).
+
+    Pure function of shapes, dtypes and the table's sizes, so every rank makes the same choice.
+    two_shot splits M into balanced chunks of whole tile rows, each fitting one slot and the flag
+    words and holding >= world_size tiles; one_shot must fit in one launch.
+    """
+    if path not in ("one_shot", "two_shot"):
+        raise ValueError(f"fused_plan: unknown path {path!r}")
+    num_sms = config.num_sms if config is not None else _num_sms(table.device)
+    args = (path, m, n, k, dtype, table.world_size, slot_bytes_of(table), table.max_blocks, num_sms, partial_dtype,
+            config)
+    # Cached in eager mode, where the router plans on every call and a decode step's host time
+    # matters; dynamo traces the plain function instead (it would bypass the cache anyway).
+    return _plan_cached.__wrapped__(*args) if torch.compiler.is_compiling() else _plan_cached(*args)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cached(path, m, n, k, dtype, world, slot, max_blocks, num_sms, partial_dtype, config):
+    pdt = partial_dtype or dtype
+    if pdt not in (dtype, torch.float32):
+        return None, f"partial dtype must be {dtype} or torch.float32, got {pdt}"
+    cfg = config or default_config(path, m, n, k, dtype, pdt, num_sms)
+    psize, osize = _esize(pdt), _esize(dtype)
+    bm = cfg.gemm.block_m
+
+    def size_problem(rows: int) -> str:
+        """Why one launch over `rows` rows does not fit the workspace ("" if it does); monotone in rows."""
+        tiles, own_cap, _, need, flag_rows = _layout(path, rows, n, world, cfg, psize, osize)
+        if need > slot:
+            return f"needs a {need}-byte slot, the workspace has {slot}"
+        if flag_rows > max_blocks:
+            return f"needs {flag_rows} flag rows, the workspace has max_blocks={max_blocks}"
+        tile = cfg.gemm.block_m * cfg.gemm.block_n
+        region = world * (tiles if path == "one_shot" else own_cap) * tile
+        if max(region, tiles * tile) >= 2**31:
+            return "workspace regions of >= 2**31 elements (int32 offsets)"
+        return ""
+
+    if m == 0 or n == 0:
+        return FusedPlan(path, cfg, pdt, (), slot), ""
+    if path == "one_shot":
+        why = size_problem(m)
+        return (None, f"one_shot: {why}") if why else (FusedPlan(path, cfg, pdt, ((0, m),), slot), "")
+    # two_shot: the largest chunk (in tile rows) that fits, by bisection; then balanced chunks so
+    # the last one is not a sliver.
+    tile_rows = triton.cdiv(m, bm)
+    lo, hi = 0, tile_rows
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if size_problem(min(m, mid * bm)):
+            hi = mid - 1
+        else:
+            lo = mid
+    if lo == 0:
+        return None, f"two_shot: {size_problem(min(m, bm))}"
+    n_chunks = triton.cdiv(tile_rows, lo)
+    per = triton.cdiv(tile_rows, n_chunks) * bm
+    chunks = tuple((m0, min(per, m - m0)) for m0 in range(0, m, per))
+    # Every rank must own a tile of every launch (the double-buffering argument).
+    smallest = min(rows for _, rows in chunks)
+    tiles = triton.cdiv(smallest, bm) * triton.cdiv(n, cfg.gemm.block_n)
+    if tiles < world:
+        return None, f"two_shot: a chunk of {smallest} rows has {tiles} tiles < world size {world}"
+    return FusedPlan(path, cfg, pdt, chunks, slot), ""
+
+
+# ---- launcher -----------------------------------------------------------------------------------
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, device: torch.device) -> None:
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"gemm_all_reduce: x must be [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"gemm_all_reduce: inner dims differ: x {tuple(x.shape)} is [M, K_local] and w {tuple(w.shape)} is "
+            "[N, K_local] (nn.Linear orientation)"
+        )
+    if x.dtype not in _SUPPORTED_DTYPES or w.dtype != x.dtype:
+        raise TypeError(
+            f"gemm_all_reduce: x and w must share one dtype of {_SUPPORTED_DTYPES}, got {x.dtype}, {w.dtype}"
+        )
+    if x.device != device or w.device != device:
+        raise ValueError(f"gemm_all_reduce: x ({x.device}) and w ({w.device}) must be on the workspace's {device}")
+    if x.device.type == "cpu" and not _INTERPRETED:
+        raise RuntimeError(
+            "gemm_all_reduce on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before "
+            "fusedpar.kernels.gemm_all_reduce is first imported"
+        )
+    if out is not None:
+        want = (x.shape[0], w.shape[0])
+        if tuple(out.shape) != want or out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(
+                f"gemm_all_reduce: out must be {want} of {x.dtype} on {x.device}, got {tuple(out.shape)} "
+                f"{out.dtype} {out.device}"
+            )
+    for name, t in (("x", x), ("w", w), ("out", out)):
+        if t is not None and sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True)) >= 2**31:
+            raise ValueError(f"gemm_all_reduce: {name} spans >= 2**31 elements (int32 offsets); split the call")
+
+
+def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan: FusedPlan, *,
+                  gemm: bool, reduce: bool, copy: bool, use_flags: bool, spin_limit: int | None):
+    """One launch over x [rows, K] -> out [rows, N] (a chunk); returns Triton's compiled handle (GPU)."""
+    two_shot = plan.path == "two_shot"
+    cfg, g = plan.config, plan.config.gemm
+    m, k = x.shape
+    n = w.shape[0]
+    tiles, own_cap, result_off, _, _ = _layout(plan.path, m, n, world, cfg, _esize(plan.partial_dtype),
+                                               _esize(x.dtype))
+    if spin_limit is None:
+        spin_limit = _INTERPRETER_SPIN_LIMIT if _INTERPRETED else GPU_SPIN_LIMIT
+    last = copy if two_shot else reduce
+    guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        return _gemm_all_reduce_kernel[(min(cfg.num_sms, tiles),)](
+            x,
+            w,
+            out,
+            m,
+            n,
+            k,
+            x.stride(0),
+            x.stride(1),
+            w.stride(0),
+            w.stride(1),
+            out.stride(0),
+            out.stride(1),
+            buffer_ptrs,
+            signal_ptrs,
+            counters,
+            rank,
+            plan.slot_bytes,
+            result_off,
+            own_cap,
+            WORLD=world,
+            WORLD_P2=_next_pow2(world),
+            BLOCK_M=g.block_m,
+            BLOCK_N=g.block_n,
+            BLOCK_K=g.block_k,
+            GROUP_M=g.group_m,
+            NUM_SMS=cfg.num_sms,
+            EVEN_K=k % g.block_k == 0,
+            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            PARTIAL_FP32=plan.partial_dtype == torch.float32 and x.dtype != torch.float32,
+            COMM_ROWS=cfg.comm_rows,
+            TWO_SHOT=two_shot,
+            DO_GEMM=gemm,
+            DO_REDUCE=reduce,
+            DO_COPY=copy and two_shot,
+            RETIRE=last,
+            USE_FLAGS=use_flags,
+            SPIN_LIMIT=spin_limit,
+            num_warps=g.num_warps,
+            num_stages=g.num_stages,
+        )
+
+
+def _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan: FusedPlan, *,
+              use_flags: bool = True, spin_limit: int | None = None):
+    """All phases of every chunk, one launch per chunk (the GPU path). Returns the last handle."""
+    handle = None
+    for m0, rows in plan.chunks:
+        handle = _launch_chunk(x.narrow(0, m0, rows), w, out.narrow(0, m0, rows), buffer_ptrs, signal_ptrs,
+                               counters, rank, world, plan, gemm=True, reduce=True, copy=True,
+                               use_flags=use_flags, spin_limit=spin_limit)
+    return handle
+
+
+def _plan_or_raise(path, x, w, table, partial_dtype, config) -> FusedPlan:
+    plan, why = fused_plan(path, x.shape[0], w.shape[0], x.shape[1], x.dtype, table,
+                           partial_dtype=partial_dtype, config=config)
+    if plan is None:
+        raise ValueError(f"gemm_all_reduce: the fused {path} path cannot run this call: {why}")
+    return plan
+
+
+def launch_gemm_all_reduce(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    table: PeerTable,
+    out: torch.Tensor,
+    *,
+    path: str = "two_shot",
+    gemm: bool = True,
+    reduce: bool = True,
+    copy: bool = True,
+    partial_dtype: torch.dtype | None = None,
+    use_flags: bool = True,
+    spin_limit: int | None = None,
+    config: FusedConfig | None = None,
+):
+    """Raw launcher as `table.rank`: the chosen phases (all: the GPU path; one: a step of the CPU
+    emulation), one launch per row chunk. No routing, no op registration: callers normally want
+    gemm_all_reduce().
+
+    A subset of the phases needs a one-chunk plan: the epoch only advances in the last phase, so
+    the next chunk's phases must wait for it (gemm_all_reduce_emulated interleaves chunks and
+    phases properly). use_flags=False skips the flag protocol: correct only when something else
+    orders the ranks (the phased emulation); a data race on GPUs. Returns the last launch's
+    compiled handle (GPU; PTX/TTGIR inspection).
+    """
+    if path not in ("one_shot", "two_shot"):
+        raise ValueError(f"launch_gemm_all_reduce: path must be 'one_shot' or 'two_shot', got {path!r}")
+    if not (gemm or reduce or (copy and path == "two_shot")):
+        raise ValueError("launch_gemm_all_reduce: nothing to do (no phase selected)")
+    _check(x, w, out, table.device)
+    plan = _plan_or_raise(path, x, w, table, partial_dtype, config)
+    if len(plan.chunks) > 1 and not (gemm and reduce and (copy or path == "one_shot")):
+        raise ValueError(
+            f"launch_gemm_all_reduce: a subset of the phases needs a one-chunk plan, this call runs "
+            f"{len(plan.chunks)} chunks (use gemm_all_reduce_emulated, or a bigger workspace)"
+        )
+    handle = None
+    for m0, rows in plan.chunks:
+        handle = _launch_chunk(x.narrow(0, m0, rows), w, out.narrow(0, m0, rows), table.buffer_ptrs,
+                               table.signal_ptrs, table.counters, table.rank, table.world_size, plan,
+                               gemm=gemm, reduce=reduce, copy=copy, use_flags=use_flags, spin_limit=spin_limit)
+    return handle
+
+
+# ---- registered ops -----------------------------------------------------------------------------
+# The peer table travels as its tensors + ints (no registry of workspaces). counters is declared
+# mutated: it is (the epoch advances), and that keeps the op from being dead-code eliminated or
+# reordered across another launch on the same table, which would desynchronise the ranks.
+
+
+def _plan_from_args(path, x, w, buffer_ptrs, counters, world_size, buffer_bytes, max_blocks, partial_fp32, config):
+    # A light PeerTable stand-in for fused_plan (sizes only).
+    table = _Sizes(world_size, buffer_bytes, max_blocks, counters.device)
+    pdt = torch.float32 if partial_fp32 else x.dtype
+    return _plan_or_raise(path, x, w, table, pdt, FusedConfig.from_list(list(config)))
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    world_size: int
+    buffer_bytes: int
+    max_blocks: int
+    device: torch.device
+
+
+@torch.library.custom_op("fusedpar::gemm_all_reduce", mutates_args=("counters",))
+def _fused_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    buffer_ptrs: torch.Tensor,
+    signal_ptrs: torch.Tensor,
+    counters: torch.Tensor,
+    rank: int,
+    world_size: int,
+    buffer_bytes: int,
+    max_blocks: int,
+    path: str,
+    partial_fp32: bool,
+    config: list[int],
+    use_flags: bool,
+) -> torch.Tensor:
+    """out = sum over ranks of x @ w^T through a fused path; a new contiguous [M, N] tensor of x's dtype."""
+    _check(x, w, None, counters.device)
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    plan = _plan_from_args(path, x, w, buffer_ptrs, counters, world_size, buffer_bytes, max_blocks, partial_fp32,
+                           config)
+    _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, plan, use_flags=use_flags)
+    return out
+
+
+@_fused_op.register_fake
+def _fused_fake(x, w, buffer_ptrs, signal_ptrs, counters, rank, world_size, buffer_bytes, max_blocks, path,
+                partial_fp32, config, use_flags):
+    _check_shapes_only(x, w)
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.custom_op("fusedpar::gemm_all_reduce_out", mutates_args=("out", "counters"))
+def _fused_out_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    buffer_ptrs: torch.Tensor,
+    signal_ptrs: torch.Tensor,
+    counters: torch.Tensor,
+    out: torch.Tensor,
+    rank: int,
+    world_size: int,
+    buffer_bytes: int,
+    max_blocks: int,
+    path: str,
+    partial_fp32: bool,
+    config: list[int],
+    use_flags: bool,
+) -> None:
+    """out[:] = sum over ranks of x @ w^T through a fused path; out may be any strided [M, N] view."""
+    _check(x, w, out, counters.device)
+    plan = _plan_from_args(path, x, w, buffer_ptrs, counters, world_size, buffer_bytes, max_blocks, partial_fp32,
+                           config)
+    _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, plan, use_flags=use_flags)
+
+
+@_fused_out_op.register_fake
+def _fused_out_fake(x, w, buffer_ptrs, signal_ptrs, counters, out, rank, world_size, buffer_bytes, max_blocks, path,
+                    partial_fp32, config, use_flags):
+    _check_shapes_only(x, w)
+
+
+def _check_shapes_only(x: torch.Tensor, w: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemm_all_reduce: x must be [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
+
+
+def _call_fused(x, w, table: PeerTable, out, plan: FusedPlan, use_flags: bool = True) -> torch.Tensor:
+    """Run a fused plan: through the registered op under torch.compile, else a direct launch (the
+    custom-op dispatcher's host cost is a sizeable part of a ~20 us decode step)."""
+    if torch.compiler.is_compiling():
+        args = (table.buffer_ptrs, table.signal_ptrs, table.counters)
+        meta = (table.rank, table.world_size, table.buffer_bytes, table.max_blocks, plan.path,
+                plan.partial_dtype == torch.float32 and x.dtype != torch.float32, plan.config.as_list(), use_flags)
+        if out is None:
+            return torch.ops.fusedpar.gemm_all_reduce(x, w, *args, *meta)
+        torch.ops.fusedpar.gemm_all_reduce_out(x, w, *args, out, *meta)
+        return out
+    if out is None:
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    _run_plan(x, w, out, table.buffer_ptrs, table.signal_ptrs, table.counters, table.rank, table.world_size, plan,
+              use_flags=use_flags)
+    return out
+
+
+# ---- router --------------------------------------------------------------------------------------
+
+
+def _group_size_and_pg(group):
+    """(size, ProcessGroup or None) of a ProcessGroup or a CommGroup-like object (.size, .pg)."""
+    pg = getattr(group, "pg", group)
+    size = group.size() if callable(getattr(group, "size", None)) else group.size
+    return int(size), pg
+
+
+def choose_path(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    world_size: int,
+    table: PeerTable | None,
+    *,
+    device: torch.device | None = None,
+    partial_dtype: torch.dtype | None = None,
+    one_shot_max_tokens: int = ONE_SHOT_MAX_TOKENS,
+    two_shot_min_tokens: int = TWO_SHOT_MIN_TOKENS,
+) -> str:
+    """The path the router takes for x [m, k], w [n, k]: "local" | "one_shot" | "two_shot" | "unfused".
+
+    Depends only on shapes, dtype, the thresholds and the workspace's sizes, so every rank of the
+    group chooses alike. "local": a group of one (plain GEMM). "unfused": cuBLAS + all_reduce.
+    """
+    if world_size == 1:
+        return "local"
+    if table is None or dtype not in _SUPPORTED_DTYPES or table.world_size != world_size:
+        return "unfused"
+    if device is not None and device != table.device:
+        return "unfused"
+    if m <= one_shot_max_tokens and fused_plan("one_shot", m, n, k, dtype, table, partial_dtype=partial_dtype)[0]:
+        return "one_shot"
+    if m >= two_shot_min_tokens and fused_plan("two_shot", m, n, k, dtype, table, partial_dtype=partial_dtype)[0]:
+        return "two_shot"
+    return "unfused"
+
+
+def gemm_all_reduce_reference(x: torch.Tensor, w: torch.Tensor, group, workspace=None) -> torch.Tensor:
+    """The plain path: cuBLAS F.linear, then fusedpar.kernels.allreduce.all_reduce (our one-shot for
+    small messages when a workspace is given, NCCL otherwise). Also the router's fallback."""
+    from fusedpar.kernels.allreduce import all_reduce
+
+    y = torch.nn.functional.linear(x, w)
+    if group is None:
+        return y
+    return all_reduce(y, group, workspace, inplace=True)
+
+
+def gemm_all_reduce(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group,
+    workspace=None,
+    *,
+    out: torch.Tensor | None = None,
+    path: str = "auto",
+    partial_dtype: torch.dtype | None = None,
+    one_shot_max_tokens: int = ONE_SHOT_MAX_TOKENS,
+    two_shot_min_tokens: int = TWO_SHOT_MIN_TOKENS,
+    config: FusedConfig | None = None,
+) -> torch.Tensor:
+    """Row-parallel linear + all-reduce: sum over the group of x @ w^T, the same on every rank.
+
+    x: [..., K_local] activations (any strides; leading dims are flattened); w: [N, K_local]
+    weight shard in nn.Linear orientation, any strides (a column view of the base weight is
+    read in place); fp16/bf16/fp32, same dtype. group: a ProcessGroup or a CommGroup (.size,
+    .pg); None only with an explicit fused path (the size then comes from the workspace).
+    workspace: SymmetricWorkspace / PeerTable over the same group, or None (always unfused). The
+    fused paths need room (required_workspace): per-program flag rows, e.g. max_blocks >= 132
+    for decode and >= 132 + tiles / W for prefill on an H200 (the default of 64 is too small),
+    and a data buffer of ~4 x the output bytes for one-launch prefill (less: row chunks).
+    Without room the router falls back to the unfused path.
+    out: optional [..., N] destination (fully overwritten). partial_dtype: None (x's dtype) or
+    torch.float32 (more accurate, twice the NVLink bytes).
+    path: "auto" (choose_path), or force "one_shot" / "two_shot" (ValueError if the workspace
+    cannot hold it), "unfused" (cuBLAS + all_reduce) or "local" (no communication).
+    Collective: every rank calls it with the same shapes, in the same order relative to other
+    launches on the workspace, from one stream. Capture-safe (CUDA graphs): no host sync, no
+    allocation besides the output. No autograd (inference).
+    """
+    if path not in PATHS:
+        raise ValueError(f"gemm_all_reduce: path must be one of {PATHS}, got {path!r}")
+    if x.dim() < 1 or w.dim() != 2:
+        raise ValueError(f"gemm_all_reduce: x must be [..., K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    out2 = None
+    if out is not None:
+        if tuple(out.shape) != (*lead, w.shape[0]):
+            raise ValueError(f"gemm_all_reduce: out must be {(*lead, w.shape[0])}, got {tuple(out.shape)}")
+        # A view (never a copy): the result must land in `out` itself; view() raises otherwise.
+        out2 = out if out.dim() == 2 else out.view(-1, w.shape[0])
+    table = as_peer_table(workspace) if workspace is not None else None
+    if group is None:
+        if table is None or path not in ("one_shot", "two_shot", "local"):
+            raise ValueError("gemm_all_reduce: group=None needs a workspace and an explicit fused path")
+        size = table.world_size
+    else:
+        size, _ = _group_size_and_pg(group)
+    if table is not None and table.world_size != size:
+        raise ValueError(f"gemm_all_reduce: workspace spans {table.world_size} ranks but the group has {size}")
+
+    if path == "auto":
+        path = choose_path(x2.shape[0], w.shape[0], x2.shape[1], x2.dtype, size, table, device=x2.device,
+                           partial_dtype=partial_dtype, one_shot_max_tokens=one_shot_max_tokens,
+                           two_shot_min_tokens=two_shot_min_tokens)
+    if path in ("one_shot", "two_shot"):
+        if table is None:
+            raise ValueError(f"gemm_all_reduce: path {path!r} needs a workspace")
+        _check(x2, w, out2, table.device)
+        plan = _plan_or_raise(path, x2, w, table, partial_dtype, config)
+        result = _call_fused(x2, w, table, out2, plan)
+    elif path == "local":
+        result = torch.nn.functional.linear(x2, w)
+    else:
+        result = gemm_all_reduce_reference(x2, w, group, table)
+    if out is not None:
+        if result is not out2:
+            out2.copy_(result)
+        return out
+    return result.reshape(*lead, w.shape[0])
+
+
+# ---- CPU emulation ------------------------------------------------------------------------------
+
+
+def gemm_all_reduce_emulated(
+    world: EmulatedWorld,
+    xs: list[torch.Tensor],
+    ws: list[torch.Tensor],
+    *,
+    path: str = "two_shot",
+    outs: list[torch.Tensor] | None = None,
+    partial_dtype: torch.dtype | None = None,
+    use_flags: bool = True,
+    schedule: str = "phased",
+    config: FusedConfig | None = None,
+) -> list[torch.Tensor]:
+    """One fused call on every rank of an EmulatedWorld (CPU, interpreter); rank r's output at [r].
+
+    schedule "phased": per chunk, each phase for every rank before the next phase.
+    schedule "staggered": a legal interleaving with multi-phase launches and live flags.
+      one_shot: GEMM for ranks 0..W-2; rank W-1 runs the registered op (both phases, one
+      launch: the GPU code path); then the reduce for ranks 0..W-2.
+      two_shot: GEMM for every rank; reduce for ranks 0..W-2; rank W-1 runs reduce + copy in
+      ONE launch; then copy for ranks 0..W-2. (All three phases in one launch need peers that
+      run concurrently; with one rank they are covered by the registered-op tests.)
+    Raises RuntimeError if a bounded flag wait timed out (a protocol bug).
+    """
+    W = world.world_size
+    if len(xs) != W or len(ws) != W:
+        raise ValueError(f"gemm_all_reduce_emulated: {len(xs)} inputs and {len(ws)} weights for {W} ranks")
+    if schedule not in ("phased", "staggered"):
+        raise ValueError(f"gemm_all_reduce_emulated: unknown schedule {schedule!r}")
+    if outs is None:
+        outs = [torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype) for x, w in zip(xs, ws, strict=True)]
+    for r in range(W):
+        _check(xs[r], ws[r], outs[r], world[r].device)
+    plan = _plan_or_raise(path, xs[0], ws[0], world[0], partial_dtype, config)
+
+    def run(r: int, m0: int, rows: int, **phases) -> None:
+        t = world[r]
+        _launch_chunk(xs[r].narrow(0, m0, rows), ws[r], outs[r].narrow(0, m0, rows), t.buffer_ptrs, t.signal_ptrs,
+                      t.counters, r, W, plan, use_flags=use_flags, spin_limit=None,
+                      **{"gemm": False, "reduce": False, "copy": False, **phases})
+
+    def checked(r: int) -> None:
+        if world[r].status() != 0:
+            raise RuntimeError(f"emulated gemm_all_reduce: rank {r} waited for a flag that never came")
+
+    rest = range(W - 1)
+    for m0, rows in plan.chunks:
+        if path == "one_shot":
+            if schedule == "phased":
+                for r in range(W):
+                    run(r, m0, rows, gemm=True)
+                for r in range(W):
+                    run(r, m0, rows, reduce=True)
+                    checked(r)
+            else:
+                for r in rest:
+                    run(r, m0, rows, gemm=True)
+                t = world[W - 1]
+                torch.ops.fusedpar.gemm_all_reduce_out(
+                    xs[W - 1].narrow(0, m0, rows), ws[W - 1], t.buffer_ptrs, t.signal_ptrs, t.counters,
+                    outs[W - 1].narrow(0, m0, rows), W - 1, W, t.buffer_bytes, t.max_blocks, path,
+                    plan.partial_dtype == torch.float32 and xs[0].dtype != torch.float32, plan.config.as_list(),
+                    use_flags,
+                )
+                checked(W - 1)
+                for r in rest:
+                    run(r, m0, rows, reduce=True)
+                    checked(r)
+        else:
+            for r in range(W):
+                run(r, m0, rows, gemm=True)
+            if schedule == "phased":
+                for r in range(W):
+                    run(r, m0, rows, reduce=True)
+                    checked(r)
+                for r in range(W):
+                    run(r, m0, rows, copy=True)
+                    checked(r)
+            else:
+                for r in rest:
+                    run(r, m0, rows, reduce=True)
+                    checked(r)
+                run(W - 1, m0, rows, reduce=True, copy=True)
+                checked(W - 1)
+                for r in rest:
+                    run(r, m0, rows, copy=True)
+                    checked(r)
+    return outs
+

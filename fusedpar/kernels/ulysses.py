@@ -1,0 +1,1264 @@
+"""The two Ulysses all-to-alls of base mode, fused into the attention projections (DESIGN.md sections 4-5).
+
+Notation (one SP group of W ranks, this rank s; per rank m token rows; d hidden; q / kv local heads
+per rank after the exchange, hd head_dim; blk = (q + 2 kv) * hd; C = q * hd):
+
+qkv_all_to_all(x [m, d], w [W*blk, d]) -> recv [W*m, blk]
+    recv = seq_to_head_all_to_all(F.linear(x, w), sp_group), i.e. on rank g
+        recv[p*m + r, c] = sum_k x_p[r, k] * w_p[g*blk + c, k]          (x_p, w_p: rank p's inputs)
+    The base qkv weight is laid out as W blocks, block g = [q | k | v] rows of the chunk SP peer g
+    computes (fusedpar/layouts/shards.py), so GEMM output column block g is exactly peer g's share.
+    Kernel: a persistent GEMM (fusedpar/kernels/gemm.py's loop) whose N tiles never straddle a block;
+    the epilogue stores tile (rows r, block g, columns c) straight into peer g's receive buffer at
+    rows [s*m + r], columns c. The receive buffer is this rank's symmetric data buffer, read in
+    place by attention: `qkv_all_to_all` returns it as a [W*m, blk] tensor view in x's dtype.
+
+all_to_all_o_proj(attn [W*m, C], w_o [N, W*C]) -> out [m, N]
+    out = F.linear(head_to_seq_all_to_all(attn, sp_group), w_o), i.e. on rank s
+        out[r, n] = sum_g sum_c attn_g[s*m + r, c] * w_o[n, g*C + c]
+    Kernel: push, then GEMM per chunk, in one launch. COMM programs copy attn rows
+    [g*m, (g+1)*m) (contiguous, all C columns) into peer g's staging buffer, block s
+    (staging layout [W, m, C], block p = what source p sent), band by band, and flag each
+    (band, source) as it lands. The GEMM programs compute every output tile's K range as
+    chunk s first (straight from the local attn, no wait), then wait for the tile's band flags
+    of all peers, then chunks s+1, s+2, ... from the local staging buffer. Comm programs join
+    the GEMM (dynamic tile counter) once their pushes are done.
+    Why push and not "read peers' attention output as the GEMM's A operand": every output
+    tile re-reads its whole A band, so pulled operands would cross NVLink once per N tile
+    (d / BLOCK_N = 32 times for Llama-70B: ~400 KB per token row instead of 12 KB) because
+    remote lines are not cached in the reader's L2. Pushing moves each byte over the link
+    exactly once, as large coalesced posted writes, and the GEMM then reads local HBM at full
+    speed. The push stays hidden behind the GEMM except for the first wave's wait on its bands
+    (bands are pushed in row order, the order in which the GEMM consumes them). The attention
+    kernel (DESIGN.md item 2) can later write its output tiles directly into the same staging
+    layout and set the same flags; the comm programs then disappear.
+
+Protocol (epoch-valued flags, fusedpar/collectives/symmetric.py; each op owns its PeerTable)
+-----------------------------------------------------------------------------------------
+A launch uses epoch e = counters[EPOCH] + 1; its last program to retire stores counters[EPOCH] = e.
+Flag words of a table used by these ops (int64, never reset; word [row * W + src] is written only
+by rank src, so no word is shared by two GPUs):
+    row 0                 READY: rank src entered launch e, so it has finished reading everything
+                          of launch e - 1 (stream order: its attention / GEMM kernels completed).
+    row 1 (qkv)           DONE: every tile rank src stored into this rank for launch e is visible.
+    rows 1 .. NB (o_proj) DONE for row band b - 1: source src's rows of band b - 1 have landed.
+Producer side: data stores, CTA barrier, then a release (system scope) on the flag. qkv: every
+program ends with an acq_rel system-scope RMW on counters[RETIRED] after its stores (so its
+remote stores are performed before the counter moves); the last program therefore observes all
+of them, and its release of DONE to every peer is cumulative over them. o_proj: one program per
+(band, destination) item, so the item's program releases the flag itself.
+Consumer side: RMW atomics (add 0) with acquire semantics at system scope until every word is
+>= e (">=": a fast peer may already be one launch ahead), then a CTA barrier, then reads.
+
+Buffer reuse without double buffering: a writer stores into peer g's buffer for launch e only
+after acquiring g's READY >= e, which g released at the start of its launch e, after (stream
+order) everything that read launch e - 1's data. So ONE slot is safe, the receive buffer has
+a fixed address, and its view can be captured in a CUDA graph. (Epoch-parity double buffering
+would need the slot index on the device - a host view of "slot e % 2" cannot follow the epoch
+across CUDA-graph replays of an odd number of calls - and saves only the READY wait, which
+overlaps the start-up of the launch and is one NVLink flag round when ranks are in step.)
+
+Completion: qkv's last program (after publishing DONE) waits for every peer's DONE, so the
+launch completes only when recv is whole: attention launched after it on the stream reads it
+directly. wait=False leaves that wait to `qkv_all_to_all_wait`, which the consumer launches
+before reading (e.g. to put independent work in between). o_proj's output is local; its
+GEMM programs wait per band before reading staging.
+
+Requirements (as for every PeerTable protocol): every rank of the group issues the same
+sequence of launches on the table, same shapes, one stream; the grid (<= #SMs) is co-resident
+(programs wait on peers' programs, never on later programs of their own launch). Each op needs
+its own table: the epoch counts one op's launches and the flag rows are op-specific.
+Spins are bounded (SPIN_LIMIT): on a timeout the kernel sets counters[STATUS] = 1 and goes
+on (wrong data, no hang); `check_status(peers)` raises on it.
+
+CPU emulation (TRITON_INTERPRET=1, EmulatedWorld): interpreted programs run one after another,
+so the launchers take phase switches (send_ready / produce / wait, send_ready / push / gemm)
+and `*_emulated` drivers run every rank's READY phase, then every rank's producing phase, then
+every rank's consuming phase; the flag code still runs and the bounded spins prove each wait
+is real (tests/kernels/test_ulysses.py).
+
+Size-based routing: `qkv_all_to_all` / `all_to_all_o_proj` take the fused path for token counts
+inside *_FUSED_TOKEN_RANGES and the plain path (F.linear + fusedpar.collectives all-to-all over
+NCCL) elsewhere; the ranges are set from perf/bench_qkv_all_to_all.py and
+perf/bench_all_to_all_o_proj.py so the library is never slower than the plain path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from fusedpar.collectives.symmetric import (
+    COUNTER_EPOCH,
+    COUNTER_RETIRED,
+    COUNTER_STATUS,
+    NUM_COUNTERS,
+    EmulatedWorld,
+    PeerTable,
+    as_peer_table,
+)
+from fusedpar.kernels.gemm import _INTERPRETER_NUM_SMS, GemmConfig, _device_num_sms, _tile_coords, pick_config
+
+__all__ = [
+    "GPU_SPIN_LIMIT",
+    "O_PROJ_FUSED_TOKEN_RANGES",
+    "QKV_FUSED_TOKEN_RANGES",
+    "OProjConfig",
+    "all_to_all_o_proj",
+    "all_to_all_o_proj_emulated",
+    "check_status",
+    "launch_all_to_all_o_proj",
+    "launch_qkv_all_to_all",
+    "o_proj_workspace_bytes",
+    "qkv_all_to_all",
+    "qkv_all_to_all_emulated",
+    "qkv_all_to_all_wait",
+    "qkv_recv_view",
+    "qkv_workspace_bytes",
+    "use_fused",
+]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# ---- routing thresholds (tokens = rows per rank, m) --------------------------------------------
+# Inclusive (lo, hi) ranges of m where the fused kernel is used; hi None = no upper bound.
+# PROVISIONAL, from reasoning only (no measurement yet): the Triton GEMM is at 0.4-0.7x of cuBLAS
+# for 128 <= m <= 2048 on narrow-N shapes (perf/results/gemm.json), so qkv keeps the plain path
+# there; the fused o_proj is expected to win everywhere. Replace with the ranges printed by
+# perf/bench_qkv_all_to_all.py / perf/bench_all_to_all_o_proj.py ("fused wins at ...").
+QKV_FUSED_TOKEN_RANGES: tuple[tuple[int, int | None], ...] = ((1, 64), (4096, None))
+O_PROJ_FUSED_TOKEN_RANGES: tuple[tuple[int, int | None], ...] = ((1, None),)
+
+# Bounded spins everywhere: on a GPU about 10-30 s of polling (a system-scope atomic per
+# iteration), far above any legal wait (Triton compile skew between ranks included) yet a
+# reported error rather than a hang. Interpreter: a few polls, since the phased emulation sets
+# every flag before it is waited on.
+GPU_SPIN_LIMIT = 1 << 24
+_INTERPRETER_SPIN_LIMIT = 8
+
+# Flag rows (see the module docstring).
+_READY_ROW = tl.constexpr(0)
+_DONE_ROW = tl.constexpr(1)
+# Counter indices as Triton constexprs (a @jit function may only read constexpr globals).
+_EPOCH = tl.constexpr(COUNTER_EPOCH)
+_RETIRED = tl.constexpr(COUNTER_RETIRED)
+_STATUS = tl.constexpr(COUNTER_STATUS)
+# The spare counter word (symmetric.py: "one word spare for later protocols") is o_proj's
+# dynamic tile counter; these tables are op-private, so nothing else uses it.
+COUNTER_TILE = NUM_COUNTERS - 1
+_TILE = tl.constexpr(COUNTER_TILE)
+
+
+# =============================================================================== device helpers
+
+
+@triton.jit
+def _send_flags(signal_ptrs, word, value, mask):
+    """Release `value` into flag word `word` of every rank selected by `mask` (system scope).
+
+    Cumulative release: everything this CTA stored (and, through the preceding CTA barrier /
+    acq_rel chain, everything it observed) is visible to a peer that acquires the word.
+    """
+    peers = tl.arange(0, mask.shape[0])
+    dst = tl.load(signal_ptrs + peers, mask=mask, other=0).to(tl.pointer_type(tl.int64))
+    tl.atomic_xchg(dst + word, value, mask=mask, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait_flags(flag_ptrs, mask, epoch, counters_ptr, SPIN_LIMIT: tl.constexpr):
+    """Spin until every word flag_ptrs[i] with mask[i] is >= epoch (acquire, system scope).
+
+    Stock Triton has no atomic load: an atomic add of 0 with acquire semantics is one. SPIN_LIMIT
+    > 0 bounds the spin: on timeout counters[STATUS] = 1 and the caller goes on (no hang).
+    The closing CTA barrier orders every thread's later loads after the acquire of the few
+    threads that ran the atomics.
+    """
+    seen = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    missing = tl.sum((mask & (seen < epoch)).to(tl.int32), axis=0)
+    spins = 0
+    while missing > 0:
+        seen = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+        missing = tl.sum((mask & (seen < epoch)).to(tl.int32), axis=0)
+        if SPIN_LIMIT > 0:
+            spins += 1
+            if spins >= SPIN_LIMIT:
+                tl.atomic_xchg(counters_ptr + _STATUS, 1)
+                missing = 0
+    tl.debug_barrier()
+
+
+@triton.jit
+def _retire(counters_ptr, epoch, nprog):
+    """Count this program out; the last one of the launch stores counters[EPOCH] = epoch.
+
+    acq_rel at SYSTEM scope, after a CTA barrier: the release makes this CTA's earlier stores
+    (peer stores over NVLink included) performed at system scope before the counter moves, and
+    the last program's acquire observes every other program's stores, so a release it issues
+    next covers the whole launch. Returns True in the last program.
+    """
+    tl.debug_barrier()
+    retired = tl.atomic_add(counters_ptr + _RETIRED, 1, sem="acq_rel", scope="sys")
+    last = retired == nprog - 1
+    if last:
+        tl.atomic_xchg(counters_ptr + _RETIRED, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counters_ptr + _EPOCH, epoch, sem="relaxed", scope="gpu")
+    return last
+
+
+# ============================================================================ qkv_all_to_all
+
+
+@triton.jit
+def _qkv_all_to_all_kernel(
+    x_ptr,
+    w_ptr,
+    buffer_ptrs,  # int64 [WORLD]: every rank's receive buffer ([WORLD*M, BLK] of x's dtype at offset 0)
+    signal_ptrs,  # int64 [WORLD]: every rank's flag words
+    counters_ptr,  # int64 local: EPOCH, RETIRED, STATUS
+    rank,
+    M,
+    BLK,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    WORLD: tl.constexpr,
+    WORLD_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    EPOCH_AHEAD: tl.constexpr,  # 1: this launch starts epoch counters[EPOCH] + 1; 0: wait-only launch
+    SEND_READY: tl.constexpr,
+    PRODUCE: tl.constexpr,
+    WAIT: tl.constexpr,
+    USE_FLAGS: tl.constexpr,
+    SPIN_LIMIT: tl.constexpr,
+):
+    """GEMM x @ w^T with tile (rows r, block g, cols c) stored into rank g's buffer at [rank*M + r, c].
+
+    The GEMM loop is fusedpar/kernels/gemm.py's _persistent_matmul_kernel (same swizzle, same
+    flattened tile x K loop, same epilogue tile-id recomputation), with N tiled per block
+    (tiles = cdiv(M, BLOCK_M) x WORLD * cdiv(BLK, BLOCK_N)) so that every tile has one owner,
+    and the epilogue's store redirected to the owner. Flag code sits outside the loop only
+    (DESIGN.md pitfall e).
+    """
+    pid = tl.program_id(axis=0)
+    nprog = tl.num_programs(axis=0)
+    peers = tl.arange(0, WORLD_P2)
+    others = (peers < WORLD) & (peers != rank)
+    my_flags = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int64))
+    epoch = tl.load(counters_ptr + _EPOCH) + EPOCH_AHEAD
+
+    if SEND_READY and USE_FLAGS:
+        _send_flags(signal_ptrs, _READY_ROW * WORLD + rank, epoch, others & (pid == 0))  # program 0 only
+
+    do_wait = pid == 0  # a wait-only launch has one program
+    if PRODUCE:
+        if USE_FLAGS:
+            # Peers' buffers are free for this launch once they entered it (module docstring).
+            _wait_flags(my_flags + _READY_ROW * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
+
+        dtype = x_ptr.dtype.element_ty
+        # Every rank's buffer address, loaded once: the epilogue picks its owner's with integer
+        # ops, so the pipelined loop body carries no extra memory access.
+        bases = tl.load(buffer_ptrs + peers, mask=peers < WORLD, other=0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        tiles_per_block = tl.cdiv(BLK, BLOCK_N)
+        num_pid_n = WORLD * tiles_per_block
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        num_tiles = num_pid_m * num_pid_n
+        num_pid_in_group = GROUP_M * num_pid_n
+        tile_id_c = pid - NUM_SMS
+        offs_k_base = tl.arange(0, BLOCK_K)
+
+        for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=True):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+            blk_id = pid_n // tiles_per_block
+            offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_c = (pid_n % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)
+            # Ragged edges: clamp to valid rows (see gemm.py); the store masks the extras off.
+            offs_am = tl.where(offs_am < M, offs_am, 0)
+            offs_wn = blk_id * BLK + tl.where(offs_c < BLK, offs_c, 0)
+
+            accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                offs_k = ki * BLOCK_K + offs_k_base
+                a_ptrs = x_ptr + (offs_am[:, None] * stride_xm + offs_k[None, :] * stride_xk)
+                b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_left = K - ki * BLOCK_K
+                    a = tl.load(a_ptrs, mask=offs_k_base[None, :] < k_left, other=0.0)
+                    b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
+                accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+
+            tile_id_c += NUM_SMS
+            pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+            owner = pid_n // tiles_per_block
+            offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_cn = (pid_n % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)
+            dst = tl.sum(tl.where(peers == owner, bases, 0), axis=0).to(tl.pointer_type(dtype))
+            # Buffers are ALIGN_BYTES-aligned; an address loaded from memory carries no such fact.
+            dst = tl.multiple_of(dst, 16)
+            c_ptrs = dst + ((rank * M + offs_cm)[:, None] * BLK + offs_cn[None, :])
+            c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < BLK)
+            tl.store(c_ptrs, accumulator.to(dtype), mask=c_mask)
+
+        last = _retire(counters_ptr, epoch, nprog)
+        if USE_FLAGS:
+            _send_flags(signal_ptrs, _DONE_ROW * WORLD + rank, epoch, others & last)  # last program only
+        do_wait = last
+
+    if WAIT and USE_FLAGS:
+        # One waiter: the launch completes only when it does. Other programs see an empty mask.
+        _wait_flags(my_flags + _DONE_ROW * WORLD + peers, others & do_wait, epoch, counters_ptr, SPIN_LIMIT)
+
+
+# ========================================================================= all_to_all_o_proj
+
+
+@triton.jit
+def _all_to_all_o_proj_kernel(
+    attn_ptr,
+    w_ptr,
+    out_ptr,
+    stage_ptr,  # this rank's staging buffer [WORLD, M, C] (attn dtype): block p = rows from source p
+    buffer_ptrs,
+    signal_ptrs,
+    counters_ptr,
+    rank,
+    M,
+    N,
+    C,
+    stride_am,
+    stride_ak,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    band_rows,  # rows per push band (a multiple of BLOCK_M)
+    num_bands,
+    WORLD: tl.constexpr,
+    WORLD_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_C: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    COMM_PROGRAMS: tl.constexpr,  # leading programs that push (when PUSH)
+    COPY_ROWS: tl.constexpr,
+    COPY_COLS: tl.constexpr,
+    SEND_READY: tl.constexpr,
+    PUSH: tl.constexpr,
+    GEMM: tl.constexpr,
+    USE_FLAGS: tl.constexpr,
+    SPIN_LIMIT: tl.constexpr,
+):
+    """Push attn rows to their owners (comm programs), then out = A @ w^T chunk by chunk (all programs)."""
+    pid = tl.program_id(axis=0)
+    nprog = tl.num_programs(axis=0)
+    peers = tl.arange(0, WORLD_P2)
+    others = (peers < WORLD) & (peers != rank)
+    my_flags = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int64))
+    # Every phase of launch e runs with e = counters[EPOCH] + 1; only the GEMM phase retires.
+    epoch = tl.load(counters_ptr + _EPOCH) + 1
+    dtype = attn_ptr.dtype.element_ty
+
+    if SEND_READY and USE_FLAGS:
+        _send_flags(signal_ptrs, _READY_ROW * WORLD + rank, epoch, others & (pid == 0))  # program 0 only
+
+    # Nested on purpose: Triton cannot `and` a constexpr with a runtime value.
+    if PUSH:  # noqa: SIM102
+        if pid < COMM_PROGRAMS:
+            if USE_FLAGS:
+                _wait_flags(my_flags + _READY_ROW * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
+            rr = tl.arange(0, COPY_ROWS)
+            cc = tl.arange(0, COPY_COLS)
+            n_col_blocks = tl.cdiv(C, COPY_COLS)
+            # Items in band-major order: every destination gets band 0 of every source first,
+            # the order in which the GEMM programs consume the bands.
+            num_items = num_bands * (WORLD - 1)
+            item = pid
+            while item < num_items:
+                band = item // (WORLD - 1)
+                g = (rank + WORLD - 1 - item % (WORLD - 1)) % WORLD  # destination: s-1, s-2, ...
+                row0 = band * band_rows
+                rows = tl.minimum(band_rows, M - row0)
+                dst = tl.load(buffer_ptrs + g).to(tl.pointer_type(dtype))
+                dst = tl.multiple_of(dst, 16) + rank * M * C  # block `rank` of g's staging
+                n_copy = tl.cdiv(rows, COPY_ROWS) * n_col_blocks
+                t = 0
+                while t < n_copy:
+                    r = row0 + (t // n_col_blocks) * COPY_ROWS + rr
+                    c = (t % n_col_blocks) * COPY_COLS + cc
+                    msk = (r[:, None] < row0 + rows) & (c[None, :] < C)
+                    v = tl.load(attn_ptr + ((g * M + r)[:, None] * stride_am + c[None, :] * stride_ak), mask=msk)
+                    tl.store(dst + (r[:, None] * C + c[None, :]), v, mask=msk)
+                    t += 1
+                if USE_FLAGS:
+                    tl.debug_barrier()  # every thread's stores of the item before the release
+                    g_flags = tl.load(signal_ptrs + g).to(tl.pointer_type(tl.int64))
+                    tl.atomic_xchg(g_flags + (_DONE_ROW + band) * WORLD + rank, epoch, sem="release", scope="sys")
+                item += COMM_PROGRAMS
+
+    if GEMM:
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_tiles = num_pid_m * num_pid_n
+        num_pid_in_group = GROUP_M * num_pid_n
+        kc_tiles = tl.cdiv(C, BLOCK_K)
+        offs_k_base = tl.arange(0, BLOCK_K)
+        # Dynamic tile scheduler: programs that finished pushing pick up the remaining tiles,
+        # so the comm programs cost no GEMM throughput once the exchange is done.
+        tile_id = tl.atomic_add(counters_ptr + _TILE, 1, sem="relaxed", scope="gpu")
+        while tile_id < num_tiles:
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+            offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_wn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_am = tl.where(offs_am < M, offs_am, 0)
+            offs_wn = tl.where(offs_wn < N, offs_wn, 0)
+            accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+            # Chunk `rank`: this rank's own attention rows, local, no wait.
+            a_base = attn_ptr + (rank * M + offs_am)[:, None] * stride_am
+            for kt in range(kc_tiles):
+                offs_k = kt * BLOCK_K + offs_k_base
+                a_ptrs = a_base + offs_k[None, :] * stride_ak
+                b_ptrs = w_ptr + ((rank * C + offs_k)[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
+                if EVEN_C:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    # Mask both operands: A's zeros already cancel the products, but w past the
+                    # last chunk's C columns may be out of bounds (or non-finite).
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < C, other=0.0)
+                    b = tl.load(b_ptrs, mask=offs_k[:, None] < C, other=0.0)
+                accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+
+            if USE_FLAGS:
+                band = (pid_m * BLOCK_M) // band_rows
+                _wait_flags(my_flags + (_DONE_ROW + band) * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
+
+            # Chunks rank+1, rank+2, ...: the peers' rows, from the local staging buffer.
+            for it in range((WORLD - 1) * kc_tiles):
+                src = (rank + 1 + it // kc_tiles) % WORLD
+                offs_k = (it % kc_tiles) * BLOCK_K + offs_k_base
+                a_ptrs = stage_ptr + (src * M * C + offs_am[:, None] * C + offs_k[None, :])
+                b_ptrs = w_ptr + ((src * C + offs_k)[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
+                if EVEN_C:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < C, other=0.0)
+                    b = tl.load(b_ptrs, mask=offs_k[:, None] < C, other=0.0)
+                accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+
+            offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            c_ptrs = out_ptr + (offs_cm[:, None] * stride_om + offs_cn[None, :] * stride_on)
+            c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
+            tl.store(c_ptrs, accumulator.to(out_ptr.dtype.element_ty), mask=c_mask)
+            tile_id = tl.atomic_add(counters_ptr + _TILE, 1, sem="relaxed", scope="gpu")
+
+        last = _retire(counters_ptr, epoch, nprog)
+        if last:
+            # Every program has made its final tile fetch before retiring: safe to rewind.
+            tl.atomic_xchg(counters_ptr + _TILE, 0, sem="relaxed", scope="gpu")
+
+
+# Triton picks interpreter vs compiler when @triton.jit runs.
+_INTERPRETED = not isinstance(_qkv_all_to_all_kernel, JITFunction)
+
+
+# ================================================================================ host side
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return dtype.itemsize  # no tensor construction: traceable by torch.compile
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
+def _num_sms(device: torch.device) -> int:
+    if _INTERPRETED:
+        return _INTERPRETER_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_num_sms(index)
+
+
+def _spin_limit(spin_limit: int | None) -> int:
+    if spin_limit is not None:
+        return spin_limit
+    return _INTERPRETER_SPIN_LIMIT if _INTERPRETED else GPU_SPIN_LIMIT
+
+
+def _device_guard(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: tensor on {t.device} but the peer table is on {device}")
+    if t.device.type == "cpu" and not _INTERPRETED:
+        raise RuntimeError(
+            f"{name} got CPU tensors but its Triton kernel was compiled for a GPU: set TRITON_INTERPRET=1 "
+            "before fusedpar.kernels.ulysses is first imported to use the CPU interpreter"
+        )
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} supports CUDA (and CPU under TRITON_INTERPRET=1), got {t.device}")
+
+
+def _check_int32(name: str, **tensors: torch.Tensor) -> None:
+    for what, t in tensors.items():
+        if _max_offset(t) >= 2**31:
+            raise ValueError(f"{name}: {what} {tuple(t.shape)} strides {t.stride()} spans >= 2**31 elements")
+
+
+def check_status(peers) -> None:
+    """Raise RuntimeError if a bounded flag wait on this table timed out (host sync; tests/debugging)."""
+    table = as_peer_table(peers)
+    if table.status() != 0:
+        raise RuntimeError(
+            f"rank {table.rank}: a Ulysses flag wait timed out (counters[STATUS] = {table.status()}): a peer "
+            "never reached the same launch (ranks issued different launch sequences on this table, or a "
+            "peer died); the data of that launch is wrong"
+        )
+
+
+def use_fused(tokens: int, ranges) -> bool:
+    """True iff `tokens` lies in one of the inclusive (lo, hi) ranges (hi None = unbounded)."""
+    return any(lo <= tokens and (hi is None or tokens <= hi) for lo, hi in ranges)
+
+
+class _Group:
+    """The (size, pg) pair fusedpar.collectives.comm needs, from a CommGroup or a ProcessGroup."""
+
+    def __init__(self, group):
+        if hasattr(group, "pg") and hasattr(group, "size") and not callable(group.size):
+            self.size, self.pg = int(group.size), group.pg
+        else:
+            self.size, self.pg = int(group.size()), group
+
+
+# ---------------------------------------------------------------------------- qkv launcher
+
+
+def qkv_workspace_bytes(tokens: int, blk: int, sp: int, dtype: torch.dtype) -> int:
+    """Data bytes per rank the qkv receive buffer needs: [sp * tokens, blk] of dtype."""
+    return sp * tokens * blk * _esize(dtype)
+
+
+def qkv_recv_view(peers, tokens: int, blk: int, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's receive buffer as [W * tokens, blk] of dtype (where qkv_all_to_all's result lives).
+
+    Same address on every call: attention reads it in place, and a CUDA graph may capture it.
+    Valid until the next qkv_all_to_all launch on the same table.
+    """
+    table = as_peer_table(peers)
+    n = table.world_size * tokens
+    return table.view(dtype, n * blk).view(n, blk)
+
+
+def _qkv_config(m: int, n_total: int, k: int, blk: int, dtype: torch.dtype, num_sms: int) -> GemmConfig:
+    cfg = pick_config(m, n_total, k, dtype=dtype, num_sms=num_sms, interpret=_INTERPRETED)
+    # N tiles never straddle a block: a 256-wide tile would waste half its MMA on blocks that are
+    # odd multiples of 128 (e.g. hd=128 with q + 2 kv odd).
+    while cfg.block_n > 32 and blk % cfg.block_n and blk % (cfg.block_n // 2) == 0:
+        cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+    return cfg
+
+
+def _check_qkv(x: torch.Tensor, w: torch.Tensor, table: PeerTable) -> int:
+    """Checks shared by the launcher, the op and its fake; returns blk."""
+    W = table.world_size
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"qkv_all_to_all: x must be [m, d] and w [W*blk, d], got {tuple(x.shape)}, {tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"qkv_all_to_all: x {tuple(x.shape)} and w {tuple(w.shape)} disagree on d (nn.Linear [out, in])"
+        )
+    if w.shape[0] % W:
+        raise ValueError(f"qkv_all_to_all: w has {w.shape[0]} rows, not a multiple of the SP size {W}")
+    if x.dtype not in _SUPPORTED_DTYPES or w.dtype != x.dtype:
+        raise TypeError(
+            f"qkv_all_to_all: x and w must share one dtype of {_SUPPORTED_DTYPES}, got {x.dtype}, {w.dtype}"
+        )
+    blk = w.shape[0] // W
+    need = qkv_workspace_bytes(x.shape[0], blk, W, x.dtype)
+    if need > table.buffer_bytes:
+        raise ValueError(
+            f"qkv_all_to_all: the receive buffer [{W}*{x.shape[0]}, {blk}] {x.dtype} needs {need} bytes, the "
+            f"workspace has {table.buffer_bytes} (size it with qkv_workspace_bytes for the largest step)"
+        )
+    if table.max_blocks < 2:
+        raise ValueError("qkv_all_to_all: the peer table needs max_blocks >= 2 (flag rows READY and DONE)")
+    if W * x.shape[0] * blk >= 2**31:
+        raise ValueError("qkv_all_to_all: the receive buffer spans >= 2**31 elements (int32 offsets)")
+    return blk
+
+
+def launch_qkv_all_to_all(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    table: PeerTable,
+    *,
+    send_ready: bool = True,
+    produce: bool = True,
+    wait: bool = True,
+    use_flags: bool = True,
+    spin_limit: int | None = None,
+    config: GemmConfig | None = None,
+):
+    """Launch the qkv kernel as `table.rank`: all phases (GPU) or some of them (CPU emulation).
+
+    Phases: send_ready (publish READY e), produce (wait READY, GEMM + peer stores, retire, DONE),
+    wait (wait DONE). A wait-only launch (send_ready=produce=False) waits for the epoch the last
+    produce advanced to. use_flags=False skips all flag traffic: only correct when something else
+    orders the ranks (the phased emulation). Returns Triton's compiled kernel (None if nothing ran
+    or interpreting). Raw launcher, no op registration: callers want qkv_all_to_all().
+    """
+    table = as_peer_table(table)
+    _check_device("qkv_all_to_all", x, table.device)
+    blk = _check_qkv(x, w, table)
+    if not (send_ready or produce or wait):
+        raise ValueError("launch_qkv_all_to_all: nothing to do")
+    m, k = x.shape
+    _check_int32("qkv_all_to_all", x=x, w=w)
+    W = table.world_size
+    num_sms = _num_sms(x.device)
+    cfg = config or _qkv_config(m, W * blk, k, blk, x.dtype, num_sms)
+    if produce:
+        tiles = triton.cdiv(m, cfg.block_m) * W * triton.cdiv(blk, cfg.block_n)
+        grid = max(1, min(num_sms, tiles))
+    else:
+        grid = 1
+    with _device_guard(x.device):
+        return _qkv_all_to_all_kernel[(grid,)](
+            x,
+            w,
+            table.buffer_ptrs,
+            table.signal_ptrs,
+            table.counters,
+            table.rank,
+            m,
+            blk,
+            k,
+            x.stride(0),
+            x.stride(1),
+            w.stride(0),
+            w.stride(1),
+            WORLD=W,
+            WORLD_P2=_next_pow2(W),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            NUM_SMS=num_sms,
+            EVEN_K=k % cfg.block_k == 0,
+            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            EPOCH_AHEAD=1 if (send_ready or produce) else 0,
+            SEND_READY=send_ready,
+            PRODUCE=produce,
+            WAIT=wait,
+            USE_FLAGS=use_flags,
+            SPIN_LIMIT=_spin_limit(spin_limit),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+
+
+# ---------------------------------------------------------------------------- o_proj launcher
+
+
+@dataclass(frozen=True)
+class OProjConfig:
+    """Launch shape of all_to_all_o_proj.
+
+    gemm: GEMM tiling (None: fusedpar.kernels.gemm.pick_config for [m, N] x K = W*C).
+    comm_programs: programs that push first (then join the GEMM). A handful suffices: each keeps
+        32 KiB of posted stores in flight, so 8 of an H200's 132 SMs can outrun its NVLink
+        (~450 GB/s per direction) while the other 124 start the GEMM; tune with
+        perf/bench_all_to_all_o_proj.py --comm-programs.
+    copy_rows x copy_cols: elements one program moves per copy step (8 per thread for 8 warps at
+        32 x 512: 16-byte vector loads/stores, 32 KiB in flight per program).
+    max_bands: most push bands (each band = ceil(m / bands) rows rounded up to BLOCK_M, one flag
+        row each; capped by the table's max_blocks - 1).
+    """
+
+    gemm: GemmConfig | None = None
+    comm_programs: int = 8
+    copy_rows: int = 32
+    copy_cols: int = 512
+    max_bands: int = 64
+
+
+_INTERPRETER_O_CONFIG = OProjConfig(comm_programs=2, copy_rows=8, copy_cols=16, max_bands=64)
+
+
+def o_proj_workspace_bytes(tokens: int, c: int, sp: int, dtype: torch.dtype) -> int:
+    """Data bytes per rank the o_proj staging buffer needs: [sp, tokens, c] of dtype (c = q * hd)."""
+    return sp * tokens * c * _esize(dtype)
+
+
+def _check_o(attn: torch.Tensor, w: torch.Tensor, table: PeerTable, out: torch.Tensor | None) -> tuple[int, int]:
+    """Checks shared by the launcher, the ops and their fakes; returns (m, C)."""
+    W = table.world_size
+    if attn.dim() != 2 or w.dim() != 2:
+        raise ValueError(
+            f"all_to_all_o_proj: attn must be [W*m, C] and w_o [N, W*C], got {tuple(attn.shape)}, {tuple(w.shape)}"
+        )
+    if attn.shape[0] % W:
+        raise ValueError(
+            f"all_to_all_o_proj: {attn.shape[0]} attention rows are not divisible by the SP size {W} "
+            "(pad the step to a multiple of SP first)"
+        )
+    m, C = attn.shape[0] // W, attn.shape[1]
+    if w.shape[1] != W * C:
+        raise ValueError(f"all_to_all_o_proj: w_o {tuple(w.shape)} must have W*C = {W}*{C} = {W * C} columns")
+    if attn.dtype not in _SUPPORTED_DTYPES or w.dtype != attn.dtype:
+        raise TypeError(
+            f"all_to_all_o_proj: attn and w_o must share one dtype of {_SUPPORTED_DTYPES}, got {attn.dtype}, {w.dtype}"
+        )
+    need = o_proj_workspace_bytes(m, C, W, attn.dtype)
+    if need > table.buffer_bytes:
+        raise ValueError(
+            f"all_to_all_o_proj: the staging buffer [{W}, {m}, {C}] {attn.dtype} needs {need} bytes, the workspace "
+            f"has {table.buffer_bytes} (size it with o_proj_workspace_bytes for the largest step)"
+        )
+    if table.max_blocks < 2:
+        raise ValueError("all_to_all_o_proj: the peer table needs max_blocks >= 2 (flag rows READY and DONE)")
+    if W * m * C >= 2**31:
+        raise ValueError("all_to_all_o_proj: the staging buffer spans >= 2**31 elements (int32 offsets)")
+    if out is not None:
+        if tuple(out.shape) != (m, w.shape[0]):
+            raise ValueError(f"all_to_all_o_proj: out must be [m, N] = {(m, w.shape[0])}, got {tuple(out.shape)}")
+        if out.dtype not in (attn.dtype, torch.float32):
+            raise TypeError(f"all_to_all_o_proj: out dtype must be {attn.dtype} or float32, got {out.dtype}")
+        if out.device != attn.device:
+            raise ValueError(f"all_to_all_o_proj: out is on {out.device} but attn on {attn.device}")
+    return m, C
+
+
+def _o_launch_shape(m: int, n: int, C: int, W: int, dtype, out_dtype, table: PeerTable, cfg: OProjConfig, num_sms):
+    gemm = cfg.gemm or pick_config(
+        m, n, W * C, dtype=dtype, out_dtype=out_dtype, num_sms=num_sms, interpret=_INTERPRETED
+    )
+    m_tiles = triton.cdiv(m, gemm.block_m)
+    bands_cap = max(1, min(cfg.max_bands, table.max_blocks - 1))
+    band_rows = gemm.block_m * triton.cdiv(m_tiles, bands_cap)
+    num_bands = triton.cdiv(m, band_rows)
+    comm = max(1, min(cfg.comm_programs, num_sms - 1)) if W > 1 else 0
+    return gemm, band_rows, num_bands, comm
+
+
+def launch_all_to_all_o_proj(
+    attn: torch.Tensor,
+    w: torch.Tensor,
+    table: PeerTable,
+    out: torch.Tensor,
+    *,
+    send_ready: bool = True,
+    push: bool = True,
+    gemm: bool = True,
+    use_flags: bool = True,
+    spin_limit: int | None = None,
+    config: OProjConfig | None = None,
+):
+    """Launch the o_proj kernel as `table.rank`: all phases (GPU) or some (CPU emulation).
+
+    Phases: send_ready (publish READY e), push (comm programs: wait READY, copy rows to their
+    owners, flag each band), gemm (all programs: out = A @ w^T with per-band waits; retires the
+    launch). Raw launcher: callers want all_to_all_o_proj(). Returns Triton's compiled kernel.
+    """
+    table = as_peer_table(table)
+    _check_device("all_to_all_o_proj", attn, table.device)
+    m, C = _check_o(attn, w, table, out)
+    if not (send_ready or push or gemm):
+        raise ValueError("launch_all_to_all_o_proj: nothing to do")
+    if out is None:
+        raise ValueError("launch_all_to_all_o_proj: out is required")
+    _check_int32("all_to_all_o_proj", attn=attn, w=w, out=out)
+    W, n = table.world_size, w.shape[0]
+    num_sms = _num_sms(attn.device)
+    cfg = config or (_INTERPRETER_O_CONFIG if _INTERPRETED else OProjConfig())
+    gcfg, band_rows, num_bands, comm = _o_launch_shape(m, n, C, W, attn.dtype, out.dtype, table, cfg, num_sms)
+    comm = comm if push else 0
+    tiles = triton.cdiv(m, gcfg.block_m) * triton.cdiv(n, gcfg.block_n)
+    grid = comm + (min(num_sms - comm, tiles) if gemm else 0)
+    grid = max(grid, 1)  # a READY-only launch
+    stage = table.view(attn.dtype, W * m * C)
+    with _device_guard(attn.device):
+        return _all_to_all_o_proj_kernel[(grid,)](
+            attn,
+            w,
+            out,
+            stage,
+            table.buffer_ptrs,
+            table.signal_ptrs,
+            table.counters,
+            table.rank,
+            m,
+            n,
+            C,
+            attn.stride(0),
+            attn.stride(1),
+            w.stride(0),
+            w.stride(1),
+            out.stride(0),
+            out.stride(1),
+            band_rows,
+            num_bands,
+            WORLD=W,
+            WORLD_P2=_next_pow2(W),
+            BLOCK_M=gcfg.block_m,
+            BLOCK_N=gcfg.block_n,
+            BLOCK_K=gcfg.block_k,
+            GROUP_M=gcfg.group_m,
+            EVEN_C=C % gcfg.block_k == 0,
+            INPUT_PRECISION="ieee" if attn.dtype == torch.float32 else "tf32",
+            COMM_PROGRAMS=comm,
+            COPY_ROWS=cfg.copy_rows,
+            COPY_COLS=cfg.copy_cols,
+            SEND_READY=send_ready,
+            PUSH=push and W > 1,
+            GEMM=gemm,
+            USE_FLAGS=use_flags,
+            SPIN_LIMIT=_spin_limit(spin_limit),
+            num_warps=gcfg.num_warps,
+            num_stages=gcfg.num_stages,
+        )
+
+
+# ============================================================================ registered ops
+# The peer table travels as its tensors + ints (no registry of workspaces). Only tensors the
+# kernel writes THROUGH ITS ARGUMENT POINTER are declared mutated (counters, out): functionalization
+# may run a mutating op on clones and copy them back, which would overwrite the receive/staging
+# buffer that peers fill through the pointer table. Hence the qkv op returns a COPY of the receive
+# buffer (functional semantics under torch.compile); eager callers get the zero-copy view.
+
+
+def _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks) -> PeerTable:
+    return PeerTable(
+        rank=rank,
+        world_size=world_size,
+        buffer=buffer,
+        buffer_ptrs=buffer_ptrs,
+        signal_ptrs=signal_ptrs,
+        counters=counters,
+        max_blocks=max_blocks,
+    )
+
+
+def _gemm_cfg(block_m, block_n, block_k, group_m, num_warps, num_stages) -> GemmConfig | None:
+    if block_m <= 0:
+        return None
+    return GemmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages)
+
+
+def _gemm_meta(cfg: GemmConfig | None) -> tuple[int, int, int, int, int, int]:
+    if cfg is None:
+        return (0, 0, 0, 0, 0, 0)
+    return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
+
+
+@torch.library.custom_op("fusedpar::qkv_all_to_all", mutates_args=("counters",))
+def _qkv_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    buffer: torch.Tensor,
+    buffer_ptrs: torch.Tensor,
+    signal_ptrs: torch.Tensor,
+    counters: torch.Tensor,
+    rank: int,
+    world_size: int,
+    max_blocks: int,
+    use_flags: bool,
+    gemm_meta: list[int],
+) -> torch.Tensor:
+    """All phases in one launch, then a copy of the receive buffer [W*m, blk]."""
+    table = _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks)
+    launch_qkv_all_to_all(x, w, table, use_flags=use_flags, config=_gemm_cfg(*gemm_meta))
+    blk = w.shape[0] // world_size
+    return qkv_recv_view(table, x.shape[0], blk, x.dtype).clone()
+
+
+@_qkv_op.register_fake
+def _qkv_fake(x, w, buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks, use_flags, gemm_meta):
+    if w.dim() != 2 or x.dim() != 2 or w.shape[0] % world_size or x.shape[1] != w.shape[1]:
+        raise ValueError("qkv_all_to_all: x must be [m, d] and w [W*blk, d]")
+    return x.new_empty((world_size * x.shape[0], w.shape[0] // world_size))
+
+
+@torch.library.custom_op("fusedpar::qkv_all_to_all_wait", mutates_args=("counters",))
+def _qkv_wait_op(signal_ptrs: torch.Tensor, counters: torch.Tensor, rank: int, world_size: int) -> None:
+    _launch_wait(signal_ptrs, counters, rank, world_size, use_flags=True, spin_limit=None)
+
+
+@_qkv_wait_op.register_fake
+def _qkv_wait_fake(signal_ptrs, counters, rank, world_size):
+    return None
+
+
+def _o_meta(cfg: OProjConfig) -> list[int]:
+    return [*_gemm_meta(cfg.gemm), cfg.comm_programs, cfg.copy_rows, cfg.copy_cols, cfg.max_bands]
+
+
+def _o_cfg(meta: list[int]) -> OProjConfig:
+    return OProjConfig(_gemm_cfg(*meta[:6]), *meta[6:])
+
+
+@torch.library.custom_op("fusedpar::all_to_all_o_proj", mutates_args=("counters",))
+def _o_op(
+    attn: torch.Tensor,
+    w: torch.Tensor,
+    buffer: torch.Tensor,
+    buffer_ptrs: torch.Tensor,
+    signal_ptrs: torch.Tensor,
+    counters: torch.Tensor,
+    rank: int,
+    world_size: int,
+    max_blocks: int,
+    use_flags: bool,
+    meta: list[int],
+) -> torch.Tensor:
+    table = _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks)
+    out = torch.empty((attn.shape[0] // world_size, w.shape[0]), dtype=attn.dtype, device=attn.device)
+    launch_all_to_all_o_proj(attn, w, table, out, use_flags=use_flags, config=_o_cfg(meta))
+    return out
+
+
+@_o_op.register_fake
+def _o_fake(attn, w, buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks, use_flags, meta):
+    if attn.dim() != 2 or w.dim() != 2 or attn.shape[0] % world_size or w.shape[1] != world_size * attn.shape[1]:
+        raise ValueError("all_to_all_o_proj: attn must be [W*m, C] and w_o [N, W*C]")
+    return attn.new_empty((attn.shape[0] // world_size, w.shape[0]))
+
+
+@torch.library.custom_op("fusedpar::all_to_all_o_proj_out", mutates_args=("out", "counters"))
+def _o_out_op(
+    attn: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    buffer: torch.Tensor,
+    buffer_ptrs: torch.Tensor,
+    signal_ptrs: torch.Tensor,
+    counters: torch.Tensor,
+    rank: int,
+    world_size: int,
+    max_blocks: int,
+    use_flags: bool,
+    meta: list[int],
+) -> None:
+    table = _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks)
+    launch_all_to_all_o_proj(attn, w, table, out, use_flags=use_flags, config=_o_cfg(meta))
+
+
+@_o_out_op.register_fake
+def _o_out_fake(
+    attn, w, out, buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks, use_flags, meta
+):
+    return None
+
+
+def _table_args(table: PeerTable) -> tuple:
+    return (table.buffer, table.buffer_ptrs, table.signal_ptrs, table.counters)
+
+
+def _table_meta(table: PeerTable) -> tuple:
+    return (table.rank, table.world_size, table.max_blocks)
+
+
+# ---------------------------------------------------------------------------------- wait
+
+
+def _launch_wait(signal_ptrs, counters, rank, world_size, *, use_flags, spin_limit) -> None:
+    """One-program launch of the qkv kernel's WAIT phase (epoch = the last produce's)."""
+    W = world_size
+    dummy = counters.new_empty((1, 1), dtype=torch.float16)  # x/w unused by a wait-only launch
+    with _device_guard(counters.device):
+        _qkv_all_to_all_kernel[(1,)](
+            dummy,
+            dummy,
+            signal_ptrs,  # buffer_ptrs unused
+            signal_ptrs,
+            counters,
+            rank,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            WORLD=W,
+            WORLD_P2=_next_pow2(W),
+            BLOCK_M=16,
+            BLOCK_N=16,
+            BLOCK_K=16,
+            GROUP_M=1,
+            NUM_SMS=1,
+            EVEN_K=True,
+            INPUT_PRECISION="tf32",
+            EPOCH_AHEAD=0,
+            SEND_READY=False,
+            PRODUCE=False,
+            WAIT=True,
+            USE_FLAGS=use_flags,
+            SPIN_LIMIT=_spin_limit(spin_limit),
+            num_warps=1,
+        )
+
+
+def qkv_all_to_all_wait(peers, *, use_flags: bool = True, spin_limit: int | None = None) -> None:
+    """Consumer step after qkv_all_to_all(..., wait=False): stream-ordered wait until every peer's tiles landed.
+
+    Launch it before the first kernel that reads the receive buffer. Not needed after the default
+    wait=True (the launch itself completes only when the buffer is whole).
+    """
+    table = as_peer_table(peers)
+    if torch.compiler.is_compiling():
+        torch.ops.fusedpar.qkv_all_to_all_wait(table.signal_ptrs, table.counters, table.rank, table.world_size)
+        return
+    _launch_wait(table.signal_ptrs, table.counters, table.rank, table.world_size, use_flags=use_flags,
+                 spin_limit=spin_limit)
+
+
+# ================================================================================ public API
+
+
+def _fused_possible(t: torch.Tensor, table: PeerTable | None) -> bool:
+    return table is not None and t.dtype in _SUPPORTED_DTYPES and t.device == table.device
+
+
+def qkv_all_to_all(
+    x: torch.Tensor,
+    w_qkv: torch.Tensor,
+    peers=None,
+    group=None,
+    *,
+    fused: bool | None = None,
+    wait: bool = True,
+    use_flags: bool = True,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """recv [W*m, blk] = seq_to_head_all_to_all(F.linear(x, w_qkv), sp_group), one fused kernel.
+
+    x: [m, d], this rank's token rows (padded step: every SP rank has the same m).
+    w_qkv: [W*blk, d] base qkv weight (block g = [q | k | v] rows of SP peer g), any strides.
+    peers: the SP group's SymmetricWorkspace / PeerTable for THIS op (qkv_workspace_bytes of the
+        largest step); None: plain path only.
+    group: the SP group (CommGroup or ProcessGroup) for the plain path; None: fused path only.
+    fused: None picks by size (QKV_FUSED_TOKEN_RANGES; same choice on every rank); True / False force.
+    wait: False returns right after the producing phase; call qkv_all_to_all_wait(peers) before
+        reading the result.
+    Returns (fused, eager) the receive buffer view: fixed address, valid until the next call on
+    the same workspace; under torch.compile a copy of it (registered op); plain path: a new tensor.
+    Collective: every rank of the SP group calls it with the same shapes, in the same order.
+    """
+    table = None if peers is None else as_peer_table(peers)
+    m = x.shape[0]
+    if fused is None:
+        # Same inputs on every rank -> same choice everywhere (no extra synchronisation).
+        fused = (
+            _fused_possible(x, table)
+            and w_qkv.shape[0] % table.world_size == 0
+            and qkv_workspace_bytes(m, w_qkv.shape[0] // table.world_size, table.world_size, x.dtype)
+            <= table.buffer_bytes
+            and use_fused(m, QKV_FUSED_TOKEN_RANGES)
+        )
+        if not fused and group is None:
+            fused = True  # no plain path to take; the checks below explain what is wrong
+    if not fused:
+        if group is None:
+            raise ValueError("qkv_all_to_all: the plain path needs the SP group (group=...)")
+        from fusedpar.collectives.comm import seq_to_head_all_to_all
+
+        return seq_to_head_all_to_all(F.linear(x, w_qkv), _Group(group))
+    if table is None:
+        raise ValueError("qkv_all_to_all: the fused path needs the SP group's workspace (peers=...)")
+    blk = _check_qkv(x, w_qkv, table)
+    _check_device("qkv_all_to_all", x, table.device)
+    if m == 0:
+        return qkv_recv_view(table, 0, blk, x.dtype)
+    if torch.compiler.is_compiling():
+        return torch.ops.fusedpar.qkv_all_to_all(
+            x, w_qkv, *_table_args(table), *_table_meta(table), use_flags, list(_gemm_meta(config))
+        )
+    launch_qkv_all_to_all(x, w_qkv, table, wait=wait, use_flags=use_flags, config=config)
+    return qkv_recv_view(table, m, blk, x.dtype)
+
+
+def all_to_all_o_proj(
+    attn: torch.Tensor,
+    w_o: torch.Tensor,
+    peers=None,
+    group=None,
+    *,
+    out: torch.Tensor | None = None,
+    fused: bool | None = None,
+    use_flags: bool = True,
+    config: OProjConfig | None = None,
+) -> torch.Tensor:
+    """out [m, N] = F.linear(head_to_seq_all_to_all(attn, sp_group), w_o), one fused kernel.
+
+    attn: [W*m, C] this rank's attention output for all W*m tokens of the step, its q heads
+        (C = q * hd), rows in source-rank order; any strides.
+    w_o: [N, W*C] base O weight (input columns = the SP peers' heads in SP order), any strides.
+    peers: the SP group's workspace for THIS op (o_proj_workspace_bytes of the largest step).
+    group / fused / use_flags: as in qkv_all_to_all (O_PROJ_FUSED_TOKEN_RANGES).
+    out: optional [m, N] destination (attn's dtype or fp32, any strides). The result still needs
+        the TP all-reduce (fusedpar's gemm_all_reduce / all_reduce).
+    """
+    table = None if peers is None else as_peer_table(peers)
+    W = table.world_size if table is not None else None
+    m = attn.shape[0] // W if W else None
+    if fused is None:
+        fused = (
+            _fused_possible(attn, table)
+            and attn.shape[0] % W == 0
+            and o_proj_workspace_bytes(m, attn.shape[1], W, attn.dtype) <= table.buffer_bytes
+            and use_fused(m, O_PROJ_FUSED_TOKEN_RANGES)
+        )
+        if not fused and group is None:
+            fused = True
+    if not fused:
+        if group is None:
+            raise ValueError("all_to_all_o_proj: the plain path needs the SP group (group=...)")
+        from fusedpar.collectives.comm import head_to_seq_all_to_all
+
+        result = F.linear(head_to_seq_all_to_all(attn, _Group(group)), w_o)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+    if table is None:
+        raise ValueError("all_to_all_o_proj: the fused path needs the SP group's workspace (peers=...)")
+    _check_device("all_to_all_o_proj", attn, table.device)
+    m, _ = _check_o(attn, w_o, table, out)
+    cfg = config or (_INTERPRETER_O_CONFIG if _INTERPRETED else OProjConfig())
+    if torch.compiler.is_compiling():
+        args = (*_table_args(table), *_table_meta(table), use_flags, _o_meta(cfg))
+        if out is None:
+            return torch.ops.fusedpar.all_to_all_o_proj(attn, w_o, *args)
+        torch.ops.fusedpar.all_to_all_o_proj_out(attn, w_o, out, *args)
+        return out
+    if out is None:
+        out = torch.empty((m, w_o.shape[0]), dtype=attn.dtype, device=attn.device)
+    if m == 0:
+        return out
+    launch_all_to_all_o_proj(attn, w_o, table, out, use_flags=use_flags, config=cfg)
+    return out
+
+
+# ============================================================================ CPU emulation
+
+
+def _emulated_check(world: EmulatedWorld, what: str) -> None:
+    for r in range(world.world_size):
+        if world[r].status() != 0:
+            raise RuntimeError(f"emulated {what}: rank {r} waited for a flag that never came")
+
+
+def qkv_all_to_all_emulated(
+    world: EmulatedWorld,
+    xs: list[torch.Tensor],
+    ws: list[torch.Tensor],
+    *,
+    schedule: str = "phased",
+    use_flags: bool = True,
+    config: GemmConfig | None = None,
+) -> list[torch.Tensor]:
+    """One qkv_all_to_all on every rank of an EmulatedWorld; returns every rank's receive-buffer view.
+
+    "phased": every rank's READY launch, then every rank's produce launch, then every rank's wait
+    launch. "staggered": READY for all ranks, produce for ranks 0..W-2, then rank W-1 runs the
+    registered op (all phases in ONE launch, the GPU code path, with live flags; its READY is
+    re-sent, harmlessly, with the same epoch), then the wait launches of ranks 0..W-2.
+    Raises RuntimeError if a bounded flag wait timed out.
+    """
+    W = world.world_size
+    if len(xs) != W or len(ws) != W:
+        raise ValueError(f"qkv_all_to_all_emulated: {len(xs)} inputs / {len(ws)} weights for {W} ranks")
+    if schedule not in ("phased", "staggered"):
+        raise ValueError(f"qkv_all_to_all_emulated: unknown schedule {schedule!r}")
+    first = range(W) if schedule == "phased" else range(W - 1)
+    kw = {"use_flags": use_flags, "config": config}
+    for r in range(W):
+        launch_qkv_all_to_all(xs[r], ws[r], world[r], produce=False, wait=False, **kw)
+    for r in first:
+        launch_qkv_all_to_all(xs[r], ws[r], world[r], send_ready=False, wait=False, **kw)
+    if schedule == "staggered":
+        R = W - 1
+        t = world[R]
+        got = torch.ops.fusedpar.qkv_all_to_all(
+            xs[R], ws[R], *_table_args(t), *_table_meta(t), use_flags, list(_gemm_meta(config))
+        )
+        if not torch.equal(got, qkv_recv_view(t, xs[R].shape[0], ws[R].shape[0] // W, xs[R].dtype)):
+            raise AssertionError("the registered op's copy differs from its receive buffer")
+    for r in first:
+        launch_qkv_all_to_all(xs[r], ws[r], world[r], send_ready=False, produce=False, **kw)
+    _emulated_check(world, "qkv_all_to_all")
+    return [qkv_recv_view(world[r], xs[r].shape[0], ws[r].shape[0] // W, xs[r].dtype) for r in range(W)]
+
+
+def all_to_all_o_proj_emulated(
+    world: EmulatedWorld,
+    attns: list[torch.Tensor],
+    ws: list[torch.Tensor],
+    *,
+    outs: list[torch.Tensor] | None = None,
+    schedule: str = "phased",
+    use_flags: bool = True,
+    config: OProjConfig | None = None,
+) -> list[torch.Tensor]:
+    """One all_to_all_o_proj on every rank of an EmulatedWorld; rank r's output at [r].
+
+    "phased": READY launches, then push launches, then GEMM launches, each over all ranks.
+    "staggered": READY for all, push for ranks 0..W-2, the registered op (one launch, all phases)
+    for rank W-1, then GEMM for ranks 0..W-2. Raises RuntimeError if a flag wait timed out.
+    """
+    W = world.world_size
+    if len(attns) != W or len(ws) != W:
+        raise ValueError(f"all_to_all_o_proj_emulated: {len(attns)} inputs / {len(ws)} weights for {W} ranks")
+    if schedule not in ("phased", "staggered"):
+        raise ValueError(f"all_to_all_o_proj_emulated: unknown schedule {schedule!r}")
+    if outs is None:
+        outs = [torch.empty((a.shape[0] // W, w.shape[0]), dtype=a.dtype) for a, w in zip(attns, ws, strict=True)]
+    first = range(W) if schedule == "phased" else range(W - 1)
+    kw = {"use_flags": use_flags, "config": config}
+    for r in range(W):
+        launch_all_to_all_o_proj(attns[r], ws[r], world[r], outs[r], push=False, gemm=False, **kw)
+    for r in first:
+        launch_all_to_all_o_proj(attns[r], ws[r], world[r], outs[r], send_ready=False, gemm=False, **kw)
+    if schedule == "staggered":
+        R = W - 1
+        t = world[R]
+        cfg = config or _INTERPRETER_O_CONFIG
+        torch.ops.fusedpar.all_to_all_o_proj_out(
+            attns[R], ws[R], outs[R], *_table_args(t), *_table_meta(t), use_flags, _o_meta(cfg)
+        )
+    for r in first:
+        launch_all_to_all_o_proj(attns[r], ws[r], world[r], outs[r], send_ready=False, push=False, **kw)
+    _emulated_check(world, "all_to_all_o_proj")
+    return outs

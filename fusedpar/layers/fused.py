@@ -1,0 +1,99 @@
+"""State of the fused (Triton + symmetric memory) path of a shift-parallel stack, built once.
+
+FusedKernels owns one SymmetricWorkspace per (group, protocol) the decoder layers need, sized
+for steps of up to `max_tokens` tokens, and exposes the four stages the layer composes:
+
+    base  (SP x TP)                                  shift (TP = P)
+    qkv   qkv_all_to_all(h, W_qkv) -> recv [n_pad, blk]   F.linear(h, W_qkv view)
+    attn  attention_step(recv, ...) -> [n_pad, q*hd]      attention_step(...) -> [n, q*hd]
+    o     all_to_all_o_proj(attn, W_o) + TP all_reduce    gemm_all_reduce(attn, W_o view, shift)
+    down  gemm_all_reduce(act, W_down, TP)                gemm_all_reduce(act, W_down view, shift)
+
+Plain GEMMs with nothing to fuse (gate_up, shift-mode qkv) stay on cuBLAS: our Triton GEMM
+would only match it. Every fused op routes itself to its plain fallback by size (and when a
+step does not fit its workspace), deciding from shapes alone so every rank agrees.
+
+Collective: every rank builds FusedKernels with the same arguments, in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusedpar.collectives import ParallelContext
+from fusedpar.layers.config import DecoderConfig
+
+
+class FusedKernels:
+    def __init__(self, ctx: ParallelContext, cfg: DecoderConfig, *, max_tokens: int, dtype: torch.dtype):
+        from fusedpar.collectives.symmetric import SymmetricWorkspace
+        from fusedpar.kernels import allreduce, gemm_all_reduce, ulysses
+
+        if ctx.device.type != "cuda":
+            raise ValueError(f"FusedKernels needs CUDA (symmetric memory); the context is on {ctx.device}")
+        self.ctx, self.cfg, self.dtype, self.max_tokens = ctx, cfg, dtype, max_tokens
+        layout = ctx.layout
+        place = layout.head_placement(cfg.num_q_heads, cfg.num_kv_heads)
+        hd, sp, P = cfg.head_dim, layout.sp, layout.replica_size
+        nq, nkv = place.q_heads_per_rank, place.kv_heads_per_rank
+        self.blk = (nq + 2 * nkv) * hd
+        m_max = -(-max_tokens // sp)
+        num_sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+
+        def reduce_bytes(group_size: int, k_o: int, k_down: int, rows: int) -> tuple[int, int]:
+            sizes = [gemm_all_reduce.required_workspace(path, min(rows, cap), cfg.hidden_size, k, dtype,
+                                                        group_size, num_sms=num_sms)
+                     for path, cap in (("one_shot", gemm_all_reduce.ONE_SHOT_MAX_TOKENS), ("two_shot", 2048))
+                     for k in (k_o, k_down)]
+            return max(s[0] for s in sizes), max(s[1] for s in sizes)
+
+        self.qkv_ws = self.o_ws = self.tp_allreduce_ws = None
+        if sp > 1:
+            self.qkv_ws = SymmetricWorkspace(ctx.sp, ulysses.qkv_workspace_bytes(m_max, self.blk, sp, dtype),
+                                             ranks=ctx.sp.ranks)
+            self.o_ws = SymmetricWorkspace(ctx.sp, ulysses.o_proj_workspace_bytes(m_max, nq * hd, sp, dtype),
+                                           ranks=ctx.sp.ranks)
+        self.gemm_ar_ws: dict[str, object | None] = {"base": None, "shift": None}
+        tp = layout.tp
+        if tp > 1:
+            nbytes, blocks = reduce_bytes(tp, nq * sp * hd, cfg.intermediate_size // tp, m_max)
+            self.gemm_ar_ws["base"] = SymmetricWorkspace(ctx.tp, nbytes, max_blocks=blocks, ranks=ctx.tp.ranks)
+            # base mode with SP > 1 all-reduces the fused o-projection's output over TP
+            self.tp_allreduce_ws = SymmetricWorkspace(
+                ctx.tp, allreduce.DEFAULT_ONE_SHOT_MAX_BYTES, ranks=ctx.tp.ranks)
+        if P > 1:
+            nbytes, blocks = reduce_bytes(P, nq * hd, cfg.intermediate_size // P, max_tokens)
+            self.gemm_ar_ws["shift"] = SymmetricWorkspace(ctx.shift, nbytes, max_blocks=blocks,
+                                                          ranks=ctx.shift.ranks)
+        torch.cuda.synchronize(ctx.device)
+
+    # ---- the stages ------------------------------------------------------------------------
+    def qkv(self, h: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
+        """[rows, d] -> qkv of this rank's heads for every token of the step: [n(_pad), blk]."""
+        if mode == "base" and self.qkv_ws is not None:
+            from fusedpar.kernels.ulysses import qkv_all_to_all
+
+            return qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp)
+        return F.linear(h, w)
+
+    def o_proj(self, attn: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
+        """Attention output -> o-projection summed over the mode's reduce group: [rows, d]."""
+        if mode == "base" and self.o_ws is not None:
+            from fusedpar.kernels.allreduce import all_reduce
+            from fusedpar.kernels.ulysses import all_to_all_o_proj
+
+            out = all_to_all_o_proj(attn, w, self.o_ws, self.ctx.sp)
+            if self.ctx.tp.size > 1:
+                out = all_reduce(out, self.ctx.tp, self.tp_allreduce_ws, inplace=True)
+            return out
+        return self.row_parallel(attn, w, mode)
+
+    def row_parallel(self, x: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
+        """x @ w^T summed over the mode's reduce group (TP in base, shift group in shift)."""
+        from fusedpar.kernels.gemm_all_reduce import gemm_all_reduce
+
+        group = self.ctx.attention_group(mode)
+        if group.size == 1:
+            return F.linear(x, w)
+        return gemm_all_reduce(x, w, group, self.gemm_ar_ws[mode])

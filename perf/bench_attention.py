@@ -1,0 +1,307 @@
+"""Benchmark: paged Triton attention (fusedpar.kernels.attention) vs torch SDPA (flash backend).
+
+Shapes: per-rank heads of a Llama-3-70B layer at P=4 (16 q / 2 kv heads, head_dim 128), bf16.
+  attention_prefill  one or four sequences totalling T tokens (512 .. 16384), causal, no cached
+                     context. Fused: qkv [T, (16+2*2)*128] in the all-to-all layout, new k/v written
+                     into a paged cache (16-token blocks, shuffled), RoPE on q/k, attention read back
+                     through the block table. SDPA: q/k/v already split into contiguous [B, H, L, d]
+                     tensors (no RoPE, no cache write), is_causal=True, enable_gqa=True.
+  attention_decode   B sequences (1 .. 64) x 4096 cached tokens + 1 new token each. Fused: the
+                     paged cache (shuffled blocks) incl. the new token's RoPE + cache write. SDPA: a
+                     contiguous [B, 2, 4097, d] cache, which favours SDPA (no block-table gather, no
+                     cache write); that is the stock baseline a paged kernel has to meet.
+Both columns are also reported for the fused kernel without RoPE/cache write
+(`fused_attention_only_ms`: write_kv=False, no RoPE), the like-for-like attention time.
+
+Protocol (DESIGN.md section 9, as perf/bench_gemm.py): CUDA events around each call after a GPU
+spin, warm-up first (includes Triton compilation), median of --iters, inputs and caches rotate
+over enough sets to exceed 3x the L2 cache. roofline_pct = 100 * floor / fused_ms with
+floor = max(FLOPs / peak, bytes / bandwidth): peak = a cuBLAS 8192^3 bf16 GEMM and bandwidth =
+a 1 GiB device copy, both measured in this run. FLOPs = 4 * Hq * d * (causal query-key pairs);
+bytes = the minimum traffic (prefill: qkv read + out write + k/v write; decode: the K/V read).
+
+--sweep (default on, time-capped by --sweep-budget-s) also times a few explicit tilings on one
+prefill and one decode shape (records with "sweep": true; there fused_ms is the attention-only
+time, one Triton compile per tiling) to tune pick_config on the GPU.
+
+Usage (GPU machine, repo root):
+    python perf/bench_attention.py [--iters 20] [--out perf/results/attention.json] [--no-sweep]
+Without a GPU it prints a message and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+NQ, NKV, HD = 16, 2, 128  # Llama-3-70B per rank at P = 4
+ROPE_THETA = 500000.0  # Llama-3
+PAGE = 16
+DECODE_CONTEXT = 4096
+PREFILL_TOKENS = [512, 1024, 2048, 4096, 8192, 16384]
+PREFILL_SEQS = [1, 4]
+DECODE_BATCH = [1, 4, 16, 64]
+BASELINE = "torch SDPA flash (contiguous [B, H, L, d] q/k/v, enable_gqa; decode: contiguous KV cache)"
+
+
+def _load_helpers():
+    """time_ms / measure_ceilings from bench_gemm (one timing protocol for every benchmark)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from bench_gemm import measure_ceilings, time_ms
+
+    return measure_ceilings, time_ms
+
+
+class PagedInputs:
+    """One rotation set: qkv, a paged cache holding `context` tokens per sequence, metadata."""
+
+    def __init__(self, seq_lens: list[int], context: int, device, dtype, gen):
+        self.seq_lens, self.context = seq_lens, context
+        n = sum(seq_lens)
+        width = (NQ + 2 * NKV) * HD
+        self.qkv = torch.randn((n, width), device=device, dtype=dtype, generator=gen)
+        need = [math.ceil((context + q) / PAGE) for q in seq_lens]
+        num_blocks = sum(need)
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(num_blocks))  # scattered
+        shape = (num_blocks, PAGE, NKV, HD)
+        self.k_cache = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+        self.v_cache = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+        bt = torch.zeros((len(seq_lens), max(need)), dtype=torch.int32)
+        slots, positions, off = [], [], 0
+        self.tables = []
+        for i, (q, k) in enumerate(zip(seq_lens, need, strict=True)):
+            table = perm[off : off + k]
+            off += k
+            bt[i, :k] = table.to(torch.int32)
+            pos = torch.arange(context, context + q)
+            slots.append(table[pos // PAGE] * PAGE + pos % PAGE)
+            positions.append(pos)
+            self.tables.append(table)
+        self.block_tables = bt.to(device)
+        self.slots = torch.cat(slots).to(device)
+        self.positions = torch.cat(positions).to(device)
+        cu = [0]
+        for q in seq_lens:
+            cu.append(cu[-1] + q)
+        self.cu = torch.tensor(cu, dtype=torch.int32, device=device)
+        self.ctx = torch.full((len(seq_lens),), context, dtype=torch.int32, device=device)
+        self.out = torch.empty((n, NQ * HD), device=device, dtype=dtype)
+
+    def kwargs(self, *, rope: bool, write_kv: bool) -> dict:
+        return dict(
+            num_tokens=self.qkv.shape[0], num_q_heads=NQ, cu_seqlens_q=self.cu, context_lens=self.ctx,
+            block_tables=self.block_tables, k_cache=self.k_cache, v_cache=self.v_cache,
+            slots=self.slots if write_kv else None, positions=self.positions,
+            max_query_len=max(self.seq_lens), max_kv_len=self.context + max(self.seq_lens),
+            rope_theta=ROPE_THETA if rope else None, write_kv=write_kv, out=self.out,
+        )
+
+    def sdpa_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Contiguous q [B, Hq, L, d] and k/v [B, Hkv, ctx + L, d] holding the same values (equal L)."""
+        b, L = len(self.seq_lens), self.seq_lens[0]
+        q = self.qkv[:, : NQ * HD].reshape(b, L, NQ, HD).transpose(1, 2).contiguous()
+        pos = torch.arange(self.context + L)
+        rows = torch.stack([t[pos // PAGE] * PAGE + pos % PAGE for t in self.tables]).to(self.qkv.device)
+        k = self.k_cache.view(-1, NKV, HD)[rows].transpose(1, 2).contiguous()
+        v = self.v_cache.view(-1, NKV, HD)[rows].transpose(1, 2).contiguous()
+        return q, k, v
+
+
+def sdpa(q, k, v, causal: bool):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
+    """Time SDPA, fused (RoPE + cache write + attention) and fused attention-only on one shape."""
+    from fusedpar.kernels import attention
+
+    device, dtype, time_ms = ctx["device"], ctx["dtype"], ctx["time_ms"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    probe = PagedInputs(seq_lens, context, device, dtype, gen)
+    sdpa_in = probe.sdpa_tensors()
+    set_bytes = sum(t.numel() * t.element_size() for t in (probe.qkv, probe.k_cache, probe.v_cache, *sdpa_in))
+    n_sets = min(8, max(2, math.ceil(3 * ctx["l2_bytes"] / set_bytes)))
+    sets = [probe] + [PagedInputs(seq_lens, context, device, dtype, gen) for _ in range(n_sets - 1)]
+    sdpa_sets = [sdpa_in] + [s.sdpa_tensors() for s in sets[1:]]
+    causal = kind == "prefill"
+
+    # Accuracy vs SDPA on identical q/k/v: no RoPE, and the cache holds raw k/v (written by the call).
+    fused_out = attention.paged_attention(probe.qkv, **probe.kwargs(rope=False, write_kv=True), config=config)
+    q, k, v = probe.sdpa_tensors()  # re-read: decode's new token is now in the cache
+    ref = sdpa(q, k, v, causal).transpose(1, 2).reshape(fused_out.shape)
+    max_rel_diff = ((fused_out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    del ref, q, k, v
+
+    def run_fused(s, rope=True, write_kv=True):
+        attention.paged_attention(s.qkv, **s.kwargs(rope=rope, write_kv=write_kv), config=config)
+
+    baseline_ms = time_ms(lambda qq, kk, vv: sdpa(qq, kk, vv, causal), sdpa_sets, args.iters, args.warmup)
+    attn_only_ms = time_ms(lambda s: run_fused(s, False, False), [(s,) for s in sets], args.iters, args.warmup)
+    # Sweep records time the tiling only (one compile per config): fused_ms = attention only there.
+    fused_ms = attn_only_ms if config is not None else time_ms(run_fused, [(s,) for s in sets], args.iters, args.warmup)
+
+    tokens = sum(seq_lens)
+    pairs = sum(context * q + q * (q + 1) // 2 for q in seq_lens)  # causal query-key pairs
+    flops = 4 * NQ * HD * pairs
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv_tok = 2 * NKV * HD * elem
+    if kind == "prefill":
+        bytes_ = tokens * ((NQ + 2 * NKV) * HD * elem + NQ * HD * elem + kv_tok)
+    else:
+        bytes_ = len(seq_lens) * (context + 1) * kv_tok
+    floor_ms = max(flops / ctx["peak"], bytes_ / ctx["bandwidth"]) * 1e3
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    cfg = config or attention.pick_config(
+        head_dim=HD, group=NQ // NKV, num_seqs=len(seq_lens), num_kv_heads=NKV, max_query_len=max(seq_lens),
+        max_kv_len=context + max(seq_lens), dtype=dtype, num_sms=num_sms, interpret=False,
+    )
+    return {
+        "seqs": len(seq_lens),
+        "seq_len": seq_lens[0],
+        "context": context,
+        "heads": f"{NQ} q / {NKV} kv, hd {HD}",
+        "page_size": PAGE,
+        "dtype": str(dtype).removeprefix("torch."),
+        "baseline_ms": baseline_ms,
+        "fused_ms": fused_ms,
+        "fused_attention_only_ms": attn_only_ms,
+        "speedup": baseline_ms / fused_ms,
+        "speedup_attention_only": baseline_ms / attn_only_ms,
+        "roofline_pct": 100 * floor_ms / fused_ms,
+        "baseline_roofline_pct": 100 * floor_ms / baseline_ms,
+        "floor_ms": floor_ms,
+        "bound": "compute" if flops / ctx["peak"] >= bytes_ / ctx["bandwidth"] else "memory",
+        "max_rel_diff_vs_baseline": max_rel_diff,
+        "triton_config": vars(cfg),
+        "fused_includes": "attention only (sweep)" if config is not None else "RoPE(q, k) + KV-cache write + attention",
+        "operand_sets": n_sets,
+    }
+
+
+def sweep_configs(kind: str):
+    from fusedpar.kernels.attention import AttentionConfig
+
+    g = NQ // NKV
+    if kind == "prefill":
+        return [AttentionConfig(bm, bn, bm // g, w, s) for bm, bn, w, s in
+                ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4))]
+    return [AttentionConfig(16, bn, 1, w, s, splits) for bn, w, s, splits in
+            ((64, 4, 3, 1), (64, 4, 3, 2), (64, 4, 4, 4), (128, 4, 2, 2), (32, 4, 4, 2))]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefill-tokens", default=",".join(map(str, PREFILL_TOKENS)))
+    p.add_argument("--prefill-seqs", default=",".join(map(str, PREFILL_SEQS)))
+    p.add_argument("--decode-batch", default=",".join(map(str, DECODE_BATCH)))
+    p.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median taken)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--sweep-budget-s", type=float, default=30.0, help="stop sweeping after this many seconds")
+    p.add_argument("--out", default="perf/results/attention.json")
+    args = p.parse_args(argv)
+    if args.iters < 20:
+        print(f"note: --iters {args.iters} is below the protocol's 20 (DESIGN.md section 9)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention: no CUDA GPU visible; nothing measured (run this on a GPU machine).")
+        return 0
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import triton
+
+    measure_ceilings, time_ms = _load_helpers()
+    device = torch.device("cuda", torch.cuda.current_device())
+    dtype = torch.bfloat16
+    props = torch.cuda.get_device_properties(device)
+    gpu = torch.cuda.get_device_name(device)
+    peak, bandwidth = measure_ceilings(dtype, max(args.iters, 20), device)
+    ctx = {"device": device, "dtype": dtype, "time_ms": time_ms, "peak": peak, "bandwidth": bandwidth,
+           "l2_bytes": getattr(props, "L2_cache_size", 50 * 2**20)}
+    print(
+        f"{gpu}: cuBLAS bf16 {peak / 1e12:.0f} TFLOP/s, device copy {bandwidth / 1e9:.0f} GB/s, "
+        f"{props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}"
+    )
+    header = (f"{'bench':<18}{'case':<26}{'tokens':>7}{'SDPA ms':>10}{'fused ms':>10}{'attn-only':>10}"
+              f"{'speedup':>9}{'%roof':>7}  config")
+    print(header)
+    print("-" * len(header))
+    common = {
+        "world": 1, "gpu": gpu, "baseline": BASELINE, "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv), "peak_tflops": peak / 1e12, "hbm_gbps": bandwidth / 1e9,
+    }
+
+    cases = []
+    for total in (int(t) for t in args.prefill_tokens.split(",") if t):
+        for nseq in (int(s) for s in args.prefill_seqs.split(",") if s):
+            if total % nseq == 0 and total // nseq >= 128:
+                cases.append(("prefill", [total // nseq] * nseq, 0, f"prefill {nseq}x{total // nseq}", None))
+    for b in (int(x) for x in args.decode_batch.split(",") if x):
+        cases.append(("decode", [1] * b, DECODE_CONTEXT, f"decode {b}x{DECODE_CONTEXT}", None))
+    if args.sweep:
+        for cfg in sweep_configs("prefill"):
+            cases.append(("prefill", [4096], 0, "prefill 1x4096 sweep", cfg))
+        for cfg in sweep_configs("decode"):
+            cases.append(("decode", [1] * 64, DECODE_CONTEXT, f"decode 64x{DECODE_CONTEXT} sweep", cfg))
+
+    records, sweep_start = [], None
+    for kind, seq_lens, context, name, cfg in cases:
+        if cfg is not None:
+            sweep_start = sweep_start or time.monotonic()
+            if time.monotonic() - sweep_start > args.sweep_budget_s:
+                print(f"sweep budget of {args.sweep_budget_s:.0f} s spent; skipping the remaining configs")
+                break
+        record = {**common, "bench": f"attention_{kind}", "case": name, "tokens": sum(seq_lens),
+                  "sweep": cfg is not None}
+        try:
+            record |= bench_case(kind, seq_lens, context, args, ctx, cfg)
+        except Exception as exc:
+            # Unattended run: one failing shape or tiling (compile error, shared memory, OOM) is
+            # recorded with its message and must not lose the other results.
+            record |= {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            print(f"{record['bench']:<18}{name:<26}{sum(seq_lens):>7}  ERROR {record['error'][:200]}")
+            records.append(record)
+            torch.cuda.empty_cache()
+            continue
+        records.append(record)
+        c = record["triton_config"]
+        warn = "" if record["max_rel_diff_vs_baseline"] < 2e-2 else "  WARNING: results differ"
+        print(
+            f"{record['bench']:<18}{name:<26}{sum(seq_lens):>7}{record['baseline_ms']:>10.4f}{record['fused_ms']:>10.4f}"
+            f"{record['fused_attention_only_ms']:>10.4f}{record['speedup']:>9.2f}{record['roofline_pct']:>6.1f}%  "
+            f"m{c['block_m']} n{c['block_n']} q{c['block_q']} w{c['num_warps']} s{c['num_stages']} "
+            f"splits{c['num_splits']}{warn}"
+        )
+        torch.cuda.empty_cache()
+
+    out = Path(args.out)
+    if not out.is_absolute():
+        out = REPO / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+    print(f"wrote {len(records)} records to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

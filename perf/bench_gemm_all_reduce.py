@@ -1,0 +1,451 @@
+"""Benchmark: fused row-parallel GEMM + all-reduce (fusedpar gemm_all_reduce) vs cuBLAS + all-reduce.
+
+Per-rank shapes of one TP=4 layer's row-parallel GEMMs (x [tokens, K_local] @ w[N, K_local]^T,
+then the sum over the ranks), w being the shift-mode column view (block 1 of a 4-block base):
+    llama70b.o     N 8192, K 8192/4  = 2048        qwen32b.o     N 5120, K 2048
+    llama70b.down  N 8192, K 28672/4 = 7168        qwen32b.down  N 5120, K 25600/4 = 6400
+tokens = rows per rank, 8 .. 16384 (powers of two). world = every GPU of the job (torchrun).
+
+Paths timed in the same run, same shapes, same inputs:
+    cublas+nccl          F.linear + dist.all_reduce (eager): the plain path, every size
+    fused                gemm_all_reduce forced onto its fused path: one_shot for tokens <= 64,
+                         two_shot above (eager)
+    routed               gemm_all_reduce(path="auto"): what the library really does (eager)
+  and for tokens <= 64 (decode), each as a CUDA graph of CALLS calls:
+    cublas+symm_mem graph  torch.matmul into a symmetric buffer + torch.ops.symm_mem.one_shot_all_reduce
+    cublas+nccl graph      F.linear + dist.all_reduce
+    fused graph            our one_shot
+
+Protocol (DESIGN.md section 9): warm-up (Triton compilation, NCCL/graph setup) first; every sample
+is a stream-ordered device barrier across the ranks, a CUDA event, the calls (CALLS for decode
+sizes, 1 above, rotating over operand sets whose weights together exceed the L2 cache), a CUDA
+event; per-call time = sample / calls; median of --iters (>= 20) samples per rank; the reported
+figure is the MAX over ranks (a collective is as slow as its slowest rank).
+
+Records (rank 0 writes --out, a JSON list), bench "gemm_all_reduce": per case and token count one
+"eager" record (baseline cublas+nccl eager vs fused eager) and, for tokens <= 64, one "graph"
+record (baseline: the faster stock graph path vs fused graph; the decode target is >= 1.1x vs
+cuBLAS + torch one-shot). Keys: bench, case, tokens, world, gpu, baseline, baseline_ms, fused_ms,
+speedup, roofline_pct, torch, triton, date, command, plus path, routed_path, routed_ms,
+routed_speedup (the "never below 0.97x of the plain path" check: the router falls back), n, k,
+floor_ms, gemm_floor_ms, comm_floor_ms, paths_ms, max_rel_err_vs_baseline, config, chunks.
+
+Roofline: floor = max(GEMM floor, all-reduce floor), i.e. a PERFECT overlap of the two, not their
+sum, with every constant measured in this run:
+    GEMM floor       max(2 tokens N K / peak, (weight + x + out bytes) / HBM bandwidth); peak: a
+                     cuBLAS bf16 8192^3 GEMM; HBM: a 1 GiB device copy (read + write bytes);
+    all-reduce floor 2 (W-1)/W * out bytes / B_bus, B_bus the NCCL all-reduce bus bandwidth at
+                     256 MiB (NVLink as the stock stack reaches it; NVLS/multicast off).
+roofline_pct = floor / fused time * 100. For decode the floor ignores latency (launch + one
+cross-GPU hop, ~7 us here: perf/results/one_shot_all_reduce.json), so decode percentages are low
+by construction.
+
+Usage (GPU machine, repo root):
+    torchrun --nproc-per-node 4 perf/bench_gemm_all_reduce.py [--shapes llama70b,qwen32b]
+        [--gemms o,down] [--tokens 8,64,2048] [--iters 20] [--out perf/results/gemm_all_reduce.json]
+Without CUDA or outside torchrun it prints a message and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Before torch.distributed initialises anything: NVLink multicast (NVLS) stays off on our
+# machines and no path here may depend on it (DESIGN.md section 5).
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO))
+
+TP = 4  # the layer's shapes are per rank of a TP=4 split, whatever the world size
+SHIFT_BLOCK = 1
+MODELS = {
+    "llama70b": {"hidden": 8192, "attn": 64 * 128, "intermediate": 28672},
+    "qwen32b": {"hidden": 5120, "attn": 64 * 128, "intermediate": 25600},
+}
+DEFAULT_TOKENS = [2**i for i in range(3, 15)]  # 8 .. 16384
+DECODE_MAX = 64  # tokens <= this: one_shot forced path and the graph comparison
+CALLS_DECODE = 10  # calls per sample / per captured graph at decode sizes
+WORKSPACE_BYTES = 512 << 20  # two 256 MiB slots: up to 8192 x 8192 bf16 two-shot in one launch
+WORKSPACE_FLAG_ROWS = 2048
+
+
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+class Timer:
+    """Per-call medians (ms) of eager call sequences and graph replays, aligned by a device barrier."""
+
+    def __init__(self, barrier: Callable[[], None], iters: int, warmup: int):
+        self.barrier, self.iters, self.warmup = barrier, iters, warmup
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def _sample(self, run: Callable[[], None], calls: int) -> float:
+        self.barrier()  # stream-ordered: every rank starts the sample together
+        self.start.record()
+        run()
+        self.end.record()
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / calls
+
+    def eager(self, calls: list[Callable[[], object]]) -> float:
+        def run():
+            for c in calls:
+                c()
+
+        for _ in range(self.warmup):
+            run()
+        torch.cuda.synchronize()
+        return statistics.median(self._sample(run, len(calls)) for _ in range(self.iters))
+
+    def graph(self, calls: list[Callable[[], object]]) -> float:
+        for c in calls:  # warm-up outside capture (compilation, NCCL graph registration)
+            c()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+        for _ in range(self.warmup):
+            g.replay()
+        torch.cuda.synchronize()
+        ms = statistics.median(self._sample(g.replay, len(calls)) for _ in range(self.iters))
+        del g
+        return ms
+
+
+def layer_cases(models: list[str], gemms: set[str]) -> list[tuple[str, int, int]]:
+    """(name, N, K_local) of the row-parallel GEMMs of one TP=4 layer."""
+    out = []
+    for model in models:
+        m = MODELS[model]
+        if "o" in gemms:
+            out.append((f"{model}.o", m["hidden"], m["attn"] // TP))
+        if "down" in gemms:
+            out.append((f"{model}.down", m["hidden"], m["intermediate"] // TP))
+    return out
+
+
+def measure_ceilings(timer: Timer, group, world: int) -> tuple[float, float, float]:
+    """(peak FLOP/s of a cuBLAS bf16 8192^3 GEMM, HBM bytes/s of a 1 GiB copy, NCCL bus bytes/s at 256 MiB).
+
+    Times are max over ranks, like every other figure of this script.
+    """
+
+    def gemm_ms() -> float:
+        a = torch.randn((8192, 8192), device="cuda", dtype=torch.bfloat16)
+        return timer.eager([lambda: torch.matmul(a, a)] * 3)
+
+    def copy_ms() -> float:
+        n = (1 << 30) // 4
+        src, dst = torch.rand(n, device="cuda"), torch.empty(n, device="cuda")
+        return timer.eager([lambda: dst.copy_(src)] * 3)
+
+    def all_reduce_ms() -> float:
+        big = torch.randn((256 << 20) // 2, device="cuda", dtype=torch.bfloat16)
+        return timer.eager([lambda: dist.all_reduce(big, group=group)] * 2)
+
+    peak = 2 * 8192**3 / (max_over_ranks(gemm_ms()) * 1e-3)
+    hbm = 2 * (1 << 30) / (max_over_ranks(copy_ms()) * 1e-3)
+    bus = 2 * (world - 1) / world * (256 << 20) / (max_over_ranks(all_reduce_ms()) * 1e-3)
+    torch.cuda.empty_cache()
+    return peak, hbm, bus
+
+
+def make_weight(n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """w [n, k] ~ N(0, 1/k): block SHIFT_BLOCK of a [n, TP k] base, the shift-mode column view."""
+    base = torch.randn((n, TP * k), generator=gen, device="cuda").div_(math.sqrt(k)).to(dtype)
+    return base.narrow(1, SHIFT_BLOCK * k, k)
+
+
+@dataclass
+class Context:
+    group: object
+    ws: object
+    timer: Timer
+    rank: int
+    world: int
+    symm_buf: torch.Tensor | None
+    peak: float
+    hbm: float
+    bus: float
+    common: dict
+    gar: object
+
+
+def bench_point(ctx: Context, name: str, n: int, k: int, tokens: int, ops: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Time every path for one (case, tokens); returns its records (max over ranks everywhere)."""
+    gar, group, ws, timer = ctx.gar, ctx.group, ctx.ws, ctx.timer
+    dtype = ops[0][0].dtype
+    n_sets = len(ops)
+    decode = tokens <= DECODE_MAX
+    fused_path = "one_shot" if decode else "two_shot"
+    routed_path = gar.choose_path(tokens, n, k, dtype, ctx.world, ws.table)
+    plan, why = gar.fused_plan(fused_path, tokens, n, k, dtype, ws.table)
+    # Decode: CALLS calls per sample over rotating operand sets. Above: one call per sample, the
+    # operand set rotating from sample to sample.
+    rotating = [ops[i % n_sets] for i in range(CALLS_DECODE)] if decode else None
+    state = {"i": 0}
+
+    def plain(x, w):
+        y = torch.nn.functional.linear(x, w)
+        dist.all_reduce(y, group=group)
+        return y
+
+    def fused(x, w):
+        return gar.gemm_all_reduce(x, w, group, ws, path=fused_path)
+
+    def routed(x, w):
+        return gar.gemm_all_reduce(x, w, group, ws)
+
+    def calls_of(fn) -> list[Callable[[], object]]:
+        if rotating is not None:
+            return [lambda x=x, w=w: fn(x, w) for x, w in rotating]
+
+        def call():
+            x, w = ops[state["i"] % n_sets]
+            state["i"] += 1
+            return fn(x, w)
+
+        return [call]
+
+    paths_ms: dict[str, float | None] = {}
+
+    def timed(key: str, fns: list[Callable[[], object]], mode: str) -> None:
+        try:
+            ms = timer.graph(fns) if mode == "graph" else timer.eager(fns)
+        except Exception as exc:
+            # Report and keep the other paths (a stock op this build lacks, a Triton compile or
+            # shared-memory error): every rank compiles the same kernels, so all ranks fail alike
+            # and still meet in the max_over_ranks collective below.
+            print(f"rank {ctx.rank}: {name} {tokens} {key} failed: {exc}"[:400])
+            torch.cuda.synchronize()
+            ms = float("inf")
+        worst = max_over_ranks(ms)  # inf on any rank: unavailable everywhere, and every rank joins
+        paths_ms[key] = None if worst == float("inf") else worst
+
+    timed("cublas+nccl eager", calls_of(plain), "eager")
+    if plan is not None:
+        timed("fused eager", calls_of(fused), "eager")
+    else:
+        paths_ms["fused eager"] = None
+        if ctx.rank == 0:
+            print(f"{name} {tokens}: fused {fused_path} cannot run: {why}")
+    if routed_path == fused_path:
+        paths_ms["routed eager"] = paths_ms["fused eager"]
+    else:
+        timed("routed eager", calls_of(routed), "eager")
+
+    if decode:
+        outs = [torch.empty((tokens, n), dtype=dtype, device="cuda") for _ in rotating]
+        if plan is not None:
+            timed(
+                "fused graph",
+                [
+                    lambda x=x, w=w, o=o: gar.gemm_all_reduce(x, w, group, ws, path="one_shot", out=o)
+                    for (x, w), o in zip(rotating, outs, strict=True)
+                ],
+                "graph",
+            )
+        timed("cublas+nccl graph", calls_of(plain), "graph")
+        if ctx.symm_buf is not None:
+            views = [ctx.symm_buf[i % 2, : tokens * n].view(tokens, n) for i in range(len(rotating))]
+            gname = group.group_name
+
+            def stock(x, w, view):
+                torch.matmul(x, w.t(), out=view)
+                return torch.ops.symm_mem.one_shot_all_reduce(view, "sum", gname)
+
+            timed(
+                "cublas+symm_mem graph",
+                [lambda x=x, w=w, v=v: stock(x, w, v) for (x, w), v in zip(rotating, views, strict=True)],
+                "graph",
+            )
+
+    # Spot check (reported, not asserted): fused vs the plain path on one operand set.
+    err = float("nan")
+    if paths_ms["fused eager"] is not None:
+        x, w = ops[0]
+        want = plain(x, w).float()
+        got = fused(x, w).float()
+        err = max_over_ranks(((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item())
+        if ws.table.status() != 0:
+            print(f"rank {ctx.rank}: {name} {tokens}: a flag wait timed out (STATUS=1): results invalid")
+
+    world = ctx.world
+    gemm_floor = max(2 * tokens * n * k / ctx.peak, (n * k + tokens * k + tokens * n) * 2 / ctx.hbm) * 1e3
+    comm_floor = 2 * (world - 1) / world * tokens * n * 2 / ctx.bus * 1e3
+    floor = max(gemm_floor, comm_floor)
+    modes = [("eager", "cublas+nccl eager")]
+    if decode:
+        stock_graph = {key: v for key, v in paths_ms.items() if key.endswith("graph") and "fused" not in key and v}
+        if stock_graph:
+            modes.append(("graph", min(stock_graph, key=stock_graph.get)))
+    records = []
+    for mode, base_key in modes:
+        base_ms, fused_ms = paths_ms.get(base_key), paths_ms.get(f"fused {mode}")
+        if base_ms is None or fused_ms is None:
+            continue
+        routed_ms = paths_ms["routed eager"] if mode == "eager" else fused_ms
+        rec = {
+            **ctx.common,
+            "case": f"{name} {mode}",
+            "tokens": tokens,
+            "n": n,
+            "k": k,
+            "baseline": base_key if mode == "graph" else "cuBLAS F.linear + NCCL all_reduce (eager)",
+            "baseline_ms": base_ms,
+            "fused_ms": fused_ms,
+            "speedup": base_ms / fused_ms,
+            "roofline_pct": 100 * floor / fused_ms,
+            "path": fused_path,
+            "routed_path": routed_path if mode == "eager" else fused_path,
+            "routed_ms": routed_ms,
+            "routed_speedup": base_ms / routed_ms if routed_ms else None,
+            "floor_ms": floor,
+            "gemm_floor_ms": gemm_floor,
+            "comm_floor_ms": comm_floor,
+            "paths_ms": dict(paths_ms),
+            "max_rel_err_vs_baseline": err,
+            "config": plan.config.as_list() if plan else None,
+            "chunks": len(plan.chunks) if plan else None,
+            "operand_sets": n_sets,
+        }
+        records.append(rec)
+        if ctx.rank == 0:
+            print(
+                f"{name:<15}{tokens:>7} {mode:<6}{base_key:<22}{base_ms:>9.4f}{fused_ms:>10.4f}"
+                f"{rec['speedup']:>8.2f}{rec['roofline_pct']:>6.0f}% {rec['routed_path']:<9}"
+                f"{rec['routed_speedup'] or float('nan'):>9.2f}  err {err:.1e}"
+            )
+    return records
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="llama70b,qwen32b", help=f"comma list of {sorted(MODELS)}")
+    p.add_argument("--gemms", default="o,down", help="comma list of o,down")
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma list of rows per rank")
+    p.add_argument("--iters", type=int, default=20, help="samples per measurement (median; >= 20)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default="perf/results/gemm_all_reduce.json")
+    args = p.parse_args()
+    if args.iters < 20:
+        p.error("--iters must be >= 20 (DESIGN.md section 9)")
+    unknown = set(args.shapes.split(",")) - set(MODELS)
+    if unknown:
+        p.error(f"unknown --shapes {sorted(unknown)}; known: {sorted(MODELS)}")
+    if set(args.gemms.split(",")) - {"o", "down"}:
+        p.error(f"--gemms must be a comma list of o,down, got {args.gemms!r}")
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        print("bench_gemm_all_reduce: needs CUDA GPUs and torchrun (torchrun --nproc-per-node N ...); skipped")
+        return 0
+
+    import triton
+
+    from fusedpar.collectives.symmetric import SymmetricWorkspace
+    from fusedpar.kernels import gemm_all_reduce as gar
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    dtype = torch.bfloat16
+    ws = SymmetricWorkspace(group, WORKSPACE_BYTES, max_blocks=WORKSPACE_FLAG_ROWS)
+    timer = Timer(ws.barrier, args.iters, args.warmup)
+    props = torch.cuda.get_device_properties(local)
+    l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
+    gpu = torch.cuda.get_device_name()
+    tokens_list = sorted({int(t) for t in args.tokens.split(",") if t})
+    cases = layer_cases(args.shapes.split(","), set(args.gemms.split(",")))
+
+    # torch's one-shot needs its input in symmetric memory: two buffers (alternating calls, so a
+    # GEMM never overwrites what a slow peer may still read) as large as the biggest decode output,
+    # written by cuBLAS (torch.matmul(..., out=view)).
+    symm_buf = None
+    decode_tokens = [t for t in tokens_list if t <= DECODE_MAX]
+    if decode_tokens and hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "one_shot_all_reduce"):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        n_max = max(n for _, n, _ in cases)
+        symm_buf = symm_mem.empty((2, max(decode_tokens) * n_max), dtype=dtype, device="cuda")
+        symm_mem.rendezvous(symm_buf, group)
+
+    peak, hbm, bus = measure_ceilings(timer, group, world)
+    common = {
+        "bench": "gemm_all_reduce",
+        "world": world,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["torchrun", f"--nproc-per-node {world}", *sys.argv]),
+        "peak_tflops": peak / 1e12,
+        "hbm_gbps": hbm / 1e9,
+        "nccl_bus_gbps": bus / 1e9,
+    }
+    if rank == 0:
+        print(
+            f"{gpu} x{world}, bf16; cuBLAS {peak / 1e12:.0f} TFLOP/s, HBM {hbm / 1e9:.0f} GB/s, "
+            f"NCCL all-reduce bus {bus / 1e9:.0f} GB/s (256 MiB); median of {args.iters}, max over ranks"
+        )
+        print(f"{'case':<15}{'tokens':>7} {'mode':<6}{'baseline':<22}{'base ms':>9}{'fused ms':>10}{'speedup':>8}"
+              f"{'%roof':>7} {'routed':<9}{'routed x':>9}")
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    ctx = Context(group, ws, timer, rank, world, symm_buf, peak, hbm, bus, common, gar)
+    records = []
+    for name, n, k in cases:
+        # One weight per set, all different; enough sets that the weights exceed the L2 cache 3x.
+        n_sets = min(4, max(2, math.ceil(3 * l2_bytes / (n * k * 2))))
+        weights = [make_weight(n, k, dtype, gen) for _ in range(n_sets)]
+        for tokens in tokens_list:
+            xs = [torch.randn((tokens, k), generator=gen, device="cuda").to(dtype) for _ in range(n_sets)]
+            records += bench_point(ctx, name, n, k, tokens, list(zip(xs, weights, strict=True)))
+            del xs
+            torch.cuda.empty_cache()
+        del weights
+        torch.cuda.empty_cache()
+
+    if rank == 0:
+        # What the router thresholds (gemm_all_reduce.ONE_SHOT_MAX_TOKENS / TWO_SHOT_MIN_TOKENS) should
+        # be set from: where each fused path loses to its baseline, and where the router itself does.
+        for mode, path in (("eager", "one_shot"), ("graph", "one_shot"), ("eager", "two_shot")):
+            lose = sorted({(r["case"].split()[0], r["tokens"]) for r in records
+                           if r["case"].endswith(mode) and r["path"] == path and r["speedup"] < 1.0})
+            print(f"{path} ({mode}) slower than its baseline at: {lose or 'nowhere'}")
+        slow = [(r["case"], r["tokens"], round(r["routed_speedup"], 3)) for r in records
+                if r["routed_speedup"] is not None and r["routed_speedup"] < 0.97]
+        print(f"router below 0.97x of the baseline at: {slow or 'nowhere'}")
+        out = Path(args.out)
+        if not out.is_absolute():
+            out = REPO / out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(records, indent=1) + "\n")
+        print(f"wrote {len(records)} records to {out}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Benchmark: fused qkv_all_to_all (fusedpar.kernels.ulysses) vs cuBLAS GEMM + pack + NCCL all_to_all_single.
+
+Base-mode QKV projection of one decoder layer with SP = world (TP = 1), per-rank shapes:
+    x [m, d] (m = tokens per rank), w [SP*blk, d], blk = (q + 2 kv) * hd, q = h / SP,
+    kv = max(1, h_kv / SP) (kv columns duplicated per block when SP > h_kv)
+    Llama-3-70B: d 8192, 64 q / 8 kv heads, hd 128;  Qwen3-32B: d 5120, 64 / 8, hd 128.
+Paths, each on the same inputs in the same process:
+    baseline     comm.seq_to_head_all_to_all(F.linear(x, w), sp): cuBLAS GEMM, pack
+                 (reshape/transpose/contiguous), NCCL all_to_all_single - what the reference layer does
+    fused        qkv_all_to_all(x, w, workspace, fused=True): one kernel, tiles stored into the
+                 owners' receive buffers, completion included (the result is ready to read)
+    gemm_cublas  F.linear(x, w) alone: the target is fused <= 1.10 x this at m >= 1024
+    gemm_triton  fusedpar.kernels.gemm.matmul(x, w) alone: the fused kernel's GEMM core
+Targets (issue 3): fused >= 1.25x baseline and <= 1.10x gemm_cublas at m >= 1024.
+
+Protocol (DESIGN.md section 9): per sample a stream-ordered device barrier across ranks, a GPU
+spin (torch.cuda._sleep, so host launch cost is off the clock and ranks start together), CUDA
+events around ONE call; warm-up first (Triton compilation, NCCL setup); median of --iters
+samples per rank, then the MAX over ranks (an all-to-all is as slow as its slowest rank).
+Inputs rotate over 2 operand sets (each weight alone exceeds the 50 MiB L2).
+
+Roofline (floor of one fused call), every constant measured in this run:
+    floor = max(2 m N d / peak,  hbm_bytes / hbm_bw,  link_bytes / link_bw)
+    peak     cuBLAS bf16 8192^3 GEMM FLOP/s;      hbm_bw   1 GiB device copy (read + write) B/s
+    link_bw  NCCL all_to_all_single bus bandwidth on 256 MiB ((W-1)/W * bytes / time: per-GPU
+             outgoing bytes per second, the best the stock stack reaches over NVLink)
+    hbm_bytes = x + w + recv written;  link_bytes = (W-1)/W of the GEMM output (what leaves the GPU)
+roofline_pct = 100 * floor / fused_ms.
+
+Records (rank 0 writes --out, a JSON list), one per (model, tokens): bench, case, tokens (rows per
+rank in the GEMM), world, gpu, baseline, baseline_ms, fused_ms, speedup, roofline_pct, torch,
+triton, date, command, plus gemm_cublas_ms, gemm_triton_ms, fused_over_gemm, floor terms,
+routed (the path the size-based router takes now), max_rel_diff_vs_baseline, triton_config.
+At the end it prints the token ranges where the fused path wins on every model, in the form of
+fusedpar.kernels.ulysses.QKV_FUSED_TOKEN_RANGES.
+
+Usage (GPU machine, repo root):
+    torchrun --nproc-per-node 4 perf/bench_qkv_all_to_all.py [--shapes llama70b,qwen32b]
+        [--tokens 8,1024,16384] [--iters 20] [--out perf/results/qkv_all_to_all.json]
+Without CUDA or outside torchrun it prints a message and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+# Before torch.distributed initialises anything: multicast (NVLS) is off on our machines.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+BENCH = "qkv_all_to_all"
+BASELINE = "cuBLAS F.linear + pack + NCCL all_to_all_single (comm.seq_to_head_all_to_all)"
+MODELS = {
+    "llama70b": {"hidden": 8192, "heads": 64, "kv_heads": 8, "head_dim": 128},
+    "qwen32b": {"hidden": 5120, "heads": 64, "kv_heads": 8, "head_dim": 128},
+}
+DEFAULT_TOKENS = ",".join(str(2**i) for i in range(3, 15))  # 8 .. 16384
+SLEEP_CYCLES = 100_000  # ~50 us GPU spin ahead of each timed call
+SETS = 2
+LINK_BYTES = 256 << 20
+
+
+# ---------------------------------------------------------------- harness (same in both benches)
+
+
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+class Timer:
+    """Median per-call ms of fn(i) over samples, each: device barrier, GPU spin, event, call, event."""
+
+    def __init__(self, barrier: Callable[[], None], iters: int, warmup: int):
+        self.barrier, self.iters, self.warmup = barrier, iters, warmup
+        self.sleep = getattr(torch.cuda, "_sleep", None)
+
+    def __call__(self, fn: Callable[[int], object]) -> float:
+        for i in range(self.warmup):
+            fn(i)
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
+        for i in range(self.iters):
+            self.barrier()
+            if self.sleep is not None:
+                self.sleep(SLEEP_CYCLES)
+            starts[i].record()
+            fn(self.warmup + i)
+            ends[i].record()
+        torch.cuda.synchronize()
+        return max_over_ranks(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)))
+
+
+def measure_ceilings(timer: Timer, group) -> dict[str, float]:
+    """peak FLOP/s (cuBLAS bf16 8192^3), HBM B/s (1 GiB copy), link B/s (NCCL all-to-all bus bw, 256 MiB)."""
+    n = 8192
+    a = torch.randn((n, n), device="cuda", dtype=torch.bfloat16)
+    t = timer(lambda i, a=a: torch.matmul(a, a))
+    peak = 2 * n**3 / (t * 1e-3)
+    del a
+    nel = (1 << 30) // 4
+    src, dst = torch.rand(nel, device="cuda"), torch.empty(nel, device="cuda")
+    t = timer(lambda i, dst=dst, src=src: dst.copy_(src))
+    hbm = 2 * (1 << 30) / (t * 1e-3)
+    del src, dst
+    W = group.size
+    send = torch.randn(LINK_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+    recv = torch.empty_like(send)
+    t = timer(lambda i, r=recv, s=send: dist.all_to_all_single(r, s, group=group.pg))
+    link = (W - 1) / W * LINK_BYTES / (t * 1e-3)
+    del send, recv
+    torch.cuda.empty_cache()
+    return {"peak_flops": peak, "hbm_bps": hbm, "link_bps": link}
+
+
+def token_ranges(wins: dict[int, bool]) -> tuple[tuple[int, int | None], ...]:
+    """Inclusive ranges of the measured token counts where the fused path won (last one open-ended)."""
+    ms = sorted(wins)
+    ranges, lo = [], None
+    for i, m in enumerate(ms):
+        if wins[m] and lo is None:
+            lo = m
+        if lo is not None and (not wins[m] or i == len(ms) - 1):
+            hi = None if wins[m] else ms[i - 1]
+            ranges.append((lo if lo != ms[0] else 1, hi))
+            lo = None
+    return tuple(ranges)
+
+
+# ------------------------------------------------------------------------------------ bench
+
+
+def dims(model: str, sp: int) -> dict[str, int]:
+    cfg = MODELS[model]
+    q = cfg["heads"] // sp
+    kv = max(1, cfg["kv_heads"] // sp)
+    return {"d": cfg["hidden"], "blk": (q + 2 * kv) * cfg["head_dim"], "q": q, "kv": kv}
+
+
+def bench_case(model, m, W, group, ws, timer, ceil) -> dict:
+    from fusedpar.collectives import comm
+    from fusedpar.kernels import gemm
+    from fusedpar.kernels import ulysses as u
+
+    dm = dims(model, W)
+    d, blk = dm["d"], dm["blk"]
+    n = W * blk
+    gen = torch.Generator(device="cuda").manual_seed(1000 * dist.get_rank() + m)
+    xs = [torch.randn((m, d), generator=gen, device="cuda").to(torch.bfloat16) for _ in range(SETS)]
+    wts = [(torch.randn((n, d), generator=gen, device="cuda") / d**0.5).to(torch.bfloat16) for _ in range(SETS)]
+
+    def baseline(i):
+        return comm.seq_to_head_all_to_all(F.linear(xs[i % SETS], wts[i % SETS]), group)
+
+    def fused(i):
+        return u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True)
+
+    def gemm_cublas(i):
+        return F.linear(xs[i % SETS], wts[i % SETS])
+
+    def gemm_triton(i):
+        return gemm.matmul(xs[i % SETS], wts[i % SETS])
+
+    ref = baseline(0)
+    got = fused(0).clone()
+    torch.cuda.synchronize()
+    u.check_status(ws)
+    rel = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+    del ref, got
+    res = {name: timer(fn) for name, fn in (("baseline", baseline), ("fused", fused), ("gemm_cublas", gemm_cublas),
+                                              ("gemm_triton", gemm_triton))}
+    u.check_status(ws)
+
+    flops = 2 * m * n * d
+    hbm_bytes = 2 * (m * d + n * d + m * n)
+    link_bytes = 2 * m * n * (W - 1) / W
+    terms = {
+        "compute_ms": flops / ceil["peak_flops"] * 1e3,
+        "hbm_ms": hbm_bytes / ceil["hbm_bps"] * 1e3,
+        "link_ms": link_bytes / ceil["link_bps"] * 1e3,
+    }
+    floor = max(terms.values())
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = u._qkv_config(m, n, d, blk, torch.bfloat16, num_sms)
+    routed = "fused" if u.use_fused(m, u.QKV_FUSED_TOKEN_RANGES) else "plain"
+    return {
+        "case": f"{model}.sp{W}",
+        "tokens": m,
+        "shape": {"m": m, "d": d, "blk": blk, "q_heads": dm["q"], "kv_heads": dm["kv"], "n": n},
+        "baseline_ms": res["baseline"],
+        "fused_ms": res["fused"],
+        "speedup": res["baseline"] / res["fused"],
+        "roofline_pct": 100 * floor / res["fused"],
+        "gemm_cublas_ms": res["gemm_cublas"],
+        "gemm_triton_ms": res["gemm_triton"],
+        "fused_over_gemm": res["fused"] / res["gemm_cublas"],
+        "floor_ms": floor,
+        "floor_terms_ms": terms,
+        "bound": max(terms, key=terms.get).removesuffix("_ms"),
+        "routed": routed,
+        "routed_ms": res["fused"] if routed == "fused" else res["baseline"],
+        "max_rel_diff_vs_baseline": max_over_ranks(rel),
+        "triton_config": vars(cfg),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="llama70b,qwen32b")
+    p.add_argument("--tokens", default=DEFAULT_TOKENS, help="comma list of tokens per rank (m)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=f"perf/results/{BENCH}.json")
+    args = p.parse_args(argv)
+    if args.iters < 20:
+        p.error("--iters must be >= 20 (DESIGN.md section 9)")
+    unknown = set(args.shapes.split(",")) - set(MODELS)
+    if unknown:
+        p.error(f"unknown --shapes {sorted(unknown)}; known {sorted(MODELS)}")
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        print(f"bench_{BENCH}: needs CUDA GPUs and torchrun (torchrun --nproc-per-node N ...); nothing measured")
+        return 0
+
+    import triton
+
+    from fusedpar.collectives.symmetric import SymmetricWorkspace
+    from fusedpar.kernels import ulysses as u
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, W = dist.get_rank(), dist.get_world_size()
+    group = SimpleNamespace(size=W, pg=dist.group.WORLD)
+    models = args.shapes.split(",")
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    need = max(u.qkv_workspace_bytes(max(tokens), dims(mo, W)["blk"], W, torch.bfloat16) for mo in models)
+    ws = SymmetricWorkspace(dist.group.WORLD, need)
+    timer = Timer(ws.barrier, args.iters, args.warmup)
+    ceil = measure_ceilings(timer, group)
+    gpu = torch.cuda.get_device_name()
+    common = {
+        "bench": BENCH,
+        "world": W,
+        "gpu": gpu,
+        "baseline": BASELINE,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["torchrun", f"--nproc-per-node {W}", *sys.argv]),
+        "peak_tflops": ceil["peak_flops"] / 1e12,
+        "hbm_gbps": ceil["hbm_bps"] / 1e9,
+        "link_gbps": ceil["link_bps"] / 1e9,
+    }
+    if rank == 0:
+        print(
+            f"{gpu} x{W}: cuBLAS bf16 {common['peak_tflops']:.0f} TFLOP/s, HBM {common['hbm_gbps']:.0f} GB/s, "
+            f"NCCL all-to-all bus {common['link_gbps']:.0f} GB/s; "
+            f"torch {torch.__version__}, triton {triton.__version__}"
+        )
+        print(f"{'case':<14}{'tokens':>7}{'base ms':>10}{'fused ms':>10}{'speedup':>9}{'cuBLAS ms':>11}"
+              f"{'fused/gemm':>11}{'triton ms':>11}{'%roof':>7}  bound   routed")
+    records = []
+    for model in models:
+        for m in tokens:
+            record = {**common, "case": f"{model}.sp{W}", "tokens": m}
+            try:
+                record |= bench_case(model, m, W, group, ws, timer, ceil)
+            except Exception as exc:
+                # Unattended run: record the failure (compile error, OOM, a timed-out flag wait)
+                # and go on; every rank runs the same code, so they fail alike.
+                record["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                torch.cuda.synchronize()
+                dist.barrier()
+            records.append(record)
+            if rank == 0:
+                if "error" in record:
+                    print(f"{record['case']:<14}{m:>7}  ERROR {record['error'][:200]}")
+                else:
+                    r = record
+                    print(f"{r['case']:<14}{m:>7}{r['baseline_ms']:>10.4f}{r['fused_ms']:>10.4f}{r['speedup']:>9.2f}"
+                          f"{r['gemm_cublas_ms']:>11.4f}{r['fused_over_gemm']:>11.2f}{r['gemm_triton_ms']:>11.4f}"
+                          f"{r['roofline_pct']:>6.0f}%  {r['bound']:<7} {r['routed']}")
+            torch.cuda.empty_cache()
+
+    if rank == 0:
+        wins: dict[int, bool] = {}
+        for r in records:
+            if "error" not in r:
+                wins[r["tokens"]] = wins.get(r["tokens"], True) and r["speedup"] >= 1.0
+        print(f"fused wins (every model) at tokens {sorted(m for m, w in wins.items() if w)}; "
+              f"QKV_FUSED_TOKEN_RANGES = {token_ranges(wins)}")
+        out = Path(args.out)
+        if not out.is_absolute():
+            out = REPO / out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(records, indent=1) + "\n")
+        print(f"wrote {len(records)} records to {out}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
