@@ -38,8 +38,9 @@ for item in "${ITEMS[@]}"; do
   case "$item" in
     # One process per GPU; single-GPU tests just run on every rank. tests/integrations needs
     # the package installed (fusedpar.integrations maps to ./integrations), so it runs on CPU.
+    # TEST_PATHS narrows the run (e.g. one file after a fix); default: every GPU test.
     tests) run timeout "${TEST_TIMEOUT:-300}" "${TRUN[@]}" -m pytest -m gpu -q -p no:cacheprovider \
-             --ignore=tests/integrations tests ;;
+             --ignore=tests/integrations ${TEST_PATHS:-tests} ;;
     gemm) run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json" ;;
     one_shot) run timeout 120 "${TRUN[@]}" perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json" ;;
     gemm_all_reduce) run timeout 150 "${TRUN[@]}" perf/bench_gemm_all_reduce.py --out "$RES/gemm_all_reduce.json" ;;
