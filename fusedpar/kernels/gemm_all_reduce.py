@@ -135,16 +135,14 @@ __all__ = [
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ---- router thresholds (rows of x per rank) ---------------------------------------------------
-# Set from perf/bench_gemm_all_reduce.py on 4 x H200; until that run they are reasoned guesses:
-#  - one-shot: a decode GEMM is weight-read bound (~14-40 us for the Llama-70B row-parallel shards)
-#    and the fused one-shot adds one cross-GPU hop (~5 us) instead of a separate ~8-13 us
-#    all-reduce launch; at 64 rows the pushed partials are 1 MiB per rank, where our standalone
-#    one-shot stops winning (perf/results/one_shot_all_reduce.json), so 64 is the upper end.
-#  - two-shot: the fused path hides the reduce-scatter half behind the GEMM; below ~1K rows the
-#    GEMM is too short to hide anything and the fixed costs (two flag hops) dominate.
+# Measured with perf/bench_gemm_all_reduce.py on 4 x H200 (perf/results/gemm_all_reduce.json):
+#  - one-shot (decode): inside a CUDA graph 1.07-1.33x cuBLAS + torch's symm_mem one-shot for
+#    8-64 rows (Llama-70B o/down); eager it loses (0.57-0.83x cuBLAS + NCCL) to the Triton
+#    launch's host cost, so "auto" takes it only while a CUDA graph is being captured.
+#  - two-shot: 1.01-1.21x cuBLAS + NCCL from 4096 rows; 0.79-1.03x at 1024-2048.
 # Between the two (and whenever the workspace is too small) the router uses cuBLAS + all_reduce.
 ONE_SHOT_MAX_TOKENS = 64
-TWO_SHOT_MIN_TOKENS = 1024
+TWO_SHOT_MIN_TOKENS = 4096
 
 # Bounded spin on GPUs: polls of a local flag word (an acquire RMW at system scope, ~0.2-1 us
 # each) before a wait gives up and reports counters[STATUS] = 1: ~7 s to ~30 s, far above any
@@ -967,8 +965,12 @@ def gemm_all_reduce(
         raise ValueError(f"gemm_all_reduce: workspace spans {table.world_size} ranks but the group has {size}")
 
     if path == "auto":
+        # Eager decode loses to host launch cost (see the thresholds above); capture is the same
+        # on every rank of a collective, so the choice still agrees across ranks.
+        capturing = x2.is_cuda and torch.cuda.is_current_stream_capturing()
         path = choose_path(x2.shape[0], w.shape[0], x2.shape[1], x2.dtype, size, table, device=x2.device,
-                           partial_dtype=partial_dtype, one_shot_max_tokens=one_shot_max_tokens,
+                           partial_dtype=partial_dtype,
+                           one_shot_max_tokens=one_shot_max_tokens if capturing or not x2.is_cuda else 0,
                            two_shot_min_tokens=two_shot_min_tokens)
     if path in ("one_shot", "two_shot"):
         if table is None:

@@ -129,12 +129,13 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ---- routing thresholds (tokens = rows per rank, m) --------------------------------------------
 # Inclusive (lo, hi) ranges of m where the fused kernel is used; hi None = no upper bound.
-# PROVISIONAL, from reasoning only (no measurement yet): the Triton GEMM is at 0.4-0.7x of cuBLAS
-# for 128 <= m <= 2048 on narrow-N shapes (perf/results/gemm.json), so qkv keeps the plain path
-# there; the fused o_proj is expected to win everywhere. Replace with the ranges printed by
-# perf/bench_qkv_all_to_all.py / perf/bench_all_to_all_o_proj.py ("fused wins at ...").
-QKV_FUSED_TOKEN_RANGES: tuple[tuple[int, int | None], ...] = ((1, 64), (4096, None))
-O_PROJ_FUSED_TOKEN_RANGES: tuple[tuple[int, int | None], ...] = ((1, None),)
+# Measured on 4 x H200, SP=4, Llama-3-70B and Qwen3-32B (perf/results/qkv_all_to_all.json,
+# all_to_all_o_proj.json; the benches print these ranges): qkv_all_to_all beats cuBLAS + pack +
+# NCCL all_to_all at every m from 8 to 16384 (1.01-1.47x); all_to_all_o_proj beats NCCL
+# all-to-all + cuBLAS for m <= 128 on both models (1.05-1.23x) but not above (0.86-1.23x,
+# model-dependent), so it routes to the plain path there.
+QKV_FUSED_TOKEN_RANGES: tuple[tuple[int, int | None], ...] = ((1, None),)
+O_PROJ_FUSED_TOKEN_RANGES: tuple[tuple[int, int | None], ...] = ((1, 128),)
 
 # Bounded spins everywhere: on a GPU about 10-30 s of polling (a system-scope atomic per
 # iteration), far above any legal wait (Triton compile skew between ranks included) yet a
