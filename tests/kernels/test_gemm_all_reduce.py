@@ -574,7 +574,8 @@ def test_gpu_eager_matches_fp32_reference(gpu_world, gpu_workspace):
                     errors.append(f"[{m},{n}] K={k} {path}: a flag wait timed out (STATUS=1)")
                     break
                 # eager "auto" never takes the one-shot (it only pays inside CUDA graphs)
-                eager_route = choose_path(m, n, k, x.dtype, gpu_world.size(), gpu_workspace.table, one_shot_max_tokens=0)
+                eager_route = choose_path(m, n, k, x.dtype, gpu_world.size(), gpu_workspace.table,
+                                          one_shot_max_tokens=0)
                 if path == "auto" and eager_route == "unfused":
                     # The router's fallback is cuBLAS + all_reduce (NCCL above the one-shot size,
                     # accumulating in bf16): no fp32 bound applies; it must equal that plain path.
