@@ -1,1 +1,34 @@
-"""Hugging Face transformers adapter (the `hf` extra). Built in the HF adapter issue."""
+"""Hugging Face transformers adapter (the `hf` extra): shift-parallel Llama / Mistral / Qwen2 / Qwen3.
+
+    import torch.distributed as dist
+    from fusedpar import ParallelLayout
+    from fusedpar.integrations.hf import parallelize, load_parallel
+
+    dist.init_process_group("nccl")                       # or "gloo" for CPU models
+    layout = ParallelLayout(dist.get_world_size(), sp=2, tp=2)
+    model = parallelize(model, layout, shift_threshold=256)         # a model with full weights, or
+    model = load_parallel("/ckpt/dir", layout, dtype=torch.bfloat16)  # read only this rank's shards
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
+
+Modules: spec (what is supported, checks), adapter (parallelize, forward, KV-cache state),
+loader (meta-device build + sliced safetensors reads). The core never imports this package.
+"""
+
+from .adapter import HFDecoderLayer, ShiftParallelCache, base_shard_bytes, parallelize, resident_decoder_bytes
+from .loader import CheckpointReader, load_parallel
+from .spec import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, HFModelSpec, UnsupportedModelError, inspect_model
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_ROPE_TYPES",
+    "CheckpointReader",
+    "HFDecoderLayer",
+    "HFModelSpec",
+    "ShiftParallelCache",
+    "UnsupportedModelError",
+    "base_shard_bytes",
+    "inspect_model",
+    "load_parallel",
+    "parallelize",
+    "resident_decoder_bytes",
+]

@@ -1,0 +1,640 @@
+"""`parallelize(model, layout)`: run a transformers causal LM on fusedpar's shift-parallel layers.
+
+What happens to the model (in place; the same object is returned):
+- embeddings, final norm and lm_head stay the model's own replicated modules;
+- each decoder layer's weights are cut into this rank's base shard (ShardedDecoderWeights: one
+  copy, the shift-mode weights are views into it) and the HF decoder layers are dropped, so the
+  full per-layer weights are freed; a ShiftParallelStack runs the layers;
+- the model's class is swapped for a subclass (`ShiftParallel<Name>`) whose `forward` has the
+  HF causal-LM signature and maps each call onto one fusedpar step (below). `generate` is HF's
+  own, unchanged: greedy/sampling search, stopping criteria, eos/pad handling and logits
+  processors are the library's code, so tokens match the unsharded model's whenever the
+  logits do (the robust choice over a hand-written greedy loop). Beam search and assisted
+  decoding need cache reordering / cropping and raise NotImplementedError.
+
+How an HF call becomes a step. Every batch row is one fusedpar sequence. Tokens whose
+attention_mask is 0 (left padding from a tokenizer or generate, or any other padding) never
+enter the step: the real tokens of all rows are packed in row order into a StepBatch (query
+length = real tokens of the row in this call, context length = real tokens of the row already
+cached) and the stack runs them in base mode when there are more than `shift_threshold` of them,
+shift mode otherwise. Outputs are scattered back to [batch, seq]; padded positions get zero
+hidden states (their logits are meaningless, as in HF). Within a sequence fusedpar numbers real
+tokens 0, 1, 2, ...: exactly what generate passes (position_ids = cumsum(attention_mask) - 1).
+A plain forward without position_ids gives a left-padded row positions p, p+1, ... in HF; RoPE
+attention depends only on position differences, so a constant shift per row changes nothing.
+Position ids that are not consecutive within a row, or that jump between calls (right padding
+followed by more tokens), would change the result and raise NotImplementedError.
+
+Generation state. `past_key_values` returned by the model is a `ShiftParallelCache` (a
+transformers `Cache` subclass holding only bookkeeping: row -> sequence id, cached real tokens,
+columns seen). The k/v tensors live in one paged cache per parallelized model (this rank's kv
+heads only, shared by both modes, grown by doubling when full). A call without past_key_values
+(or with an empty HF cache, as generate passes first) starts new sequences and frees the
+previous live ones; a call with use_cache=False uses temporary sequences freed before it
+returns. Only the most recent cache can be continued.
+
+Numerics. Layers the core computes as is (no bias, RoPE type "default") use the core
+ShiftParallelDecoderLayer, so the fused kernels will reach them through the layers. Models with
+q/k/v bias (Qwen2) or a non-default RoPE table (llama3, linear, yarn) use `HFDecoderLayer`, a
+subclass that adds the bias after the Ulysses exchange (the columns a rank receives are
+exactly its own block of the qkv shard, i.e. its shift-view bias rows) and applies the HF
+rotary table; it pins the reference path until the core grows hooks for both. On CUDA with
+bf16/fp16 weights the core layers run on the fused kernels (ShiftParallelStack.enable_fused;
+`fused=` overrides the choice); fp32 and CPU use the reference path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from fusedpar.collectives import ParallelContext
+from fusedpar.layers import (
+    PagedKVCache,
+    ShardedDecoderWeights,
+    ShiftParallelDecoderLayer,
+    ShiftParallelStack,
+    ShiftPolicy,
+    StepBatch,
+)
+from fusedpar.layers.decoder import StepState
+from fusedpar.layers.functional import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin
+from fusedpar.layers.weights import build_shard
+from fusedpar.layouts import ParallelLayout
+
+from .spec import HFModelSpec, UnsupportedModelError, inspect_model
+
+__all__ = ["HFDecoderLayer", "ShiftParallelCache", "parallelize"]
+
+
+# ---- weights --------------------------------------------------------------------------------
+def full_layer_weights(layer: nn.Module, spec: HFModelSpec) -> dict[str, torch.Tensor]:
+    """One HF decoder layer's weights under the core names (fusedpar.layers.config.weight_shapes)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    full = {
+        "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+        "q": attn.q_proj.weight, "k": attn.k_proj.weight, "v": attn.v_proj.weight, "o": attn.o_proj.weight,
+        "gate": mlp.gate_proj.weight, "up": mlp.up_proj.weight, "down": mlp.down_proj.weight,
+    }
+    if spec.decoder.qk_norm:
+        full["q_norm"], full["k_norm"] = attn.q_norm.weight, attn.k_norm.weight
+    if spec.qkv_bias:
+        full["q_bias"], full["k_bias"], full["v_bias"] = attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias
+    return {k: v.detach() for k, v in full.items()}
+
+
+def shard_qkv_bias(biases: dict[str, torch.Tensor], layout: ParallelLayout, rank: int, spec: HFModelSpec):
+    """(base, shift) of the q/k/v bias: the rows of the qkv shard (same segments), shift a view."""
+    shard = layout.weight_shards(spec.decoder.dims).shard(rank, "qkv")
+    base = build_shard({"q": biases["q_bias"], "k": biases["k_bias"], "v": biases["v_bias"]}, shard)
+    lo, hi = shard.shift
+    return base, base.narrow(0, lo, hi - lo)
+
+
+def shard_layer(full: dict[str, torch.Tensor], spec: HFModelSpec, layout: ParallelLayout, rank: int):
+    """Base shard (+ shift views) of one layer from its full weights; copies, never views of `full`."""
+    w = ShardedDecoderWeights.from_full(spec.decoder, layout, rank, full)
+    bias = shard_qkv_bias(full, layout, rank, spec) if spec.qkv_bias else None
+    return w, bias
+
+
+# ---- the layer ------------------------------------------------------------------------------
+class HFDecoderLayer(ShiftParallelDecoderLayer):
+    """Core layer + q/k/v bias + HF RoPE table (reference path only; see module docstring).
+
+    qkv_bias: (base, shift) rows of this rank's qkv shard. After the base-mode all-to-all a rank
+    holds its own block's columns for every token, the same columns as in shift mode, so one
+    addition of the shift view serves both modes.
+    """
+
+    def __init__(self, spec: HFModelSpec, ctx: ParallelContext, weights: ShardedDecoderWeights, layer_idx: int,
+                 qkv_bias: tuple[torch.Tensor, torch.Tensor] | None = None):
+        super().__init__(spec.decoder, ctx, weights, layer_idx)
+        self.qkv_bias = qkv_bias
+        self.inv_freq = None if spec.rope_inv_freq is None else spec.rope_inv_freq.to(ctx.device, torch.float32)
+        self.rope_scaling = spec.rope_attention_scaling
+
+    def forward(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
+        return self.torch_fwd(x, step, cache)  # _attention below must run: no kernel path yet
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        if self.inv_freq is None:
+            return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        ang = positions.float()[:, None] * self.inv_freq[None, :]  # fp32, as HF's rotary module
+        emb = torch.cat((ang, ang), dim=-1)
+        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+
+    def _attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
+        # The core's _attention with the two additions (bias, rotary table) marked.
+        cfg, n = self.cfg, qkv.shape[0]
+        hd = cfg.head_dim
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[1]  # addition 1
+        q, k, v = qkv.split([self.nq * hd, self.nkv * hd, self.nkv * hd], dim=1)
+        q, k, v = q.reshape(n, self.nq, hd), k.reshape(n, self.nkv, hd), v.reshape(n, self.nkv, hd)
+        if cfg.qk_norm:
+            q = rms_norm(q, self.w.replicated["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, self.w.replicated["k_norm"], cfg.rms_norm_eps)
+        cos, sin = self._cos_sin(step.positions, q.dtype)  # addition 2
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer_idx, step.slots, k, v)
+        out = torch.empty((n, self.nq, hd), dtype=qkv.dtype, device=qkv.device)
+        start = 0
+        for sid, ql in zip(step.batch.seq_ids, step.batch.query_lens, strict=True):
+            kc, vc = cache.gather(self.layer_idx, sid)
+            out[start:start + ql] = causal_gqa_attention(q[start:start + ql], kc, vc, self.kv_index, hd ** -0.5)
+            start += ql
+        return out.reshape(n, self.nq * hd)
+
+
+# ---- KV cache and generation state ----------------------------------------------------------
+class GrowablePagedKVCache(PagedKVCache):
+    """PagedKVCache that doubles its block pool when a step does not fit (HF calls come unplanned)."""
+
+    def used_blocks(self) -> int:
+        return sum(len(t) for t in self.block_tables.values())
+
+    def blocks_needed(self, batch: StepBatch) -> int:
+        bs = self.block_size
+        return sum(max(0, -(-(c + q) // bs) - len(self.block_tables.get(sid, ())))
+                   for sid, q, c in zip(batch.seq_ids, batch.query_lens, batch.context_lens, strict=True))
+
+    def ensure(self, batch: StepBatch) -> None:
+        need, free = self.blocks_needed(batch), self.num_blocks - self.used_blocks()
+        if need > free:
+            self.grow(max(2 * self.num_blocks, self.used_blocks() + need))
+
+    def grow(self, num_blocks: int) -> None:
+        old = self.num_blocks
+        if num_blocks <= old:
+            return
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            new = torch.zeros((t.shape[0], num_blocks, *t.shape[2:]), dtype=t.dtype, device=t.device)
+            new[:, :old] = t
+            setattr(self, name, new)
+        # Core internals: the free list is popped from its end. New blocks go after the old
+        # free ones (so the order stays deterministic on every rank).
+        self._free = list(range(num_blocks - 1, old - 1, -1)) + self._free
+        self.num_blocks = num_blocks
+
+
+class ShiftParallelCache(Cache):
+    """past_key_values of a parallelized model: bookkeeping only, the k/v live in the paged cache.
+
+    seq_ids[i]: fusedpar sequence of batch row i; cached[i]: its real tokens in the cache;
+    width: columns seen so far (what HF calls the cache's sequence length: attention masks of
+    later calls are this wide plus the new tokens); offsets[i]: HF position minus fusedpar
+    position of row i (constant for a valid row, see the module docstring).
+    """
+
+    def __init__(self, runtime: _Runtime, seq_ids: list[int]):
+        super().__init__(layers=[])
+        self._runtime = runtime
+        self.seq_ids = list(seq_ids)
+        self.cached = [0] * len(seq_ids)
+        self.offsets: list[int | None] = [None] * len(seq_ids)
+        self.width = 0
+        self.released = False
+
+    def __repr__(self) -> str:
+        return (f"ShiftParallelCache(rows={len(self.seq_ids)}, width={self.width}, cached={self.cached}, "
+                f"released={self.released})")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_ids)
+
+    def release(self) -> None:
+        """Free this cache's sequences in the paged cache (idempotent)."""
+        if not self.released:
+            self._runtime.release(self)
+
+    def reset(self) -> None:
+        self.release()
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(
+            f"fusedpar.integrations.hf: {what} is not supported by the sharded KV cache "
+            "(greedy and sampling generate work; beam search and assisted decoding do not)"
+        )
+
+    def update(self, *args, **kwargs):
+        self._unsupported("Cache.update (running HF attention layers on this cache)")
+
+    def reorder_cache(self, beam_idx):
+        self._unsupported("reordering the cache (beam search)")
+
+    def crop(self, tokens_to_remove):
+        self._unsupported("cropping the cache (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats):
+        self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices):
+        self._unsupported("batch_select_indices")
+
+
+class _Runtime:
+    """Per parallelized model: the stack, its paged cache and the live generation state."""
+
+    def __init__(self, spec: HFModelSpec, ctx: ParallelContext, stack: ShiftParallelStack, block_size: int):
+        self.spec, self.ctx, self.stack, self.block_size = spec, ctx, stack, block_size
+        self.kv: GrowablePagedKVCache | None = None
+        self.active: ShiftParallelCache | None = None
+        self._next_seq = 0
+
+    def new_state(self, rows: int, keep: bool) -> ShiftParallelCache:
+        if keep and self.active is not None:
+            self.active.release()
+        ids = list(range(self._next_seq, self._next_seq + rows))
+        self._next_seq += rows
+        state = ShiftParallelCache(self, ids)
+        if keep:
+            self.active = state
+        return state
+
+    def release(self, state: ShiftParallelCache) -> None:
+        if self.kv is not None:
+            for sid in state.seq_ids:
+                self.kv.free(sid)
+        state.released = True
+        if self.active is state:
+            self.active = None
+
+    def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        if self.kv is None:
+            tokens = sum(q + c for q, c in zip(batch.query_lens, batch.context_lens, strict=True))
+            # room for the first step twice over; GrowablePagedKVCache doubles when a step does not fit
+            blocks = max(16, 2 * (-(-tokens // self.block_size) + len(batch.seq_ids)))
+            layer0 = self.stack.layers[0]
+            self.kv = GrowablePagedKVCache(
+                num_layers=len(self.stack.layers), kv_heads=layer0.kv_heads, head_dim=self.spec.decoder.head_dim,
+                block_size=self.block_size, num_blocks=blocks, dtype=layer0.w.base["qkv"].dtype,
+                device=self.ctx.device)
+        self.kv.ensure(batch)
+        return self.stack(hidden, batch, self.kv)
+
+
+# ---- the model ------------------------------------------------------------------------------
+_IGNORED_KWARGS = ("cache_position", "return_dict")
+
+
+class ShiftParallelCausalLMMixin:
+    """forward() of a parallelized causal LM (put before the HF class in the MRO)."""
+
+    _fusedpar: _Runtime
+
+    @property
+    def fusedpar_stack(self) -> ShiftParallelStack:
+        """The ShiftParallelStack running the decoder (its `.steps` counts steps per mode)."""
+        return self._fusedpar.stack
+
+    @property
+    def fusedpar_spec(self) -> HFModelSpec:
+        return self._fusedpar.spec
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        rt: _Runtime = self._fusedpar
+        return_dict = kwargs.get("return_dict")
+        loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "ignore_index") if k in kwargs}
+        for flag in ("output_attentions", "output_hidden_states"):
+            if kwargs.pop(flag, None):
+                raise NotImplementedError(f"fusedpar.integrations.hf: {flag}=True is not supported")
+        extra = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None and v is not False)
+        if extra:
+            raise NotImplementedError(f"fusedpar.integrations.hf: forward arguments {extra} are not supported")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if use_cache is None:
+            use_cache = bool(getattr(self.config, "use_cache", True))
+
+        with torch.no_grad():
+            embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            if embeds.dim() != 3:
+                raise ValueError(f"expected input_ids [batch, seq] / inputs_embeds [batch, seq, hidden], got "
+                                 f"{tuple(embeds.shape)}")
+            b = embeds.shape[0]
+            state = _resolve_state(rt, past_key_values, b, keep=use_cache)
+            temporary = not use_cache and not isinstance(past_key_values, ShiftParallelCache)
+            try:
+                hidden = _run_step(rt, state, embeds, attention_mask, position_ids)
+            except BaseException:
+                if temporary:
+                    state.release()
+                raise
+            if temporary:
+                state.release()
+            hidden = self.model.norm(hidden)
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=None if temporary else state)
+        return out.to_tuple() if return_dict is False else out
+
+
+def _resolve_state(rt: _Runtime, past, rows: int, keep: bool) -> ShiftParallelCache:
+    if isinstance(past, ShiftParallelCache):
+        if past._runtime is not rt:
+            raise ValueError("past_key_values belongs to a different parallelized model")
+        if past.released:
+            raise ValueError(
+                "past_key_values was released: a later call without past_key_values started new sequences "
+                "(a parallelized model keeps one live cache)"
+            )
+        if past.batch_size != rows:
+            raise ValueError(f"past_key_values holds {past.batch_size} rows, this call has {rows}: rows cannot be "
+                             "added, dropped or reordered")
+        return past
+    if past is None or (isinstance(past, Cache) and past.get_seq_length() == 0):
+        return rt.new_state(rows, keep=keep)
+    raise ValueError(
+        f"past_key_values is a {type(past).__name__} with {past.get_seq_length() if isinstance(past, Cache) else '?'} "
+        "tokens that was not produced by this parallelized model; pass None to start new sequences"
+    )
+
+
+def _check_positions(state: ShiftParallelCache, pos: torch.Tensor, new: torch.Tensor, q_lens: list[int]):
+    """Per-row offset HF position - fusedpar position of the new real tokens; raise unless constant.
+
+    fusedpar position of the j-th new real token of row i = state.cached[i] + j. The offset must
+    be the same for all of a row's new tokens (consecutive positions) and equal to the offset its
+    earlier tokens had; then RoPE attention is identical to HF's.
+    """
+    ours = torch.tensor(state.cached, dtype=torch.long)[:, None] + new.long().cumsum(1) - 1
+    off = torch.where(new, pos.long() - ours, 0)
+    big = torch.iinfo(torch.long).max
+    lo = torch.where(new, off, big).min(1).values.tolist()
+    hi = torch.where(new, off, -big).max(1).values.tolist()
+    offsets = list(state.offsets)
+    for i, q in enumerate(q_lens):
+        if not q:
+            continue
+        if lo[i] != hi[i]:
+            raise NotImplementedError(
+                f"row {i}: position_ids of its real tokens are not consecutive ({pos[i][new[i]].tolist()[:16]}); "
+                "fusedpar numbers each sequence's tokens 0, 1, 2, ... (equal to HF up to a constant shift per row)"
+            )
+        if offsets[i] is not None and offsets[i] != lo[i]:
+            raise NotImplementedError(
+                f"row {i}: its positions shift by {lo[i] - offsets[i]} against its cached tokens (padding between "
+                "real tokens, e.g. right padding followed by more tokens); such a row cannot be matched"
+            )
+        offsets[i] = lo[i]
+    return offsets
+
+
+def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, attention_mask, position_ids):
+    """Pack the real new tokens of every row, run the stack, scatter back to [b, s, d]."""
+    b, s, _ = embeds.shape
+    past = state.width
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise NotImplementedError("fusedpar.integrations.hf: only 2D attention masks [batch, past + seq] "
+                                      f"are supported, got shape {tuple(attention_mask.shape)}")
+        if tuple(attention_mask.shape) != (b, past + s):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({b}, {past + s}) "
+                             f"= (batch, {past} cached columns + {s} new)")
+        new = attention_mask[:, past:].to("cpu").bool()
+    else:
+        new = torch.ones((b, s), dtype=torch.bool)
+    q_lens = new.sum(1).tolist()
+
+    # HF positions of the new tokens (explicit, or what the HF model would compute).
+    if position_ids is None:
+        pos = (torch.arange(s) + past).expand(b, s)
+    else:
+        pos = position_ids.to("cpu")
+        if pos.dim() == 1:
+            pos = pos[None]
+        if pos.dim() != 2 or pos.shape[1] != s or pos.shape[0] not in (1, b):
+            raise NotImplementedError(f"position_ids of shape {tuple(position_ids.shape)} (expected [batch, {s}])")
+        pos = pos.expand(b, s)
+    offsets = _check_positions(state, pos, new, q_lens)
+    limit = rt.spec.max_seq_len
+    if limit is not None:
+        for i in range(b):
+            if state.cached[i] + q_lens[i] > limit:
+                raise ValueError(
+                    f"row {i} would hold {state.cached[i] + q_lens[i]} tokens, over max_seq_len={limit}"
+                    + (f" (sliding_window={rt.spec.sliding_window}: longer sequences would leave the window)"
+                       if rt.spec.sliding_window is not None else "")
+                )
+
+    rows = [i for i in range(b) if q_lens[i]]
+    out = torch.zeros_like(embeds)
+    if rows:
+        batch = StepBatch(tuple(state.seq_ids[i] for i in rows), tuple(q_lens[i] for i in rows),
+                          tuple(state.cached[i] for i in rows))
+        mask = new.to(embeds.device)
+        hidden = rt.run(embeds[mask].contiguous(), batch)
+        out[mask] = hidden.to(out.dtype)
+    for i in rows:
+        state.cached[i] += q_lens[i]
+    state.offsets = offsets
+    state.width = past + s
+    return out
+
+
+# ---- parallelize ----------------------------------------------------------------------------
+_CLASSES: dict[type, type] = {}
+
+
+def _parallel_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ShiftParallel{cls.__name__}", (ShiftParallelCausalLMMixin, cls),
+                             {"__module__": __name__, "__doc__": f"{cls.__name__} on fusedpar shift-parallel layers."})
+    return _CLASSES[cls]
+
+
+def _detached_forward(self, *args, **kwargs):
+    raise RuntimeError("this base model's decoder layers were moved into fusedpar's ShiftParallelStack by "
+                       "fusedpar.integrations.hf.parallelize: call the causal LM (or its generate) instead")
+
+
+_BASE_CLASSES: dict[type, type] = {}
+
+
+def _detach_base_model(inner: nn.Module) -> None:
+    cls = type(inner)
+    if cls not in _BASE_CLASSES:
+        _BASE_CLASSES[cls] = type(f"Detached{cls.__name__}", (cls,), {"forward": _detached_forward,
+                                                                     "__module__": __name__})
+    inner.__class__ = _BASE_CLASSES[cls]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters() if p.device.type != "meta"}
+    if not devices:
+        return torch.device("cpu")
+    return next(iter(devices))
+
+
+def fused_decision(spec: HFModelSpec, device: torch.device, fused: bool | None) -> bool:
+    """Whether the stack runs on the fused kernels (Triton + symmetric memory).
+
+    None (auto): yes on CUDA for bf16/fp16 models the core layer computes as is (no q/k/v bias,
+    default RoPE) with a power-of-two head_dim >= 16; fp32 stays on the exact reference path
+    (tl.dot would use TF32). True: required, else UnsupportedModelError naming why. Decided from
+    the model alone, so every rank agrees (enable_fused is collective).
+    """
+    if fused is False:
+        return False
+    hd = spec.decoder.head_dim
+    why = []
+    if device.type != "cuda":
+        why.append(f"the model is on {device} (fused kernels need CUDA)")
+    if spec.needs_hf_layer:
+        why.append("q/k/v bias or a non-default RoPE table (the core layer has no hook for them yet)")
+    if hd < 16 or hd & (hd - 1):
+        why.append(f"head_dim={hd} (the attention kernel needs a power of two >= 16)")
+    if fused is None:
+        return not why and spec.dtype in (torch.bfloat16, torch.float16)
+    if why:
+        raise UnsupportedModelError("fusedpar.integrations.hf: fused=True is not possible: " + "; ".join(why))
+    return True
+
+
+def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Iterable, *, device: torch.device,
+             shift_threshold: int | None, block_size: int, fused: bool | None = False, fused_max_tokens: int = 4096):
+    """Build the stack from per-layer (ShardedDecoderWeights, qkv bias | None), attach it, swap classes.
+
+    `layer_shards` is consumed lazily, one layer at a time (parallelize frees each HF layer as
+    it goes; the loader reads each layer's shards from disk). Shared by parallelize and the loader.
+    """
+    policy = ShiftPolicy(shift_threshold)  # validates the threshold before any collective
+    use_fused = fused_decision(spec, device, fused)
+    ctx = ParallelContext(layout, device=device)
+    layers = []
+    for i, (weights, bias) in enumerate(layer_shards):
+        if spec.needs_hf_layer:
+            layers.append(HFDecoderLayer(spec, ctx, weights, i, qkv_bias=bias))
+        else:
+            layers.append(ShiftParallelDecoderLayer(spec.decoder, ctx, weights, i))
+    if len(layers) != spec.num_layers:
+        raise RuntimeError(f"built {len(layers)} layers, the model has {spec.num_layers}")
+    stack = ShiftParallelStack(spec.decoder, ctx, layers, policy)
+    if use_fused:
+        stack.enable_fused(max_tokens=fused_max_tokens)  # collective; larger steps fall back per op
+    inner = model.model
+    inner.layers = nn.ModuleList()  # the HF layers (and any weights they still hold) are gone
+    _detach_base_model(inner)
+    model.__class__ = _parallel_class(type(model))
+    model._fusedpar = _Runtime(spec, ctx, stack, block_size)
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is not None and getattr(gen_cfg, "cache_implementation", None) is not None:
+        # a static/quantized HF cache would make generate build 4D masks for the first step;
+        # the sharded paged cache replaces any HF cache anyway
+        gen_cfg.cache_implementation = None
+    model.eval()
+    return model
+
+
+def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = None, *,
+                max_seq_len: int | None = None, block_size: int = 16, fused: bool | None = None,
+                fused_max_tokens: int = 4096):
+    """Shard a transformers causal LM's decoder over `layout` and run it with shift parallelism.
+
+    Call on every rank of an initialised torch.distributed process group (world size =
+    layout.world_size), each holding the same full model (same weights) on its device: CPU
+    tensors run over gloo, CUDA tensors over NCCL (call torch.cuda.set_device first). Returns the
+    same model object, modified in place (see the module docstring): forward and generate keep
+    their signatures and give the unsharded model's logits / greedy tokens, identical on every
+    rank. Afterwards do not move or cast the model (the shards are plain tensors on `device`).
+
+    shift_threshold: steps with at most this many real tokens run in shift mode (TP over all
+        sp*tp ranks of a replica), larger ones in base mode (SP x TP). None: the core default
+        (fusedpar.layers.DEFAULT_SHIFT_THRESHOLD); 0: always base; a huge number: always shift.
+    max_seq_len: optional per-sequence token limit (required, <= window, for sliding-window models).
+    block_size: page size of the KV cache.
+    fused: run the decoder on the fused kernels (see fused_decision; None = auto: CUDA + bf16/fp16
+        + a model the core layer computes as is). fused_max_tokens sizes their symmetric
+        workspaces (steps with more tokens fall back to the plain ops per op).
+
+    Raises UnsupportedModelError (a ValueError) naming every unsupported feature of the model or
+    layout before any collective runs.
+    """
+    if isinstance(getattr(model, "_fusedpar", None), _Runtime):
+        raise UnsupportedModelError("fusedpar.integrations.hf: this model is already parallelized")
+    spec = inspect_model(model, layout, max_seq_len=max_seq_len)
+    ShiftPolicy(shift_threshold)  # validate before any collective
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise UnsupportedModelError("fusedpar.integrations.hf: the model has meta-device weights; "
+                                    "use fusedpar.integrations.hf.load_parallel for checkpoints")
+    device = model_device(model)
+    fused_decision(spec, device, fused)
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        raise RuntimeError("parallelize needs torch.distributed initialised (init_process_group) on every rank")
+    rank = torch.distributed.get_rank()
+    layers = model.model.layers
+
+    def shards():
+        for i in range(len(layers)):
+            full = full_layer_weights(layers[i], spec)
+            yield shard_layer(full, spec, layout, rank)
+            del full
+            layers[i] = nn.Identity()  # free this layer's full weights before the next one
+
+    return assemble(model, spec, layout, shards(), device=device, shift_threshold=shift_threshold,
+                    block_size=block_size, fused=fused, fused_max_tokens=fused_max_tokens)
+
+
+def resident_decoder_bytes(model) -> int:
+    """Bytes of distinct storages behind this rank's decoder weights (base shards, views, norms, biases)."""
+    seen: dict[int, int] = {}
+    for layer in model._fusedpar.stack.layers:
+        tensors = [*layer.w.base.values(), *layer.w.shift.values(), *layer.w.replicated.values()]
+        if getattr(layer, "qkv_bias", None) is not None:
+            tensors += list(layer.qkv_bias)
+        for t in tensors:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def base_shard_bytes(spec: HFModelSpec, layout: ParallelLayout, rank: int, element_size: int) -> int:
+    """What resident_decoder_bytes must be: base shards + replicated norms (+ qkv bias rows), per layer."""
+    cfg = spec.decoder
+    shard_map = layout.weight_shards(cfg.dims)
+    per_layer = shard_map.base_bytes(rank, cfg.hidden_size, element_size)
+    per_layer += 2 * cfg.hidden_size * element_size
+    if cfg.qk_norm:
+        per_layer += 2 * cfg.head_dim * element_size
+    if spec.qkv_bias:
+        per_layer += shard_map.shard(rank, "qkv").size * element_size
+    return per_layer * spec.num_layers

@@ -1,0 +1,268 @@
+"""`load_parallel(path, layout)`: load a big local safetensors checkpoint straight into shards.
+
+The model is built on the meta device (no memory), checked like `parallelize` checks it, and
+then only what this rank keeps is read from disk:
+- embeddings, the final norm and lm_head (replicated) are read whole;
+- every decoder layer's q/k/v/o/gate/up/down weights are read through `safe_open(...).get_slice`
+  one base-shard segment at a time (rows for column-parallel weights, columns for row-parallel
+  ones), so a rank never holds a full layer weight; the layer norms (and q/k/v bias rows, with
+  the same segments as the weight rows) are small and read whole / sliced.
+The per-layer shards are handed to the same assembly as `parallelize`, which builds the
+ShiftParallelStack and swaps the model's forward. Works with a single `model.safetensors` or a
+sharded checkpoint with `model.safetensors.index.json`. A progress bar (tqdm if installed, else
+one stderr line per layer) shows on global rank 0.
+
+`model.fusedpar_load_stats` records the bytes read per kind (tests use it to prove that no
+rank read more of a decoder layer than its base shard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fusedpar.layers import ShardedDecoderWeights, ShiftPolicy
+from fusedpar.layers.weights import REPLICATED
+from fusedpar.layouts import WEIGHT_NAMES, ParallelLayout
+
+from .adapter import assemble, fused_decision
+from .spec import HFModelSpec, UnsupportedModelError, inspect_model, rotary_tables
+
+__all__ = ["CheckpointReader", "load_parallel"]
+
+# core weight name -> parameter path inside a decoder layer
+LAYER_PARAMS = {
+    "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight", "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+}
+
+
+class CheckpointReader:
+    """Lazy tensor access to a local safetensors checkpoint (single file or index + shards).
+
+    bytes_read counts what was materialised, by the `kind` the caller names.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map = dict(json.loads(index.read_text())["weight_map"])
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if len(files) != 1:
+                raise FileNotFoundError(
+                    f"{self.path}: expected model.safetensors.index.json or exactly one *.safetensors file, "
+                    f"found {[f.name for f in files]}"
+                )
+            with safe_open(files[0], framework="pt") as f:
+                self.weight_map = dict.fromkeys(f.keys(), files[0].name)
+        self._safe_open = safe_open
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, object] = {}
+        self.bytes_read: dict[str, int] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _handle(self, name: str):
+        if name not in self.weight_map:
+            raise KeyError(f"{self.path}: tensor {name!r} is not in the checkpoint")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(
+                self._safe_open(self.path / file, framework="pt", device="cpu"))
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def _count(self, kind: str, t: torch.Tensor) -> torch.Tensor:
+        self.bytes_read[kind] = self.bytes_read.get(kind, 0) + t.numel() * t.element_size()
+        return t
+
+    def full(self, name: str, kind: str = "other") -> torch.Tensor:
+        return self._count(kind, self._handle(name).get_tensor(name))
+
+    def narrow(self, name: str, dim: int, start: int, stop: int, kind: str = "layers") -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor, reading only those."""
+        sl = self._handle(name).get_slice(name)
+        t = sl[start:stop] if dim == 0 else sl[:, start:stop]
+        return self._count(kind, t)
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool, desc: str):
+        self.enabled, self.total, self.desc, self.n, self.bar = enabled, total, desc, 0, None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, desc=desc, unit="layer", file=sys.stderr)
+
+    def update(self, what: str) -> None:
+        self.n += 1
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"{self.desc}: {self.n}/{self.total} {what}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    else:
+        mod._buffers[attr] = value
+
+
+def _load_replicated(model, reader: CheckpointReader, spec: HFModelSpec, dtype, device) -> None:
+    """Everything outside the decoder layers, read whole; tied lm_head shares the embedding."""
+    loaded: dict[str, torch.Tensor] = {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, p in params.items():
+        if name.startswith("model.layers.") or (name == "lm_head.weight" and spec.tied_embeddings):
+            continue  # tied: lm_head shares the embedding (as from_pretrained ties it), whatever the file holds
+        if name in reader:
+            t = reader.full(name, kind="replicated")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{reader.path}: {name} has shape {tuple(t.shape)}, "
+                                 f"the config expects {tuple(p.shape)}")
+            loaded[name] = t
+        else:
+            raise KeyError(f"{reader.path}: tensor {name!r} is not in the checkpoint")
+    for name, t in loaded.items():
+        _set_tensor(model, name, t.to(device=device, dtype=dtype))
+    if spec.tied_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    rotary_tables(model)  # rebuilds the rotary module's (non-persistent) tables on CPU
+    model.model.rotary_emb.to(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.device.type == "meta" and not n.startswith("model.layers.")]
+    if left:
+        raise UnsupportedModelError(f"fusedpar.integrations.hf loader: do not know how to materialise {left}")
+
+
+def _layer_shards(reader: CheckpointReader, spec: HFModelSpec, layout: ParallelLayout, rank: int, dtype, device,
+                  progress: _Progress):
+    """Yield (ShardedDecoderWeights, qkv bias | None) per layer, reading only this rank's segments."""
+    cfg = spec.decoder
+    shard_map = layout.weight_shards(cfg.dims)
+    from fusedpar.layers import weight_shapes
+
+    shapes = weight_shapes(cfg)
+    for i in range(spec.num_layers):
+        prefix = f"model.layers.{i}."
+        for n, shape in shapes.items():
+            got = reader.shape(prefix + LAYER_PARAMS[n])
+            if got != shape:
+                raise ValueError(f"{reader.path}: {prefix + LAYER_PARAMS[n]} has shape {got}, config expects {shape}")
+        base, shift = {}, {}
+        for wname in WEIGHT_NAMES:
+            shard = shard_map.shard(rank, wname)
+            dim = shard.torch_dim
+            pieces = [reader.narrow(prefix + LAYER_PARAMS[seg.source], dim, seg.start, seg.stop)
+                      for seg in shard.base]
+            base[wname] = torch.cat(pieces, dim=dim).to(device=device, dtype=dtype).contiguous()
+            del pieces
+            lo, hi = shard.shift
+            shift[wname] = base[wname].narrow(dim, lo, hi - lo)
+        replicated = {n: reader.full(prefix + LAYER_PARAMS[n], kind="layers").to(device=device, dtype=dtype)
+                      for n in REPLICATED if n in shapes}
+        bias = None
+        if spec.qkv_bias:
+            shard = shard_map.shard(rank, "qkv")
+            pieces = [reader.narrow(prefix + LAYER_PARAMS[seg.source + "_bias"], 0, seg.start, seg.stop)
+                      for seg in shard.base]
+            b = torch.cat(pieces).to(device=device, dtype=dtype).contiguous()
+            lo, hi = shard.shift
+            bias = (b, b.narrow(0, lo, hi - lo))
+        yield ShardedDecoderWeights(base, shift, replicated), bias
+        progress.update(f"layer {i}")
+
+
+def _default_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None, shift_threshold: int | None = None,
+                  max_seq_len: int | None = None, block_size: int = 16, progress: bool = True,
+                  fused: bool | None = None, fused_max_tokens: int = 4096):
+    """Build a parallelized causal LM from a local HF checkpoint directory, reading only this rank's shards.
+
+    Call on every rank of an initialised process group (world size = layout.world_size).
+    dtype: weights' dtype (default: the config's dtype, else float32). device: default CUDA
+    current device under NCCL, else CPU. shift_threshold / max_seq_len / block_size / fused /
+    fused_max_tokens: as for `parallelize`. progress: show a progress bar on global rank 0. No network: `path` must be a
+    local directory with config.json and safetensors files. Returns the same kind of model as
+    `parallelize` (forward / generate as the unsharded model).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a local checkpoint directory")
+    if not dist.is_initialized():
+        raise RuntimeError("load_parallel needs torch.distributed initialised (init_process_group) on every rank")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    device = torch.device(device) if device is not None else _default_device()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if (path / "generation_config.json").is_file():  # eos / pad ids etc., as from_pretrained would load them
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    spec = inspect_model(model, layout, max_seq_len=max_seq_len)
+    ShiftPolicy(shift_threshold)  # validate before reading anything
+    fused_decision(spec, device, fused)
+    rank = dist.get_rank()
+    bar = _Progress(spec.num_layers, progress and rank == 0, f"fusedpar: loading {path.name} shards (rank 0)")
+    try:
+        with CheckpointReader(path) as reader:
+            _load_replicated(model, reader, spec, dtype, device)
+            model = assemble(model, spec, layout, _layer_shards(reader, spec, layout, rank, dtype, device, bar),
+                             device=device, shift_threshold=shift_threshold, block_size=block_size,
+                             fused=fused, fused_max_tokens=fused_max_tokens)
+            model.fusedpar_load_stats = dict(reader.bytes_read)
+    finally:
+        bar.close()
+    return model

@@ -1,0 +1,270 @@
+"""fusedpar.integrations.hf on gloo CPU processes vs the unsharded transformers model (fp32).
+
+Two spawns (4 ranks, 2 ranks) run every distributed case; each test below checks one case's
+results: logits within 1e-4 relative error at every real position (plain call, and prefill +
+two cached single-token calls), identical greedy generate (also with an eos that stops rows
+early), outputs bit-identical across ranks and unaffected by what the padding holds, the
+expected number of base / shift steps, and resident decoder bytes equal to the base shards.
+Unsupported configs are checked in-process (parallelize rejects them before any collective).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from fusedpar.layers import DEFAULT_SHIFT_THRESHOLD, StepBatch  # noqa: E402
+from fusedpar.layouts import ParallelLayout  # noqa: E402
+from fusedpar.testing.dist import run_distributed  # noqa: E402
+from tests.integrations.hf_models import make_model  # noqa: E402
+from tests.integrations.hf_workers import run_cases  # noqa: E402
+
+REL_TOL = 1e-4
+ALWAYS_SHIFT = 10**9
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+# Prompt sets: batch 3 left-padded with lengths 7, 5, 10 and batch 1 with 13 tokens (22 and 13:
+# not multiples of SP=4, so base mode pads). Threshold 8: prefill runs base, decode (3 or 1) shift.
+MIXED = [[7, 5, 10], [13]]
+CASES_4 = [
+    dict(name="llama_sp4_kvrep_mixed", family="llama", sp=4, tp=1, threshold=8, prompts=MIXED, api=True),
+    dict(name="llama_tp4_kvrep", family="llama", sp=1, tp=4, threshold=8, prompts=MIXED),
+    dict(name="llama_sp2tp2_force_base", family="llama", sp=2, tp=2, threshold=0, prompts=MIXED),
+    dict(name="llama_sp2tp2_mqa_llama3rope", family="llama", sp=2, tp=2, threshold=8, prompts=[[9, 3, 6]],
+         overrides=dict(num_key_value_heads=1, rope_parameters=LLAMA3_ROPE)),
+    dict(name="qwen3_sp2tp2_force_shift", family="qwen3", sp=2, tp=2, threshold=ALWAYS_SHIFT, prompts=MIXED),
+    dict(name="qwen3_sp4_mixed", family="qwen3", sp=4, tp=1, threshold=8, prompts=[[11, 6]],
+         overrides=dict(num_attention_heads=8, num_key_value_heads=4)),
+    dict(name="qwen2_bias_sp2tp2_mixed", family="qwen2", sp=2, tp=2, threshold=8, prompts=MIXED),
+    dict(name="mistral_window_sp2_dp2", family="mistral", sp=2, tp=1, threshold=4, prompts=[[7, 5]],
+         overrides=dict(sliding_window=32), parallel_kwargs=dict(max_seq_len=32), too_long=33),
+]
+CASES_2 = [
+    dict(name="llama_sp2_default_threshold", family="llama", sp=2, tp=1, threshold=None, prompts=MIXED),
+    dict(name="llama_tp2_8kv", family="llama", sp=1, tp=2, threshold=8, prompts=[[7, 5, 10]],
+         overrides=dict(num_key_value_heads=8)),
+    dict(name="qwen3_sp2_mixed", family="qwen3", sp=2, tp=1, threshold=8, prompts=MIXED),
+    # one-token pages: the paged cache (16 blocks at first) must grow during generate; threshold 1
+    # sends the 2-token decode steps to base mode too (the 5-token prefill pads to 6)
+    dict(name="llama_sp2_page_growth_base_decode", family="llama", sp=2, tp=1, threshold=1, prompts=[[3, 2]],
+         new_tokens=12, parallel_kwargs=dict(block_size=1), min_kv_blocks=32),
+]
+LOADER_4 = dict(loader=True, name="loader_qwen2_sp2tp2", family="qwen2", sp=2, tp=2, threshold=8,
+                prompts=[[7, 5, 10]])
+LOADER_2 = dict(loader=True, name="loader_qwen3_tied_sp2", family="qwen3", sp=2, tp=1, threshold=8,
+                prompts=[[7, 5, 10]])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Tiny random checkpoints saved as several safetensors shards (model.safetensors.index.json)."""
+    paths = {}
+    for case in (LOADER_4, LOADER_2):
+        path = tmp_path_factory.mktemp(case["name"])
+        make_model(case["family"], seed=3).save_pretrained(path, max_shard_size="60KB")
+        assert (path / "model.safetensors.index.json").is_file()
+        assert len(list(path.glob("*.safetensors"))) >= 3
+        paths[case["name"]] = str(path)
+    return paths
+
+
+def _with_checkpoint(case, checkpoints):
+    return {**case, "checkpoint": checkpoints[case["name"]]}
+
+
+@pytest.fixture(scope="module")
+def world4(checkpoints):
+    return run_distributed(run_cases, 4, [*CASES_4, _with_checkpoint(LOADER_4, checkpoints)], timeout=400)
+
+
+@pytest.fixture(scope="module")
+def world2(checkpoints):
+    return run_distributed(run_cases, 2, [*CASES_2, _with_checkpoint(LOADER_2, checkpoints)], timeout=300)
+
+
+def _expected_gen_steps(case, lengths, new_tokens=6) -> dict:
+    """One prefill of sum(lengths) tokens, then new_tokens-1 decode steps of len(lengths) tokens."""
+    threshold = DEFAULT_SHIFT_THRESHOLD if case["threshold"] is None else case["threshold"]
+
+    def mode(n):
+        return "shift" if case["sp"] == 1 or n <= threshold else "base"
+
+    steps = {"base": 0, "shift": 0}
+    steps[mode(sum(lengths))] += 1
+    steps[mode(len(lengths))] += new_tokens - 1
+    return steps
+
+
+def _check(per_rank: list[dict], case: dict) -> None:
+    name = case["name"]
+    results = [r[name] for r in per_rank]
+    for rank, res in enumerate(results):
+        assert "error" not in res, res.get("error")
+        where = f"{name} rank {rank}"
+        assert max(res["errs"]) < REL_TOL, f"{where}: logits rel error {res['errs']}"
+        assert max(res["cached_errs"]) < REL_TOL, f"{where}: cached-call logits rel error {res['cached_errs']}"
+        assert all(res["gen_equal"]), f"{where}: greedy tokens {res['tokens']} != unsharded {res['ref_tokens']}"
+        assert all(res["gen_eos_equal"]), f"{where}: greedy tokens with eos differ"
+        assert all(res["poison_equal"]), f"{where}: padding tokens changed real logits"
+        for lengths, steps in zip(case["prompts"], res["gen_steps"], strict=True):
+            expected = _expected_gen_steps(case, lengths, case.get("new_tokens", 6))
+            assert steps == expected, f"{where}: modes {steps} for prompts {lengths}, expected {expected}"
+        if "min_kv_blocks" in case:
+            assert res["kv_blocks"] >= case["min_kv_blocks"], f"{where}: paged cache did not grow"
+        assert res["resident_bytes"] == res["expected_bytes"], f"{where}: decoder weights not exactly the base shards"
+        if case["tp"] > 1:  # pure SP keeps whole layers by design (its TP shard is everything)
+            assert res["resident_bytes"] < 0.6 * res["full_layer_bytes"], f"{where}: TP shard not smaller"
+        assert res["hf_layer_params"] == 0, f"{where}: HF decoder layers still hold weights"
+        assert res["hf_weights_freed"], f"{where}: the full HF layer weights are still alive after parallelize"
+        assert res["base_model_guarded"], f"{where}: the emptied base model still runs"
+        if case.get("loader"):
+            # Never read more of a decoder layer than this rank's base shard (+ norms / bias rows):
+            # counted at safetensors' safe_open, and by the loader's own stats.
+            assert res["layer_bytes_read"] == res["expected_bytes"], f"{where}: read {res['layer_bytes_read']}"
+            assert res["load_stats"]["layers"] == res["expected_bytes"], res["load_stats"]
+        if case.get("api"):
+            api = res["api"]
+            assert api.pop("loss_rel_error") < REL_TOL
+            assert all(api.values()), (api, res["messages"])
+        if "too_long" in case:
+            assert res["too_long_rejected"], res["messages"]
+    # Poison-style cross-rank check: every rank returns bit-identical logits and tokens.
+    for rank, res in enumerate(results[1:], 1):
+        assert res["fingerprint"] == results[0]["fingerprint"], f"{name}: rank {rank} logits differ"
+        assert res["tokens"] == results[0]["tokens"], f"{name}: rank {rank} tokens differ"
+
+
+@pytest.mark.parametrize("case", [*CASES_4, LOADER_4], ids=lambda c: c["name"])
+def test_four_ranks(world4, case):
+    _check(world4, case)
+
+
+@pytest.mark.parametrize("case", [*CASES_2, LOADER_2], ids=lambda c: c["name"])
+def test_two_ranks(world2, case):
+    _check(world2, case)
+
+
+def test_layer_paths(world4, world2):
+    """Bias / non-default RoPE models run the HF layer subclass, the others the core layer as is."""
+    assert world4[0]["qwen2_bias_sp2tp2_mixed"]["layer_class"] == "HFDecoderLayer"
+    assert world4[0]["llama_sp2tp2_mqa_llama3rope"]["layer_class"] == "HFDecoderLayer"
+    assert world4[0]["llama_tp4_kvrep"]["layer_class"] == "ShiftParallelDecoderLayer"
+    assert world2[0]["qwen3_sp2_mixed"]["layer_class"] == "ShiftParallelDecoderLayer"
+    # kv replication: 2 kv heads over 4 ranks, rank r caches head r*2//4
+    assert [r["llama_sp4_kvrep_mixed"]["kv_heads"] for r in world4] == [(0,), (0,), (1,), (1,)]
+
+
+# ---- unsupported models fail at parallelize time, naming what is unsupported -------------------
+def _rejects(model, layout, match, **kw):
+    from fusedpar.integrations.hf import UnsupportedModelError, parallelize
+
+    with pytest.raises(UnsupportedModelError, match=match):
+        parallelize(model, layout, **kw)
+
+
+LAYOUT4 = ParallelLayout(4, sp=2, tp=2)
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "match"),
+    [
+        ("mistral", dict(sliding_window=16), r"sliding window attention \(sliding_window=16\)"),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "sliding window"),
+        ("llama", dict(attention_bias=True), r"o_proj\.bias"),
+        ("llama", dict(mlp_bias=True), "MLP bias"),
+        ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+         "rope type 'dynamic'"),
+        ("llama", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48),
+         "num_q_heads=6 is not divisible by sp\\*tp=2\\*2=4"),
+        ("llama", dict(intermediate_size=130), "intermediate_size=130 is not divisible"),
+    ],
+)
+def test_unsupported_configs_rejected(family, overrides, match):
+    _rejects(make_model(family, **overrides), LAYOUT4, match)
+
+
+def test_mistral_default_window_needs_max_seq_len():
+    """MistralConfig's default sliding_window=4096: rejected unless max_seq_len <= 4096 promises it never bites."""
+    from fusedpar.integrations.hf import inspect_model
+
+    model = make_model("mistral", sliding_window=4096)
+    _rejects(model, LAYOUT4, "pass max_seq_len <= 4096")
+    _rejects(model, LAYOUT4, "sliding window", max_seq_len=4097)
+    spec = inspect_model(model, LAYOUT4, max_seq_len=4096)
+    assert (spec.sliding_window, spec.max_seq_len) == (4096, 4096)
+
+
+def test_moe_and_other_architectures_rejected():
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      num_experts=4, num_experts_per_tok=2)
+    _rejects(transformers.AutoModelForCausalLM.from_config(cfg), LAYOUT4, "mixture-of-experts")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
+    _rejects(gpt2, LAYOUT4, "model_type 'gpt2'")
+
+
+def test_every_problem_is_named_at_once():
+    model = make_model("llama", attention_bias=True, mlp_bias=True, intermediate_size=130)
+    from fusedpar.integrations.hf import UnsupportedModelError, parallelize
+
+    with pytest.raises(UnsupportedModelError) as info:
+        parallelize(model, LAYOUT4)
+    msg = str(info.value)
+    assert "o_proj.bias" in msg and "MLP bias" in msg and "intermediate_size=130" in msg
+
+
+def test_supported_model_needs_process_group_and_real_weights():
+    from fusedpar.integrations.hf import UnsupportedModelError, parallelize
+
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        parallelize(make_model("llama"), LAYOUT4)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(make_model("llama").config)
+    _rejects(meta, LAYOUT4, "meta-device")
+    with pytest.raises(ValueError, match="shift threshold"):
+        parallelize(make_model("llama"), LAYOUT4, shift_threshold=-1)
+    with pytest.raises(UnsupportedModelError, match="fused kernels need CUDA"):
+        parallelize(make_model("llama"), LAYOUT4, fused=True)
+
+
+def test_fused_path_choice():
+    """auto: fused only for CUDA bf16/fp16 models the core layer runs as is, with head_dim 2^k >= 16."""
+    from fusedpar.integrations.hf import UnsupportedModelError, inspect_model
+    from fusedpar.integrations.hf.adapter import fused_decision
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    spec16 = inspect_model(make_model("qwen3", dtype=torch.bfloat16), LAYOUT4)  # head_dim 16
+    assert fused_decision(spec16, cuda, None) and not fused_decision(spec16, cpu, None)
+    assert not fused_decision(inspect_model(make_model("qwen3"), LAYOUT4), cuda, None)  # fp32: exact path
+    assert fused_decision(inspect_model(make_model("qwen3"), LAYOUT4), cuda, True)
+    with pytest.raises(UnsupportedModelError, match="head_dim=8"):
+        fused_decision(inspect_model(make_model("llama", dtype=torch.bfloat16), LAYOUT4), cuda, True)
+    with pytest.raises(UnsupportedModelError, match="q/k/v bias"):
+        fused_decision(inspect_model(make_model("qwen2", dtype=torch.bfloat16, hidden_size=128), LAYOUT4), cuda,
+                       True)
+
+
+def test_paged_cache_grows_in_place():
+    """GrowablePagedKVCache keeps blocks, tables and data when a step needs more blocks than it has."""
+    from fusedpar.integrations.hf.adapter import GrowablePagedKVCache
+
+    cache = GrowablePagedKVCache(num_layers=2, kv_heads=(0,), head_dim=4, block_size=2, num_blocks=2,
+                                 dtype=torch.float32)
+    first = StepBatch((7,), (3,), (0,))
+    cache.ensure(first)
+    slots = cache.begin_step(first)
+    k = torch.arange(12.0).view(3, 1, 4)
+    cache.write(1, slots, k, -k)
+    second = StepBatch((7, 8), (2, 5), (3, 0))  # needs 1 + 3 more blocks, 0 free
+    cache.ensure(second)
+    assert cache.num_blocks == 6 and cache.k.shape[1] == 6
+    got_k, got_v = cache.gather(1, 7)
+    assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    slots = cache.begin_step(second)
+    assert len(set(slots.tolist())) == 7 and int(slots.max()) < 12  # distinct slots inside the grown pool
+    assert sorted(b for t in cache.block_tables.values() for b in t) == list(range(6))
