@@ -35,27 +35,19 @@ Without CUDA or outside torchrun it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-
-# Before torch.distributed initialises anything: multicast (NVLS) is off on our machines.
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench  # setup, timing and records shared by the benchmarks
+from _bench import max_over_ranks
+
+_bench.add_repo_to_path()
 
 BENCH = "all_to_all_o_proj"
 BASELINE = "NCCL all_to_all_single + unpack (comm.head_to_seq_all_to_all) + cuBLAS F.linear"
@@ -64,78 +56,7 @@ MODELS = {
     "qwen32b": {"hidden": 5120, "heads": 64, "head_dim": 128},
 }
 DEFAULT_TOKENS = ",".join(str(2**i) for i in range(3, 15))  # 8 .. 16384
-SLEEP_CYCLES = 100_000  # ~50 us GPU spin ahead of each timed call
 SETS = 2
-LINK_BYTES = 256 << 20
-
-
-# ---------------------------------------------------------------- harness (same in both benches)
-
-
-def max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-class Timer:
-    """Median per-call ms of fn(i) over samples, each: device barrier, GPU spin, event, call, event."""
-
-    def __init__(self, barrier: Callable[[], None], iters: int, warmup: int):
-        self.barrier, self.iters, self.warmup = barrier, iters, warmup
-        self.sleep = getattr(torch.cuda, "_sleep", None)
-
-    def __call__(self, fn: Callable[[int], object]) -> float:
-        for i in range(self.warmup):
-            fn(i)
-        torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
-        for i in range(self.iters):
-            self.barrier()
-            if self.sleep is not None:
-                self.sleep(SLEEP_CYCLES)
-            starts[i].record()
-            fn(self.warmup + i)
-            ends[i].record()
-        torch.cuda.synchronize()
-        return max_over_ranks(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)))
-
-
-def measure_ceilings(timer: Timer, group) -> dict[str, float]:
-    """peak FLOP/s (cuBLAS bf16 8192^3), HBM B/s (1 GiB copy), link B/s (NCCL all-to-all bus bw, 256 MiB)."""
-    n = 8192
-    a = torch.randn((n, n), device="cuda", dtype=torch.bfloat16)
-    t = timer(lambda i, a=a: torch.matmul(a, a))
-    peak = 2 * n**3 / (t * 1e-3)
-    del a
-    nel = (1 << 30) // 4
-    src, dst = torch.rand(nel, device="cuda"), torch.empty(nel, device="cuda")
-    t = timer(lambda i, dst=dst, src=src: dst.copy_(src))
-    hbm = 2 * (1 << 30) / (t * 1e-3)
-    del src, dst
-    W = group.size
-    send = torch.randn(LINK_BYTES // 2, device="cuda", dtype=torch.bfloat16)
-    recv = torch.empty_like(send)
-    t = timer(lambda i, r=recv, s=send: dist.all_to_all_single(r, s, group=group.pg))
-    link = (W - 1) / W * LINK_BYTES / (t * 1e-3)
-    del send, recv
-    torch.cuda.empty_cache()
-    return {"peak_flops": peak, "hbm_bps": hbm, "link_bps": link}
-
-
-def token_ranges(wins: dict[int, bool]) -> tuple[tuple[int, int | None], ...]:
-    """Inclusive ranges of the measured token counts where the fused path won (last one open-ended)."""
-    ms = sorted(wins)
-    ranges, lo = [], None
-    for i, m in enumerate(ms):
-        if wins[m] and lo is None:
-            lo = m
-        if lo is not None and (not wins[m] or i == len(ms) - 1):
-            hi = None if wins[m] else ms[i - 1]
-            ranges.append((lo if lo != ms[0] else 1, hi))
-            lo = None
-    return tuple(ranges)
 
 
 # ------------------------------------------------------------------------------------ bench
@@ -234,19 +155,14 @@ def main(argv=None) -> int:
     unknown = set(args.shapes.split(",")) - set(MODELS)
     if unknown:
         p.error(f"unknown --shapes {sorted(unknown)}; known {sorted(MODELS)}")
-    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+    if not _bench.torchrun_available():
         print(f"bench_{BENCH}: needs CUDA GPUs and torchrun (torchrun --nproc-per-node N ...); nothing measured")
         return 0
-
-    import triton
 
     from fusedpar.collectives.symmetric import SymmetricWorkspace
     from fusedpar.kernels import ulysses as u
 
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank, W = dist.get_rank(), dist.get_world_size()
+    _, rank, W = _bench.init_distributed()
     group = SimpleNamespace(size=W, pg=dist.group.WORLD)
     models = args.shapes.split(",")
     tokens = [int(t) for t in args.tokens.split(",") if t]
@@ -254,68 +170,20 @@ def main(argv=None) -> int:
     need = max(u.o_proj_workspace_bytes(max(tokens), dims(mo, W)["C"], W, torch.bfloat16) for mo in models)
     # 128 flag rows: up to 127 push bands, so the GEMM's first wave waits for little data.
     ws = SymmetricWorkspace(dist.group.WORLD, need, max_blocks=128)
-    timer = Timer(ws.barrier, args.iters, args.warmup)
-    ceil = measure_ceilings(timer, group)
-    gpu = torch.cuda.get_device_name()
-    common = {
-        "bench": BENCH,
-        "world": W,
-        "gpu": gpu,
-        "baseline": BASELINE,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["torchrun", f"--nproc-per-node {W}", *sys.argv]),
-        "peak_tflops": ceil["peak_flops"] / 1e12,
-        "hbm_gbps": ceil["hbm_bps"] / 1e9,
-        "link_gbps": ceil["link_bps"] / 1e9,
-    }
+    timer = _bench.SpinTimer(ws.barrier, args.iters, args.warmup)
+    ceil = _bench.measure_link_ceilings(timer, group)
+    common = _bench.sp_common(BENCH, W, BASELINE, ceil)
     if rank == 0:
-        print(
-            f"{gpu} x{W}: cuBLAS bf16 {common['peak_tflops']:.0f} TFLOP/s, HBM {common['hbm_gbps']:.0f} GB/s, "
-            f"NCCL all-to-all bus {common['link_gbps']:.0f} GB/s; "
-            f"torch {torch.__version__}, triton {triton.__version__}"
-        )
-        print(f"{'case':<14}{'tokens':>7}{'base ms':>10}{'fused ms':>10}{'speedup':>9}{'cuBLAS ms':>11}"
-              f"{'fused/gemm':>11}{'triton ms':>11}{'%roof':>7}  bound   comm routed")
-    records = []
-    for model in models:
-        for m in tokens:
-            record = {**common, "case": f"{model}.sp{W}", "tokens": m}
-            try:
-                record |= bench_case(model, m, W, group, ws, timer, ceil, comm_programs)
-            except Exception as exc:
-                # Unattended run: record the failure (compile error, OOM, a timed-out flag wait)
-                # and go on; every rank runs the same code, so they fail alike.
-                record["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-                torch.cuda.synchronize()
-                dist.barrier()
-            records.append(record)
-            if rank == 0:
-                if "error" in record:
-                    print(f"{record['case']:<14}{m:>7}  ERROR {record['error'][:200]}")
-                else:
-                    r = record
-                    print(f"{r['case']:<14}{m:>7}{r['baseline_ms']:>10.4f}{r['fused_ms']:>10.4f}{r['speedup']:>9.2f}"
-                          f"{r['gemm_cublas_ms']:>11.4f}{r['fused_over_gemm']:>11.2f}{r['gemm_triton_ms']:>11.4f}"
-                          f"{r['roofline_pct']:>6.0f}%  {r['bound']:<7} {r['comm_programs']:>4} {r['routed']}")
-            torch.cuda.empty_cache()
-
+        _bench.print_sp_header(common, "comm ")
+    records = _bench.run_sp_cases(
+        models, tokens, W, rank, common,
+        lambda model, m: bench_case(model, m, W, group, ws, timer, ceil, comm_programs),
+        lambda r: _bench.sp_row(r, f"{r['comm_programs']:>4} "),
+    )
     if rank == 0:
-        wins: dict[int, bool] = {}
-        for r in records:
-            if "error" not in r:
-                wins[r["tokens"]] = wins.get(r["tokens"], True) and r["speedup"] >= 1.0
-        print(f"fused wins (every model) at tokens {sorted(m for m, w in wins.items() if w)}; "
-              f"O_PROJ_FUSED_TOKEN_RANGES = {token_ranges(wins)}")
-        out = Path(args.out)
-        if not out.is_absolute():
-            out = REPO / out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(records, indent=1) + "\n")
-        print(f"wrote {len(records)} records to {out}")
-    dist.barrier()
-    dist.destroy_process_group()
+        _bench.print_fused_wins(records, "O_PROJ_FUSED_TOKEN_RANGES")
+        _bench.write_records(records, args.out)
+    _bench.finish_distributed()
     return 0
 
 

@@ -32,17 +32,17 @@ Without a GPU it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench  # setup, timing and records shared by the benchmarks
+from bench_gemm import measure_ceilings, time_ms  # one timing protocol for every benchmark
+
 NQ, NKV, HD = 16, 2, 128  # Llama-3-70B per rank at P = 4
 ROPE_THETA = 500000.0  # Llama-3
 PAGE = 16
@@ -51,16 +51,6 @@ PREFILL_TOKENS = [512, 1024, 2048, 4096, 8192, 16384]
 PREFILL_SEQS = [1, 4]
 DECODE_BATCH = [1, 4, 16, 64]
 BASELINE = "torch SDPA flash (contiguous [B, H, L, d] q/k/v, enable_gqa; decode: contiguous KV cache)"
-
-
-def _load_helpers():
-    """time_ms / measure_ceilings from bench_gemm (one timing protocol for every benchmark)."""
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    from bench_gemm import measure_ceilings, time_ms
-
-    return measure_ceilings, time_ms
 
 
 class PagedInputs:
@@ -224,11 +214,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_attention: no CUDA GPU visible; nothing measured (run this on a GPU machine).")
         return 0
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
+    _bench.add_repo_to_path()
     import triton
 
-    measure_ceilings, time_ms = _load_helpers()
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.bfloat16
     props = torch.cuda.get_device_properties(device)
@@ -245,10 +233,8 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     common = {
-        "world": 1, "gpu": gpu, "baseline": BASELINE, "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv), "peak_tflops": peak / 1e12, "hbm_gbps": bandwidth / 1e9,
+        "world": 1, "gpu": gpu, "baseline": BASELINE, **_bench.run_info(python=True),
+        "peak_tflops": peak / 1e12, "hbm_gbps": bandwidth / 1e9,
     }
 
     cases = []
@@ -294,12 +280,7 @@ def main(argv=None) -> int:
         )
         torch.cuda.empty_cache()
 
-    out = Path(args.out)
-    if not out.is_absolute():
-        out = REPO / out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
-    print(f"wrote {len(records)} records to {out}")
+    _bench.write_records(records, args.out)
     return 0
 
 

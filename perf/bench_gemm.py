@@ -26,10 +26,7 @@ Without a GPU it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
 import statistics
 import sys
 from dataclasses import dataclass
@@ -37,7 +34,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench  # setup, timing and records shared by the benchmarks
+
 TP = 4  # per-rank shapes of a TP=4 layer; the shift view is block SHIFT_BLOCK of TP blocks
 SHIFT_BLOCK = 1  # not 0, so the view really starts at an offset
 SLEEP_CYCLES = 200_000  # ~0.1 ms GPU spin ahead of each timed call: longer than a launch
@@ -198,8 +197,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gemm: no CUDA GPU visible; nothing measured (run this on a GPU machine).")
         return 0
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
+    _bench.add_repo_to_path()  # run from a checkout without `pip install -e .`
     import triton
 
     from fusedpar.kernels import gemm
@@ -231,11 +229,7 @@ def main(argv=None) -> int:
         "world": 1,
         "gpu": gpu,
         "baseline": BASELINE,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+        **_bench.run_info(python=True),
         "peak_tflops": peak / 1e12,
         "hbm_gbps": bandwidth / 1e9,
     }
@@ -268,12 +262,7 @@ def main(argv=None) -> int:
                 )
                 torch.cuda.empty_cache()
 
-    out = Path(args.out)
-    if not out.is_absolute():
-        out = REPO / out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
-    print(f"wrote {len(records)} records to {out}")
+    _bench.write_records(records, args.out)
     return 0
 
 

@@ -49,11 +49,7 @@ Without CUDA or outside torchrun it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import os
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,15 +58,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# Before torch.distributed initialises anything: NVLink multicast (NVLS) stays off on our
-# machines and no path here may depend on it (DESIGN.md section 5).
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench  # setup, timing and records shared by the benchmarks
+from _bench import BarrierTimer, max_over_ranks
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
+_bench.add_repo_to_path()  # run as a script from anywhere
 
 TP = 4  # the layer's shapes are per rank of a TP=4 split, whatever the world size
 SHIFT_BLOCK = 1
@@ -85,54 +77,6 @@ WORKSPACE_BYTES = 512 << 20  # two 256 MiB slots: up to 8192 x 8192 bf16 two-sho
 WORKSPACE_FLAG_ROWS = 2048
 
 
-def max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-class Timer:
-    """Per-call medians (ms) of eager call sequences and graph replays, aligned by a device barrier."""
-
-    def __init__(self, barrier: Callable[[], None], iters: int, warmup: int):
-        self.barrier, self.iters, self.warmup = barrier, iters, warmup
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.end = torch.cuda.Event(enable_timing=True)
-
-    def _sample(self, run: Callable[[], None], calls: int) -> float:
-        self.barrier()  # stream-ordered: every rank starts the sample together
-        self.start.record()
-        run()
-        self.end.record()
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) / calls
-
-    def eager(self, calls: list[Callable[[], object]]) -> float:
-        def run():
-            for c in calls:
-                c()
-
-        for _ in range(self.warmup):
-            run()
-        torch.cuda.synchronize()
-        return statistics.median(self._sample(run, len(calls)) for _ in range(self.iters))
-
-    def graph(self, calls: list[Callable[[], object]]) -> float:
-        for c in calls:  # warm-up outside capture (compilation, NCCL graph registration)
-            c()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-        for _ in range(self.warmup):
-            g.replay()
-        torch.cuda.synchronize()
-        ms = statistics.median(self._sample(g.replay, len(calls)) for _ in range(self.iters))
-        del g
-        return ms
-
-
 def layer_cases(models: list[str], gemms: set[str]) -> list[tuple[str, int, int]]:
     """(name, N, K_local) of the row-parallel GEMMs of one TP=4 layer."""
     out = []
@@ -145,7 +89,7 @@ def layer_cases(models: list[str], gemms: set[str]) -> list[tuple[str, int, int]
     return out
 
 
-def measure_ceilings(timer: Timer, group, world: int) -> tuple[float, float, float]:
+def measure_ceilings(timer: BarrierTimer, group, world: int) -> tuple[float, float, float]:
     """(peak FLOP/s of a cuBLAS bf16 8192^3 GEMM, HBM bytes/s of a 1 GiB copy, NCCL bus bytes/s at 256 MiB).
 
     Times are max over ranks, like every other figure of this script.
@@ -181,7 +125,7 @@ def make_weight(n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> tor
 class Context:
     group: object
     ws: object
-    timer: Timer
+    timer: BarrierTimer
     rank: int
     world: int
     symm_buf: torch.Tensor | None
@@ -356,23 +300,18 @@ def main() -> int:
         p.error(f"unknown --shapes {sorted(unknown)}; known: {sorted(MODELS)}")
     if set(args.gemms.split(",")) - {"o", "down"}:
         p.error(f"--gemms must be a comma list of o,down, got {args.gemms!r}")
-    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+    if not _bench.torchrun_available():
         print("bench_gemm_all_reduce: needs CUDA GPUs and torchrun (torchrun --nproc-per-node N ...); skipped")
         return 0
-
-    import triton
 
     from fusedpar.collectives.symmetric import SymmetricWorkspace
     from fusedpar.kernels import gemm_all_reduce as gar
 
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    local, rank, world = _bench.init_distributed()
     group = dist.group.WORLD
     dtype = torch.bfloat16
     ws = SymmetricWorkspace(group, WORKSPACE_BYTES, max_blocks=WORKSPACE_FLAG_ROWS)
-    timer = Timer(ws.barrier, args.iters, args.warmup)
+    timer = BarrierTimer(ws.barrier, args.iters, args.warmup)
     props = torch.cuda.get_device_properties(local)
     l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
     gpu = torch.cuda.get_device_name()
@@ -396,10 +335,7 @@ def main() -> int:
         "bench": "gemm_all_reduce",
         "world": world,
         "gpu": gpu,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["torchrun", f"--nproc-per-node {world}", *sys.argv]),
+        **_bench.run_info(world),
         "peak_tflops": peak / 1e12,
         "hbm_gbps": hbm / 1e9,
         "nccl_bus_gbps": bus / 1e9,
@@ -436,14 +372,8 @@ def main() -> int:
         slow = [(r["case"], r["tokens"], round(r["routed_speedup"], 3)) for r in records
                 if r["routed_speedup"] is not None and r["routed_speedup"] < 0.97]
         print(f"router below 0.97x of the baseline at: {slow or 'nowhere'}")
-        out = Path(args.out)
-        if not out.is_absolute():
-            out = REPO / out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(records, indent=1) + "\n")
-        print(f"wrote {len(records)} records to {out}")
-    dist.barrier()
-    dist.destroy_process_group()
+        _bench.write_records(records, args.out)
+    _bench.finish_distributed()
     return 0
 
 

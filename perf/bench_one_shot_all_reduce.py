@@ -39,10 +39,6 @@ Without CUDA or outside torchrun it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -50,16 +46,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# Before torch.distributed initialises anything (NCCL reads these at communicator creation,
-# torch's symmetric memory at allocation): multicast (NVLS) is off on our machines and no path
-# here may depend on it (DESIGN.md section 5).
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench  # setup, timing and records shared by the benchmarks
+from _bench import max_over_ranks
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
+_bench.add_repo_to_path()  # run as a script from anywhere
 
 CALLS = 10  # calls per sample / per captured graph
 HIDDEN = 8192  # Llama-3-70B hidden size: tokens = bytes / (2 * HIDDEN)
@@ -85,54 +76,6 @@ def label(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-def max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-class Timer:
-    """Per-call medians (ms) of eager call sequences and graph replays, aligned by a device barrier."""
-
-    def __init__(self, barrier: Callable[[], None], iters: int, warmup: int):
-        self.barrier, self.iters, self.warmup = barrier, iters, warmup
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.end = torch.cuda.Event(enable_timing=True)
-
-    def _sample(self, run: Callable[[], None]) -> float:
-        self.barrier()  # stream-ordered: every rank starts the sample together
-        self.start.record()
-        run()
-        self.end.record()
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) / CALLS
-
-    def eager(self, calls: list[Callable[[], object]]) -> float:
-        def run():
-            for c in calls:
-                c()
-
-        for _ in range(self.warmup):
-            run()
-        torch.cuda.synchronize()
-        return statistics.median(self._sample(run) for _ in range(self.iters))
-
-    def graph(self, calls: list[Callable[[], object]]) -> float:
-        for c in calls:  # warm-up outside capture (compilation, NCCL graph registration)
-            c()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-        for _ in range(self.warmup):
-            g.replay()
-        torch.cuda.synchronize()
-        ms = statistics.median(self._sample(g.replay) for _ in range(self.iters))
-        del g
-        return ms
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated message sizes (bytes, K, M)")
@@ -145,19 +88,14 @@ def main() -> int:
     args = p.parse_args()
     if args.iters < 20:
         p.error("--iters must be >= 20 (DESIGN.md section 9)")
-    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+    if not _bench.torchrun_available():
         print("bench_one_shot_all_reduce: needs CUDA GPUs and torchrun (torchrun --nproc-per-node N ...); skipped")
         return 0
-
-    import triton
 
     from fusedpar.collectives.symmetric import SymmetricWorkspace
     from fusedpar.kernels.allreduce import OneShotConfig, one_shot_all_reduce
 
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    _, rank, world = _bench.init_distributed()
     group = dist.group.WORLD
     sizes = sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()})
     max_bytes = max([*sizes, TINY_BYTES])
@@ -171,7 +109,7 @@ def main() -> int:
         max_blocks=args.max_blocks or default_cfg.max_blocks,
     )
     ws = SymmetricWorkspace(group, 2 * max_bytes, max_blocks=max(64, cfg.max_blocks))
-    timer = Timer(ws.barrier, args.iters, args.warmup)
+    timer = _bench.BarrierTimer(ws.barrier, args.iters, args.warmup)
 
     # torch's own one-shot: needs its input in symmetric memory (two rotating buffers).
     symm_inputs = None
@@ -241,10 +179,7 @@ def main() -> int:
         "bench": "one_shot_all_reduce",
         "world": world,
         "gpu": gpu,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["torchrun", f"--nproc-per-node {world}", *sys.argv]),
+        **_bench.run_info(world),
     }
     if rank == 0:
         print(
@@ -296,14 +231,8 @@ def main() -> int:
             )
 
     if rank == 0:
-        out = Path(args.out)
-        if not out.is_absolute():
-            out = REPO / out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(records, indent=1) + "\n")
-        print(f"wrote {len(records)} records to {out}")
-    dist.barrier()
-    dist.destroy_process_group()
+        _bench.write_records(records, args.out)
+    _bench.finish_distributed()
     return 0
 
 

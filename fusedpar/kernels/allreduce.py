@@ -10,7 +10,8 @@ Three layers (DESIGN.md section 1, "@triton.jit kernel -> launcher -> registered
                                     custom ops with fake impls (torch.compile, CUDA graphs)
     all_reduce(x, group, workspace) size-based choice: one-shot for small messages, NCCL above.
 
-Protocol of one launch with epoch e (the PeerTable epoch protocol, fusedpar/collectives/symmetric.py)
+Protocol of one launch with epoch e (the PeerTable epoch protocol, fusedpar/collectives/symmetric.py;
+its device primitives: fusedpar/kernels/_sync.py)
     program b of rank r, over its tiles t = b, b + G, b + 2G, ... (G programs on every rank):
     1. COPY_IN: copy x's tiles into r's own data buffer, slot e % 2 (double buffering);
        CTA barrier; exchange e into flag word [b, r] of every rank, release, system scope.
@@ -42,14 +43,18 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from fusedpar.collectives.symmetric import (
-    ALIGN_BYTES,
-    COUNTER_EPOCH,
-    COUNTER_RETIRED,
-    COUNTER_STATUS,
-    EmulatedWorld,
-    PeerTable,
-    as_peer_table,
+from fusedpar.collectives.symmetric import EmulatedWorld, PeerTable, as_peer_table
+from fusedpar.kernels._sync import (
+    check_emulated_rank,
+    flags_of,
+    group_size_and_pg,
+    launch_epoch,
+    next_pow2,
+    publish,
+    resolve_spin_limit,
+    retire,
+    slot_size,
+    wait_flags,
 )
 
 __all__ = [
@@ -68,12 +73,6 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # beats torch's symm_mem one-shot and NCCL up to 256 KiB (10.4 vs 11.2 / 13.6 us); at 512 KiB
 # torch's one-shot wins (13.3 vs 14.8 us) and from 2 MiB NCCL does. Above this size: NCCL.
 DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
-
-
-# Counter indices as Triton constexprs: a @jit function may only read constexpr globals.
-_EPOCH = tl.constexpr(COUNTER_EPOCH)
-_RETIRED = tl.constexpr(COUNTER_RETIRED)
-_STATUS = tl.constexpr(COUNTER_STATUS)
 
 
 @triton.jit
@@ -104,7 +103,7 @@ def _one_shot_all_reduce_kernel(
     # Epoch of this launch: completed launches + 1. Written by the previous launch's last program,
     # so stream order makes it visible here; it lives in device memory so CUDA-graph replays
     # advance it (a kernel argument would be frozen at capture).
-    epoch = tl.load(counters_ptr + _EPOCH) + 1
+    epoch = launch_epoch(counters_ptr, 1)
     slot_off = (epoch % 2) * slot_bytes
 
     # Grid-stride loops are `while` loops: the triton 3.6 interpreter with numpy >= 2.4 cannot
@@ -125,29 +124,15 @@ def _one_shot_all_reduce_kernel(
             # Every thread's copy must be done before the flag goes out: CTA barrier, then one
             # release at system scope per destination (cumulative: publishes the CTA's stores).
             tl.debug_barrier()
-            dst_flags = tl.load(signal_ptrs + peers, mask=peer_mask, other=0).to(tl.pointer_type(tl.int64))
             # Word [pid, rank] of every rank: written only by this (block, rank) pair.
-            tl.atomic_xchg(dst_flags + pid * WORLD + rank, epoch, mask=peer_mask, sem="release", scope="sys")
+            publish(signal_ptrs, pid * WORLD + rank, epoch, peer_mask)
 
     if REDUCE:
         if USE_FLAGS:
-            my_flags = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int64)) + pid * WORLD
-            # Stock Triton has no atomic load: an atomic add of 0 with acquire semantics is one.
-            seen = tl.atomic_add(my_flags + peers, 0, mask=peer_mask, sem="acquire", scope="sys")
-            # ">=": a fast peer may already have published epoch + 1 (module docstring).
-            missing = tl.sum((peer_mask & (seen < epoch)).to(tl.int32), axis=0)
-            spins = 0
-            while missing > 0:
-                seen = tl.atomic_add(my_flags + peers, 0, mask=peer_mask, sem="acquire", scope="sys")
-                missing = tl.sum((peer_mask & (seen < epoch)).to(tl.int32), axis=0)
-                if SPIN_LIMIT > 0:
-                    spins += 1
-                    if spins >= SPIN_LIMIT:
-                        tl.atomic_xchg(counters_ptr + _STATUS, 1)
-                        missing = 0
-            # The acquire was done by a few threads; the barrier orders every thread's peer loads
-            # after it.
-            tl.debug_barrier()
+            my_flags = flags_of(signal_ptrs, rank) + pid * WORLD
+            # Until flag words [pid, 0..W-1] are all >= epoch (a fast peer may already have
+            # published epoch + 1), then a CTA barrier: every thread's peer loads come after it.
+            wait_flags(my_flags + peers, peer_mask, epoch, counters_ptr, SPIN_LIMIT)
 
         tile = pid
         while tile < num_tiles:
@@ -164,10 +149,7 @@ def _one_shot_all_reduce_kernel(
             tile += nprog
 
         # Retire: the last program of this launch publishes the epoch for the next launch.
-        retired = tl.atomic_add(counters_ptr + _RETIRED, 1, sem="acq_rel", scope="gpu")
-        if retired == nprog - 1:
-            tl.atomic_xchg(counters_ptr + _RETIRED, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(counters_ptr + _EPOCH, epoch, sem="relaxed", scope="gpu")
+        retire(counters_ptr, epoch, nprog)
 
 
 # Triton picks interpreter vs compiler when @triton.jit runs, so the kind of object the
@@ -192,7 +174,6 @@ class OneShotConfig:
 # Interpreter: small tiles and a few programs so the CPU tests exercise several programs, the
 # grid-stride loop and partial tiles on small messages.
 _INTERPRETER_CONFIG = OneShotConfig(block=256, num_warps=1, max_blocks=4)
-_INTERPRETER_SPIN_LIMIT = 8
 
 
 def _default_config() -> OneShotConfig:
@@ -201,11 +182,7 @@ def _default_config() -> OneShotConfig:
 
 def one_shot_capacity_bytes(peers: PeerTable) -> int:
     """Largest message (bytes) one launch can reduce: one double-buffer slot."""
-    return (peers.buffer_bytes // 2) // ALIGN_BYTES * ALIGN_BYTES
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return slot_size(peers)
 
 
 def _check(x: torch.Tensor, device: torch.device, slot_bytes: int, out: torch.Tensor | None) -> None:
@@ -257,8 +234,6 @@ def _launch(
     if n == 0:
         return None
     cfg = config or _default_config()
-    if spin_limit is None:
-        spin_limit = _INTERPRETER_SPIN_LIMIT if _INTERPRETED else 0
     grid = min(triton.cdiv(n, cfg.block), cfg.max_blocks, max_blocks)
     return _one_shot_all_reduce_kernel[(grid,)](
         x.contiguous(),
@@ -270,14 +245,21 @@ def _launch(
         rank,
         slot_bytes,
         WORLD=world_size,
-        WORLD_P2=_next_pow2(world_size),
+        WORLD_P2=next_pow2(world_size),
         BLOCK=cfg.block,
         COPY_IN=copy_in,
         REDUCE=reduce,
         USE_FLAGS=use_flags,
-        SPIN_LIMIT=spin_limit,
+        SPIN_LIMIT=resolve_spin_limit(spin_limit, _INTERPRETED, 0),
         num_warps=cfg.num_warps,
     )
+
+
+def _launch_both(x, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, slot_bytes, max_blocks, use_flags,
+                 cfg: OneShotConfig | None):
+    """Both phases in one launch, default spin limit: the path of the registered ops and of eager calls."""
+    return _launch(x, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, slot_bytes, max_blocks,
+                   copy_in=True, reduce=True, use_flags=use_flags, spin_limit=None, config=cfg)
 
 
 def launch_one_shot_all_reduce(
@@ -347,22 +329,8 @@ def _one_shot_op(
 ) -> torch.Tensor:
     _check(x, counters.device, slot_bytes, None)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(
-        x,
-        out,
-        buffer_ptrs,
-        signal_ptrs,
-        counters,
-        rank,
-        world_size,
-        slot_bytes,
-        max_blocks,
-        copy_in=True,
-        reduce=True,
-        use_flags=use_flags,
-        spin_limit=None,
-        config=OneShotConfig(block, num_warps, grid_cap),
-    )
+    _launch_both(x, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, slot_bytes, max_blocks, use_flags,
+                 OneShotConfig(block, num_warps, grid_cap))
     return out
 
 
@@ -401,22 +369,8 @@ def _one_shot_out_op(
     use_flags: bool,
 ) -> None:
     _check(x, counters.device, slot_bytes, out)
-    _launch(
-        x,
-        out,
-        buffer_ptrs,
-        signal_ptrs,
-        counters,
-        rank,
-        world_size,
-        slot_bytes,
-        max_blocks,
-        copy_in=True,
-        reduce=True,
-        use_flags=use_flags,
-        spin_limit=None,
-        config=OneShotConfig(block, num_warps, grid_cap),
-    )
+    _launch_both(x, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, slot_bytes, max_blocks, use_flags,
+                 OneShotConfig(block, num_warps, grid_cap))
 
 
 @_one_shot_out_op.register_fake
@@ -484,22 +438,8 @@ def one_shot_all_reduce(
         return _call_op(x, table, out, use_flags, cfg)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(
-        x,
-        out,
-        table.buffer_ptrs,
-        table.signal_ptrs,
-        table.counters,
-        table.rank,
-        table.world_size,
-        slot_bytes,
-        table.max_blocks,
-        copy_in=True,
-        reduce=True,
-        use_flags=use_flags,
-        spin_limit=None,
-        config=cfg,
-    )
+    _launch_both(x, out, table.buffer_ptrs, table.signal_ptrs, table.counters, table.rank, table.world_size,
+                 slot_bytes, table.max_blocks, use_flags, cfg)
     return out
 
 
@@ -529,8 +469,7 @@ def one_shot_all_reduce_emulated(
         raise ValueError(f"one_shot_all_reduce_emulated: unknown schedule {schedule!r}")
 
     def checked(r: int) -> None:
-        if world[r].status() != 0:
-            raise RuntimeError(f"emulated one-shot all-reduce: rank {r} waited for a flag that never came")
+        check_emulated_rank(world[r], r, "one-shot all-reduce")
 
     first = range(W) if schedule == "phased" else range(W - 1)
     for r in first:
@@ -542,13 +481,6 @@ def one_shot_all_reduce_emulated(
         launch_one_shot_all_reduce(inputs[r], world[r], outs[r], copy_in=False, use_flags=use_flags, config=config)
         checked(r)
     return outs
-
-
-def _group_size_and_pg(group):
-    """(size, ProcessGroup or None) of a ProcessGroup or a CommGroup-like object (.size, .pg)."""
-    pg = getattr(group, "pg", group)
-    size = group.size() if callable(getattr(group, "size", None)) else group.size
-    return int(size), pg
 
 
 def all_reduce(
@@ -567,7 +499,7 @@ def all_reduce(
     The choice depends only on x's size and dtype and the arguments, so every rank makes the
     same one. inplace=True reduces into x (both paths) and returns x; otherwise x is untouched.
     """
-    size, pg = _group_size_and_pg(group)
+    size, pg = group_size_and_pg(group)
     if size == 1:
         return x if inplace else x.clone()
     if workspace is not None:

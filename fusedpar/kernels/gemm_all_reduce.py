@@ -52,7 +52,7 @@ Co-residency (DESIGN.md section 5, pitfall c)
     reported error, never a hang. The GEMM loop itself has no flag code (no barrier or atomic
     inside the pipelined loop, pitfall e): the only addition there is the store's destination.
 
-Memory ordering (the PeerTable epoch protocol, fusedpar/collectives/symmetric.py)
+Memory ordering (the PeerTable epoch protocol, fusedpar/collectives/symmetric.py; primitives: _sync.py)
     Launch e reads e = counters[EPOCH] + 1 and uses data slot e % 2; the last program to retire
     stores counters[EPOCH] = e (device-side, so CUDA-graph replays advance it).
     Publish: data stores (local or remote), CTA barrier (tl.debug_barrier), then one atomic
@@ -94,7 +94,6 @@ bf16, so CPU tests use fp16/fp32.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -103,14 +102,21 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from fusedpar.collectives.symmetric import (
-    ALIGN_BYTES,
-    COUNTER_EPOCH,
-    COUNTER_RETIRED,
-    COUNTER_STATUS,
-    EmulatedWorld,
-    PeerTable,
-    as_peer_table,
+from fusedpar.collectives.symmetric import EmulatedWorld, PeerTable, _align, as_peer_table
+from fusedpar.kernels._sync import (
+    check_emulated_rank,
+    device_guard,
+    esize,
+    flags_of,
+    group_size_and_pg,
+    launch_epoch,
+    next_pow2,
+    publish,
+    resolve_spin_limit,
+    retire,
+    slot_size,
+    sm_count,
+    wait_flags,
 )
 from fusedpar.kernels.gemm import GemmConfig, _tile_coords, pick_config
 
@@ -148,47 +154,8 @@ TWO_SHOT_MIN_TOKENS = 4096
 # each) before a wait gives up and reports counters[STATUS] = 1: ~7 s to ~30 s, far above any
 # legitimate wait (a peer's GEMM, launch skew, a peer's first-call Triton compile).
 GPU_SPIN_LIMIT = 1 << 25
-_INTERPRETER_SPIN_LIMIT = 8  # phased emulation: flags are already set, a miss is a bug
-_INTERPRETER_NUM_SMS = 4  # interpreter "SMs": several tiles per program even on small shapes
 
 PATHS = ("auto", "local", "one_shot", "two_shot", "unfused")
-
-# Counter indices as Triton constexprs (a @jit function may only read constexpr globals).
-_EPOCH = tl.constexpr(COUNTER_EPOCH)
-_RETIRED = tl.constexpr(COUNTER_RETIRED)
-_STATUS = tl.constexpr(COUNTER_STATUS)
-
-
-@triton.jit
-def _wait_flags(flag_ptrs, mask, epoch, counters_ptr, SPIN_LIMIT: tl.constexpr):
-    """Spin until every masked int64 flag word is >= epoch (acquire, system scope), then CTA barrier.
-
-    Stock Triton has no atomic load: an atomic add of 0 with acquire semantics is one. With
-    SPIN_LIMIT > 0 the wait gives up after that many polls and sets counters[STATUS] = 1.
-    """
-    seen = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
-    missing = tl.sum((mask & (seen < epoch)).to(tl.int32), axis=0)
-    spins = 0
-    while missing > 0:
-        seen = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
-        missing = tl.sum((mask & (seen < epoch)).to(tl.int32), axis=0)
-        if SPIN_LIMIT > 0:
-            spins += 1
-            if spins >= SPIN_LIMIT:
-                tl.atomic_xchg(counters_ptr + _STATUS, 1)
-                missing = 0
-    # The acquire was done by a few threads; the barrier orders every thread's later loads after it.
-    tl.debug_barrier()
-
-
-@triton.jit
-def _publish(signal_ptrs, word, epoch, peers, mask):
-    """Exchange epoch into flag word `word` of every masked rank: release, system scope.
-
-    The caller's CTA barrier before this makes the release cover every thread's stores.
-    """
-    dst = tl.load(signal_ptrs + peers, mask=mask, other=0).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg(dst + word, epoch, mask=mask, sem="release", scope="sys")
 
 
 @triton.jit
@@ -255,9 +222,9 @@ def _gemm_all_reduce_kernel(
     peers = tl.arange(0, WORLD_P2)
     peer_mask = peers < WORLD
     # Epoch of this launch (module docstring); it lives in device memory so graph replays advance it.
-    epoch = tl.load(counters_ptr + _EPOCH) + 1
+    epoch = launch_epoch(counters_ptr, 1)
     slot_off = (epoch % 2) * slot_bytes
-    my_flags = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int64))
+    my_flags = flags_of(signal_ptrs, rank)
     # Workspace addresses come from memory and carry no alignment facts; the workspace guarantees
     # ALIGN_BYTES, and without the hint Triton would not emit 16-byte vector accesses.
     mine = tl.multiple_of((tl.load(buffer_ptrs + rank) + slot_off).to(tl.pointer_type(pdt)), 16)
@@ -309,7 +276,7 @@ def _gemm_all_reduce_kernel(
             # One flag per program and rank, after ALL its tiles: nothing of the flag protocol sits
             # inside the pipelined loop, and the system-scope fence is paid once per program.
             tl.debug_barrier()
-            _publish(signal_ptrs, pid * WORLD + rank, epoch, peers, peer_mask)
+            publish(signal_ptrs, pid * WORLD + rank, epoch, peer_mask)
 
     # ---- phase B: reduce -------------------------------------------------------------------------
     if DO_REDUCE:
@@ -320,7 +287,7 @@ def _gemm_all_reduce_kernel(
                 t = j * WORLD + rank
                 if USE_FLAGS:
                     # Tile t was produced by program t % NUM_SMS of every rank.
-                    _wait_flags(my_flags + (t % NUM_SMS) * WORLD + peers, peer_mask, epoch, counters_ptr, SPIN_LIMIT)
+                    wait_flags(my_flags + (t % NUM_SMS) * WORLD + peers, peer_mask, epoch, counters_ptr, SPIN_LIMIT)
                 src = mine + j * TILE
                 for r0 in range(0, BLOCK_M, COMM_ROWS):
                     acc = tl.zeros((COMM_ROWS, BLOCK_N), dtype=tl.float32)
@@ -340,12 +307,12 @@ def _gemm_all_reduce_kernel(
                             tl.store(dst + t * TILE + r0 * BLOCK_N + offs_rows, res)
                 if USE_FLAGS:
                     tl.debug_barrier()
-                    _publish(signal_ptrs, (NUM_SMS + j) * WORLD + rank, epoch, peers, peer_mask & (peers != rank))
+                    publish(signal_ptrs, (NUM_SMS + j) * WORLD + rank, epoch, peer_mask & (peers != rank))
                 j += nprog
         else:
             if USE_FLAGS:
                 # Program pid of every rank computed exactly this program's tiles.
-                _wait_flags(my_flags + pid * WORLD + peers, peer_mask, epoch, counters_ptr, SPIN_LIMIT)
+                wait_flags(my_flags + pid * WORLD + peers, peer_mask, epoch, counters_ptr, SPIN_LIMIT)
             t = pid
             while t < num_tiles:
                 src = mine + t * TILE
@@ -373,8 +340,8 @@ def _gemm_all_reduce_kernel(
             owner = tl.where(rr >= rank, rr + 1, rr)
             t = g * WORLD + owner
             if USE_FLAGS:
-                _wait_flags(my_flags + (NUM_SMS + g) * WORLD + owner + one, one < 1, epoch, counters_ptr,
-                            SPIN_LIMIT)
+                wait_flags(my_flags + (NUM_SMS + g) * WORLD + owner + one, one < 1, epoch, counters_ptr,
+                           SPIN_LIMIT)
             for r0 in range(0, BLOCK_M, COMM_ROWS):
                 vals = tl.load(results + t * TILE + r0 * BLOCK_N + offs_rows, cache_modifier=".cg")
                 _store_tile_rows(out_ptr, vals, t, r0, M, N, stride_om, stride_on, num_pid_in_group,
@@ -383,10 +350,7 @@ def _gemm_all_reduce_kernel(
 
     if RETIRE:
         # The last program of this launch publishes the epoch for the next launch.
-        retired = tl.atomic_add(counters_ptr + _RETIRED, 1, sem="acq_rel", scope="gpu")
-        if retired == nprog - 1:
-            tl.atomic_xchg(counters_ptr + _RETIRED, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(counters_ptr + _EPOCH, epoch, sem="relaxed", scope="gpu")
+        retire(counters_ptr, epoch, nprog)
 
 
 # Triton picks interpreter vs compiler when @triton.jit runs.
@@ -432,30 +396,6 @@ class FusedPlan:
 
 _COMM_ELEMS_PER_WARP = 512  # elements per reduce/copy step and warp: 16 per thread (two 16-byte bf16 vectors)
 _COMM_ELEMS_INTERPRETER = 256  # several steps per 32 x 32 tile
-
-
-@functools.cache
-def _device_num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if _INTERPRETED:
-        return _INTERPRETER_NUM_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_num_sms(index)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def _align(n: int, a: int = ALIGN_BYTES) -> int:
-    return (n + a - 1) // a * a
-
-
-def _esize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def default_config(path: str, m: int, n: int, k: int, dtype: torch.dtype, partial_dtype: torch.dtype,
@@ -512,13 +452,13 @@ def required_workspace(
     """
     pdt = partial_dtype or dtype
     cfg = config or default_config(path, m, n, k, dtype, pdt, num_sms)
-    _, _, _, need, flag_rows = _layout(path, m, n, world_size, cfg, _esize(pdt), _esize(dtype))
+    _, _, _, need, flag_rows = _layout(path, m, n, world_size, cfg, esize(pdt), esize(dtype))
     return 2 * _align(need), flag_rows
 
 
 def slot_bytes_of(table: PeerTable) -> int:
     """Bytes of one double-buffer slot of `table` (half the data buffer, ALIGN_BYTES-aligned)."""
-    return (table.buffer_bytes // 2) // ALIGN_BYTES * ALIGN_BYTES
+    return slot_size(table)
 
 
 def fused_plan(
@@ -540,9 +480,8 @@ def fused_plan(
     """
     if path not in ("one_shot", "two_shot"):
         raise ValueError(f"fused_plan: unknown path {path!r}")
-    num_sms = config.num_sms if config is not None else _num_sms(table.device)
-    args = (path, m, n, k, dtype, table.world_size, slot_bytes_of(table), table.max_blocks, num_sms, partial_dtype,
-            config)
+    sms = config.num_sms if config is not None else sm_count(table.device, _INTERPRETED)
+    args = (path, m, n, k, dtype, table.world_size, slot_bytes_of(table), table.max_blocks, sms, partial_dtype, config)
     # Cached in eager mode, where the router plans on every call and a decode step's host time
     # matters; dynamo traces the plain function instead (it would bypass the cache anyway).
     return _plan_cached.__wrapped__(*args) if torch.compiler.is_compiling() else _plan_cached(*args)
@@ -554,7 +493,7 @@ def _plan_cached(path, m, n, k, dtype, world, slot, max_blocks, num_sms, partial
     if pdt not in (dtype, torch.float32):
         return None, f"partial dtype must be {dtype} or torch.float32, got {pdt}"
     cfg = config or default_config(path, m, n, k, dtype, pdt, num_sms)
-    psize, osize = _esize(pdt), _esize(dtype)
+    psize, osize = esize(pdt), esize(dtype)
     bm = cfg.gemm.block_m
 
     def size_problem(rows: int) -> str:
@@ -639,13 +578,10 @@ def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pl
     cfg, g = plan.config, plan.config.gemm
     m, k = x.shape
     n = w.shape[0]
-    tiles, own_cap, result_off, _, _ = _layout(plan.path, m, n, world, cfg, _esize(plan.partial_dtype),
-                                               _esize(x.dtype))
-    if spin_limit is None:
-        spin_limit = _INTERPRETER_SPIN_LIMIT if _INTERPRETED else GPU_SPIN_LIMIT
+    tiles, own_cap, result_off, _, _ = _layout(plan.path, m, n, world, cfg, esize(plan.partial_dtype),
+                                               esize(x.dtype))
     last = copy if two_shot else reduce
-    guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-    with guard:
+    with device_guard(x.device):
         return _gemm_all_reduce_kernel[(min(cfg.num_sms, tiles),)](
             x,
             w,
@@ -667,7 +603,7 @@ def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pl
             result_off,
             own_cap,
             WORLD=world,
-            WORLD_P2=_next_pow2(world),
+            WORLD_P2=next_pow2(world),
             BLOCK_M=g.block_m,
             BLOCK_N=g.block_n,
             BLOCK_K=g.block_k,
@@ -683,19 +619,19 @@ def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pl
             DO_COPY=copy and two_shot,
             RETIRE=last,
             USE_FLAGS=use_flags,
-            SPIN_LIMIT=spin_limit,
+            SPIN_LIMIT=resolve_spin_limit(spin_limit, _INTERPRETED, GPU_SPIN_LIMIT),
             num_warps=g.num_warps,
             num_stages=g.num_stages,
         )
 
 
-def _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan: FusedPlan, *,
-              use_flags: bool = True, spin_limit: int | None = None):
-    """All phases of every chunk, one launch per chunk (the GPU path). Returns the last handle."""
+def _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan: FusedPlan, *, gemm: bool = True,
+              reduce: bool = True, copy: bool = True, use_flags: bool = True, spin_limit: int | None = None):
+    """The chosen phases (default all: the GPU path) of every chunk, one launch per chunk. Returns the last handle."""
     handle = None
     for m0, rows in plan.chunks:
         handle = _launch_chunk(x.narrow(0, m0, rows), w, out.narrow(0, m0, rows), buffer_ptrs, signal_ptrs,
-                               counters, rank, world, plan, gemm=True, reduce=True, copy=True,
+                               counters, rank, world, plan, gemm=gemm, reduce=reduce, copy=copy,
                                use_flags=use_flags, spin_limit=spin_limit)
     return handle
 
@@ -744,12 +680,8 @@ def launch_gemm_all_reduce(
             f"launch_gemm_all_reduce: a subset of the phases needs a one-chunk plan, this call runs "
             f"{len(plan.chunks)} chunks (use gemm_all_reduce_emulated, or a bigger workspace)"
         )
-    handle = None
-    for m0, rows in plan.chunks:
-        handle = _launch_chunk(x.narrow(0, m0, rows), w, out.narrow(0, m0, rows), table.buffer_ptrs,
-                               table.signal_ptrs, table.counters, table.rank, table.world_size, plan,
-                               gemm=gemm, reduce=reduce, copy=copy, use_flags=use_flags, spin_limit=spin_limit)
-    return handle
+    return _run_plan(x, w, out, table.buffer_ptrs, table.signal_ptrs, table.counters, table.rank, table.world_size,
+                     plan, gemm=gemm, reduce=reduce, copy=copy, use_flags=use_flags, spin_limit=spin_limit)
 
 
 # ---- registered ops -----------------------------------------------------------------------------
@@ -758,11 +690,14 @@ def launch_gemm_all_reduce(
 # reordered across another launch on the same table, which would desynchronise the ranks.
 
 
-def _plan_from_args(path, x, w, buffer_ptrs, counters, world_size, buffer_bytes, max_blocks, partial_fp32, config):
+def _run_op(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, buffer_bytes, max_blocks, path,
+            partial_fp32, config, use_flags) -> None:
+    """Body of the registered ops: plan from the op's arguments, then every phase of every chunk."""
     # A light PeerTable stand-in for fused_plan (sizes only).
     table = _Sizes(world_size, buffer_bytes, max_blocks, counters.device)
     pdt = torch.float32 if partial_fp32 else x.dtype
-    return _plan_or_raise(path, x, w, table, pdt, FusedConfig.from_list(list(config)))
+    plan = _plan_or_raise(path, x, w, table, pdt, FusedConfig.from_list(list(config)))
+    _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, plan, use_flags=use_flags)
 
 
 @dataclass(frozen=True)
@@ -792,9 +727,8 @@ def _fused_op(
     """out = sum over ranks of x @ w^T through a fused path; a new contiguous [M, N] tensor of x's dtype."""
     _check(x, w, None, counters.device)
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    plan = _plan_from_args(path, x, w, buffer_ptrs, counters, world_size, buffer_bytes, max_blocks, partial_fp32,
-                           config)
-    _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, plan, use_flags=use_flags)
+    _run_op(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, buffer_bytes, max_blocks, path,
+            partial_fp32, config, use_flags)
     return out
 
 
@@ -824,9 +758,8 @@ def _fused_out_op(
 ) -> None:
     """out[:] = sum over ranks of x @ w^T through a fused path; out may be any strided [M, N] view."""
     _check(x, w, out, counters.device)
-    plan = _plan_from_args(path, x, w, buffer_ptrs, counters, world_size, buffer_bytes, max_blocks, partial_fp32,
-                           config)
-    _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, plan, use_flags=use_flags)
+    _run_op(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, buffer_bytes, max_blocks, path,
+            partial_fp32, config, use_flags)
 
 
 @_fused_out_op.register_fake
@@ -859,13 +792,6 @@ def _call_fused(x, w, table: PeerTable, out, plan: FusedPlan, use_flags: bool = 
 
 
 # ---- router --------------------------------------------------------------------------------------
-
-
-def _group_size_and_pg(group):
-    """(size, ProcessGroup or None) of a ProcessGroup or a CommGroup-like object (.size, .pg)."""
-    pg = getattr(group, "pg", group)
-    size = group.size() if callable(getattr(group, "size", None)) else group.size
-    return int(size), pg
 
 
 def choose_path(
@@ -960,7 +886,7 @@ def gemm_all_reduce(
             raise ValueError("gemm_all_reduce: group=None needs a workspace and an explicit fused path")
         size = table.world_size
     else:
-        size, _ = _group_size_and_pg(group)
+        size, _ = group_size_and_pg(group)
     if table is not None and table.world_size != size:
         raise ValueError(f"gemm_all_reduce: workspace spans {table.world_size} ranks but the group has {size}")
 
@@ -1033,8 +959,7 @@ def gemm_all_reduce_emulated(
                       **{"gemm": False, "reduce": False, "copy": False, **phases})
 
     def checked(r: int) -> None:
-        if world[r].status() != 0:
-            raise RuntimeError(f"emulated gemm_all_reduce: rank {r} waited for a flag that never came")
+        check_emulated_rank(world[r], r, "gemm_all_reduce")
 
     rest = range(W - 1)
     for m0, rows in plan.chunks:

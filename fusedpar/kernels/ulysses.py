@@ -33,7 +33,8 @@ all_to_all_o_proj(attn [W*m, C], w_o [N, W*C]) -> out [m, N]
     kernel (DESIGN.md item 2) can later write its output tiles directly into the same staging
     layout and set the same flags; the comm programs then disappear.
 
-Protocol (epoch-valued flags, fusedpar/collectives/symmetric.py; each op owns its PeerTable)
+Protocol (epoch-valued flags, fusedpar/collectives/symmetric.py; each op owns its PeerTable;
+primitives: fusedpar/kernels/_sync.py)
 -----------------------------------------------------------------------------------------
 A launch uses epoch e = counters[EPOCH] + 1; its last program to retire stores counters[EPOCH] = e.
 Flag words of a table used by these ops (int64, never reset; word [row * W + src] is written only
@@ -85,7 +86,6 @@ perf/bench_all_to_all_o_proj.py so the library is never slower than the plain pa
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -95,16 +95,21 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from fusedpar.collectives.symmetric import (
-    COUNTER_EPOCH,
-    COUNTER_RETIRED,
-    COUNTER_STATUS,
-    NUM_COUNTERS,
-    EmulatedWorld,
-    PeerTable,
-    as_peer_table,
+from fusedpar.collectives.symmetric import NUM_COUNTERS, EmulatedWorld, PeerTable, as_peer_table
+from fusedpar.kernels._sync import (
+    check_emulated_rank,
+    device_guard,
+    esize,
+    flags_of,
+    launch_epoch,
+    next_pow2,
+    publish,
+    resolve_spin_limit,
+    retire_system,
+    sm_count,
+    wait_flags,
 )
-from fusedpar.kernels.gemm import _INTERPRETER_NUM_SMS, GemmConfig, _device_num_sms, _tile_coords, pick_config
+from fusedpar.kernels.gemm import GemmConfig, _tile_coords, pick_config
 
 __all__ = [
     "GPU_SPIN_LIMIT",
@@ -142,75 +147,14 @@ O_PROJ_FUSED_TOKEN_RANGES: tuple[tuple[int, int | None], ...] = ((1, 128),)
 # reported error rather than a hang. Interpreter: a few polls, since the phased emulation sets
 # every flag before it is waited on.
 GPU_SPIN_LIMIT = 1 << 24
-_INTERPRETER_SPIN_LIMIT = 8
 
 # Flag rows (see the module docstring).
 _READY_ROW = tl.constexpr(0)
 _DONE_ROW = tl.constexpr(1)
-# Counter indices as Triton constexprs (a @jit function may only read constexpr globals).
-_EPOCH = tl.constexpr(COUNTER_EPOCH)
-_RETIRED = tl.constexpr(COUNTER_RETIRED)
-_STATUS = tl.constexpr(COUNTER_STATUS)
 # The spare counter word (symmetric.py: "one word spare for later protocols") is o_proj's
 # dynamic tile counter; these tables are op-private, so nothing else uses it.
 COUNTER_TILE = NUM_COUNTERS - 1
 _TILE = tl.constexpr(COUNTER_TILE)
-
-
-# =============================================================================== device helpers
-
-
-@triton.jit
-def _send_flags(signal_ptrs, word, value, mask):
-    """Release `value` into flag word `word` of every rank selected by `mask` (system scope).
-
-    Cumulative release: everything this CTA stored (and, through the preceding CTA barrier /
-    acq_rel chain, everything it observed) is visible to a peer that acquires the word.
-    """
-    peers = tl.arange(0, mask.shape[0])
-    dst = tl.load(signal_ptrs + peers, mask=mask, other=0).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg(dst + word, value, mask=mask, sem="release", scope="sys")
-
-
-@triton.jit
-def _wait_flags(flag_ptrs, mask, epoch, counters_ptr, SPIN_LIMIT: tl.constexpr):
-    """Spin until every word flag_ptrs[i] with mask[i] is >= epoch (acquire, system scope).
-
-    Stock Triton has no atomic load: an atomic add of 0 with acquire semantics is one. SPIN_LIMIT
-    > 0 bounds the spin: on timeout counters[STATUS] = 1 and the caller goes on (no hang).
-    The closing CTA barrier orders every thread's later loads after the acquire of the few
-    threads that ran the atomics.
-    """
-    seen = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
-    missing = tl.sum((mask & (seen < epoch)).to(tl.int32), axis=0)
-    spins = 0
-    while missing > 0:
-        seen = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
-        missing = tl.sum((mask & (seen < epoch)).to(tl.int32), axis=0)
-        if SPIN_LIMIT > 0:
-            spins += 1
-            if spins >= SPIN_LIMIT:
-                tl.atomic_xchg(counters_ptr + _STATUS, 1)
-                missing = 0
-    tl.debug_barrier()
-
-
-@triton.jit
-def _retire(counters_ptr, epoch, nprog):
-    """Count this program out; the last one of the launch stores counters[EPOCH] = epoch.
-
-    acq_rel at SYSTEM scope, after a CTA barrier: the release makes this CTA's earlier stores
-    (peer stores over NVLink included) performed at system scope before the counter moves, and
-    the last program's acquire observes every other program's stores, so a release it issues
-    next covers the whole launch. Returns True in the last program.
-    """
-    tl.debug_barrier()
-    retired = tl.atomic_add(counters_ptr + _RETIRED, 1, sem="acq_rel", scope="sys")
-    last = retired == nprog - 1
-    if last:
-        tl.atomic_xchg(counters_ptr + _RETIRED, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(counters_ptr + _EPOCH, epoch, sem="relaxed", scope="gpu")
-    return last
 
 
 # ============================================================================ qkv_all_to_all
@@ -259,17 +203,17 @@ def _qkv_all_to_all_kernel(
     nprog = tl.num_programs(axis=0)
     peers = tl.arange(0, WORLD_P2)
     others = (peers < WORLD) & (peers != rank)
-    my_flags = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int64))
-    epoch = tl.load(counters_ptr + _EPOCH) + EPOCH_AHEAD
+    my_flags = flags_of(signal_ptrs, rank)
+    epoch = launch_epoch(counters_ptr, EPOCH_AHEAD)
 
     if SEND_READY and USE_FLAGS:
-        _send_flags(signal_ptrs, _READY_ROW * WORLD + rank, epoch, others & (pid == 0))  # program 0 only
+        publish(signal_ptrs, _READY_ROW * WORLD + rank, epoch, others & (pid == 0))  # program 0 only
 
     do_wait = pid == 0  # a wait-only launch has one program
     if PRODUCE:
         if USE_FLAGS:
             # Peers' buffers are free for this launch once they entered it (module docstring).
-            _wait_flags(my_flags + _READY_ROW * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
+            wait_flags(my_flags + _READY_ROW * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
 
         dtype = x_ptr.dtype.element_ty
         # Every rank's buffer address, loaded once: the epilogue picks its owner's with integer
@@ -319,14 +263,14 @@ def _qkv_all_to_all_kernel(
             c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < BLK)
             tl.store(c_ptrs, accumulator.to(dtype), mask=c_mask)
 
-        last = _retire(counters_ptr, epoch, nprog)
+        last = retire_system(counters_ptr, epoch, nprog)
         if USE_FLAGS:
-            _send_flags(signal_ptrs, _DONE_ROW * WORLD + rank, epoch, others & last)  # last program only
+            publish(signal_ptrs, _DONE_ROW * WORLD + rank, epoch, others & last)  # last program only
         do_wait = last
 
     if WAIT and USE_FLAGS:
         # One waiter: the launch completes only when it does. Other programs see an empty mask.
-        _wait_flags(my_flags + _DONE_ROW * WORLD + peers, others & do_wait, epoch, counters_ptr, SPIN_LIMIT)
+        wait_flags(my_flags + _DONE_ROW * WORLD + peers, others & do_wait, epoch, counters_ptr, SPIN_LIMIT)
 
 
 # ========================================================================= all_to_all_o_proj
@@ -375,19 +319,19 @@ def _all_to_all_o_proj_kernel(
     nprog = tl.num_programs(axis=0)
     peers = tl.arange(0, WORLD_P2)
     others = (peers < WORLD) & (peers != rank)
-    my_flags = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int64))
+    my_flags = flags_of(signal_ptrs, rank)
     # Every phase of launch e runs with e = counters[EPOCH] + 1; only the GEMM phase retires.
-    epoch = tl.load(counters_ptr + _EPOCH) + 1
+    epoch = launch_epoch(counters_ptr, 1)
     dtype = attn_ptr.dtype.element_ty
 
     if SEND_READY and USE_FLAGS:
-        _send_flags(signal_ptrs, _READY_ROW * WORLD + rank, epoch, others & (pid == 0))  # program 0 only
+        publish(signal_ptrs, _READY_ROW * WORLD + rank, epoch, others & (pid == 0))  # program 0 only
 
     # Nested on purpose: Triton cannot `and` a constexpr with a runtime value.
     if PUSH:  # noqa: SIM102
         if pid < COMM_PROGRAMS:
             if USE_FLAGS:
-                _wait_flags(my_flags + _READY_ROW * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
+                wait_flags(my_flags + _READY_ROW * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
             rr = tl.arange(0, COPY_ROWS)
             cc = tl.arange(0, COPY_COLS)
             n_col_blocks = tl.cdiv(C, COPY_COLS)
@@ -413,7 +357,8 @@ def _all_to_all_o_proj_kernel(
                     t += 1
                 if USE_FLAGS:
                     tl.debug_barrier()  # every thread's stores of the item before the release
-                    g_flags = tl.load(signal_ptrs + g).to(tl.pointer_type(tl.int64))
+                    # One destination (no mask): a scalar release of the item's own flag.
+                    g_flags = flags_of(signal_ptrs, g)
                     tl.atomic_xchg(g_flags + (_DONE_ROW + band) * WORLD + rank, epoch, sem="release", scope="sys")
                 item += COMM_PROGRAMS
 
@@ -453,7 +398,7 @@ def _all_to_all_o_proj_kernel(
 
             if USE_FLAGS:
                 band = (pid_m * BLOCK_M) // band_rows
-                _wait_flags(my_flags + (_DONE_ROW + band) * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
+                wait_flags(my_flags + (_DONE_ROW + band) * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
 
             # Chunks rank+1, rank+2, ...: the peers' rows, from the local staging buffer.
             for it in range((WORLD - 1) * kc_tiles):
@@ -476,7 +421,7 @@ def _all_to_all_o_proj_kernel(
             tl.store(c_ptrs, accumulator.to(out_ptr.dtype.element_ty), mask=c_mask)
             tile_id = tl.atomic_add(counters_ptr + _TILE, 1, sem="relaxed", scope="gpu")
 
-        last = _retire(counters_ptr, epoch, nprog)
+        last = retire_system(counters_ptr, epoch, nprog)
         if last:
             # Every program has made its final tile fetch before retiring: safe to rewind.
             tl.atomic_xchg(counters_ptr + _TILE, 0, sem="relaxed", scope="gpu")
@@ -489,33 +434,12 @@ _INTERPRETED = not isinstance(_qkv_all_to_all_kernel, JITFunction)
 # ================================================================================ host side
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _esize(dtype: torch.dtype) -> int:
-    return dtype.itemsize  # no tensor construction: traceable by torch.compile
-
-
 def _max_offset(t: torch.Tensor) -> int:
     return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
-def _num_sms(device: torch.device) -> int:
-    if _INTERPRETED:
-        return _INTERPRETER_NUM_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_num_sms(index)
-
-
 def _spin_limit(spin_limit: int | None) -> int:
-    if spin_limit is not None:
-        return spin_limit
-    return _INTERPRETER_SPIN_LIMIT if _INTERPRETED else GPU_SPIN_LIMIT
-
-
-def _device_guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    return resolve_spin_limit(spin_limit, _INTERPRETED, GPU_SPIN_LIMIT)
 
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -567,7 +491,7 @@ class _Group:
 
 def qkv_workspace_bytes(tokens: int, blk: int, sp: int, dtype: torch.dtype) -> int:
     """Data bytes per rank the qkv receive buffer needs: [sp * tokens, blk] of dtype."""
-    return sp * tokens * blk * _esize(dtype)
+    return sp * tokens * blk * esize(dtype)
 
 
 def qkv_recv_view(peers, tokens: int, blk: int, dtype: torch.dtype) -> torch.Tensor:
@@ -647,14 +571,14 @@ def launch_qkv_all_to_all(
     m, k = x.shape
     _check_int32("qkv_all_to_all", x=x, w=w)
     W = table.world_size
-    num_sms = _num_sms(x.device)
+    num_sms = sm_count(x.device, _INTERPRETED)
     cfg = config or _qkv_config(m, W * blk, k, blk, x.dtype, num_sms)
     if produce:
         tiles = triton.cdiv(m, cfg.block_m) * W * triton.cdiv(blk, cfg.block_n)
         grid = max(1, min(num_sms, tiles))
     else:
         grid = 1
-    with _device_guard(x.device):
+    with device_guard(x.device):
         return _qkv_all_to_all_kernel[(grid,)](
             x,
             w,
@@ -670,7 +594,7 @@ def launch_qkv_all_to_all(
             w.stride(0),
             w.stride(1),
             WORLD=W,
-            WORLD_P2=_next_pow2(W),
+            WORLD_P2=next_pow2(W),
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
@@ -719,7 +643,7 @@ _INTERPRETER_O_CONFIG = OProjConfig(comm_programs=2, copy_rows=8, copy_cols=16, 
 
 def o_proj_workspace_bytes(tokens: int, c: int, sp: int, dtype: torch.dtype) -> int:
     """Data bytes per rank the o_proj staging buffer needs: [sp, tokens, c] of dtype (c = q * hd)."""
-    return sp * tokens * c * _esize(dtype)
+    return sp * tokens * c * esize(dtype)
 
 
 def _check_o(attn: torch.Tensor, w: torch.Tensor, table: PeerTable, out: torch.Tensor | None) -> tuple[int, int]:
@@ -801,7 +725,7 @@ def launch_all_to_all_o_proj(
         raise ValueError("launch_all_to_all_o_proj: out is required")
     _check_int32("all_to_all_o_proj", attn=attn, w=w, out=out)
     W, n = table.world_size, w.shape[0]
-    num_sms = _num_sms(attn.device)
+    num_sms = sm_count(attn.device, _INTERPRETED)
     cfg = config or (_INTERPRETER_O_CONFIG if _INTERPRETED else OProjConfig())
     gcfg, band_rows, num_bands, comm = _o_launch_shape(m, n, C, W, attn.dtype, out.dtype, table, cfg, num_sms)
     comm = comm if push else 0
@@ -809,7 +733,7 @@ def launch_all_to_all_o_proj(
     grid = comm + (min(num_sms - comm, tiles) if gemm else 0)
     grid = max(grid, 1)  # a READY-only launch
     stage = table.view(attn.dtype, W * m * C)
-    with _device_guard(attn.device):
+    with device_guard(attn.device):
         return _all_to_all_o_proj_kernel[(grid,)](
             attn,
             w,
@@ -831,7 +755,7 @@ def launch_all_to_all_o_proj(
             band_rows,
             num_bands,
             WORLD=W,
-            WORLD_P2=_next_pow2(W),
+            WORLD_P2=next_pow2(W),
             BLOCK_M=gcfg.block_m,
             BLOCK_N=gcfg.block_n,
             BLOCK_K=gcfg.block_k,
@@ -997,7 +921,7 @@ def _launch_wait(signal_ptrs, counters, rank, world_size, *, use_flags, spin_lim
     """One-program launch of the qkv kernel's WAIT phase (epoch = the last produce's)."""
     W = world_size
     dummy = counters.new_empty((1, 1), dtype=torch.float16)  # x/w unused by a wait-only launch
-    with _device_guard(counters.device):
+    with device_guard(counters.device):
         _qkv_all_to_all_kernel[(1,)](
             dummy,
             dummy,
@@ -1013,7 +937,7 @@ def _launch_wait(signal_ptrs, counters, rank, world_size, *, use_flags, spin_lim
             1,
             1,
             WORLD=W,
-            WORLD_P2=_next_pow2(W),
+            WORLD_P2=next_pow2(W),
             BLOCK_M=16,
             BLOCK_N=16,
             BLOCK_K=16,
@@ -1177,8 +1101,7 @@ def all_to_all_o_proj(
 
 def _emulated_check(world: EmulatedWorld, what: str) -> None:
     for r in range(world.world_size):
-        if world[r].status() != 0:
-            raise RuntimeError(f"emulated {what}: rank {r} waited for a flag that never came")
+        check_emulated_rank(world[r], r, what)
 
 
 def qkv_all_to_all_emulated(

@@ -28,6 +28,7 @@ from fusedpar.kernels.allreduce import (
     one_shot_all_reduce_emulated,
     one_shot_capacity_bytes,
 )
+from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 from fusedpar.testing.numerics import assert_close, poison_
 
 # Half a unit in the last place of each output dtype, relative: the rounding of the final store.
@@ -320,26 +321,12 @@ def test_all_reduce_size_one_and_mismatched_workspace():
 @pytest.fixture(scope="module")
 def gpu_world(nccl_world):
     """The WORLD process group (NCCL, from tests/conftest.py's torchrun session), or a clean skip."""
-    import torch.distributed as dist
-
-    _, world_size = nccl_world
-    if world_size < 2:
-        pytest.skip("needs at least 2 ranks: torchrun --nproc-per-node N with N >= 2")
-    return dist.group.WORLD
+    return world_group_or_skip(nccl_world)
 
 
 @pytest.fixture(scope="module")
 def gpu_workspace(gpu_world):
     return SymmetricWorkspace(gpu_world, 4 << 20)  # two 2 MiB slots
-
-
-def _all_ok(ok: bool) -> bool:
-    """True iff `ok` on every rank: ranks assert together instead of one hanging in a collective."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], device="cuda")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def _gpu_check(out: torch.Tensor, x: torch.Tensor, what: str) -> str | None:
@@ -389,7 +376,7 @@ def test_gpu_one_shot_eager_matches_nccl(gpu_world, gpu_workspace):
     err = _gpu_check(one_shot_all_reduce(x, gpu_workspace), x, "eager fp16 [64, 8192]")
     if err:
         errors.append(err)
-    assert _all_ok(not errors), "\n".join(errors)
+    assert all_ranks_ok(not errors), "\n".join(errors)
 
 
 @pytest.mark.gpu
@@ -409,7 +396,7 @@ def test_gpu_kernel_uses_vector_loads_and_system_scope_atomics(gpu_world, gpu_wo
         )
         if needle not in ptx
     ]
-    assert _all_ok(not problems), f"PTX lacks: {problems}"
+    assert all_ranks_ok(not problems), f"PTX lacks: {problems}"
 
 
 @pytest.mark.gpu
@@ -446,7 +433,7 @@ def test_gpu_one_shot_in_cuda_graph(gpu_world, gpu_workspace):
         want = epoch0 + 11 * (rep + 1)
         if gpu_workspace.table.epoch() != want:
             errors.append(f"epoch {gpu_workspace.table.epoch()} after replay {rep}, want {want}")
-    assert _all_ok(not errors), "\n".join(errors[:5])
+    assert all_ranks_ok(not errors), "\n".join(errors[:5])
 
 
 @pytest.mark.gpu
@@ -469,5 +456,5 @@ def test_gpu_all_reduce_routes_by_size(gpu_world, gpu_workspace):
             err = None if torch.equal(out, nccl) else f"numel={numel}: NCCL route differs from NCCL"
         if err:
             errors.append(err)
-    assert _all_ok(not errors), "\n".join(errors)
+    assert all_ranks_ok(not errors), "\n".join(errors)
     assert ar.DEFAULT_ONE_SHOT_MAX_BYTES == 256 * 1024

@@ -15,7 +15,6 @@ so a stray read or a forgotten write fails; cache slots outside `slots` must sta
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -29,6 +28,7 @@ from fusedpar.layers.decoder import StepState
 from fusedpar.layers.functional import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import StepBatch, padded_token_count
+from fusedpar.testing.gpu import local_device
 from fusedpar.testing.numerics import assert_close, poison_
 
 HAS_CUDA = torch.cuda.is_available()
@@ -38,13 +38,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _device() -> torch.device:
-    if not HAS_CUDA:
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-
-
-DEVICE = _device()
+DEVICE = local_device()  # under torchrun each rank takes its own GPU
 CPU_DTYPES = (torch.float16, torch.float32)
 EPS = 1e-6
 THETA = 10000.0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fusedpar.kernels import gemm
+from fusedpar.testing.gpu import local_device
 from fusedpar.testing.numerics import assert_close, poison_
 
 HAS_CUDA = torch.cuda.is_available()
@@ -27,14 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _device() -> torch.device:
-    if not HAS_CUDA:
-        return torch.device("cpu")
-    # Under torchrun each rank takes its own GPU.
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-
-
-DEVICE = _device()
+DEVICE = local_device()  # under torchrun each rank takes its own GPU
 CPU_DTYPES = (torch.float16, torch.float32)
 WEIGHT_KINDS = ("contiguous", "row_view", "col_view", "transposed")
 

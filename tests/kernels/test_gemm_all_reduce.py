@@ -32,6 +32,7 @@ from fusedpar.kernels.gemm_all_reduce import (
     gemm_all_reduce_emulated,
     launch_gemm_all_reduce,
 )
+from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 from fusedpar.testing.numerics import poison_
 
 CPU_DTYPES = (torch.float16, torch.float32)
@@ -482,27 +483,13 @@ GPU_TOKENS = [1, 8, 64, 333, 2048]
 
 @pytest.fixture(scope="module")
 def gpu_world(nccl_world):
-    import torch.distributed as dist
-
-    _, world_size = nccl_world
-    if world_size < 2:
-        pytest.skip("needs at least 2 ranks: torchrun --nproc-per-node N with N >= 2")
-    return dist.group.WORLD
+    return world_group_or_skip(nccl_world)
 
 
 @pytest.fixture(scope="module")
 def gpu_workspace(gpu_world):
     # 2 x 128 MiB slots: two-shot at 2048 x 8192 bf16 (64 MiB) in one launch; 16384 rows in chunks.
     return SymmetricWorkspace(gpu_world, 256 << 20, max_blocks=1024)
-
-
-def _all_ok(ok: bool) -> bool:
-    """True iff `ok` on every rank: ranks assert together instead of one hanging in a collective."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], device="cuda")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def _gpu_x(m, k, salt):
@@ -588,7 +575,7 @@ def test_gpu_eager_matches_fp32_reference(gpu_world, gpu_workspace):
                     errors.append(err)
         if errors:
             break
-    assert _all_ok(not errors), "\n".join(errors[:6])
+    assert all_ranks_ok(not errors), "\n".join(errors[:6])
 
 
 @pytest.mark.gpu
@@ -613,7 +600,7 @@ def test_gpu_fp32_partials_and_chunked_prefill(gpu_world, gpu_workspace):
         errors.append(err)
     if gpu_workspace.table.status() != 0:
         errors.append("a flag wait timed out (STATUS=1)")
-    assert _all_ok(not errors), "\n".join(errors)
+    assert all_ranks_ok(not errors), "\n".join(errors)
 
 
 @pytest.mark.gpu
@@ -655,7 +642,7 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_workspace):
         if gpu_workspace.table.epoch() != want or gpu_workspace.table.status() != 0:
             errors.append(f"after replay {rep}: epoch {gpu_workspace.table.epoch()} (want {want}), "
                           f"status {gpu_workspace.table.status()}")
-    assert _all_ok(not errors), "\n".join(errors[:6])
+    assert all_ranks_ok(not errors), "\n".join(errors[:6])
 
 
 @pytest.mark.gpu
@@ -684,7 +671,7 @@ def test_gpu_kernel_pipelines_and_uses_system_scope_flags(gpu_world, gpu_workspa
         ("acquire", "acquire" in ptx),
         ("release", "release" in ptx),
     ) if not ok]
-    assert _all_ok(not problems), f"fused kernel: {problems}"
+    assert all_ranks_ok(not problems), f"fused kernel: {problems}"
 
 
 @pytest.mark.gpu
@@ -694,4 +681,4 @@ def test_gpu_router_fallback_is_the_plain_path(gpu_world, gpu_workspace):
     assert choose_path(333, 8192, 2048, torch.bfloat16, gpu_workspace.world_size, gpu_workspace.table) == "unfused"
     got = gemm_all_reduce(x, w, gpu_world, gpu_workspace)
     want = gar.gemm_all_reduce_reference(x, w, gpu_world, gpu_workspace)
-    assert _all_ok(torch.equal(got, want))
+    assert all_ranks_ok(torch.equal(got, want))

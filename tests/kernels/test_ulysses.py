@@ -40,6 +40,7 @@ from fusedpar.kernels.ulysses import (
     qkv_recv_view,
     qkv_workspace_bytes,
 )
+from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 from fusedpar.testing.numerics import assert_close, poison_
 
 CPU_DTYPES = (torch.float16, torch.float32)
@@ -614,12 +615,7 @@ def _gpu_dims(W: int) -> dict:
 
 @pytest.fixture(scope="module")
 def gpu_world(nccl_world):
-    import torch.distributed as dist
-
-    _, world_size = nccl_world
-    if world_size < 2:
-        pytest.skip("needs at least 2 ranks: torchrun --nproc-per-node N with N >= 2")
-    return dist.group.WORLD
+    return world_group_or_skip(nccl_world)
 
 
 @pytest.fixture(scope="module")
@@ -629,15 +625,6 @@ def gpu_ws(gpu_world):
     qkv = SymmetricWorkspace(gpu_world, qkv_workspace_bytes(GPU_MAX_TOKENS, dims["blk"], W, torch.bfloat16) + 4096)
     o = SymmetricWorkspace(gpu_world, o_proj_workspace_bytes(GPU_MAX_TOKENS, dims["C"], W, torch.bfloat16) + 4096)
     return SimpleNamespace(qkv=qkv, o=o, dims=dims, W=W, group=SimpleNamespace(size=W, pg=gpu_world))
-
-
-def _all_ok(ok: bool) -> bool:
-    """True iff ok on every rank: ranks assert together instead of one hanging in a collective."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], device="cuda")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def _rank_randn(shape, salt: int, scale: float = 1.0) -> torch.Tensor:
@@ -713,7 +700,7 @@ def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m):
     err = _status_err(gpu_ws)
     if err:
         errors.append(err)
-    assert _all_ok(not errors), "\n".join(errors)
+    assert all_ranks_ok(not errors), "\n".join(errors)
 
 
 @pytest.mark.gpu
@@ -737,7 +724,7 @@ def test_gpu_o_proj_matches_fp64_and_plain(gpu_world, gpu_ws, m):
     err = _status_err(gpu_ws)
     if err:
         errors.append(err)
-    assert _all_ok(not errors), "\n".join(errors)
+    assert all_ranks_ok(not errors), "\n".join(errors)
 
 
 @pytest.mark.gpu
@@ -763,7 +750,7 @@ def test_gpu_wait_false_then_wait_and_routing(gpu_world, gpu_ws):
         err = _o_err(all_to_all_o_proj(attn, w_o, gpu_ws.o, gpu_ws.group), attn, w_o, gpu_ws, f"routed o m={m}")
         if err:
             errors.append(err)
-    assert _all_ok(not errors), "\n".join(errors)
+    assert all_ranks_ok(not errors), "\n".join(errors)
 
 
 @pytest.mark.gpu
@@ -803,7 +790,7 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_ws):
     err = _status_err(gpu_ws)
     if err:
         errors.append(err)
-    assert _all_ok(not errors), "\n".join(errors[:6])
+    assert all_ranks_ok(not errors), "\n".join(errors[:6])
 
 
 @pytest.mark.gpu
@@ -827,7 +814,7 @@ def test_gpu_ptx_has_system_scope_flags_and_pipelined_loads(gpu_world, gpu_ws):
         ):
             if needle not in ptx:
                 problems.append(f"{name}: PTX lacks {what}")
-    assert _all_ok(not problems), problems
+    assert all_ranks_ok(not problems), problems
 
 
 @pytest.mark.gpu
