@@ -15,6 +15,12 @@ P = SP*TP, q/kv = local heads per rank, hd = head_dim):
 Both modes compute exactly the heads HeadPlacement assigns to the rank, and read/write one
 PagedKVCache.
 
+q/k/v bias (cfg.qkv_bias): the base bias rows follow the base qkv rows, so the reference adds
+it in the qkv GEMM before the all-to-all; the fused qkv_all_to_all has no bias input, so the
+fused path adds the rank's own block's bias (the shift view) to what it receives. Scaled RoPE
+(cfg.rope_inv_freq / rope_attention_scaling) reaches the Triton attention as cos/sin tables
+[n, head_dim] built once per step (StepState.rope_tables); plain RoPE passes rope_theta.
+
 `torch_fwd` is the reference implementation (and the CPU path); `fused_fwd` runs the same
 stages on the fused kernels (qkv GEMM + all-to-all, Triton paged attention, all-to-all + O
 GEMM, GEMM + all-reduce; fusedpar.layers.fused) without changing any layout. forward() takes
@@ -43,6 +49,12 @@ from fusedpar.layers.weights import ShardedDecoderWeights
 from fusedpar.layouts import check_mode
 
 
+def rope_tables(cfg: DecoderConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos, sin [n, head_dim] of the config's RoPE at `positions` (the fused attention's tables)."""
+    return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, torch.float32, cfg.rope_inv_freq,
+                        cfg.rope_attention_scaling)
+
+
 @dataclass(frozen=True)
 class StepState:
     """Everything one forward step shares across layers (built once per step by the stack).
@@ -51,6 +63,9 @@ class StepState:
     padded_tokens: n_pad in base mode, n in shift mode.
     attn_metadata: the Triton attention's per-step tensors (block tables, offsets), built once
     per step for the fused path; None on the reference path.
+    rope_tables: (cos, sin) fp32 [n, head_dim] of the step's positions for the fused attention of a
+    model with a RoPE table or scaling (DecoderConfig.rope_is_default False); None otherwise (the
+    fused layer then builds them itself).
     """
 
     mode: str
@@ -59,6 +74,7 @@ class StepState:
     positions: torch.Tensor
     slots: torch.Tensor
     attn_metadata: object | None = None
+    rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -116,17 +132,38 @@ class ShiftParallelDecoderLayer(nn.Module):
 
     # ---- fused path -------------------------------------------------------------------------
     def fused_fwd(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
-        from fusedpar.kernels.attention import attention_step
-
         mode, rows = self._check(x, step, cache)
         w, rep, cfg, fk = self.w.weights(mode), self.w.replicated, self.cfg, self.fused
         h = rms_norm(x, rep["input_norm"], cfg.rms_norm_eps)
-        qkv = fk.qkv(h, w["qkv"], mode)  # [n_pad, blk] in base (read in place), [n, blk] in shift
-        attn = attention_step(qkv, step, cache, self.layer_idx, q_norm=rep.get("q_norm"), k_norm=rep.get("k_norm"),
-                              eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, metadata=step.attn_metadata)
+        # [n_pad, blk] in base (may be a view of the receive buffer), [n, blk] in shift; the bias
+        # (if any) is this rank's own block's, added out of place
+        qkv = fk.qkv(h, w["qkv"], mode, bias=self.w.shift.get("qkv_bias"))
+        attn = self._fused_attention(qkv, step, cache)
         x = x + fk.o_proj(attn, w["o"], mode)  # attention writes zeros into padding rows
         h = rms_norm(x, rep["post_norm"], cfg.rms_norm_eps)
         return x + fk.row_parallel(self._mlp_act(h, w["gate_up"], rows), w["down"], mode)
+
+    def _fused_attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
+        """Triton paged attention of qkv [rows >= n, blk] -> [rows, q*hd] (padding rows zero)."""
+        from fusedpar.kernels.attention import AttentionMetadata, attention_step, paged_attention
+
+        cfg, rep = self.cfg, self.w.replicated
+        if cfg.rope_is_default:
+            return attention_step(qkv, step, cache, self.layer_idx, q_norm=rep.get("q_norm"),
+                                  k_norm=rep.get("k_norm"), eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                                  metadata=step.attn_metadata)
+        # attention_step takes only rope_theta: the same call with the step's cos/sin tables
+        cos, sin = step.rope_tables if step.rope_tables is not None else rope_tables(cfg, step.positions)
+        md = step.attn_metadata
+        if md is None:
+            md = AttentionMetadata.from_step(step.batch, cache, qkv.device)
+        return paged_attention(
+            qkv, num_tokens=step.num_tokens, num_q_heads=self.nq, cu_seqlens_q=md.cu_seqlens_q,
+            context_lens=md.context_lens, block_tables=md.block_tables, k_cache=cache.k[self.layer_idx],
+            v_cache=cache.v[self.layer_idx], slots=step.slots, max_query_len=md.max_query_len,
+            max_kv_len=md.max_kv_len, q_norm=rep.get("q_norm"), k_norm=rep.get("k_norm"), eps=cfg.rms_norm_eps,
+            rope_cos=cos, rope_sin=sin,
+        )
 
     # ---- reference path -----------------------------------------------------------------------
     def torch_fwd(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
@@ -135,7 +172,7 @@ class ShiftParallelDecoderLayer(nn.Module):
         reduce_group = self.ctx.attention_group(mode)
 
         h = rms_norm(x, self.w.replicated["input_norm"], self.cfg.rms_norm_eps)
-        qkv = F.linear(h, w["qkv"])
+        qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))  # base bias rows follow the base block order
         if mode == "base":
             qkv = seq_to_head_all_to_all(qkv, self.ctx.sp)  # [n_pad, (q+2kv)*hd]
         attn = self._attention(qkv[: step.num_tokens], step, cache)  # [n, q*hd]
@@ -160,7 +197,8 @@ class ShiftParallelDecoderLayer(nn.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.w.replicated["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, self.w.replicated["k_norm"], cfg.rms_norm_eps)
-        cos, sin = rope_cos_sin(step.positions, hd, cfg.rope_theta, q.dtype)
+        cos, sin = rope_cos_sin(step.positions, hd, cfg.rope_theta, q.dtype, cfg.rope_inv_freq,
+                                cfg.rope_attention_scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer_idx, step.slots, k, v)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -13,12 +15,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin of shape [n, head_dim] for rotate-half RoPE (HF layout: halves, not interleaved)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
-    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+def rope_cos_sin(
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    inv_freq: Sequence[float] | torch.Tensor | None = None,
+    scale: float = 1.0,
+):
+    """cos, sin of shape [n, head_dim] for rotate-half RoPE (HF layout: halves, not interleaved).
+
+    Angles position * f_i in float64 with f_i = theta ** (-2i / head_dim), or inv_freq [head_dim/2]
+    when given (scaled RoPE tables; theta is then unused); cos and sin are multiplied by `scale`
+    (HF's attention_scaling) before the cast to dtype.
+    """
+    if inv_freq is None:
+        freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
+    else:
+        freqs = torch.as_tensor(inv_freq, dtype=torch.float64).to(positions.device)
+        if freqs.shape != (head_dim // 2,):
+            raise ValueError(f"rope_cos_sin: inv_freq must have head_dim/2 = {head_dim // 2} entries, "
+                             f"got shape {tuple(freqs.shape)}")
+    ang = positions.to(torch.float64)[:, None] * freqs[None, :]
     emb = torch.cat((ang, ang), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

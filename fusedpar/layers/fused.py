@@ -9,6 +9,9 @@ for steps of up to `max_tokens` tokens, and exposes the four stages the layer co
     o     all_to_all_o_proj(attn, W_o) + TP all_reduce    gemm_all_reduce(attn, W_o view, shift)
     down  gemm_all_reduce(act, W_down, TP)                gemm_all_reduce(act, W_down view, shift)
 
+A q/k/v bias is the own block's bias rows: added to recv (out of place) in base mode, in the
+GEMM in shift mode. Scaled RoPE reaches the attention as cos/sin tables instead of rope_theta.
+
 Plain GEMMs with nothing to fuse (gate_up, shift-mode qkv) stay on cuBLAS: our Triton GEMM
 would only match it. Every fused op routes itself to its plain fallback by size (and when a
 step does not fit its workspace), deciding from shapes alone so every rank agrees.
@@ -69,13 +72,20 @@ class FusedKernels:
         torch.cuda.synchronize(ctx.device)
 
     # ---- the stages ------------------------------------------------------------------------
-    def qkv(self, h: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
-        """[rows, d] -> qkv of this rank's heads for every token of the step: [n(_pad), blk]."""
+    def qkv(self, h: torch.Tensor, w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, d] -> qkv of this rank's heads for every token of the step: [n(_pad), blk].
+
+        bias: optional [blk] q/k/v bias of this rank's own block (the shift view of the qkv bias):
+        after the exchange every row holds exactly that block, so it is added to the received
+        rows (out of place: they may be a view of the symmetric receive buffer); without an
+        exchange (shift mode, SP = 1) w has exactly the block's rows and the GEMM adds it.
+        """
         if mode == "base" and self.qkv_ws is not None:
             from fusedpar.kernels.ulysses import qkv_all_to_all
 
-            return qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp)
-        return F.linear(h, w)
+            out = qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp)
+            return out if bias is None else out + bias
+        return F.linear(h, w, bias)
 
     def o_proj(self, attn: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
         """Attention output -> o-projection summed over the mode's reduce group: [rows, d]."""

@@ -4,7 +4,9 @@ KV-cache invariance means a rank caches the same kv heads in base and shift mode
 (HeadPlacement proves it), so the cache stores only `kv_heads` and never learns the mode.
 Layout per layer: k, v [num_blocks, block_size, num_local_kv_heads, head_dim]; each sequence
 owns a block table. Blocks are handed out in a deterministic order, so ranks that see the same
-steps hold identical block tables without talking to each other.
+steps hold identical block tables without talking to each other. `grow` enlarges the pool in
+place (callers that cannot plan the cache size, e.g. the HF adapter, grow it before a step that
+does not fit); it keeps that determinism.
 """
 
 from __future__ import annotations
@@ -40,6 +42,40 @@ class PagedKVCache:
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks not held by any sequence."""
+        return len(self._free)
+
+    def blocks_needed(self, batch: StepBatch) -> int:
+        """Blocks begin_step(batch) would take from the pool (0 when every sequence has room)."""
+        bs = self.block_size
+        return sum(max(0, -(-(c + q) // bs) - len(self.block_tables.get(sid, ())))
+                   for sid, q, c in zip(batch.seq_ids, batch.query_lens, batch.context_lens, strict=True))
+
+    def grow(self, num_blocks: int) -> None:
+        """Enlarge the pool to `num_blocks` blocks in total, keeping every block, table and value.
+
+        self.k / self.v are replaced by larger tensors (views of the old ones taken before the
+        call, e.g. captured in a CUDA graph, no longer see the cache; block ids, tables and
+        lengths stay valid). The free blocks the pool had are handed out first, in their order,
+        then the new ones in increasing order: ranks that grow at the same points keep identical
+        tables. num_blocks equal to the current size is a no-op; smaller raises ValueError.
+        """
+        old = self.num_blocks
+        if num_blocks < old:
+            raise ValueError(f"PagedKVCache.grow: cannot shrink {old} blocks to {num_blocks}")
+        if num_blocks == old:
+            return
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            new = torch.zeros((t.shape[0], num_blocks, *t.shape[2:]), dtype=t.dtype, device=t.device)
+            new[:, :old] = t
+            setattr(self, name, new)
+        # _free is popped from its end: the new blocks go in front of the old free ones
+        self._free = list(range(num_blocks - 1, old - 1, -1)) + self._free
+        self.num_blocks = num_blocks
 
     def seq_len(self, seq_id: int) -> int:
         return self.lengths.get(seq_id, 0)

@@ -29,12 +29,14 @@ class DenseDecoderStack:
         for li, w in enumerate(self.layers):
             h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
             n, hd = h.shape[0], cfg.head_dim
-            q = F.linear(h, w["q"]).view(n, cfg.num_q_heads, hd)
-            k = F.linear(h, w["k"]).view(n, cfg.num_kv_heads, hd)
-            v = F.linear(h, w["v"]).view(n, cfg.num_kv_heads, hd)
+            bias = {p: w[f"{p}_bias"] if cfg.qkv_bias else None for p in "qkv"}
+            q = F.linear(h, w["q"], bias["q"]).view(n, cfg.num_q_heads, hd)
+            k = F.linear(h, w["k"], bias["k"]).view(n, cfg.num_kv_heads, hd)
+            v = F.linear(h, w["v"], bias["v"]).view(n, cfg.num_kv_heads, hd)
             if cfg.qk_norm:
                 q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-            cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, q.dtype)
+            cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, q.dtype, cfg.rope_inv_freq,
+                                    cfg.rope_attention_scaling)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             outs, start = [], 0
             for sid, ql, cl in zip(batch.seq_ids, batch.query_lens, batch.context_lens, strict=True):

@@ -13,7 +13,7 @@ from torch import nn
 
 from fusedpar.collectives import ParallelContext, all_gather_rows
 from fusedpar.layers.config import DecoderConfig
-from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState
+from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState, rope_tables
 from fusedpar.layers.fused import FusedKernels
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import ShiftPolicy, StepBatch, padded_token_count
@@ -57,12 +57,15 @@ class ShiftParallelStack(nn.Module):
         mode = mode or self.policy.mode(batch.num_tokens, self.ctx.sp.size)
         padded = padded_token_count(batch.num_tokens, self.ctx.sp.size) if mode == "base" else batch.num_tokens
         slots = cache.begin_step(batch)
-        metadata = None
+        positions = batch.positions(self.ctx.device)
+        metadata = tables = None
         if self.fused is not None:
             from fusedpar.kernels.attention import AttentionMetadata
 
             metadata = AttentionMetadata.from_step(batch, cache, device=self.ctx.device)
-        return StepState(mode, batch, padded, batch.positions(self.ctx.device), slots, metadata)
+            if not self.cfg.rope_is_default:  # scaled RoPE: cos/sin tables once per step, shared by the layers
+                tables = rope_tables(self.cfg, positions)
+        return StepState(mode, batch, padded, positions, slots, metadata, tables)
 
     def forward(self, hidden: torch.Tensor, batch: StepBatch, cache: PagedKVCache,
                 mode: str | None = None) -> torch.Tensor:

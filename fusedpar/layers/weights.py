@@ -10,10 +10,14 @@ from fusedpar.layers.config import DecoderConfig, weight_shapes
 from fusedpar.layouts import WEIGHT_NAMES, ParallelLayout, WeightShard
 
 REPLICATED = ("input_norm", "post_norm", "q_norm", "k_norm")
+QKV_BIAS_SOURCES = {"q": "q_bias", "k": "k_bias", "v": "v_bias"}  # qkv segment source -> its bias
 
 
 def build_shard(full: dict[str, torch.Tensor], shard: WeightShard) -> torch.Tensor:
-    """Concatenate the shard's global segments (rows for dim "out", columns for "in") into one tensor."""
+    """Concatenate the shard's global segments (rows for dim "out", columns for "in") into one tensor.
+
+    A 1-D source (a bias) takes dim "out" segments as elements: the bias of a row-sharded weight.
+    """
     dim = shard.torch_dim
     pieces = [full[seg.source].narrow(dim, seg.start, seg.size) for seg in shard.base]
     return torch.cat(pieces, dim=dim).contiguous()
@@ -28,6 +32,10 @@ class ShardedDecoderWeights:
       base gate_up [SP*2*I/P, d]    shift gate_up [2*I/P, d]
       base o [d, SP*q*hd]           shift o [d, q*hd]           (columns, strided view)
       base down [d, I/TP]           shift down [d, I/P]
+      base qkv_bias [SP*(q+2kv)*hd] shift qkv_bias [(q+2kv)*hd]  (only with cfg.qkv_bias)
+    qkv_bias holds the q/k/v bias entries of exactly the base qkv rows, in the same order, so
+    F.linear(h, base qkv, base qkv_bias) is exact before the all-to-all, and after it every token
+    of this rank holds its own block, whose bias is the shift view.
     """
 
     base: dict[str, torch.Tensor]
@@ -45,6 +53,10 @@ class ShardedDecoderWeights:
         for name, shape in expected.items():
             if tuple(full[name].shape) != shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(full[name].shape)}, config expects {shape}")
+        if not cfg.qkv_bias:
+            stray = sorted(set(QKV_BIAS_SOURCES.values()) & set(full))
+            if stray:
+                raise ValueError(f"decoder weights hold {stray} but the config has qkv_bias=False")
         shard_map = layout.weight_shards(cfg.dims)
         base, shift = {}, {}
         for name in WEIGHT_NAMES:
@@ -52,6 +64,11 @@ class ShardedDecoderWeights:
             base[name] = build_shard(full, shard)
             lo, hi = shard.shift
             shift[name] = base[name].narrow(shard.torch_dim, lo, hi - lo)
+        if cfg.qkv_bias:
+            shard = shard_map.shard(rank, "qkv")
+            base["qkv_bias"] = build_shard({src: full[b] for src, b in QKV_BIAS_SOURCES.items()}, shard)
+            lo, hi = shard.shift
+            shift["qkv_bias"] = base["qkv_bias"].narrow(0, lo, hi - lo)
         replicated = {n: full[n].clone() for n in REPLICATED if n in full}
         return cls(base, shift, replicated)
 
@@ -59,7 +76,11 @@ class ShardedDecoderWeights:
         return self.base if mode == "base" else self.shift
 
     def storage_bytes(self) -> int:
-        """Bytes of distinct storages behind base and shift (shift views must add nothing)."""
+        """Bytes of distinct storages behind base and shift (shift views must add nothing).
+
+        With qkv_bias this is the four weight shards (WeightShardMap.base_bytes) plus the bias
+        rows of the qkv shard; the replicated norms are not counted.
+        """
         seen = {}
         for t in (*self.base.values(), *self.shift.values()):
             st = t.untyped_storage()

@@ -11,6 +11,7 @@ demo can print it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -80,7 +81,11 @@ def run_layer_scenario(
     seed: int = 0,
     block_size: int = 4,
     fused: bool = False,
+    fused_ops: Callable[[ParallelContext, DecoderConfig], object] | None = None,
 ) -> ScenarioResult:
+    """fused_ops: optional factory of a stand-in for FusedKernels (same qkv / o_proj / row_parallel
+    methods, e.g. plain collectives); the layers then run fused_fwd, on CPU too (the Triton
+    attention needs TRITON_INTERPRET=1 there). Tests the fused layer's own logic without CUDA."""
     layout = ParallelLayout(world_size, sp=sp, tp=tp)
     ctx = ParallelContext(layout)
     dev = ctx.device  # CPU under gloo, this rank's GPU under NCCL
@@ -92,6 +97,11 @@ def run_layer_scenario(
     total = sum(q for s in steps for _, q in s.seqs)
     if fused:  # Triton + symmetric-memory path (CUDA); workspaces sized for the largest step
         stack.enable_fused(max_tokens=max(-(-sum(q for _, q in s.seqs) // sp) * sp for s in steps))
+    elif fused_ops is not None:
+        stack.fused = fused_ops(ctx, cfg)
+        for layer in stack.layers:
+            layer.fused = stack.fused
+            layer.forward = layer.fused_fwd  # forward() picks the fused path only for CUDA inputs
     cache = stack.make_cache(block_size=block_size, num_blocks=-(-total // block_size) + 2 * len(steps) + 4)
     result = ScenarioResult(rank=rank, kv_heads=stack.layers[0].kv_heads)
     gen = torch.Generator().manual_seed(seed + 1000)  # same inputs on every rank

@@ -14,7 +14,7 @@ Modules: spec (what is supported, checks), adapter (parallelize, forward, KV-cac
 loader (meta-device build + sliced safetensors reads). The core never imports this package.
 """
 
-from .adapter import HFDecoderLayer, ShiftParallelCache, base_shard_bytes, parallelize, resident_decoder_bytes
+from .adapter import ShiftParallelCache, base_shard_bytes, parallelize, resident_decoder_bytes
 from .loader import CheckpointReader, load_parallel
 from .spec import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, HFModelSpec, UnsupportedModelError, inspect_model
 
@@ -22,7 +22,6 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "SUPPORTED_ROPE_TYPES",
     "CheckpointReader",
-    "HFDecoderLayer",
     "HFModelSpec",
     "ShiftParallelCache",
     "UnsupportedModelError",

@@ -27,20 +27,17 @@ followed by more tokens), would change the result and raise NotImplementedError.
 
 Generation state. `past_key_values` returned by the model is a `ShiftParallelCache` (a
 transformers `Cache` subclass holding only bookkeeping: row -> sequence id, cached real tokens,
-columns seen). The k/v tensors live in one paged cache per parallelized model (this rank's kv
-heads only, shared by both modes, grown by doubling when full). A call without past_key_values
-(or with an empty HF cache, as generate passes first) starts new sequences and frees the
-previous live ones; a call with use_cache=False uses temporary sequences freed before it
-returns. Only the most recent cache can be continued.
+columns seen). The k/v tensors live in one core PagedKVCache per parallelized model (this
+rank's kv heads only, shared by both modes, grown by doubling with PagedKVCache.grow before a
+step that does not fit). A call without past_key_values (or with an empty HF cache, as generate
+passes first) starts new sequences and frees the previous live ones; a call with use_cache=False
+uses temporary sequences freed before it returns. Only the most recent cache can be continued.
 
-Numerics. Layers the core computes as is (no bias, RoPE type "default") use the core
-ShiftParallelDecoderLayer, so the fused kernels will reach them through the layers. Models with
-q/k/v bias (Qwen2) or a non-default RoPE table (llama3, linear, yarn) use `HFDecoderLayer`, a
-subclass that adds the bias after the Ulysses exchange (the columns a rank receives are
-exactly its own block of the qkv shard, i.e. its shift-view bias rows) and applies the HF
-rotary table; it pins the reference path until the core grows hooks for both. On CUDA with
-bf16/fp16 weights the core layers run on the fused kernels (ShiftParallelStack.enable_fused;
-`fused=` overrides the choice); fp32 and CPU use the reference path.
+Numerics. Every model runs on the core ShiftParallelDecoderLayer: q/k/v bias (Qwen2) and a
+non-default RoPE table (llama3, linear, yarn: the HF rotary module's inv_freq and
+attention_scaling) are DecoderConfig fields (spec.inspect_model). On CUDA with bf16/fp16
+weights the layers run on the fused kernels (ShiftParallelStack.enable_fused; `fused=`
+overrides the choice); fp32 and CPU use the reference path.
 """
 
 from __future__ import annotations
@@ -61,14 +58,11 @@ from fusedpar.layers import (
     ShiftPolicy,
     StepBatch,
 )
-from fusedpar.layers.decoder import StepState
-from fusedpar.layers.functional import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin
-from fusedpar.layers.weights import build_shard
 from fusedpar.layouts import ParallelLayout
 
 from .spec import HFModelSpec, UnsupportedModelError, inspect_model
 
-__all__ = ["HFDecoderLayer", "ShiftParallelCache", "parallelize"]
+__all__ = ["ShiftParallelCache", "parallelize"]
 
 
 # ---- weights --------------------------------------------------------------------------------
@@ -82,107 +76,12 @@ def full_layer_weights(layer: nn.Module, spec: HFModelSpec) -> dict[str, torch.T
     }
     if spec.decoder.qk_norm:
         full["q_norm"], full["k_norm"] = attn.q_norm.weight, attn.k_norm.weight
-    if spec.qkv_bias:
+    if spec.decoder.qkv_bias:
         full["q_bias"], full["k_bias"], full["v_bias"] = attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias
     return {k: v.detach() for k, v in full.items()}
 
 
-def shard_qkv_bias(biases: dict[str, torch.Tensor], layout: ParallelLayout, rank: int, spec: HFModelSpec):
-    """(base, shift) of the q/k/v bias: the rows of the qkv shard (same segments), shift a view."""
-    shard = layout.weight_shards(spec.decoder.dims).shard(rank, "qkv")
-    base = build_shard({"q": biases["q_bias"], "k": biases["k_bias"], "v": biases["v_bias"]}, shard)
-    lo, hi = shard.shift
-    return base, base.narrow(0, lo, hi - lo)
-
-
-def shard_layer(full: dict[str, torch.Tensor], spec: HFModelSpec, layout: ParallelLayout, rank: int):
-    """Base shard (+ shift views) of one layer from its full weights; copies, never views of `full`."""
-    w = ShardedDecoderWeights.from_full(spec.decoder, layout, rank, full)
-    bias = shard_qkv_bias(full, layout, rank, spec) if spec.qkv_bias else None
-    return w, bias
-
-
-# ---- the layer ------------------------------------------------------------------------------
-class HFDecoderLayer(ShiftParallelDecoderLayer):
-    """Core layer + q/k/v bias + HF RoPE table (reference path only; see module docstring).
-
-    qkv_bias: (base, shift) rows of this rank's qkv shard. After the base-mode all-to-all a rank
-    holds its own block's columns for every token, the same columns as in shift mode, so one
-    addition of the shift view serves both modes.
-    """
-
-    def __init__(self, spec: HFModelSpec, ctx: ParallelContext, weights: ShardedDecoderWeights, layer_idx: int,
-                 qkv_bias: tuple[torch.Tensor, torch.Tensor] | None = None):
-        super().__init__(spec.decoder, ctx, weights, layer_idx)
-        self.qkv_bias = qkv_bias
-        self.inv_freq = None if spec.rope_inv_freq is None else spec.rope_inv_freq.to(ctx.device, torch.float32)
-        self.rope_scaling = spec.rope_attention_scaling
-
-    def forward(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
-        return self.torch_fwd(x, step, cache)  # _attention below must run: no kernel path yet
-
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        if self.inv_freq is None:
-            return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
-        ang = positions.float()[:, None] * self.inv_freq[None, :]  # fp32, as HF's rotary module
-        emb = torch.cat((ang, ang), dim=-1)
-        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
-
-    def _attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
-        # The core's _attention with the two additions (bias, rotary table) marked.
-        cfg, n = self.cfg, qkv.shape[0]
-        hd = cfg.head_dim
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias[1]  # addition 1
-        q, k, v = qkv.split([self.nq * hd, self.nkv * hd, self.nkv * hd], dim=1)
-        q, k, v = q.reshape(n, self.nq, hd), k.reshape(n, self.nkv, hd), v.reshape(n, self.nkv, hd)
-        if cfg.qk_norm:
-            q = rms_norm(q, self.w.replicated["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, self.w.replicated["k_norm"], cfg.rms_norm_eps)
-        cos, sin = self._cos_sin(step.positions, q.dtype)  # addition 2
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(self.layer_idx, step.slots, k, v)
-        out = torch.empty((n, self.nq, hd), dtype=qkv.dtype, device=qkv.device)
-        start = 0
-        for sid, ql in zip(step.batch.seq_ids, step.batch.query_lens, strict=True):
-            kc, vc = cache.gather(self.layer_idx, sid)
-            out[start:start + ql] = causal_gqa_attention(q[start:start + ql], kc, vc, self.kv_index, hd ** -0.5)
-            start += ql
-        return out.reshape(n, self.nq * hd)
-
-
-# ---- KV cache and generation state ----------------------------------------------------------
-class GrowablePagedKVCache(PagedKVCache):
-    """PagedKVCache that doubles its block pool when a step does not fit (HF calls come unplanned)."""
-
-    def used_blocks(self) -> int:
-        return sum(len(t) for t in self.block_tables.values())
-
-    def blocks_needed(self, batch: StepBatch) -> int:
-        bs = self.block_size
-        return sum(max(0, -(-(c + q) // bs) - len(self.block_tables.get(sid, ())))
-                   for sid, q, c in zip(batch.seq_ids, batch.query_lens, batch.context_lens, strict=True))
-
-    def ensure(self, batch: StepBatch) -> None:
-        need, free = self.blocks_needed(batch), self.num_blocks - self.used_blocks()
-        if need > free:
-            self.grow(max(2 * self.num_blocks, self.used_blocks() + need))
-
-    def grow(self, num_blocks: int) -> None:
-        old = self.num_blocks
-        if num_blocks <= old:
-            return
-        for name in ("k", "v"):
-            t = getattr(self, name)
-            new = torch.zeros((t.shape[0], num_blocks, *t.shape[2:]), dtype=t.dtype, device=t.device)
-            new[:, :old] = t
-            setattr(self, name, new)
-        # Core internals: the free list is popped from its end. New blocks go after the old
-        # free ones (so the order stays deterministic on every rank).
-        self._free = list(range(num_blocks - 1, old - 1, -1)) + self._free
-        self.num_blocks = num_blocks
-
-
+# ---- generation state -----------------------------------------------------------------------
 class ShiftParallelCache(Cache):
     """past_key_values of a parallelized model: bookkeeping only, the k/v live in the paged cache.
 
@@ -262,7 +161,7 @@ class _Runtime:
 
     def __init__(self, spec: HFModelSpec, ctx: ParallelContext, stack: ShiftParallelStack, block_size: int):
         self.spec, self.ctx, self.stack, self.block_size = spec, ctx, stack, block_size
-        self.kv: GrowablePagedKVCache | None = None
+        self.kv: PagedKVCache | None = None
         self.active: ShiftParallelCache | None = None
         self._next_seq = 0
 
@@ -287,14 +186,12 @@ class _Runtime:
     def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         if self.kv is None:
             tokens = sum(q + c for q, c in zip(batch.query_lens, batch.context_lens, strict=True))
-            # room for the first step twice over; GrowablePagedKVCache doubles when a step does not fit
+            # room for the first step twice over; doubled below when a step does not fit
             blocks = max(16, 2 * (-(-tokens // self.block_size) + len(batch.seq_ids)))
-            layer0 = self.stack.layers[0]
-            self.kv = GrowablePagedKVCache(
-                num_layers=len(self.stack.layers), kv_heads=layer0.kv_heads, head_dim=self.spec.decoder.head_dim,
-                block_size=self.block_size, num_blocks=blocks, dtype=layer0.w.base["qkv"].dtype,
-                device=self.ctx.device)
-        self.kv.ensure(batch)
+            self.kv = self.stack.make_cache(block_size=self.block_size, num_blocks=blocks)
+        need, kv = self.kv.blocks_needed(batch), self.kv
+        if need > kv.free_blocks:  # HF calls come unplanned: grow (same decision on every rank)
+            kv.grow(max(2 * kv.num_blocks, kv.num_blocks - kv.free_blocks + need))
         return self.stack(hidden, batch, self.kv)
 
 
@@ -508,8 +405,8 @@ def model_device(model: nn.Module) -> torch.device:
 def fused_decision(spec: HFModelSpec, device: torch.device, fused: bool | None) -> bool:
     """Whether the stack runs on the fused kernels (Triton + symmetric memory).
 
-    None (auto): yes on CUDA for bf16/fp16 models the core layer computes as is (no q/k/v bias,
-    default RoPE) with a power-of-two head_dim >= 16; fp32 stays on the exact reference path
+    None (auto): yes on CUDA for bf16/fp16 models with a power-of-two head_dim >= 16 (q/k/v bias
+    and RoPE tables included); fp32 stays on the exact reference path
     (tl.dot would use TF32). True: required, else UnsupportedModelError naming why. Decided from
     the model alone, so every rank agrees (enable_fused is collective).
     """
@@ -519,8 +416,6 @@ def fused_decision(spec: HFModelSpec, device: torch.device, fused: bool | None) 
     why = []
     if device.type != "cuda":
         why.append(f"the model is on {device} (fused kernels need CUDA)")
-    if spec.needs_hf_layer:
-        why.append("q/k/v bias or a non-default RoPE table (the core layer has no hook for them yet)")
     if hd < 16 or hd & (hd - 1):
         why.append(f"head_dim={hd} (the attention kernel needs a power of two >= 16)")
     if fused is None:
@@ -532,7 +427,7 @@ def fused_decision(spec: HFModelSpec, device: torch.device, fused: bool | None) 
 
 def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Iterable, *, device: torch.device,
              shift_threshold: int | None, block_size: int, fused: bool | None = False, fused_max_tokens: int = 4096):
-    """Build the stack from per-layer (ShardedDecoderWeights, qkv bias | None), attach it, swap classes.
+    """Build the stack from per-layer ShardedDecoderWeights, attach it, swap classes.
 
     `layer_shards` is consumed lazily, one layer at a time (parallelize frees each HF layer as
     it goes; the loader reads each layer's shards from disk). Shared by parallelize and the loader.
@@ -541,11 +436,8 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
     use_fused = fused_decision(spec, device, fused)
     ctx = ParallelContext(layout, device=device)
     layers = []
-    for i, (weights, bias) in enumerate(layer_shards):
-        if spec.needs_hf_layer:
-            layers.append(HFDecoderLayer(spec, ctx, weights, i, qkv_bias=bias))
-        else:
-            layers.append(ShiftParallelDecoderLayer(spec.decoder, ctx, weights, i))
+    for i, weights in enumerate(layer_shards):
+        layers.append(ShiftParallelDecoderLayer(spec.decoder, ctx, weights, i))
     if len(layers) != spec.num_layers:
         raise RuntimeError(f"built {len(layers)} layers, the model has {spec.num_layers}")
     stack = ShiftParallelStack(spec.decoder, ctx, layers, policy)
@@ -606,7 +498,8 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
     def shards():
         for i in range(len(layers)):
             full = full_layer_weights(layers[i], spec)
-            yield shard_layer(full, spec, layout, rank)
+            # base shards (+ shift views, q/k/v bias rows): copies, never views of `full`
+            yield ShardedDecoderWeights.from_full(spec.decoder, layout, rank, full)
             del full
             layers[i] = nn.Identity()  # free this layer's full weights before the next one
 
@@ -615,13 +508,11 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
 
 
 def resident_decoder_bytes(model) -> int:
-    """Bytes of distinct storages behind this rank's decoder weights (base shards, views, norms, biases)."""
+    """Bytes of distinct storages behind this rank's decoder weights (base shards and q/k/v bias rows,
+    their views, norms)."""
     seen: dict[int, int] = {}
     for layer in model._fusedpar.stack.layers:
-        tensors = [*layer.w.base.values(), *layer.w.shift.values(), *layer.w.replicated.values()]
-        if getattr(layer, "qkv_bias", None) is not None:
-            tensors += list(layer.qkv_bias)
-        for t in tensors:
+        for t in (*layer.w.base.values(), *layer.w.shift.values(), *layer.w.replicated.values()):
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())

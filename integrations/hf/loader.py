@@ -177,7 +177,7 @@ def _load_replicated(model, reader: CheckpointReader, spec: HFModelSpec, dtype, 
 
 def _layer_shards(reader: CheckpointReader, spec: HFModelSpec, layout: ParallelLayout, rank: int, dtype, device,
                   progress: _Progress):
-    """Yield (ShardedDecoderWeights, qkv bias | None) per layer, reading only this rank's segments."""
+    """Yield ShardedDecoderWeights per layer (q/k/v bias rows included), reading only this rank's segments."""
     cfg = spec.decoder
     shard_map = layout.weight_shards(cfg.dims)
     from fusedpar.layers import weight_shapes
@@ -201,15 +201,14 @@ def _layer_shards(reader: CheckpointReader, spec: HFModelSpec, layout: ParallelL
             shift[wname] = base[wname].narrow(dim, lo, hi - lo)
         replicated = {n: reader.full(prefix + LAYER_PARAMS[n], kind="layers").to(device=device, dtype=dtype)
                       for n in REPLICATED if n in shapes}
-        bias = None
-        if spec.qkv_bias:
+        if cfg.qkv_bias:  # the bias entries of the qkv shard's rows, as ShardedDecoderWeights.from_full
             shard = shard_map.shard(rank, "qkv")
             pieces = [reader.narrow(prefix + LAYER_PARAMS[seg.source + "_bias"], 0, seg.start, seg.stop)
                       for seg in shard.base]
-            b = torch.cat(pieces).to(device=device, dtype=dtype).contiguous()
+            base["qkv_bias"] = torch.cat(pieces).to(device=device, dtype=dtype).contiguous()
             lo, hi = shard.shift
-            bias = (b, b.narrow(0, lo, hi - lo))
-        yield ShardedDecoderWeights(base, shift, replicated), bias
+            shift["qkv_bias"] = base["qkv_bias"].narrow(0, lo, hi - lo)
+        yield ShardedDecoderWeights(base, shift, replicated)
         progress.update(f"layer {i}")
 
 

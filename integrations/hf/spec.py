@@ -2,8 +2,8 @@
 
 `inspect_model(model, layout)` reads the model's config and its decoder-layer modules (shapes
 only, so it works on a meta-device model) and returns an `HFModelSpec`: the core
-`DecoderConfig` plus the few things the core layer does not express yet (q/k/v bias, a
-non-default RoPE frequency table, a sequence-length limit). It collects every unsupported
+`DecoderConfig` (q/k/v bias and a non-default RoPE frequency table included) plus what only the
+adapter needs (dtype, layer count, a sequence-length limit). It collects every unsupported
 feature it finds and raises one `UnsupportedModelError` (a ValueError) naming all of them,
 before any process group is touched, so every rank fails the same way at `parallelize` time.
 
@@ -15,6 +15,7 @@ fp16, q/k/v bias (Qwen2), Qwen3's per-head q/k RMSNorm, tied embeddings, RoPE ty
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +37,11 @@ class UnsupportedModelError(ValueError):
 class HFModelSpec:
     """The decoder of an HF causal LM as fusedpar runs it.
 
-    decoder: the core layer config (eps, rope_theta, head_dim, qk_norm from the HF config).
-    qkv_bias: q/k/v projections carry a bias (Qwen2). Sharded like the weight rows.
-    rope_type: HF rope type; for anything but "default", `rope_inv_freq` (float32, [head_dim/2])
-        and `rope_attention_scaling` are the HF rotary module's own values.
+    decoder: the core layer config (eps, rope_theta, head_dim, qk_norm from the HF config;
+        qkv_bias when the q/k/v projections carry a bias (Qwen2; sharded like the weight rows);
+        for any rope_type but "default", rope_inv_freq and rope_attention_scaling are the HF
+        rotary module's own values).
+    rope_type: HF rope type.
     sliding_window: smallest window of any layer (None: full attention everywhere).
     max_seq_len: per-sequence token limit enforced at run time (None: no limit). Set when a
         sliding window exists: up to the window, windowed attention equals full attention.
@@ -50,18 +52,24 @@ class HFModelSpec:
     decoder: DecoderConfig
     num_layers: int
     dtype: torch.dtype
-    qkv_bias: bool
     rope_type: str
-    rope_inv_freq: torch.Tensor | None
-    rope_attention_scaling: float
     sliding_window: int | None
     max_seq_len: int | None
     tied_embeddings: bool
 
     @property
-    def needs_hf_layer(self) -> bool:
-        """True when the core layer alone cannot compute this model (bias or non-default RoPE)."""
-        return self.qkv_bias or self.rope_type != "default"
+    def qkv_bias(self) -> bool:
+        return self.decoder.qkv_bias
+
+    @property
+    def rope_inv_freq(self) -> torch.Tensor | None:
+        """float32 [head_dim/2] RoPE table of a non-default rope_type (None: from rope_theta)."""
+        freqs = self.decoder.rope_inv_freq
+        return None if freqs is None else torch.tensor(freqs, dtype=torch.float32)
+
+    @property
+    def rope_attention_scaling(self) -> float:
+        return self.decoder.rope_attention_scaling
 
 
 def _rope_params(config) -> dict:
@@ -237,24 +245,27 @@ def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = No
             hidden_size=hidden, num_q_heads=h, num_kv_heads=h_kv, head_dim=head_dim,
             intermediate_size=intermediate, rms_norm_eps=float(config.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", 10000.0)), qk_norm=bool(qk_norm),
+            # q/k/v bias from the modules: Llama's attention_bias (rejected above when o_proj has one
+            # too), Qwen2's always-on q/k/v bias (its config has no attention_bias field)
+            qkv_bias=bool(qkv_bias_layers),
         )
         layout.weight_shards(decoder.dims)
     except ValueError as e:
         problems.append(f"layout {layout!r} does not fit the model: {e}")
     _raise(name, problems)
 
-    inv_freq, attn_scale = None, 1.0
     if rope_type != "default":
         inv_freq, attn_scale = rotary_tables(model)
         if inv_freq.numel() * 2 != head_dim:
             _raise(name, [f"rotary table of {inv_freq.numel()} frequencies for head_dim {head_dim} (partial rotary)"])
+        # the float32 table HF computes, exactly (RoPE angles are then taken in float64 by the core)
+        decoder = dataclasses.replace(decoder, rope_inv_freq=tuple(inv_freq.tolist()),
+                                      rope_attention_scaling=attn_scale)
     dtype = next(iter(dtypes))
     tied = model.lm_head.weight is inner.embed_tokens.weight or bool(getattr(config, "tie_word_embeddings", False))
     return HFModelSpec(
         model_type=model_type, architecture=name, decoder=decoder, num_layers=len(layers), dtype=dtype,
-        qkv_bias=bool(qkv_bias_layers), rope_type=rope_type, rope_inv_freq=inv_freq,
-        rope_attention_scaling=attn_scale, sliding_window=sliding_window, max_seq_len=max_seq_len,
-        tied_embeddings=tied,
+        rope_type=rope_type, sliding_window=sliding_window, max_seq_len=max_seq_len, tied_embeddings=tied,
     )
 
 

@@ -5,8 +5,9 @@
 Each rank builds the same tiny random model on its GPU, records the unsharded logits and greedy
 tokens, parallelizes it and compares (fp32 with TF32 off: 1e-4 relative; bf16: reported, tokens
 may legitimately diverge once a near-tie flips; the reference path, then the fused kernels
-for bf16 models with head_dim 16). Also loads a sharded checkpoint with
-load_parallel straight onto the GPU. Rank 0 prints one line per case; exits 1 on a fp32 mismatch.
+for bf16 models with head_dim 16, Qwen2's q/k/v bias and llama3 RoPE included). Also loads a
+sharded checkpoint with load_parallel straight onto the GPU. Rank 0 prints one line per case;
+exits 1 on a fp32 mismatch.
 """
 
 from __future__ import annotations
@@ -75,8 +76,13 @@ def main() -> int:
                 lay = ParallelLayout(world, sp=sp, tp=tp)
                 ok &= _compare(model, lambda m, lay=lay: parallelize(m, lay, shift_threshold=8, fused=False), device,
                                f"{family} {str(dtype)[6:]} sp={sp} tp={tp}", strict=dtype == torch.float32)
-    # fused kernels (auto-enabled for bf16 on CUDA; head_dim 16): same checks, tokens reported
-    for family, overrides in (("llama", dict(hidden_size=128)), ("qwen3", {})):
+    # fused kernels (auto-enabled for bf16 on CUDA; head_dim 16): same checks, tokens reported;
+    # qwen2 (q/k/v bias) and llama3 RoPE (cos/sin tables) included
+    llama3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    for name, family, overrides in (("llama", "llama", dict(hidden_size=128)), ("qwen3", "qwen3", {}),
+                                    ("qwen2", "qwen2", dict(hidden_size=128)),
+                                    ("llama3rope", "llama", dict(hidden_size=128, rope_parameters=llama3))):
         for sp, tp in layouts:
             lay = ParallelLayout(world, sp=sp, tp=tp)
             model = make_model(family, seed=1, dtype=torch.bfloat16, **overrides).to(device)
@@ -86,7 +92,7 @@ def main() -> int:
                 assert pm.fusedpar_stack.fused is not None, "fused path not enabled"
                 return pm
 
-            ok &= _compare(model, fused_factory, device, f"FUSED {family} bfloat16 sp={sp} tp={tp}", strict=False)
+            ok &= _compare(model, fused_factory, device, f"FUSED {name} bfloat16 sp={sp} tp={tp}", strict=False)
     # loader: a sharded checkpoint written by rank 0, read in slices by every rank onto its GPU
     path = [tempfile.mkdtemp(prefix="fusedpar_ckpt_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path)

@@ -265,6 +265,9 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     res["kv_heads"] = pm.fusedpar_stack.layers[0].kv_heads
     res["kv_blocks"] = pm._fusedpar.kv.num_blocks
     res["layer_class"] = type(pm.fusedpar_stack.layers[0]).__name__
+    layer_cfg = pm.fusedpar_stack.layers[0].cfg
+    res["decoder"] = dict(qkv_bias=layer_cfg.qkv_bias, rope_table=layer_cfg.rope_inv_freq is not None,
+                          rope_attention_scaling=layer_cfg.rope_attention_scaling)
     try:
         pm.model(prompt_sets[0][0])
         res["base_model_guarded"] = False

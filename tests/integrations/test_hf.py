@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from fusedpar.layers import DEFAULT_SHIFT_THRESHOLD, StepBatch  # noqa: E402
+from fusedpar.layers import DEFAULT_SHIFT_THRESHOLD  # noqa: E402
 from fusedpar.layouts import ParallelLayout  # noqa: E402
 from fusedpar.testing.dist import run_distributed  # noqa: E402
 from tests.integrations.hf_models import make_model  # noqa: E402
@@ -149,13 +149,43 @@ def test_two_ranks(world2, case):
 
 
 def test_layer_paths(world4, world2):
-    """Bias / non-default RoPE models run the HF layer subclass, the others the core layer as is."""
-    assert world4[0]["qwen2_bias_sp2tp2_mixed"]["layer_class"] == "HFDecoderLayer"
-    assert world4[0]["llama_sp2tp2_mqa_llama3rope"]["layer_class"] == "HFDecoderLayer"
-    assert world4[0]["llama_tp4_kvrep"]["layer_class"] == "ShiftParallelDecoderLayer"
-    assert world2[0]["qwen3_sp2_mixed"]["layer_class"] == "ShiftParallelDecoderLayer"
+    """Every model runs the core layer; bias / non-default RoPE are DecoderConfig fields."""
+    for res in (world4[0], world2[0]):
+        assert {r["layer_class"] for r in res.values()} == {"ShiftParallelDecoderLayer"}
+    qwen2, llama3 = world4[0]["qwen2_bias_sp2tp2_mixed"], world4[0]["llama_sp2tp2_mqa_llama3rope"]
+    assert qwen2["decoder"] == dict(qkv_bias=True, rope_table=False, rope_attention_scaling=1.0)
+    assert llama3["decoder"] == dict(qkv_bias=False, rope_table=True, rope_attention_scaling=1.0)
+    assert world4[0]["llama_tp4_kvrep"]["decoder"] == dict(qkv_bias=False, rope_table=False,
+                                                           rope_attention_scaling=1.0)
+    assert world4[0]["loader_qwen2_sp2tp2"]["decoder"]["qkv_bias"]
     # kv replication: 2 kv heads over 4 ranks, rank r caches head r*2//4
     assert [r["llama_sp4_kvrep_mixed"]["kv_heads"] for r in world4] == [(0,), (0,), (1,), (1,)]
+
+
+@pytest.mark.parametrize(("rope", "scaled"), [
+    (LLAMA3_ROPE, False),
+    ({"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}, False),
+    ({"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 64}, True),
+])
+def test_rope_table_is_the_hf_rotary_modules(rope, scaled):
+    """DecoderConfig carries the HF rotary module's inv_freq and attention_scaling, and the core's
+    cos/sin equal HF's (fp32 angles in HF, fp64 in the core: ~1 ulp)."""
+    from fusedpar.integrations.hf import inspect_model
+
+    from fusedpar.layers.functional import rope_cos_sin
+
+    model = make_model("llama", rope_parameters=rope)
+    cfg = inspect_model(model, LAYOUT4).decoder
+    rot = model.model.rotary_emb
+    assert cfg.rope_inv_freq == tuple(rot.inv_freq.tolist())
+    assert cfg.rope_attention_scaling == rot.attention_scaling and (cfg.rope_attention_scaling != 1.0) == scaled
+    assert not cfg.rope_is_default
+    pos = torch.arange(200)
+    hf_cos, hf_sin = rot(torch.zeros(1, 200, cfg.head_dim), pos[None])
+    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, torch.float32, cfg.rope_inv_freq,
+                            cfg.rope_attention_scaling)
+    torch.testing.assert_close(cos, hf_cos[0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(sin, hf_sin[0], atol=2e-5, rtol=0)
 
 
 # ---- unsupported models fail at parallelize time, naming what is unsupported -------------------
@@ -233,7 +263,7 @@ def test_supported_model_needs_process_group_and_real_weights():
 
 
 def test_fused_path_choice():
-    """auto: fused only for CUDA bf16/fp16 models the core layer runs as is, with head_dim 2^k >= 16."""
+    """auto: fused only for CUDA bf16/fp16 models with head_dim 2^k >= 16."""
     from fusedpar.integrations.hf import UnsupportedModelError, inspect_model
     from fusedpar.integrations.hf.adapter import fused_decision
 
@@ -244,27 +274,11 @@ def test_fused_path_choice():
     assert fused_decision(inspect_model(make_model("qwen3"), LAYOUT4), cuda, True)
     with pytest.raises(UnsupportedModelError, match="head_dim=8"):
         fused_decision(inspect_model(make_model("llama", dtype=torch.bfloat16), LAYOUT4), cuda, True)
-    with pytest.raises(UnsupportedModelError, match="q/k/v bias"):
-        fused_decision(inspect_model(make_model("qwen2", dtype=torch.bfloat16, hidden_size=128), LAYOUT4), cuda,
-                       True)
-
-
-def test_paged_cache_grows_in_place():
-    """GrowablePagedKVCache keeps blocks, tables and data when a step needs more blocks than it has."""
-    from fusedpar.integrations.hf.adapter import GrowablePagedKVCache
-
-    cache = GrowablePagedKVCache(num_layers=2, kv_heads=(0,), head_dim=4, block_size=2, num_blocks=2,
-                                 dtype=torch.float32)
-    first = StepBatch((7,), (3,), (0,))
-    cache.ensure(first)
-    slots = cache.begin_step(first)
-    k = torch.arange(12.0).view(3, 1, 4)
-    cache.write(1, slots, k, -k)
-    second = StepBatch((7, 8), (2, 5), (3, 0))  # needs 1 + 3 more blocks, 0 free
-    cache.ensure(second)
-    assert cache.num_blocks == 6 and cache.k.shape[1] == 6
-    got_k, got_v = cache.gather(1, 7)
-    assert torch.equal(got_k, k) and torch.equal(got_v, -k)
-    slots = cache.begin_step(second)
-    assert len(set(slots.tolist())) == 7 and int(slots.max()) < 12  # distinct slots inside the grown pool
-    assert sorted(b for t in cache.block_tables.values() for b in t) == list(range(6))
+    # q/k/v bias and RoPE tables run on the fused path too (the core layer supports them)
+    qwen2 = inspect_model(make_model("qwen2", dtype=torch.bfloat16, hidden_size=128), LAYOUT4)
+    llama3 = inspect_model(make_model("llama", dtype=torch.bfloat16, hidden_size=128, rope_parameters=LLAMA3_ROPE),
+                           LAYOUT4)
+    assert qwen2.qkv_bias and llama3.rope_inv_freq is not None
+    for spec in (qwen2, llama3):
+        assert fused_decision(spec, cuda, None) and fused_decision(spec, cuda, True)
+        assert not fused_decision(spec, cpu, None)

@@ -1,4 +1,8 @@
-"""Shift-parallel decoder on gloo CPU processes vs the single-process unsharded oracle (fp32 vs fp64)."""
+"""Shift-parallel decoder on gloo CPU processes vs the single-process unsharded oracle (fp32 vs fp64).
+
+Also Qwen2-style q/k/v bias and a scaled RoPE table (DecoderConfig.qkv_bias, rope_inv_freq,
+rope_attention_scaling), in base, shift and mixed steps.
+"""
 
 import pytest
 import torch
@@ -72,6 +76,41 @@ def test_decoder_matches_unsharded_reference(sp, tp, h, hkv, qk_norm):
             tokens = sum(q for s in steps for _, q in s.seqs)
             assert sum(r["cache_lengths"].values()) == tokens
             assert r["cache_rows_written"] == 2 * tokens, f"rank {rank} {name}: padding reached the cache"
+
+
+def _check_scenarios(per_rank, names):
+    tol = REL_TOL[torch.float32]
+    for rank, res in enumerate(per_rank):
+        for name in names:
+            r, steps = res[name], SCENARIOS[name]
+            for i, (rec, step) in enumerate(zip(r["steps"], steps, strict=True)):
+                where = f"rank {rank} scenario {name} step {i} ({rec['mode']}, {rec['tokens']} tokens)"
+                assert rec["rel_error"] < tol, f"{where}: rel error {rec['rel_error']:.3g} >= {tol}"
+                assert rec["mode"] == step.mode, where
+            assert r["cache_rel_error"] < tol, f"rank {rank} {name}: cache differs from oracle"
+            tokens = sum(q for s in steps for _, q in s.seqs)
+            assert r["cache_rows_written"] == 2 * tokens, f"rank {rank} {name}: padding reached the cache"
+
+
+def _bias_rope_scenarios(rank, world, cfg, sp, tp):
+    return {name: run_layer_scenario(rank, world, cfg, sp, tp, SCENARIOS[name]).to_dict()
+            for name in ("base", "shift", "mixed")}
+
+
+def scaled_rope_table(head_dim: int) -> tuple[float, ...]:
+    """A RoPE frequency table no rope_theta gives (low frequencies stretched, llama3-style)."""
+    return tuple(500.0 ** (-2 * i / head_dim) / (1 + i) for i in range(head_dim // 2))
+
+
+# (sp, tp, q heads, kv heads, qk_norm): 2x2 replicates the 2 kv heads (and their bias entries)
+# over 4 ranks; SP=2 pads 19 tokens to 20 (the bias must not leak through padding rows).
+@pytest.mark.parametrize(("sp", "tp", "h", "hkv", "qk_norm"), [(2, 2, 8, 2, True), (2, 1, 8, 4, False)])
+def test_qkv_bias_and_scaled_rope_match_unsharded_reference(sp, tp, h, hkv, qk_norm):
+    cfg = DecoderConfig(hidden_size=48, num_q_heads=h, num_kv_heads=hkv, head_dim=8, intermediate_size=8 * sp * tp,
+                        qk_norm=qk_norm, rope_theta=500.0, qkv_bias=True, rope_inv_freq=scaled_rope_table(8),
+                        rope_attention_scaling=0.8)
+    per_rank = run_distributed(_bias_rope_scenarios, sp * tp, cfg, sp, tp)
+    _check_scenarios(per_rank, ("base", "shift", "mixed"))
 
 
 def test_base_mode_pads_and_strips_13_tokens_at_sp4():

@@ -30,12 +30,7 @@ def _layouts(world):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
-@pytest.mark.parametrize(("h", "hkv", "qk_norm"), [(32, 8, False), (16, 2, True)])
-def test_fused_decoder_matches_oracle_and_reference(nccl_world, dtype, h, hkv, qk_norm):
-    rank, world = nccl_world
-    cfg = DecoderConfig(hidden_size=1024, num_q_heads=h, num_kv_heads=hkv, head_dim=128,
-                        intermediate_size=2048, qk_norm=qk_norm, rope_theta=1e6)
+def _check_fused_against_oracle_and_plain(rank, world, cfg, dtype):
     for sp, tp in _layouts(world):
         fused = run_layer_scenario(rank, world, cfg, sp, tp, STEPS, dtype=dtype, block_size=16, fused=True)
         plain = run_layer_scenario(rank, world, cfg, sp, tp, STEPS, dtype=dtype, block_size=16)
@@ -47,3 +42,35 @@ def test_fused_decoder_matches_oracle_and_reference(nccl_world, dtype, h, hkv, q
             assert f.rel_error < 2 * p.rel_error + 4e-3, f"{where}: fused {f.rel_error:.3g} vs plain {p.rel_error:.3g}"
         assert fused.cache_rel_error < REL_TOL[dtype]
         assert fused.cache_lengths == plain.cache_lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+@pytest.mark.parametrize(("h", "hkv", "qk_norm"), [(32, 8, False), (16, 2, True)])
+def test_fused_decoder_matches_oracle_and_reference(nccl_world, dtype, h, hkv, qk_norm):
+    rank, world = nccl_world
+    cfg = DecoderConfig(hidden_size=1024, num_q_heads=h, num_kv_heads=hkv, head_dim=128,
+                        intermediate_size=2048, qk_norm=qk_norm, rope_theta=1e6)
+    _check_fused_against_oracle_and_plain(rank, world, cfg, dtype)
+
+
+def _llama3_style_table(head_dim: int, theta: float = 5e5, factor: float = 8.0) -> tuple[float, ...]:
+    """A scaled RoPE table no rope_theta gives: low frequencies divided by `factor`, a smooth ramp between."""
+    out = []
+    for i in range(head_dim // 2):
+        f = theta ** (-2 * i / head_dim)
+        ramp = min(max((2 * i / head_dim - 0.25) / 0.5, 0.0), 1.0)  # 0 for high, 1 for low frequencies
+        out.append(f / (1 + (factor - 1) * ramp))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_fused_decoder_with_qkv_bias_and_rope_tables(nccl_world, dtype):
+    """Qwen2-style q/k/v bias (added after qkv_all_to_all, in the GEMM in shift mode) and a scaled
+    RoPE table with attention scaling (cos/sin tables into the Triton attention), with GQA, Qwen3
+    q/k norm and, at 4+ ranks, replicated kv heads (duplicated bias entries)."""
+    rank, world = nccl_world
+    cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=2, head_dim=128, intermediate_size=2048,
+                        qk_norm=True, rope_theta=5e5, qkv_bias=True, rope_inv_freq=_llama3_style_table(128),
+                        rope_attention_scaling=1.1)
+    assert not cfg.rope_is_default
+    _check_fused_against_oracle_and_plain(rank, world, cfg, dtype)

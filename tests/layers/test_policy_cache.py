@@ -79,3 +79,38 @@ def test_cache_rejects_wrong_context_and_overflow():
         cache.begin_step(StepBatch((1,), (9,), (0,)))
     with pytest.raises(ValueError, match="does not match"):
         cache.write(0, torch.tensor([0]), torch.zeros(1, 3, 2), torch.zeros(1, 3, 2))
+
+
+def test_cache_grow_keeps_blocks_tables_and_values():
+    cache = _cache(num_blocks=3)  # block_size 4
+    g = torch.Generator().manual_seed(1)
+    first = StepBatch((7, 8), (5, 2), (0, 0))  # 7 takes blocks 0, 1; 8 takes block 2
+    assert cache.blocks_needed(first) == 3 and cache.free_blocks == 3
+    slots = cache.begin_step(first)
+    k = torch.randn(7, 2, 2, generator=g)
+    cache.write(0, slots, k, 2 * k)
+    cache.free(8)  # block 2 back in the pool
+    assert cache.free_blocks == 1 and cache.block_tables == {7: [0, 1]}
+    second = StepBatch((7, 9), (4, 6), (5, 0))  # 7 needs 1 more block (9 tokens), 9 needs 2
+    assert cache.blocks_needed(second) == 3
+    old_k = cache.k
+    cache.grow(6)
+    assert (cache.num_blocks, cache.free_blocks) == (6, 4) and cache.k.shape[1] == cache.v.shape[1] == 6
+    assert cache.k is not old_k and torch.equal(cache.k[:, :3], old_k)
+    assert cache.block_tables == {7: [0, 1]} and cache.lengths == {7: 5}
+    got_k, got_v = cache.gather(0, 7)
+    assert torch.equal(got_k, k[:5]) and torch.equal(got_v, 2 * k[:5])
+    # the old free block is handed out first, then the new ones in order (deterministic on every rank)
+    slots = cache.begin_step(second)
+    assert cache.block_tables == {7: [0, 1, 2], 9: [3, 4]} and cache.free_blocks == 1
+    k2 = torch.randn(10, 2, 2, generator=g)
+    cache.write(0, slots, k2, 2 * k2)
+    assert torch.equal(cache.gather(0, 7)[0], torch.cat([k[:5], k2[:4]]))
+    assert torch.equal(cache.gather(0, 9)[1], 2 * k2[4:])
+    assert cache.k[1].abs().sum() == 0  # layer 1 never written, before or after the grow
+    cache.grow(6)  # same size: nothing changes
+    assert cache.num_blocks == 6 and cache.free_blocks == 1
+    with pytest.raises(ValueError, match="cannot shrink"):
+        cache.grow(5)
+    cache.begin_step(StepBatch((10,), (4,), (0,)))
+    assert cache.block_tables[10] == [5] and cache.free_blocks == 0

@@ -1,5 +1,7 @@
 """Base shards + shift views: zero extra bytes, and the shift view is plain TP=P sharding."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -64,3 +66,58 @@ def test_weight_shape_mismatch_is_reported():
     del full["k"]
     with pytest.raises(ValueError, match="missing"):
         ShardedDecoderWeights.from_full(cfg, ParallelLayout(2, tp=2), 0, full)
+
+
+@pytest.mark.parametrize(("world", "sp", "tp", "h", "hkv"), [(4, 2, 2, 8, 2), (4, 4, 1, 4, 1), (6, 3, 2, 12, 6)])
+def test_qkv_bias_follows_the_qkv_rows_and_its_shift_view_is_zero_copy(world, sp, tp, h, hkv):
+    P = sp * tp
+    cfg = DecoderConfig(hidden_size=16, num_q_heads=h, num_kv_heads=hkv, head_dim=4, intermediate_size=4 * P,
+                        qkv_bias=True)
+    full = random_decoder_weights(cfg, seed=7)
+    assert {n: tuple(full[n].shape) for n in ("q_bias", "k_bias", "v_bias")} == {
+        "q_bias": (cfg.q_size,), "k_bias": (cfg.kv_size,), "v_bias": (cfg.kv_size,)}
+    # Tag every weight row with its bias: column 0 of row j = bias[j]. Then in any shard, column 0
+    # of the qkv rows must equal the bias entries, whatever order the rows were gathered in.
+    for p in "qkv":
+        full[p] = full[p].clone()
+        full[p][:, 0] = full[f"{p}_bias"]
+    layout = ParallelLayout(world, sp=sp, tp=tp)
+    shard_map = layout.weight_shards(cfg.dims)
+    for rank in range(world):
+        w = ShardedDecoderWeights.from_full(cfg, layout, rank, full)
+        base, shift = w.base["qkv_bias"], w.shift["qkv_bias"]
+        assert base.dim() == 1 and torch.equal(base, w.base["qkv"][:, 0])
+        assert torch.equal(shift, w.shift["qkv"][:, 0])
+        # zero-copy: the shift bias is a view into the base bias storage, at the qkv shift rows
+        assert shift.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        lo, hi = shard_map.shard(rank, "qkv").shift
+        assert shift.data_ptr() == base.data_ptr() + lo * base.element_size() and shift.numel() == hi - lo
+        # plain TP=P bias for the shift view, from first principles
+        expected = _plain_tp_shift(cfg, full, layout.coords(rank).local, P)["qkv"][:, 0]
+        assert torch.equal(shift, expected)
+        # byte accounting: the four weight shards plus one bias entry per qkv shard row
+        bias_bytes = shard_map.shard(rank, "qkv").size * 4
+        assert base.nbytes == bias_bytes
+        assert w.storage_bytes() == sum(t.nbytes for t in w.base.values()) == \
+            shard_map.base_bytes(rank, cfg.hidden_size, 4) + bias_bytes
+
+
+def test_bias_weights_need_qkv_bias_in_the_config():
+    cfg = DecoderConfig(hidden_size=16, num_q_heads=8, num_kv_heads=4, head_dim=4, intermediate_size=16)
+    full = random_decoder_weights(dataclasses.replace(cfg, qkv_bias=True), seed=5)
+    with pytest.raises(ValueError, match=r"\['k_bias', 'q_bias', 'v_bias'\] but the config has qkv_bias=False"):
+        ShardedDecoderWeights.from_full(cfg, ParallelLayout(2, tp=2), 0, full)
+    bias_cfg = dataclasses.replace(cfg, qkv_bias=True)
+    del full["v_bias"]
+    with pytest.raises(ValueError, match=r"missing \['v_bias'\]"):
+        ShardedDecoderWeights.from_full(bias_cfg, ParallelLayout(2, tp=2), 0, full)
+
+
+def test_random_weights_without_bias_are_unchanged_by_bias_configs():
+    """Biases are drawn last: adding qkv_bias leaves every other seeded weight as it was."""
+    cfg = DecoderConfig(hidden_size=16, num_q_heads=8, num_kv_heads=4, head_dim=4, intermediate_size=16,
+                        qk_norm=True)
+    plain = random_decoder_weights(cfg, seed=9)
+    biased = random_decoder_weights(dataclasses.replace(cfg, qkv_bias=True), seed=9)
+    assert set(biased) - set(plain) == {"q_bias", "k_bias", "v_bias"}
+    assert all(torch.equal(plain[n], biased[n]) for n in plain)

@@ -1,0 +1,78 @@
+"""The fused layer path (ShiftParallelDecoderLayer.fused_fwd) on CPU: gloo processes, the Triton
+attention on the interpreter, and a FusedKernels stand-in whose qkv / o_proj / row_parallel are
+the plain collectives with the same contract (bias: the own block's, added after the exchange).
+
+It checks the layer's own fused-path logic, which the GPU tests (test_fused_gpu.py) can only
+check under torchrun: the q/k/v bias added after the all-to-all and the scaled-RoPE cos/sin
+tables handed to the attention kernel, in base, shift and mixed steps against the fp64 oracle.
+"""
+
+import os
+
+import pytest
+import torch.nn.functional as F
+
+from fusedpar.collectives import all_reduce_sum, head_to_seq_all_to_all, seq_to_head_all_to_all
+from fusedpar.layers import DecoderConfig
+from fusedpar.testing.dist import run_distributed
+from fusedpar.testing.scenarios import Step, run_layer_scenario
+
+# conftest sets TRITON_INTERPRET=1 when there is no CUDA; with CUDA the gloo ranks' CPU tensors
+# cannot reach compiled Triton kernels (test_fused_gpu.py covers that machine)
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the fused layer path on CPU needs the Triton interpreter (TRITON_INTERPRET=1)")
+
+REL_TOL = 1e-5  # fp32 (Triton attention on the interpreter, fp32 cos/sin tables) vs fp64; ~3e-7 seen
+
+STEPS = [
+    Step(((0, 7), (1, 4)), "base"),  # 11 tokens: SP=2 pads to 12
+    Step(((0, 1), (1, 1)), "shift"),
+    Step(((2, 5), (0, 2)), "base"),
+    Step(((0, 1), (1, 1), (2, 1)), "shift"),
+]
+
+
+class PlainCollectiveOps:
+    """FusedKernels' three stages on the plain ops (works on gloo / CPU)."""
+
+    def __init__(self, ctx, cfg):
+        self.ctx, self.cfg = ctx, cfg
+
+    def qkv(self, h, w, mode, bias=None):
+        if mode == "base" and self.ctx.sp.size > 1:
+            out = seq_to_head_all_to_all(F.linear(h, w), self.ctx.sp)
+            return out if bias is None else out + bias
+        return F.linear(h, w, bias)
+
+    def o_proj(self, attn, w, mode):
+        if mode == "base" and self.ctx.sp.size > 1:
+            return all_reduce_sum(F.linear(head_to_seq_all_to_all(attn, self.ctx.sp), w), self.ctx.tp)
+        return self.row_parallel(attn, w, mode)
+
+    def row_parallel(self, x, w, mode):
+        return all_reduce_sum(F.linear(x, w), self.ctx.attention_group(mode))
+
+
+def _run(rank, world, cfg, sp, tp):
+    from tests.conftest import _fix_interpreter_for_numpy_2_4
+
+    _fix_interpreter_for_numpy_2_4()  # spawned ranks do not run conftest
+    return run_layer_scenario(rank, world, cfg, sp, tp, STEPS, fused_ops=PlainCollectiveOps).to_dict()
+
+
+TABLE = tuple(500.0 ** (-2 * i / 16) / (1 + i) for i in range(8))
+BASE_CFG = dict(hidden_size=32, num_q_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=16, rope_theta=500.0)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(qkv_bias=True, rope_inv_freq=TABLE, rope_attention_scaling=0.8),  # Qwen2 bias + yarn-like RoPE
+    dict(qk_norm=True),  # plain RoPE from rope_theta (attention_step), no bias
+], ids=["bias_rope_table", "plain"])
+def test_fused_layer_path_matches_oracle(extra):
+    cfg = DecoderConfig(**BASE_CFG, **extra)
+    for r in run_distributed(_run, 2, cfg, 2, 1):
+        for i, (rec, step) in enumerate(zip(r["steps"], STEPS, strict=True)):
+            assert rec["mode"] == step.mode
+            assert rec["rel_error"] < REL_TOL, f"rank {r['rank']} step {i} ({rec['mode']}): {rec['rel_error']:.3g}"
+        assert r["cache_rel_error"] < REL_TOL
+        assert r["cache_rows_written"] == 2 * sum(q for s in STEPS for _, q in s.seqs)
