@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one device call. Installs nothing.
-#   bash perf/run_gpu.sh [ITEM ...]     items: tests gemm one_shot gemm_all_reduce attention
+#   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj   (default: all)
 # A device call lasts at most 600 s: "all" does not fit one call; pass a subset per call, e.g.
 #   bash perf/run_gpu.sh tests attention gemm_all_reduce
@@ -10,12 +10,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# fusedpar.integrations lives in ./integrations and is mapped into the package at install time;
+# without installing, a symlink overlay gives the same import layout.
+OVERLAY=$(mktemp -d)/src; mkdir -p "$OVERLAY/fusedpar"
+for e in "$PWD"/fusedpar/*; do ln -s "$e" "$OVERLAY/fusedpar/"; done
+ln -s "$PWD/integrations" "$OVERLAY/fusedpar/integrations"
+export PYTHONPATH="$OVERLAY:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 RES=${OUT:-perf/results}
 mkdir -p "$RES"
 LOG="$RES/gpu_run.log"
 ITEMS=("$@")
-[ ${#ITEMS[@]} -eq 0 ] && ITEMS=(tests gemm one_shot gemm_all_reduce attention qkv_all_to_all all_to_all_o_proj)
+[ ${#ITEMS[@]} -eq 0 ] && ITEMS=(tests hf gemm one_shot gemm_all_reduce attention qkv_all_to_all all_to_all_o_proj)
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 TRUN=(torchrun --standalone --nproc-per-node "$NGPU")
 status=0
@@ -36,11 +41,12 @@ run() {  # run CMD..., logging the command and its output; remember failures
 
 for item in "${ITEMS[@]}"; do
   case "$item" in
-    # One process per GPU; single-GPU tests just run on every rank. tests/integrations needs
-    # the package installed (fusedpar.integrations maps to ./integrations), so it runs on CPU.
+    # One process per GPU; single-GPU tests just run on every rank.
     # TEST_PATHS narrows the run (e.g. one file after a fix); default: every GPU test.
     tests) run timeout "${TEST_TIMEOUT:-300}" "${TRUN[@]}" -m pytest -m gpu -q -p no:cacheprovider \
-             --ignore=tests/integrations ${TEST_PATHS:-tests} ;;
+             ${TEST_PATHS:-tests} ;;
+    # HF adapter on NCCL: tiny random Llama/Qwen2/Qwen3 vs the unsharded model, fp32 and bf16.
+    hf) run timeout 150 "${TRUN[@]}" -m tests.integrations.hf_gpu_check ;;
     gemm) run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json" ;;
     one_shot) run timeout 120 "${TRUN[@]}" perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json" ;;
     gemm_all_reduce) run timeout 150 "${TRUN[@]}" perf/bench_gemm_all_reduce.py --out "$RES/gemm_all_reduce.json" ;;
