@@ -16,8 +16,7 @@ OVERLAY=$(mktemp -d)/src; mkdir -p "$OVERLAY/fusedpar"
 for e in "$PWD"/fusedpar/*; do ln -s "$e" "$OVERLAY/fusedpar/"; done
 ln -s "$PWD/integrations" "$OVERLAY/fusedpar/integrations"
 export PYTHONPATH="$OVERLAY:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-RES=${OUT:-perf/results}
-mkdir -p "$RES"
+RES=$(mkdir -p "${OUT:-perf/results}" && cd "${OUT:-perf/results}" && pwd)  # absolute: items may cd
 LOG="$RES/gpu_run.log"
 ITEMS=("$@")
 [ ${#ITEMS[@]} -eq 0 ] && ITEMS=(tests hf gemm one_shot gemm_all_reduce attention qkv_all_to_all all_to_all_o_proj)
@@ -31,6 +30,7 @@ run() {  # run CMD..., logging the command and its output; remember failures
   local rc=${PIPESTATUS[0]}
   echo "rc=$rc" | tee -a "$LOG"
   [ "$rc" -eq 0 ] || status=1
+  return "$rc"
 }
 
 {
@@ -46,7 +46,9 @@ for item in "${ITEMS[@]}"; do
     tests) run timeout "${TEST_TIMEOUT:-300}" "${TRUN[@]}" -m pytest -m gpu -q -p no:cacheprovider \
              ${TEST_PATHS:-tests} ;;
     # HF adapter on NCCL: tiny random Llama/Qwen2/Qwen3 vs the unsharded model, fp32 and bf16.
-    hf) run timeout 150 "${TRUN[@]}" -m tests.integrations.hf_gpu_check ;;
+    # Run from the overlay: `python -m` puts the cwd first on sys.path, where ./fusedpar would
+    # shadow the overlay's fusedpar (which has .integrations); `tests` comes from PYTHONPATH.
+    hf) (cd "$OVERLAY" && run timeout 150 "${TRUN[@]}" -m tests.integrations.hf_gpu_check) || status=1 ;;
     gemm) run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json" ;;
     one_shot) run timeout 120 "${TRUN[@]}" perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json" ;;
     gemm_all_reduce) run timeout 150 "${TRUN[@]}" perf/bench_gemm_all_reduce.py --out "$RES/gemm_all_reduce.json" ;;

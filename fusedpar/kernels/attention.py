@@ -487,10 +487,12 @@ def pick_config(
       heads (tl.dot needs M >= 16, so G < 16 wastes rows, but decode is bound by the K/V bytes,
       which are read once per kv head). block_n 64, 4 warps, 4 stages (measured: 64 x 4096
       decode 0.076 ms with 4 stages and 4 splits vs 0.087 ms with 3 stages and 2 splits).
-    Prefill/mixed: block_m 128 (hd <= 128) with block_q = 128 // G tokens, block_n 32, 4 warps,
-      4 stages (measured at 4096 tokens: 0.200 ms vs 0.233 ms for block_n 64 / 8 warps /
-      3 stages); hd 256 or fp32 inputs: block_m 64, block_n 32, 2 stages to stay inside
-      227 KiB of shared memory.
+    Prefill/mixed: block_m 128 (hd <= 128) with block_q = 128 // G tokens, block_n 64, 8 warps,
+      3 stages. Measured at 4096 tokens (one sequence): attention alone is faster with block_n
+      32 / 4 warps / 4 stages (0.198 vs 0.233 ms), but with RoPE and q/k-norm applied in the
+      kernel and the cache write on (what the layer runs) it is much slower (0.513 vs 0.369 ms,
+      likely register pressure at 4 warps), so the 8-warp tile stays. hd 256 or fp32 inputs:
+      block_m 64, block_n 32, 2 stages to stay inside 227 KiB of shared memory.
     Split-KV when every sequence fits in one q tile (decode-like) and the (sequence, kv head)
       programs cannot fill the GPU: enough splits for ~4 programs per SM (measured best at
       batch 64), each split at least 4 key tiles long (1 in the interpreter, so CPU tests
@@ -505,7 +507,7 @@ def pick_config(
         block_m, block_n, warps, stages = max(16, _next_pow2(group)), (32 if big else 64), 4, (3 if big else 4)
     else:
         block_m = max(64 if big else 128, _next_pow2(group))
-        block_n, warps, stages = 32, 4, (2 if big else 4)
+        block_n, warps, stages = (32 if big else 64), (4 if big else 8), (2 if big else 3)
     block_q = 1 if max_query_len == 1 else max(1, block_m // group)
 
     splits = 1
