@@ -13,6 +13,7 @@ import sys
 import time
 
 from fusedpar.layers import DecoderConfig
+from fusedpar.layouts import ParallelLayout
 from fusedpar.testing.dist import run_distributed
 from fusedpar.testing.scenarios import Step, run_layer_scenario
 
@@ -76,6 +77,13 @@ def run_demo(args) -> int:
     cfg = DEMO_MODEL
     steps = demo_workload()
     configs = _configs(args)
+    for label, sp, tp, _ in configs:  # fail here, with the constraint, not inside a worker process
+        try:
+            ParallelLayout(args.world_size, sp=sp, tp=tp).weight_shards(cfg.dims)
+        except ValueError as e:
+            raise SystemExit(f"error: {label} cannot hold the demo model "
+                             f"({cfg.num_q_heads} q / {cfg.num_kv_heads} kv heads, MLP {cfg.intermediate_size}): {e}"
+                             ) from None
     print(f"fusedpar demo: {args.layers}-layer Llama-style stack (hidden {cfg.hidden_size}, "
           f"{cfg.num_q_heads} q / {cfg.num_kv_heads} kv heads), {len(steps)} steps, "
           f"{args.world_size} CPU processes, gloo", flush=True)
