@@ -27,6 +27,7 @@ from fusedpar.collectives.symmetric import (
     SymmetricWorkspace,
     as_peer_table,
 )
+from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 
 
 @triton.jit
@@ -195,21 +196,7 @@ def test_symmetric_workspace_argument_errors_without_allocating():
 @pytest.fixture(scope="module")
 def gpu_world(nccl_world):
     """The WORLD process group (NCCL, from tests/conftest.py's torchrun session), or a clean skip."""
-    import torch.distributed as dist
-
-    _, world_size = nccl_world
-    if world_size < 2:
-        pytest.skip("needs at least 2 ranks: torchrun --nproc-per-node N with N >= 2")
-    return dist.group.WORLD
-
-
-def _all_ok(ok: bool) -> bool:
-    """True iff `ok` on every rank: ranks assert together instead of one hanging in a collective."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], device="cuda")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return world_group_or_skip(nccl_world)
 
 
 @pytest.mark.gpu
@@ -242,7 +229,7 @@ def test_gpu_workspace_tables_views_and_barrier(gpu_world):
     ok &= bool(out.eq(W * (W + 1) / 2).all().item())
     ws.barrier()
     torch.cuda.synchronize()
-    assert _all_ok(ok), f"rank {rank}: workspace tables/views/peer reads wrong"
+    assert all_ranks_ok(ok), f"rank {rank}: workspace tables/views/peer reads wrong"
 
 
 @pytest.mark.gpu
