@@ -17,6 +17,10 @@ would only match it. Every fused op routes itself to its plain fallback by size 
 step does not fit its workspace), deciding from shapes alone so every rank agrees.
 
 Collective: every rank builds FusedKernels with the same arguments, in the same order.
+
+fuse_comm=False builds no workspaces: every stage then takes its plain path (cuBLAS GEMMs,
+NCCL all-to-all / all-reduce) around the same Triton attention, which is the baseline the
+layer benchmark compares the fused communication against.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusedpar.collectives import ParallelContext
+from fusedpar.collectives import ParallelContext, head_to_seq_all_to_all, seq_to_head_all_to_all
 from fusedpar.layers.config import DecoderConfig
 
 
 class FusedKernels:
-    def __init__(self, ctx: ParallelContext, cfg: DecoderConfig, *, max_tokens: int, dtype: torch.dtype):
+    def __init__(self, ctx: ParallelContext, cfg: DecoderConfig, *, max_tokens: int, dtype: torch.dtype,
+                 fuse_comm: bool = True):
         from fusedpar.collectives.symmetric import SymmetricWorkspace
         from fusedpar.kernels import allreduce, gemm_all_reduce, ulysses
 
@@ -52,12 +57,15 @@ class FusedKernels:
             return max(s[0] for s in sizes), max(s[1] for s in sizes)
 
         self.qkv_ws = self.o_ws = self.tp_allreduce_ws = None
+        self.gemm_ar_ws: dict[str, object | None] = {"base": None, "shift": None}
+        self.fuse_comm = fuse_comm
+        if not fuse_comm:
+            return
         if sp > 1:
             self.qkv_ws = SymmetricWorkspace(ctx.sp, ulysses.qkv_workspace_bytes(m_max, self.blk, sp, dtype),
                                              ranks=ctx.sp.ranks)
             self.o_ws = SymmetricWorkspace(ctx.sp, ulysses.o_proj_workspace_bytes(m_max, nq * hd, sp, dtype),
                                            ranks=ctx.sp.ranks)
-        self.gemm_ar_ws: dict[str, object | None] = {"base": None, "shift": None}
         tp = layout.tp
         if tp > 1:
             nbytes, blocks = reduce_bytes(tp, nq * sp * hd, cfg.intermediate_size // tp, m_max)
@@ -80,21 +88,27 @@ class FusedKernels:
         rows (out of place: they may be a view of the symmetric receive buffer); without an
         exchange (shift mode, SP = 1) w has exactly the block's rows and the GEMM adds it.
         """
-        if mode == "base" and self.qkv_ws is not None:
+        if mode == "base" and self.ctx.sp.size > 1:
             from fusedpar.kernels.ulysses import qkv_all_to_all
 
-            out = qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp)
+            if self.qkv_ws is not None:
+                out = qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp)
+            else:
+                out = seq_to_head_all_to_all(F.linear(h, w), self.ctx.sp)
             return out if bias is None else out + bias
         return F.linear(h, w, bias)
 
     def o_proj(self, attn: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
         """Attention output -> o-projection summed over the mode's reduce group: [rows, d]."""
-        if mode == "base" and self.o_ws is not None:
+        if mode == "base" and self.ctx.sp.size > 1:
             from fusedpar.kernels.allreduce import all_reduce
             from fusedpar.kernels.ulysses import all_to_all_o_proj
 
-            out = all_to_all_o_proj(attn, w, self.o_ws, self.ctx.sp)
-            if self.ctx.tp.size > 1:
+            if self.o_ws is not None:
+                out = all_to_all_o_proj(attn, w, self.o_ws, self.ctx.sp)
+            else:
+                out = F.linear(head_to_seq_all_to_all(attn, self.ctx.sp), w)
+            if self.ctx.tp.size > 1:  # NCCL when there is no workspace
                 out = all_reduce(out, self.ctx.tp, self.tp_allreduce_ws, inplace=True)
             return out
         return self.row_parallel(attn, w, mode)

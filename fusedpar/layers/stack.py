@@ -29,11 +29,12 @@ class ShiftParallelStack(nn.Module):
         self.steps = {"base": 0, "shift": 0}
         self.fused: FusedKernels | None = None
 
-    def enable_fused(self, *, max_tokens: int) -> ShiftParallelStack:
-        """Switch the layers to the fused kernels (CUDA only); steps up to max_tokens fit the
-        symmetric workspaces (larger ones fall back per op). Collective: call on every rank."""
+    def enable_fused(self, *, max_tokens: int, fuse_comm: bool = True) -> ShiftParallelStack:
+        """Switch the layers to the Triton path (CUDA only); steps up to max_tokens fit the
+        symmetric workspaces (larger ones fall back per op). fuse_comm=False keeps the Triton
+        attention but plain cuBLAS + NCCL communication (a baseline). Collective: every rank."""
         self.fused = FusedKernels(self.ctx, self.cfg, max_tokens=max_tokens,
-                                  dtype=self.layers[0].w.base["qkv"].dtype)
+                                  dtype=self.layers[0].w.base["qkv"].dtype, fuse_comm=fuse_comm)
         for layer in self.layers:
             layer.fused = self.fused
         return self

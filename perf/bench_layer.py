@@ -1,0 +1,186 @@
+"""One decoder layer per step: fusedpar's fused communication vs plain cuBLAS + NCCL, per mode.
+
+    torchrun --nproc-per-node 4 perf/bench_layer.py [--model llama70b] [--tokens 8,64,512,2048,4096,16384]
+                                                   [--out perf/results/layer.json]
+
+Modes on P GPUs, all with the same Triton paged attention (so only the communication differs):
+  plain TP      sp=1, tp=P: cuBLAS GEMMs + NCCL all-reduces
+  plain SP      sp=P: cuBLAS + NCCL all-to-all (Ulysses) + NCCL
+  fused base    sp=P: qkv_all_to_all, all_to_all_o_proj, gemm_all_reduce (each routed by size)
+  fused shift   sp=P layout run in shift mode (TP=P over zero-copy views), fused reductions
+  fused policy  the ShiftPolicy's choice at that size (--threshold)
+Steps: tokens <= 64 -> decode: that many sequences, one new token each, against --context cached
+tokens; larger -> prefill of one sequence of that many tokens. Time = eager step latency: CUDA
+events around the whole step after a barrier (host launch cost included, as an eager engine sees
+it; CUDA-graph decode is not measured here), median of --iters, max over ranks. Each fused mode's
+output is checked against plain SP / plain TP on the same input (max relative difference).
+Records: bench layer_base / layer_shift (speedup vs plain TP) and layer_shift_policy (vs the
+better of plain TP and plain SP), plus the plain modes' times; roofline_pct against
+max(GEMM FLOPs at the cuBLAS TFLOP/s, weight-shard bytes at the HBM bandwidth) measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench  # the shared torchrun / record helpers
+import bench_gemm  # measure_ceilings: cuBLAS TFLOP/s and HBM bandwidth, this run
+
+_bench.add_repo_to_path()
+
+MODELS = {  # DESIGN.md section 9 shapes
+    "llama70b": dict(hidden_size=8192, num_q_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=28672,
+                     rope_theta=500000.0),
+    "qwen32b": dict(hidden_size=5120, num_q_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=25600,
+                    rope_theta=1000000.0, qk_norm=True),
+}
+
+
+def full_weights(cfg, device, dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Random full weights made on the GPU (same values on every rank: same seed, same generator)."""
+    from fusedpar.layers import weight_shapes
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(cfg).items():
+        if len(shape) == 1:
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        else:
+            out[name] = torch.randn(shape, generator=gen, device=device, dtype=dtype) / shape[1] ** 0.5
+    return out
+
+
+def step_time_ms(fn, iters: int, warmup: int) -> float:
+    import torch.distributed as dist
+
+    for i in range(warmup):
+        fn(i)
+    times = []
+    for i in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(warmup + i)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return _bench.max_over_ranks(statistics.median(times))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="llama70b")
+    p.add_argument("--tokens", default="8,64,512,2048,4096,16384")
+    p.add_argument("--context", type=int, default=4096, help="cached tokens per sequence in decode steps")
+    p.add_argument("--threshold", type=int, default=1024, help="policy: shift mode at or below this many tokens")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default="perf/results/layer.json")
+    args = p.parse_args()
+    if not _bench.torchrun_available():
+        print("bench_layer: needs CUDA GPUs and a torchrun launch; nothing to do")
+        return 0
+    _, rank, world = _bench.init_distributed()
+    from fusedpar import ParallelLayout
+    from fusedpar.collectives import ParallelContext
+    from fusedpar.layers import DecoderConfig, ShiftParallelStack, ShiftPolicy, StepBatch
+
+    dev, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    cfg = DecoderConfig(**MODELS[args.model])
+    tokens = [int(t) for t in args.tokens.split(",")]
+    max_tokens = max(tokens)
+    full = full_weights(cfg, dev, dtype, seed=0)
+    iters_total = args.warmup + args.iters + 1
+
+    def build(sp: int, tp: int, fuse_comm: bool, weights: dict[str, torch.Tensor]):
+        ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
+        stack = ShiftParallelStack.from_full_weights(cfg, ctx, [weights], ShiftPolicy(args.threshold))
+        stack.enable_fused(max_tokens=max_tokens, fuse_comm=fuse_comm)
+        need = max(max(t for t in tokens if t > 64), max(t for t in tokens if t <= 64) * (args.context + iters_total))
+        cache = stack.make_cache(block_size=16, num_blocks=need // 16 + 64, dtype=dtype)
+        return stack, cache
+
+    stacks = {"plain TP": build(1, world, False, full), "plain SP": build(world, 1, False, full),
+              "fused": build(world, 1, True, full)}
+    del full
+    torch.cuda.empty_cache()
+    peak, hbm = bench_gemm.measure_ceilings(dtype, 10, dev)
+    layer_params = (cfg.hidden_size * (2 * cfg.q_size + 2 * cfg.kv_size)
+                    + 3 * cfg.hidden_size * cfg.intermediate_size)
+
+    def floor_ms(n: int) -> float:
+        """Per GPU: GEMM work at the measured TFLOP/s, or reading the weight shard at HBM speed."""
+        return max(2 * n * layer_params / world / peak, 2 * layer_params / world / hbm) * 1e3
+
+    runs = [("plain TP", "plain TP", None), ("plain SP", "plain SP", "base"), ("fused base", "fused", "base"),
+            ("fused shift", "fused", "shift"), ("fused policy", "fused", None)]
+    gen = torch.Generator(device=dev).manual_seed(1)
+    results: dict[int, dict[str, float]] = {}
+    diffs: dict[int, dict[str, float]] = {}
+    sid = iter(range(10**9))
+    for n in tokens:
+        x = torch.randn((n, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
+        results[n], diffs[n], outs = {}, {}, {}
+        for label, key, mode in runs:
+            stack, cache = stacks[key]
+            if n <= 64:  # decode: n sequences with `context` cached tokens (values irrelevant to timing)
+                ids = tuple(next(sid) for _ in range(n))
+                cache.begin_step(StepBatch(ids, (args.context,) * n, (0,) * n))
+
+                def fn(i, stack=stack, cache=cache, ids=ids, mode=mode, x=x, n=n):
+                    return stack(x, StepBatch(ids, (1,) * n, (args.context + i,) * n), cache, mode=mode)
+            else:  # prefill of one fresh sequence per call (freed right after)
+
+                def fn(i, stack=stack, cache=cache, mode=mode, x=x, n=n):
+                    s = next(sid)
+                    y = stack(x, StepBatch((s,), (n,), (0,)), cache, mode=mode)
+                    cache.free(s)
+                    return y
+
+            outs[label] = fn(iters_total + 100).float() if n > 64 else None
+            results[n][label] = step_time_ms(fn, args.iters, args.warmup)
+            if n <= 64:
+                for s in ids:
+                    cache.free(s)
+        if n > 64:  # fused vs plain on the same input (prefill: fresh cache state, comparable)
+            for label, ref in (("fused base", "plain SP"), ("fused shift", "plain TP"), ("fused policy", "plain SP")):
+                d = (outs[label] - outs[ref]).abs().max() / outs[ref].abs().max()
+                diffs[n][label] = d.item()
+        if rank == 0:
+            row = "  ".join(f"{k} {v:.3f}" for k, v in results[n].items())
+            print(f"{args.model} tokens {n:6d}: {row} (ms){'  diffs ' + str(diffs[n]) if diffs[n] else ''}",
+                  flush=True)
+
+    if rank == 0:
+        info = _bench.run_info(world)
+        records = []
+        for n, r in results.items():
+            best_plain = min(r["plain TP"], r["plain SP"])
+            for bench, label, base_label, base_ms in (
+                ("layer_base", "fused base", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"]),
+                ("layer_shift", "fused shift", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"]),
+                ("layer_shift_policy", "fused policy", "better of plain TP and plain SP", best_plain),
+                ("layer_plain_sp", "plain SP", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"]),
+            ):
+                records.append({
+                    "bench": bench, "case": f"{args.model} {'decode' if n <= 64 else 'prefill'} eager", "tokens": n,
+                    "world": world, "gpu": torch.cuda.get_device_name(dev), "baseline": base_label,
+                    "baseline_ms": base_ms, "fused_ms": r[label], "speedup": base_ms / r[label],
+                    "roofline_pct": 100 * floor_ms(n) / r[label], "floor_ms": floor_ms(n),
+                    "max_rel_diff_vs_plain": diffs[n].get(label),
+                    "all_modes_ms": r, **info,
+                })
+        _bench.write_records(records, args.out)
+    _bench.finish_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
