@@ -990,12 +990,11 @@ class AttentionMetadata:
         buf = torch.zeros(2 * num_seqs + 1 + num_seqs * max_blocks, dtype=torch.int32)
         buf[1 : num_seqs + 1] = torch.cumsum(q_lens, 0).to(torch.int32)
         buf[num_seqs + 1 : 2 * num_seqs + 1] = ctx.to(torch.int32)
-        # Scatter every block id into its (sequence, index) cell of the padded table at once.
-        counts = torch.minimum(have, need)
-        flat = torch.tensor([b for t, c in zip(tables, counts.tolist(), strict=True) for b in t[:c]], dtype=torch.int32)
-        seq_of = torch.repeat_interleave(torch.arange(num_seqs), counts)
-        idx_in_seq = torch.arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        buf[2 * num_seqs + 1 :].view(num_seqs, max_blocks)[seq_of, idx_in_seq] = flat
+        # Pad the sequences' block-id tensors into the [S, max_blocks] table in one call; the
+        # cache keeps those tensors between steps, so no Python loop runs over blocks.
+        rows = [cache.block_table(sid)[:c] for sid, c in zip(batch.seq_ids, need.tolist(), strict=True)]
+        padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        buf[2 * num_seqs + 1 :].view(num_seqs, max_blocks)[:, : padded.shape[1]] = padded
         dev_buf = buf.to(device if device is not None else cache.k.device)
         return cls(
             cu_seqlens_q=dev_buf[: num_seqs + 1],

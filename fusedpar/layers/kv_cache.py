@@ -41,6 +41,7 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self._table_tensors: dict[int, torch.Tensor] = {}  # block_table() cache, rebuilt on growth
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
 
     @property
@@ -86,22 +87,29 @@ class PagedKVCache:
         Checks that each sequence's cached length is the batch's context length: a mismatch
         means the caller lost track of a sequence, which would otherwise corrupt attention.
         """
-        slots = []
+        bs = self.block_size
+        touched: list[int] = []  # the blocks the new tokens land in, sequence after sequence
+        offset: list[int] = []  # per sequence: index into `touched` of its block 0 (may be negative)
         for sid, q, c in zip(batch.seq_ids, batch.query_lens, batch.context_lens, strict=True):
             if self.seq_len(sid) != c:
                 raise ValueError(f"sequence {sid}: cache holds {self.seq_len(sid)} tokens, step says context {c}")
             table = self.block_tables.setdefault(sid, [])
-            need = -(-(c + q) // self.block_size) - len(table)
+            need = -(-(c + q) // bs) - len(table)
             if need > len(self._free):
                 raise RuntimeError(
                     f"KV cache out of blocks: sequence {sid} needs {need} more, {len(self._free)} free "
-                    f"of {self.num_blocks} (block_size {self.block_size})"
+                    f"of {self.num_blocks} (block_size {bs})"
                 )
             table.extend(self._free.pop() for _ in range(need))
-            pos = torch.arange(c, c + q)
-            slots.append(torch.tensor(table)[pos // self.block_size] * self.block_size + pos % self.block_size)
+            offset.append(len(touched) - c // bs)
+            touched.extend(table[c // bs:(c + q - 1) // bs + 1])
             self.lengths[sid] = c + q
-        return torch.cat(slots).to(self.k.device)
+        # One gather for all tokens: Python touches each sequence once, never each token (a decode
+        # step of 64 sequences or a 16K-token prefill both cost a handful of tensor ops).
+        pos = batch.positions()
+        seq_of = torch.repeat_interleave(torch.arange(len(offset)), torch.tensor(batch.query_lens))
+        block = torch.tensor(touched)[torch.tensor(offset)[seq_of] + pos // bs]
+        return (block * bs + pos % bs).to(self.k.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [n, local kv heads, head_dim] of n real tokens at their slots."""
@@ -120,6 +128,16 @@ class PagedKVCache:
         v = self.v[layer][blocks].reshape(-1, *self.v.shape[3:])[:n]
         return k, v
 
+    def block_table(self, seq_id: int) -> torch.Tensor:
+        """The sequence's block ids as a CPU int32 tensor (cached; rebuilt only when it gains a block,
+        so building per-step attention metadata costs no per-block Python work)."""
+        table = self.block_tables[seq_id]
+        t = self._table_tensors.get(seq_id)
+        if t is None or t.numel() != len(table):
+            t = self._table_tensors[seq_id] = torch.tensor(table, dtype=torch.int32)
+        return t
+
     def free(self, seq_id: int) -> None:
+        self._table_tensors.pop(seq_id, None)
         self._free.extend(reversed(self.block_tables.pop(seq_id, [])))
         self.lengths.pop(seq_id, None)

@@ -46,9 +46,10 @@ class StepBatch:
 
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Absolute position of every packed token, [num_tokens] int64."""
-        return torch.cat([
-            torch.arange(c, c + q, dtype=torch.int64) for q, c in zip(self.query_lens, self.context_lens, strict=True)
-        ]).to(device)
+        q = torch.tensor(self.query_lens, dtype=torch.int64)
+        start_of_seq = torch.repeat_interleave(torch.cumsum(q, 0) - q, q)  # packed index of each seq's first token
+        context = torch.repeat_interleave(torch.tensor(self.context_lens, dtype=torch.int64), q)
+        return (torch.arange(self.num_tokens, dtype=torch.int64) - start_of_seq + context).to(device)
 
     def after(self) -> StepBatch:
         """The context lengths once this step is done (handy for building the next decode step)."""
