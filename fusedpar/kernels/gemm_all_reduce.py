@@ -94,7 +94,10 @@ bf16, so CPU tests use fp16/fp32.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +138,7 @@ __all__ = [
     "gemm_all_reduce_reference",
     "launch_gemm_all_reduce",
     "required_workspace",
+    "routing_as_captured",
     "slot_bytes_of",
 ]
 
@@ -156,6 +160,21 @@ TWO_SHOT_MIN_TOKENS = 4096
 GPU_SPIN_LIMIT = 1 << 25
 
 PATHS = ("auto", "local", "one_shot", "two_shot", "unfused")
+
+_ROUTING = threading.local()
+
+
+@contextlib.contextmanager
+def routing_as_captured() -> Iterator[None]:
+    """Within the block, path="auto" routes as if a CUDA graph were being captured (decode sizes
+    take the one-shot kernel). For the eager warm-up run before a capture: it compiles exactly the
+    kernels the capture will launch, so no Triton compile happens inside the capture."""
+    before = getattr(_ROUTING, "as_captured", False)
+    _ROUTING.as_captured = True
+    try:
+        yield
+    finally:
+        _ROUTING.as_captured = before
 
 
 @triton.jit
@@ -893,7 +912,8 @@ def gemm_all_reduce(
     if path == "auto":
         # Eager decode loses to host launch cost (see the thresholds above); capture is the same
         # on every rank of a collective, so the choice still agrees across ranks.
-        capturing = x2.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = x2.is_cuda and (torch.cuda.is_current_stream_capturing()
+                                    or getattr(_ROUTING, "as_captured", False))
         path = choose_path(x2.shape[0], w.shape[0], x2.shape[1], x2.dtype, size, table, device=x2.device,
                            partial_dtype=partial_dtype,
                            one_shot_max_tokens=one_shot_max_tokens if capturing or not x2.is_cuda else 0,

@@ -20,7 +20,10 @@ Collective: every rank builds FusedKernels with the same arguments, in the same 
 
 fuse_comm=False builds no workspaces: every stage then takes its plain path (cuBLAS GEMMs,
 NCCL all-to-all / all-reduce) around the same Triton attention, which is the baseline the
-layer benchmark compares the fused communication against.
+layer benchmark compares the fused communication against. With plain_all_reduce="symm_mem" the
+shift-mode row-parallel GEMMs of up to `symm_mem_rows` rows write into a torch symmetric-memory
+buffer and reduce with torch.ops.symm_mem.one_shot_all_reduce (the best stock decode path inside
+a CUDA graph, DESIGN.md section 9); larger steps keep NCCL.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from fusedpar.layers.config import DecoderConfig
 
 class FusedKernels:
     def __init__(self, ctx: ParallelContext, cfg: DecoderConfig, *, max_tokens: int, dtype: torch.dtype,
-                 fuse_comm: bool = True):
+                 fuse_comm: bool = True, plain_all_reduce: str = "nccl", symm_mem_rows: int = 64):
         from fusedpar.collectives.symmetric import SymmetricWorkspace
         from fusedpar.kernels import allreduce, gemm_all_reduce, ulysses
 
@@ -59,6 +62,20 @@ class FusedKernels:
         self.qkv_ws = self.o_ws = self.tp_allreduce_ws = None
         self.gemm_ar_ws: dict[str, object | None] = {"base": None, "shift": None}
         self.fuse_comm = fuse_comm
+        self._stock_one_shot = None  # (buffer [2, rows * d], group name): torch's one-shot baseline
+        self._stock_calls = 0
+        if plain_all_reduce not in ("nccl", "symm_mem"):
+            raise ValueError(f"plain_all_reduce must be 'nccl' or 'symm_mem', got {plain_all_reduce!r}")
+        if plain_all_reduce == "symm_mem":
+            if fuse_comm:
+                raise ValueError("plain_all_reduce='symm_mem' is a baseline of the plain path: use fuse_comm=False")
+            if ctx.shift.size > 1:
+                import torch.distributed._symmetric_memory as symm_mem
+
+                # two buffers used alternately: a GEMM never overwrites what a slow peer may still read
+                buf = symm_mem.empty((2, symm_mem_rows * cfg.hidden_size), dtype=dtype, device=ctx.device)
+                symm_mem.rendezvous(buf, ctx.shift.pg)
+                self._stock_one_shot = (buf, ctx.shift.pg.group_name)
         if not fuse_comm:
             return
         if sp > 1:
@@ -120,4 +137,11 @@ class FusedKernels:
         group = self.ctx.attention_group(mode)
         if group.size == 1:
             return F.linear(x, w)
+        stock = self._stock_one_shot
+        if stock is not None and mode == "shift" and x.shape[0] * w.shape[0] <= stock[0].shape[1]:
+            buf, group_name = stock
+            view = buf[self._stock_calls % 2, : x.shape[0] * w.shape[0]].view(x.shape[0], w.shape[0])
+            self._stock_calls += 1
+            torch.matmul(x, w.t(), out=view)
+            return torch.ops.symm_mem.one_shot_all_reduce(view, "sum", group_name)
         return gemm_all_reduce(x, w, group, self.gemm_ar_ws[mode])

@@ -81,8 +81,10 @@ class PagedKVCache:
     def seq_len(self, seq_id: int) -> int:
         return self.lengths.get(seq_id, 0)
 
-    def begin_step(self, batch: StepBatch) -> torch.Tensor:
-        """Reserve room for the step's new tokens; return the cache slot of each packed token.
+    def begin_step(self, batch: StepBatch, device: torch.device | str | None = None) -> torch.Tensor:
+        """Reserve room for the step's new tokens; return the cache slot of each packed token
+        (int64, on the cache's device unless `device` says otherwise: a CUDA-graph step stages
+        the slots on the host with the rest of its inputs).
 
         Checks that each sequence's cached length is the batch's context length: a mismatch
         means the caller lost track of a sequence, which would otherwise corrupt attention.
@@ -109,7 +111,7 @@ class PagedKVCache:
         pos = batch.positions()
         seq_of = torch.repeat_interleave(torch.arange(len(offset)), torch.tensor(batch.query_lens))
         block = torch.tensor(touched)[torch.tensor(offset)[seq_of] + pos // bs]
-        return (block * bs + pos % bs).to(self.k.device)
+        return (block * bs + pos % bs).to(self.k.device if device is None else device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [n, local kv heads, head_dim] of n real tokens at their slots."""

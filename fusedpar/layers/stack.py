@@ -3,6 +3,8 @@
 Input and output are the full hidden states [n, d], identical on every rank of a replica (as
 an embedding lookup and a sampler see them). Base mode slices this SP rank's rows of the
 padded step on the way in and all-gathers them on the way out; shift mode runs on all rows.
+With capture_decode_graphs(), shift-mode decode steps that fit a captured batch size replay a
+CUDA graph of the whole stack (fusedpar.layers.graphs); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -28,16 +30,38 @@ class ShiftParallelStack(nn.Module):
         self.policy = policy or ShiftPolicy()
         self.steps = {"base": 0, "shift": 0}
         self.fused: FusedKernels | None = None
+        self.graphs = None  # DecodeGraphs, once captured
+        self.graph_steps = 0
 
-    def enable_fused(self, *, max_tokens: int, fuse_comm: bool = True) -> ShiftParallelStack:
+    def enable_fused(self, *, max_tokens: int, fuse_comm: bool = True, plain_all_reduce: str = "nccl",
+                     ) -> ShiftParallelStack:
         """Switch the layers to the Triton path (CUDA only); steps up to max_tokens fit the
         symmetric workspaces (larger ones fall back per op). fuse_comm=False keeps the Triton
-        attention but plain cuBLAS + NCCL communication (a baseline). Collective: every rank."""
+        attention but plain cuBLAS + NCCL communication (a baseline; plain_all_reduce="symm_mem"
+        reduces decode-sized shift steps with torch's one-shot instead). Collective: every rank."""
         self.fused = FusedKernels(self.ctx, self.cfg, max_tokens=max_tokens,
-                                  dtype=self.layers[0].w.base["qkv"].dtype, fuse_comm=fuse_comm)
+                                  dtype=self.layers[0].w.base["qkv"].dtype, fuse_comm=fuse_comm,
+                                  plain_all_reduce=plain_all_reduce)
         for layer in self.layers:
             layer.fused = self.fused
         return self
+
+    def capture_decode_graphs(self, cache: PagedKVCache, *, max_context: int,
+                              sizes: tuple[int, ...] | None = None):
+        """Capture CUDA graphs of shift-mode decode steps on `cache` (collective: every rank, same
+        arguments). sizes default: DEFAULT_CAPTURE_SIZES up to the shift threshold (SP > 1) and
+        max_tokens. Later decode steps of at most max(sizes) sequences, each with a context below
+        max_context, replay a graph; the rest run eagerly."""
+        from fusedpar.layers.graphs import DEFAULT_CAPTURE_SIZES, DecodeGraphs
+
+        if self.fused is None:
+            raise ValueError("capture_decode_graphs needs the fused path: call enable_fused(...) first")
+        if sizes is None:
+            cap = self.fused.max_tokens if self.ctx.sp.size == 1 else min(self.policy.threshold, self.fused.max_tokens)
+            sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= cap)
+        self.graphs = None  # release the old graphs' memory before capturing new ones
+        self.graphs = DecodeGraphs(self, cache, max_context=max_context, sizes=sizes)
+        return self.graphs
 
     @classmethod
     def from_full_weights(cls, cfg: DecoderConfig, ctx: ParallelContext, layer_weights: list[dict],
@@ -73,6 +97,12 @@ class ShiftParallelStack(nn.Module):
         n = batch.num_tokens
         if hidden.dim() != 2 or hidden.shape != (n, self.cfg.hidden_size):
             raise ValueError(f"hidden must be [{n}, {self.cfg.hidden_size}] for this batch, got {tuple(hidden.shape)}")
+        graphs = self.graphs
+        if graphs is not None and graphs.cache is cache and (mode or self.policy.mode(n, self.ctx.sp.size)) == "shift" \
+                and graphs.size_for(batch) is not None:
+            self.steps["shift"] += 1
+            self.graph_steps += 1
+            return graphs.run(hidden, batch).clone()  # the graph's output buffer is reused by the next replay
         step = self.plan(batch, cache, mode)
         self.steps[step.mode] += 1
         if step.mode == "base":

@@ -1,0 +1,216 @@
+"""CUDA graphs of shift-mode decode steps for a ShiftParallelStack on the fused path.
+
+A decode step (every sequence adds one token) at low traffic is short enough that launching
+~10 kernels per layer from Python costs more than the GPU work: 64 layers x 10 launches x
+~5 us is 3 ms of host time for a step whose weight read takes ~3 ms on 4 GPUs. DecodeGraphs
+captures the whole stack once per batch size and replays it.
+
+What is captured, per batch size B (sizes <= the policy's shift threshold, so every captured
+step is a shift-mode step, and every rank captures the same graphs in the same order):
+    static inputs   hidden [B, d]; int64 [2, B] = positions, cache slots; int32 = cu_seqlens_q
+                    [B+1] (0..B), context_lens [B], block_tables [B, max_blocks]
+    graph           for each layer: the shift-mode fused layer (cuBLAS qkv, Triton attention
+                    with RoPE/q-k-norm/cache write, one-shot GEMM + all-reduce for o and down);
+                    cos/sin tables of a scaled RoPE are computed from the static positions inside
+    static output   hidden [B, d]
+A step of n <= B sequences uses the smallest captured B >= n. Rows n..B-1 are padding: they
+point at a scratch cache block reserved at capture (position 0, context 0), so they write and
+read only that block; every op is row-independent, so they never touch real rows, and their
+outputs are dropped. The split-KV tiling is chosen for `max_context` (the longest context a
+graph serves); shorter sequences leave trailing splits empty, which the combine step weighs 0.
+
+Host work per replay: cache.begin_step (slots), one block-table fill, two host->device copies
+from pinned staging buffers (an event guards their reuse), one device copy of the hidden states.
+
+Limits (checked, never silent): every sequence has query length 1; contexts + 1 <= max_context;
+the cache must not have been grown since capture (the graph holds its tensors); larger batches
+or other steps run eagerly (ShiftParallelStack.forward routes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusedpar.layers.policy import StepBatch
+
+# The scratch sequence holding the padding rows' cache block. Negative: StepBatch accepts any
+# int id, callers use their own non-negative request ids.
+SCRATCH_SEQ_ID = -(2**62)
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+@dataclass
+class _StaticStep:
+    """One captured batch size: its static input/output tensors, host staging and graph."""
+
+    size: int
+    hidden: torch.Tensor  # [B, d]
+    index64: torch.Tensor  # [2, B]: positions, slots
+    index32: torch.Tensor  # [B+1 + B + B*max_blocks]: cu_seqlens_q, context_lens, block tables
+    host64: torch.Tensor  # pinned staging of index64
+    host32: torch.Tensor  # pinned staging of index32
+    out: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+    copied: torch.cuda.Event | None = None  # the staging buffers' last copy; wait before refilling
+
+
+def fill_decode_inputs(batch: StepBatch | None, slots: torch.Tensor | None, cache, size: int, max_blocks: int,
+                       scratch_block: int, host64: torch.Tensor, host32: torch.Tensor) -> None:
+    """Write one decode step's graph inputs into the host staging buffers (CPU only, no device work).
+
+    batch: n <= size sequences of one new token each; slots: their cache slots (cache.begin_step
+    already ran); batch None: every row a padding row (the capture input). host64 [2, size] <-
+    positions, slots; host32 <- cu_seqlens_q = 0..size, context_lens, block tables [size,
+    max_blocks]. Rows n..size-1 are padding rows: position 0, the scratch block's first slot,
+    context 0, block table row [scratch_block, 0, ...].
+    """
+    seq_ids, context_lens = (batch.seq_ids, batch.context_lens) if batch is not None else ((), ())
+    n, bs = len(seq_ids), cache.block_size
+    if n > size:
+        raise ValueError(f"decode graph of {size} rows cannot take {n} sequences")
+    if batch is not None and batch.num_tokens != n:
+        raise ValueError(f"a decode graph step adds one token per sequence, got query lengths {batch.query_lens}")
+    ctx = torch.tensor(context_lens, dtype=torch.int64)
+    host64[0, :n] = ctx  # one new token per sequence: its position is its context length
+    if n:
+        host64[1, :n] = slots
+    host64[0, n:] = 0
+    host64[1, n:] = scratch_block * bs
+    cu = host32[: size + 1]
+    torch.arange(size + 1, dtype=torch.int32, out=cu)
+    host32[size + 1 : 2 * size + 1] = 0
+    host32[size + 1 : size + 1 + n] = ctx.to(torch.int32)
+    tables = host32[2 * size + 1 :].view(size, max_blocks)
+    tables.zero_()
+    need = ((ctx + bs) // bs).tolist()  # blocks holding context + the new token
+    if n and max(need) > max_blocks:
+        i = max(range(n), key=need.__getitem__)
+        raise ValueError(f"sequence {seq_ids[i]} needs {need[i]} cache blocks, the decode graphs were "
+                         f"captured for at most {max_blocks} ({max_blocks * bs} tokens of context)")
+    for row, (sid, k) in enumerate(zip(seq_ids, need, strict=True)):
+        tables[row, :k] = cache.block_table(sid)[:k]
+    tables[n:, 0] = scratch_block
+
+
+class DecodeGraphs:
+    """CUDA graphs of the stack's shift-mode decode step for a set of batch sizes (collective:
+    every rank constructs it with the same arguments, at the same point of its step sequence).
+
+    stack: a ShiftParallelStack with enable_fused() done; cache: the PagedKVCache the graphs will
+    read and write (one scratch block is taken from it for padding rows); max_context: the
+    longest context (cached + new token) any replayed sequence may have; sizes: batch sizes to
+    capture (each <= the stack's shift threshold when SP > 1).
+    """
+
+    def __init__(self, stack, cache, *, max_context: int, sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES):
+        from fusedpar.kernels.attention import AttentionMetadata
+
+        if stack.fused is None or stack.ctx.device.type != "cuda":
+            raise ValueError("DecodeGraphs needs a CUDA stack on the fused path (stack.enable_fused(...) first)")
+        sizes = tuple(sorted(set(int(s) for s in sizes)))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"capture sizes must be >= 1, got {sizes}")
+        if stack.ctx.sp.size > 1 and sizes[-1] > stack.policy.threshold:
+            raise ValueError(f"capture size {sizes[-1]} > shift threshold {stack.policy.threshold}: a decode step of "
+                             f"{sizes[-1]} tokens runs in base mode, which is not captured; capture sizes must "
+                             f"be <= the threshold")
+        if max_context < 1:
+            raise ValueError(f"max_context must be >= 1, got {max_context}")
+        self.stack, self.cache, self.sizes = stack, cache, sizes
+        self.max_context = max_context
+        self.max_blocks = -(-max_context // cache.block_size)
+        self.replays = 0
+        self._metadata_cls = AttentionMetadata
+        # the padding rows' block: one real block of the cache, held by a scratch sequence
+        cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))
+        self.scratch_block = cache.block_tables[SCRATCH_SEQ_ID][0]
+        self._cache_ptr = cache.k.data_ptr()
+        self.pool = torch.cuda.graph_pool_handle()
+        self._steps: dict[int, _StaticStep] = {}
+        dev = stack.ctx.device
+        for size in reversed(sizes):  # largest first: smaller graphs reuse its pool memory
+            n32 = 2 * size + 1 + size * self.max_blocks
+            st = _StaticStep(
+                size=size,
+                hidden=torch.zeros((size, stack.cfg.hidden_size), dtype=cache.k.dtype, device=dev),
+                index64=torch.zeros((2, size), dtype=torch.int64, device=dev),
+                index32=torch.zeros(n32, dtype=torch.int32, device=dev),
+                host64=torch.zeros((2, size), dtype=torch.int64, pin_memory=True),
+                host32=torch.zeros(n32, dtype=torch.int32, pin_memory=True),
+            )
+            fill_decode_inputs(None, None, cache, size, self.max_blocks, self.scratch_block, st.host64, st.host32)
+            st.index64.copy_(st.host64)
+            st.index32.copy_(st.host32)
+            self._capture(st)
+            self._steps[size] = st
+
+    # ---- capture ------------------------------------------------------------------------------
+    def _run(self, st: _StaticStep) -> torch.Tensor:
+        from fusedpar.layers.decoder import StepState, rope_tables
+
+        stack, size = self.stack, st.size
+        positions, slots = st.index64[0], st.index64[1]
+        md = self._metadata_cls(
+            cu_seqlens_q=st.index32[: size + 1],
+            context_lens=st.index32[size + 1 : 2 * size + 1],
+            block_tables=st.index32[2 * size + 1 :].view(size, self.max_blocks),
+            num_tokens=size, max_query_len=1, max_kv_len=self.max_context,
+        )
+        tables = None if stack.cfg.rope_is_default else rope_tables(stack.cfg, positions)
+        batch = StepBatch(tuple(range(size)), (1,) * size, (0,) * size)  # only its token count is read
+        step = StepState("shift", batch, size, positions, slots, md, tables)
+        x = st.hidden
+        for layer in stack.layers:
+            x = layer(x, step, self.cache)
+        return x
+
+    def _capture(self, st: _StaticStep) -> None:
+        from fusedpar.kernels.gemm_all_reduce import routing_as_captured
+
+        side = torch.cuda.Stream(device=self.stack.ctx.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), routing_as_captured():
+            self._run(st)  # warm-up: compiles the kernels the capture launches
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize(self.stack.ctx.device)
+        st.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(st.graph, pool=self.pool):
+            st.out = self._run(st)
+        st.copied = torch.cuda.Event()
+
+    # ---- replay -------------------------------------------------------------------------------
+    def size_for(self, batch: StepBatch) -> int | None:
+        """The captured size that runs this step, or None when it must run eagerly (not a pure
+        decode step, more sequences than the largest graph, or a context beyond max_context)."""
+        n = len(batch.seq_ids)
+        if n > self.sizes[-1] or batch.num_tokens != n or max(batch.context_lens) + 1 > self.max_context:
+            return None
+        return next(s for s in self.sizes if s >= n)
+
+    def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Replay the decode step of `batch` (size_for(batch) must not be None) on hidden [n, d];
+        returns [n, d], a view of the graph's static output, valid until the next replay."""
+        size = self.size_for(batch)
+        if size is None:
+            raise ValueError(f"no decode graph for {len(batch.seq_ids)} sequences / {batch.num_tokens} tokens "
+                             f"(captured sizes {self.sizes}, max context {self.max_context})")
+        if self.cache.k.data_ptr() != self._cache_ptr:
+            raise RuntimeError("the KV cache was grown after the decode graphs were captured: they still point at "
+                               "the old tensors; capture new DecodeGraphs")
+        n, d = len(batch.seq_ids), self.stack.cfg.hidden_size
+        if hidden.shape != (n, d):
+            raise ValueError(f"hidden must be [{n}, {d}], got {tuple(hidden.shape)}")
+        st = self._steps[size]
+        slots = self.cache.begin_step(batch, device="cpu")
+        st.copied.synchronize()  # the previous replay's copies have consumed the staging buffers
+        fill_decode_inputs(batch, slots, self.cache, size, self.max_blocks, self.scratch_block,
+                           st.host64, st.host32)
+        st.index64.copy_(st.host64, non_blocking=True)
+        st.index32.copy_(st.host32, non_blocking=True)
+        st.copied.record()
+        st.hidden[:n].copy_(hidden)
+        st.graph.replay()
+        self.replays += 1
+        return st.out[:n]
