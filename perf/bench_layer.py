@@ -12,7 +12,10 @@ Modes on P GPUs, all with the same Triton paged attention (so only the communica
 Steps: tokens <= 64 -> decode: that many sequences, one new token each, against --context cached
 tokens; larger -> prefill of one sequence of that many tokens. Time = eager step latency: CUDA
 events around the whole step after a barrier (host launch cost included, as an eager engine sees
-it; CUDA-graph decode is not measured here), median of --iters, max over ranks. Each fused mode's
+it), median of --iters, max over ranks. Decode sizes are also timed as CUDA-graph replays
+(DecodeGraphs; the time includes the host's input staging): plain TP with NCCL, plain TP with
+torch's symm_mem one-shot all-reduce, and fused shift; the layer_shift "decode graph" record
+compares fused shift with the faster plain-TP graph (the best stock decode, DESIGN.md 9). Each fused mode's
 output is checked against plain SP / plain TP on the same input (max relative difference).
 Records: bench layer_base / layer_shift (speedup vs plain TP) and layer_shift_policy (vs the
 better of plain TP and plain SP), plus the plain modes' times; roofline_pct against
@@ -82,6 +85,8 @@ def main() -> int:
     p.add_argument("--threshold", type=int, default=1024, help="policy: shift mode at or below this many tokens")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-graphs", dest="graphs", action="store_false",
+                   help="skip the CUDA-graph decode runs (plain TP with NCCL / symm_mem one-shot, fused shift)")
     p.add_argument("--out", default="perf/results/layer.json")
     args = p.parse_args()
     if not _bench.torchrun_available():
@@ -99,16 +104,26 @@ def main() -> int:
     full = full_weights(cfg, dev, dtype, seed=0)
     iters_total = args.warmup + args.iters + 1
 
-    def build(sp: int, tp: int, fuse_comm: bool, weights: dict[str, torch.Tensor]):
+    decode_sizes = tuple(t for t in tokens if t <= 64)
+    max_context = args.context + 2 * iters_total + 8
+
+    def build(sp: int, tp: int, fuse_comm: bool, weights: dict[str, torch.Tensor], plain_all_reduce="nccl"):
         ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
         stack = ShiftParallelStack.from_full_weights(cfg, ctx, [weights], ShiftPolicy(args.threshold))
-        stack.enable_fused(max_tokens=max_tokens, fuse_comm=fuse_comm)
-        need = max(max(t for t in tokens if t > 64), max(t for t in tokens if t <= 64) * (args.context + iters_total))
-        cache = stack.make_cache(block_size=16, num_blocks=need // 16 + 64, dtype=dtype)
-        return stack, cache
+        stack.enable_fused(max_tokens=max_tokens, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce)
+        need = max(max([t for t in tokens if t > 64], default=1),
+                   max(decode_sizes, default=1) * (max_context + 16))
+        cache = stack.make_cache(block_size=16, num_blocks=2 * need // 16 + 64, dtype=dtype)
+        graphs = None
+        if decode_sizes and args.graphs and (sp == 1 or max(decode_sizes) <= args.threshold):
+            graphs = stack.capture_decode_graphs(cache, max_context=max_context, sizes=decode_sizes)
+            stack.graphs = None  # attached only for the graph runs
+        return stack, cache, graphs
 
     stacks = {"plain TP": build(1, world, False, full), "plain SP": build(world, 1, False, full),
               "fused": build(world, 1, True, full)}
+    if args.graphs and decode_sizes:
+        stacks["plain TP symm_mem"] = build(1, world, False, full, "symm_mem")
     del full
     torch.cuda.empty_cache()
     peak, hbm = bench_gemm.measure_ceilings(dtype, 10, dev)
@@ -125,11 +140,17 @@ def main() -> int:
     results: dict[int, dict[str, float]] = {}
     diffs: dict[int, dict[str, float]] = {}
     sid = iter(range(10**9))
+    graph_runs = [("plain TP graph", "plain TP"), ("plain TP graph symm_mem", "plain TP symm_mem"),
+                  ("fused shift graph", "fused")]
     for n in tokens:
         x = torch.randn((n, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
         results[n], diffs[n], outs = {}, {}, {}
-        for label, key, mode in runs:
-            stack, cache = stacks[key]
+        todo = [(label, key, mode, False) for label, key, mode in runs]
+        if n <= 64 and args.graphs:
+            todo += [(label, key, "shift", True) for label, key in graph_runs if key in stacks]
+        for label, key, mode, use_graph in todo:
+            stack, cache, graphs = stacks[key]
+            stack.graphs = graphs if use_graph else None
             if n <= 64:  # decode: n sequences with `context` cached tokens (values irrelevant to timing)
                 ids = tuple(next(sid) for _ in range(n))
                 cache.begin_step(StepBatch(ids, (args.context,) * n, (0,) * n))
@@ -145,7 +166,12 @@ def main() -> int:
                     return y
 
             outs[label] = fn(iters_total + 100).float() if n > 64 else None
+            graph_before = stack.graph_steps
             results[n][label] = step_time_ms(fn, args.iters, args.warmup)
+            if use_graph and stack.graph_steps - graph_before != args.iters + args.warmup:
+                raise RuntimeError(f"{label}: {stack.graph_steps - graph_before} of {args.iters + args.warmup} "
+                                   f"steps replayed a graph")
+            stack.graphs = None
             if n <= 64:
                 for s in ids:
                     cache.free(s)
@@ -163,14 +189,19 @@ def main() -> int:
         records = []
         for n, r in results.items():
             best_plain = min(r["plain TP"], r["plain SP"])
-            for bench, label, base_label, base_ms in (
-                ("layer_base", "fused base", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"]),
-                ("layer_shift", "fused shift", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"]),
-                ("layer_shift_policy", "fused policy", "better of plain TP and plain SP", best_plain),
-                ("layer_plain_sp", "plain SP", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"]),
-            ):
+            runs_here = [
+                ("layer_base", "fused base", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"], "eager"),
+                ("layer_shift", "fused shift", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"], "eager"),
+                ("layer_shift_policy", "fused policy", "better of plain TP and plain SP", best_plain, "eager"),
+                ("layer_plain_sp", "plain SP", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"], "eager"),
+            ]
+            stock = [r[k] for k in ("plain TP graph", "plain TP graph symm_mem") if k in r]
+            if "fused shift graph" in r and stock:
+                runs_here.append(("layer_shift", "fused shift graph", "plain TP in a CUDA graph, faster of NCCL and "
+                                  "torch symm_mem one-shot all-reduce", min(stock), "graph"))
+            for bench, label, base_label, base_ms, kind in runs_here:
                 records.append({
-                    "bench": bench, "case": f"{args.model} {'decode' if n <= 64 else 'prefill'} eager", "tokens": n,
+                    "bench": bench, "case": f"{args.model} {'decode' if n <= 64 else 'prefill'} {kind}", "tokens": n,
                     "world": world, "gpu": torch.cuda.get_device_name(dev), "baseline": base_label,
                     "baseline_ms": base_ms, "fused_ms": r[label], "speedup": base_ms / r[label],
                     "roofline_pct": 100 * floor_ms(n) / r[label], "floor_ms": floor_ms(n),

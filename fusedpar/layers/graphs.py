@@ -123,8 +123,10 @@ class DecodeGraphs:
         self.max_blocks = -(-max_context // cache.block_size)
         self.replays = 0
         self._metadata_cls = AttentionMetadata
-        # the padding rows' block: one real block of the cache, held by a scratch sequence
-        cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))
+        # the padding rows' block: one real block of the cache, held by a scratch sequence (shared
+        # by every DecodeGraphs on this cache: what padding rows write there is never read as data)
+        if SCRATCH_SEQ_ID not in cache.block_tables:
+            cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))
         self.scratch_block = cache.block_tables[SCRATCH_SEQ_ID][0]
         self._cache_ptr = cache.k.data_ptr()
         self.pool = torch.cuda.graph_pool_handle()
