@@ -123,6 +123,13 @@ class DecodeGraphs:
         self.max_blocks = -(-max_context // cache.block_size)
         self.replays = 0
         self._metadata_cls = AttentionMetadata
+        cfg = stack.cfg
+        self._inv_freq = None
+        if not cfg.rope_is_default:
+            inv = cfg.rope_inv_freq
+            if inv is None:
+                inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+            self._inv_freq = torch.as_tensor(inv, dtype=torch.float64).to(stack.ctx.device)
         # the padding rows' block: one real block of the cache, held by a scratch sequence (shared
         # by every DecodeGraphs on this cache: what padding rows write there is never read as data)
         if SCRATCH_SEQ_ID not in cache.block_tables:
@@ -150,7 +157,8 @@ class DecodeGraphs:
 
     # ---- capture ------------------------------------------------------------------------------
     def _run(self, st: _StaticStep) -> torch.Tensor:
-        from fusedpar.layers.decoder import StepState, rope_tables
+        from fusedpar.layers.decoder import StepState
+        from fusedpar.layers.functional import rope_cos_sin
 
         stack, size = self.stack, st.size
         positions, slots = st.index64[0], st.index64[1]
@@ -160,7 +168,10 @@ class DecodeGraphs:
             block_tables=st.index32[2 * size + 1 :].view(size, self.max_blocks),
             num_tokens=size, max_query_len=1, max_kv_len=self.max_context,
         )
-        tables = None if stack.cfg.rope_is_default else rope_tables(stack.cfg, positions)
+        cfg, tables = stack.cfg, None
+        if not cfg.rope_is_default:  # the table lives on the device already: no host copy inside a capture
+            tables = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, torch.float32, self._inv_freq,
+                                  cfg.rope_attention_scaling)
         batch = StepBatch(tuple(range(size)), (1,) * size, (0,) * size)  # only its token count is read
         step = StepState("shift", batch, size, positions, slots, md, tables)
         x = st.hidden
