@@ -61,6 +61,17 @@ def finish_distributed() -> None:
     dist.destroy_process_group()
 
 
+def exit_without_teardown(code: int = 0) -> None:
+    """End a benchmark that captured CUDA graphs containing NCCL / symmetric-memory work: after a
+    barrier, leave with os._exit. Tearing the process group down while such graphs exist hung past
+    the records being written (4x H200, perf/results/gpu_run_h200x4_run8.log); the OS reclaims all."""
+    dist.barrier()
+    torch.cuda.synchronize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def max_over_ranks(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64, device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -15,7 +15,9 @@ events around the whole step after a barrier (host launch cost included, as an e
 it), median of --iters, max over ranks. Decode sizes are also timed as CUDA-graph replays
 (DecodeGraphs; the time includes the host's input staging): plain TP with NCCL, plain TP with
 torch's symm_mem one-shot all-reduce, and fused shift; the layer_shift "decode graph" record
-compares fused shift with the faster plain-TP graph (the best stock decode, DESIGN.md 9). Each fused mode's
+compares fused shift with the faster plain-TP graph (the best stock decode, DESIGN.md 9); the
+"decode replay" record times the graph replay alone (inputs staged once: the layer's GPU time,
+which a 64-layer model pays per layer, while the host staging is paid once per step). Each fused mode's
 output is checked against plain SP / plain TP on the same input (max relative difference).
 Records: bench layer_base / layer_shift (speedup vs plain TP) and layer_shift_policy (vs the
 better of plain TP and plain SP), plus the plain modes' times; roofline_pct against
@@ -171,6 +173,10 @@ def main() -> int:
             if use_graph and stack.graph_steps - graph_before != args.iters + args.warmup:
                 raise RuntimeError(f"{label}: {stack.graph_steps - graph_before} of {args.iters + args.warmup} "
                                    f"steps replayed a graph")
+            if use_graph:  # the replay alone: the layer's GPU time, host staging excluded
+                st = graphs.stage(x, StepBatch(ids, (1,) * n, (cache.seq_len(ids[0]),) * n))
+                results[n][label.replace("graph", "replay")] = step_time_ms(lambda i, g=st.graph: g.replay(),
+                                                                            args.iters, args.warmup)
             stack.graphs = None
             if n <= 64:
                 for s in ids:
@@ -195,10 +201,11 @@ def main() -> int:
                 ("layer_shift_policy", "fused policy", "better of plain TP and plain SP", best_plain, "eager"),
                 ("layer_plain_sp", "plain SP", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"], "eager"),
             ]
-            stock = [r[k] for k in ("plain TP graph", "plain TP graph symm_mem") if k in r]
-            if "fused shift graph" in r and stock:
-                runs_here.append(("layer_shift", "fused shift graph", "plain TP in a CUDA graph, faster of NCCL and "
-                                  "torch symm_mem one-shot all-reduce", min(stock), "graph"))
+            for kind in ("graph", "replay"):
+                stock = [r[k] for k in (f"plain TP {kind}", f"plain TP {kind} symm_mem") if k in r]
+                if f"fused shift {kind}" in r and stock:
+                    runs_here.append(("layer_shift", f"fused shift {kind}", f"plain TP in a CUDA graph ({kind}), "
+                                      "faster of NCCL and torch symm_mem one-shot all-reduce", min(stock), kind))
             for bench, label, base_label, base_ms, kind in runs_here:
                 records.append({
                     "bench": bench, "case": f"{args.model} {'decode' if n <= 64 else 'prefill'} {kind}", "tokens": n,
@@ -209,7 +216,7 @@ def main() -> int:
                     "all_modes_ms": r, **info,
                 })
         _bench.write_records(records, args.out)
-    _bench.finish_distributed()
+    _bench.exit_without_teardown(0)
     return 0
 
 

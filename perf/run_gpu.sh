@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one device call. Installs nothing.
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
-#                                              qkv_all_to_all all_to_all_o_proj layer model (default: all)
+#                                              qkv_all_to_all all_to_all_o_proj layer model demo (default: all)
 # MODEL_ARGS passes extra arguments to perf/model_bench.py (e.g. "--layers 4" for a smoke run).
 # A device call lasts at most 600 s: "all" does not fit one call; pass a subset per call, e.g.
 #   bash perf/run_gpu.sh tests attention gemm_all_reduce
@@ -20,7 +20,7 @@ export PYTHONPATH="$OVERLAY:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 RES=$(mkdir -p "${OUT:-perf/results}" && cd "${OUT:-perf/results}" && pwd)  # absolute: items may cd
 LOG="$RES/gpu_run.log"
 ITEMS=("$@")
-[ ${#ITEMS[@]} -eq 0 ] && ITEMS=(tests hf gemm one_shot gemm_all_reduce attention qkv_all_to_all all_to_all_o_proj layer model)
+[ ${#ITEMS[@]} -eq 0 ] && ITEMS=(tests hf gemm one_shot gemm_all_reduce attention qkv_all_to_all all_to_all_o_proj layer model demo)
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 TRUN=(torchrun --standalone --nproc-per-node "$NGPU")
 status=0
@@ -58,6 +58,8 @@ for item in "${ITEMS[@]}"; do
     all_to_all_o_proj) run timeout 120 "${TRUN[@]}" perf/bench_all_to_all_o_proj.py \
                          --out "$RES/all_to_all_o_proj.json" ;;
     layer) run timeout 300 "${TRUN[@]}" perf/bench_layer.py --out "$RES/layer.json" ;;
+    # the main job on GPUs: fusedpar demo --device cuda (one process per GPU, bf16, fused kernels)
+    demo) (cd "$OVERLAY" && run timeout 240 python3 -m fusedpar demo --device cuda --world-size "$NGPU") || status=1 ;;
     model) run timeout "${MODEL_TIMEOUT:-480}" "${TRUN[@]}" perf/model_bench.py ${MODEL_ARGS:-} --out "$RES/model.json" ;;
     *) echo "unknown item $item" | tee -a "$LOG"; status=1 ;;
   esac

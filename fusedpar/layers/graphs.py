@@ -205,6 +205,15 @@ class DecodeGraphs:
     def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Replay the decode step of `batch` (size_for(batch) must not be None) on hidden [n, d];
         returns [n, d], a view of the graph's static output, valid until the next replay."""
+        st = self.stage(hidden, batch)
+        st.graph.replay()
+        self.replays += 1
+        return st.out[:len(batch.seq_ids)]
+
+    def stage(self, hidden: torch.Tensor, batch: StepBatch) -> _StaticStep:
+        """Reserve the step's cache slots and copy its inputs into the static buffers of the graph
+        that will run it; returns that graph's _StaticStep (run() = stage + replay; benchmarks time
+        st.graph.replay() alone)."""
         size = self.size_for(batch)
         if size is None:
             raise ValueError(f"no decode graph for {len(batch.seq_ids)} sequences / {batch.num_tokens} tokens "
@@ -224,6 +233,4 @@ class DecodeGraphs:
         st.index32.copy_(st.host32, non_blocking=True)
         st.copied.record()
         st.hidden[:n].copy_(hidden)
-        st.graph.replay()
-        self.replays += 1
-        return st.out[:n]
+        return st
