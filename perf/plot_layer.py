@@ -1,0 +1,66 @@
+"""Layer step time vs tokens per mode, log-log, from perf/results/layer.json (perf/bench_layer.py).
+
+    python perf/plot_layer.py [--results perf/results/layer.json] [--out perf/results/layer_ms_vs_tokens.png]
+
+One line per mode (plain TP, plain SP, fused base, fused shift, fused policy, and the CUDA-graph
+decode runs where measured); every record of one bench run carries all modes' times
+(all_modes_ms). Needs matplotlib (`pip install matplotlib`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def load(path: Path) -> tuple[str, dict[str, list[tuple[int, float]]]]:
+    """(model, mode -> sorted [(tokens, ms)])."""
+    series: dict[str, dict[int, float]] = defaultdict(dict)
+    model = ""
+    for r in json.loads(path.read_text()):
+        model = model or r["case"].split()[0]
+        for mode, ms in r.get("all_modes_ms", {}).items():
+            series[mode][int(r["tokens"])] = float(ms)
+    return model, {m: sorted(v.items()) for m, v in series.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default="perf/results/layer.json")
+    p.add_argument("--out", default="perf/results/layer_ms_vs_tokens.png")
+    args = p.parse_args()
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot_layer: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return 1
+    model, series = load(Path(args.results))
+    if not series:
+        print(f"plot_layer: no layer records in {args.results}", file=sys.stderr)
+        return 1
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for mode, pts in series.items():
+        xs, ys = zip(*pts, strict=True)
+        style = "--" if ("graph" in mode or "replay" in mode) else "-"
+        ax.plot(xs, ys, style, marker="o", ms=3, label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per step (decode: sequences; prefill: one sequence)")
+    ax.set_ylabel("ms per layer step (max over ranks)")
+    ax.set_title(f"one {model} decoder layer, 4x H200, bf16 (perf/bench_layer.py)")
+    ax.grid(True, which="both", lw=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
