@@ -2,7 +2,8 @@
 # GPU tests and benchmarks in one device call. Installs nothing.
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo (default: all)
-# MODEL_ARGS passes extra arguments to perf/model_bench.py (e.g. "--layers 4" for a smoke run).
+# MODEL_ARGS / LAYER_ARGS pass extra arguments to perf/model_bench.py / perf/bench_layer.py
+# (e.g. MODEL_ARGS="--layers 4" for a smoke run); MODEL_TIMEOUT / LAYER_TIMEOUT their limits.
 # A device call lasts at most 600 s: "all" does not fit one call; pass a subset per call, e.g.
 #   bash perf/run_gpu.sh tests attention gemm_all_reduce
 #   bash perf/run_gpu.sh qkv_all_to_all all_to_all_o_proj gemm one_shot
@@ -57,7 +58,7 @@ for item in "${ITEMS[@]}"; do
     qkv_all_to_all) run timeout 120 "${TRUN[@]}" perf/bench_qkv_all_to_all.py --out "$RES/qkv_all_to_all.json" ;;
     all_to_all_o_proj) run timeout 120 "${TRUN[@]}" perf/bench_all_to_all_o_proj.py \
                          --out "$RES/all_to_all_o_proj.json" ;;
-    layer) run timeout 300 "${TRUN[@]}" perf/bench_layer.py --out "$RES/layer.json" ;;
+    layer) run timeout "${LAYER_TIMEOUT:-300}" "${TRUN[@]}" perf/bench_layer.py ${LAYER_ARGS:-} --out "$RES/layer.json" ;;
     # the main job on GPUs: fusedpar demo --device cuda (one process per GPU, bf16, fused kernels)
     demo) (cd "$OVERLAY" && run timeout 240 python3 -m fusedpar demo --device cuda --world-size "$NGPU") || status=1 ;;
     model) run timeout "${MODEL_TIMEOUT:-480}" "${TRUN[@]}" perf/model_bench.py ${MODEL_ARGS:-} --out "$RES/model.json" ;;
