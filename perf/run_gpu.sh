@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one device call. Installs nothing.
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
-#                                              qkv_all_to_all all_to_all_o_proj layer model demo (default: all)
+#                                              qkv_all_to_all all_to_all_o_proj layer model demo profile (default: all but profile)
 # MODEL_ARGS / LAYER_ARGS pass extra arguments to perf/model_bench.py / perf/bench_layer.py
 # (e.g. MODEL_ARGS="--layers 4" for a smoke run); MODEL_TIMEOUT / LAYER_TIMEOUT their limits.
 # A device call lasts at most 600 s: "all" does not fit one call; pass a subset per call, e.g.
@@ -61,6 +61,7 @@ for item in "${ITEMS[@]}"; do
     layer) run timeout "${LAYER_TIMEOUT:-300}" "${TRUN[@]}" perf/bench_layer.py ${LAYER_ARGS:-} --out "$RES/layer.json" ;;
     # the main job on GPUs: fusedpar demo --device cuda (one process per GPU, bf16, fused kernels)
     demo) (cd "$OVERLAY" && run timeout 240 python3 -m fusedpar demo --device cuda --world-size "$NGPU") || status=1 ;;
+    profile) run timeout 200 "${TRUN[@]}" perf/profile_layer.py --out "$RES/profile_layer.txt" ;;
     model) run timeout "${MODEL_TIMEOUT:-480}" "${TRUN[@]}" perf/model_bench.py ${MODEL_ARGS:-} --out "$RES/model.json" ;;
     *) echo "unknown item $item" | tee -a "$LOG"; status=1 ;;
   esac

@@ -1,0 +1,126 @@
+"""Where a decoder layer step spends GPU time: torch.profiler kernel tables of one layer, per mode.
+
+    torchrun --nproc-per-node 4 perf/profile_layer.py [--model qwen32b] [--prefill 4096] [--decode 8]
+                                                      [--context 4096] [--out perf/results/profile_layer.txt]
+
+Profiles (rank 0's kernels, 5 steps each after warm-up): fused base prefill of --prefill tokens
+(one sequence), plain TP prefill (cuBLAS + NCCL) of the same, and the CUDA-graph replay of a
+--decode-sequence shift decode step, fused and stock (cuBLAS + torch symm_mem one-shot). Writes
+the per-kernel tables (total / count / mean GPU us, share of the step) and, per run, the sum of
+kernel time vs the wall time of the step (the gap is launch latency and idle time).
+A diagnosis tool: nothing here is a benchmark record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench
+from bench_layer import MODELS, full_weights
+
+_bench.add_repo_to_path()
+
+
+def kernel_table(prof, steps: int) -> tuple[list[tuple[str, float, int]], float]:
+    """[(kernel name, total us per step, launches per step)] sorted by time, and the sum."""
+    acc: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            a = acc[e.name[:90]]
+            a[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            a[1] += 1
+    rows = sorted(((k, v[0] / steps, round(v[1] / steps)) for k, v in acc.items()), key=lambda r: -r[1])
+    return rows, sum(r[1] for r in rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen32b")
+    p.add_argument("--prefill", type=int, default=4096)
+    p.add_argument("--decode", type=int, default=8)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--out", default="perf/results/profile_layer.txt")
+    args = p.parse_args()
+    if not _bench.torchrun_available():
+        print("profile_layer: needs CUDA GPUs and a torchrun launch; nothing to do")
+        return 0
+    _, rank, world = _bench.init_distributed()
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusedpar import ParallelLayout
+    from fusedpar.collectives import ParallelContext
+    from fusedpar.layers import DecoderConfig, ShiftParallelStack, ShiftPolicy, StepBatch
+
+    dev, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    cfg = DecoderConfig(**MODELS[args.model])
+    full = full_weights(cfg, dev, dtype, seed=0)
+
+    def build(sp, tp, fuse_comm, plain_all_reduce="nccl"):
+        ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
+        stack = ShiftParallelStack.from_full_weights(cfg, ctx, [full], ShiftPolicy(1024))
+        stack.enable_fused(max_tokens=args.prefill, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce)
+        cache = stack.make_cache(block_size=16, num_blocks=(args.decode * (args.context + 64) + args.prefill) // 16
+                                 + 64, dtype=dtype)
+        return stack, cache
+
+    out_lines: list[str] = []
+    gen = torch.Generator(device=dev).manual_seed(1)
+    steps = 5
+
+    def report(label: str, fn) -> None:
+        for i in range(3):
+            fn(i)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for i in range(steps):
+                fn(3 + i)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / steps * 1e6
+        rows, total = kernel_table(prof, steps)
+        if rank == 0:
+            out_lines.append(f"\n== {label}: kernel time {total:.0f} us per step, wall {wall:.0f} us per step")
+            for name, us, n in rows[:25]:
+                out_lines.append(f"  {us:8.1f} us  {100 * us / total:5.1f}%  x{n:<3d} {name}")
+            print("\n".join(out_lines[-min(len(rows), 25) - 1:]), flush=True)
+
+    x_pre = torch.randn((args.prefill, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
+    sid = iter(range(10**9))
+    for label, sp, tp, fuse, mode in (("fused base prefill", world, 1, True, "base"),
+                                      ("plain SP prefill", world, 1, False, "base"),
+                                      ("plain TP prefill", 1, world, False, "shift")):
+        stack, cache = build(sp, tp, fuse)
+
+        def prefill(i, stack=stack, cache=cache, mode=mode):
+            s = next(sid)
+            stack(x_pre, StepBatch((s,), (args.prefill,), (0,)), cache, mode=mode)
+            cache.free(s)
+
+        report(f"{label} {args.prefill} tokens", prefill)
+        del stack, cache
+    n = args.decode
+    x_dec = torch.randn((n, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
+    for label, sp, tp, fuse, ar in (("fused shift decode replay", world, 1, True, "nccl"),
+                                    ("stock TP decode replay (symm_mem)", 1, world, False, "symm_mem")):
+        stack, cache = build(sp, tp, fuse, ar)
+        graphs = stack.capture_decode_graphs(cache, max_context=args.context + 64, sizes=(n,))
+        ids = tuple(next(sid) for _ in range(n))
+        cache.begin_step(StepBatch(ids, (args.context,) * n, (0,) * n))
+        st = graphs.stage(x_dec, StepBatch(ids, (1,) * n, (args.context,) * n))
+        report(f"{label} {n} x {args.context} context", lambda i, g=st.graph: g.replay())
+    if rank == 0:
+        Path(args.out).write_text("\n".join(out_lines) + "\n")
+        print(f"wrote {args.out}")
+    _bench.exit_without_teardown(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
