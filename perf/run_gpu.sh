@@ -18,6 +18,12 @@ OVERLAY=$(mktemp -d)/src; mkdir -p "$OVERLAY/fusedpar"
 for e in "$PWD"/fusedpar/*; do ln -s "$e" "$OVERLAY/fusedpar/"; done
 ln -s "$PWD/integrations" "$OVERLAY/fusedpar/integrations"
 export PYTHONPATH="$OVERLAY:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# pytest puts the repo root first on sys.path (pyproject pythonpath), where ./fusedpar would
+# shadow the overlay: a temporary in-tree link gives it fusedpar.integrations too (gitignored).
+if [ ! -e fusedpar/integrations ]; then
+  ln -s ../integrations fusedpar/integrations
+  trap 'rm -f fusedpar/integrations' EXIT
+fi
 RES=$(mkdir -p "${OUT:-perf/results}" && cd "${OUT:-perf/results}" && pwd)  # absolute: items may cd
 LOG="$RES/gpu_run.log"
 ITEMS=("$@")
