@@ -9,11 +9,13 @@ decode runs where measured); every record of one bench run carries all modes' ti
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _plot
 
 
 def load(path: Path) -> tuple[str, dict[str, list[tuple[int, float]]]]:
@@ -28,17 +30,9 @@ def load(path: Path) -> tuple[str, dict[str, list[tuple[int, float]]]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", default="perf/results/layer.json")
-    p.add_argument("--out", default="perf/results/layer_ms_vs_tokens.png")
-    args = p.parse_args()
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_layer: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+    args, plt = _plot.args_and_pyplot(__doc__, "perf/results/layer.json", "perf/results/layer_ms_vs_tokens.png",
+                                      "plot_layer")
+    if plt is None:
         return 1
     model, series = load(Path(args.results))
     if not series:

@@ -9,10 +9,12 @@ Needs matplotlib (not a fusedpar dependency: `pip install matplotlib`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _plot
 
 MODES = ("plain TP", "plain SP", "fusedpar")
 PANELS = (("model_ttft", "TTFT (ms), lower is better", "fused_ms"),
@@ -31,17 +33,8 @@ def load(path: Path) -> dict[str, dict[str, dict]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", default="perf/results/model.json")
-    p.add_argument("--out", default="perf/results/model_bars.png")
-    args = p.parse_args()
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_model: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+    args, plt = _plot.args_and_pyplot(__doc__, "perf/results/model.json", "perf/results/model_bars.png", "plot_model")
+    if plt is None:
         return 1
     data = load(Path(args.results))
     if not data:

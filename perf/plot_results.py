@@ -9,11 +9,13 @@ Needs matplotlib (not a fusedpar dependency: `pip install matplotlib`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _plot
 
 PANELS = ("gemm", "qkv_all_to_all", "all_to_all_o_proj", "gemm_all_reduce", "one_shot_all_reduce", "attention")
 
@@ -43,17 +45,8 @@ def load(results: Path) -> dict[str, dict[str, list[tuple[float, float]]]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", default="perf/results")
-    p.add_argument("--out", default="perf/results/speedup_vs_tokens.png")
-    args = p.parse_args()
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_results: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+    args, plt = _plot.args_and_pyplot(__doc__, "perf/results", "perf/results/speedup_vs_tokens.png", "plot_results")
+    if plt is None:
         return 1
     series = load(Path(args.results))
     panels = [b for b in PANELS if b in series]
