@@ -16,6 +16,22 @@ kv heads shared by several chunks (kv replication, SP*TP > h_kv) are duplicated 
 block that needs them ("duplicate_columns" plan): every block stays self-contained and the
 shift view stays one contiguous range. The alternative (unique kv columns, replication in the
 network, paper Algorithm 1) would change only the qkv map; `kv_plan` names the plan in use.
+
+Why duplicate_columns (per rank, base mode, n tokens, SP = SP_AA x SP_AG, SP_AA = h_kv/TP kv
+heads per TP shard, r = SP_AG replicas of each kv head, kv row = 2*hd values):
+  wire bytes: every rank must end with its one kv head for all n tokens and holds n/SP of them,
+    so it receives (SP-1) * n/SP kv rows in either plan. Sent: duplicate_columns (SP-1) * n/SP;
+    Algorithm 1 all-to-all (SP_AA-1) * n/SP plus all-gather (SP_AG-1) * n*SP_AA/SP = the same
+    total. Equal bytes on the wire.
+  collectives: duplicate_columns keeps ONE symmetric all-to-all for q, k and v, the one
+    qkv_all_to_all fuses into the GEMM; Algorithm 1 needs a second (SP_AA) all-to-all and an
+    SP_AG all-gather plus a reorder, which the paper itself notes breaks the fusion.
+  cost: the GEMM computes (r-1) extra copies of each kv head: qkv FLOPs grow by
+    (SP - h_kv/TP) * 2hd / ((h + 2 h_kv) hd / TP), e.g. +20% of the qkv GEMM (about 2% of a
+    layer) for 32 q / 4 kv heads at SP=8 (Qwen3-30B-A3B attention).
+So duplicate_columns moves the same bytes in one fused collective for a few % more GEMM work.
+(Algorithm 1 is not implemented, so this is a bytes/collectives argument, not a timed
+comparison; the replicated layouts are verified on 4x H200 by tests/layers/test_fused_gpu.py.)
 """
 
 from __future__ import annotations
