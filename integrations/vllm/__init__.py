@@ -1,1 +1,88 @@
-"""vLLM plugin (the `vllm` extra). Built in the vLLM plugin issue."""
+"""vLLM plugin (the `vllm` extra): Shift Parallelism inside vLLM, switched on per engine.
+
+    vllm serve MODEL --tensor-parallel-size 4 \\
+        --additional-config '{"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 256}}'
+
+    llm = LLM(MODEL, tensor_parallel_size=4,
+              additional_config={"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 256}})
+    fusedpar.integrations.vllm.stats(llm)   # one dict per worker: base/shift steps and tokens
+
+With the canonical rank order (DESIGN.md section 2) vLLM's own TP = P model *is* the shift
+configuration; the plugin only adds the base (SP x TP) path on the same weights and KV cache:
+- `register` (entry point `vllm.general_plugins: fusedpar`, run by vLLM in every process)
+  registers three PluggableLayer out-of-tree linear layers (layers.py). They are inert unless
+  the engine's additional_config has a "fusedpar" section.
+- In each worker the first such layer validates the deployment (config.py; every problem named,
+  the engine fails to start), builds fusedpar's process groups after vLLM's, and the layers
+  load their base shard with the shift shard as a view (state.py, layers.py).
+- Per step, the mode comes from the scheduled token count (state.py, which also explains why
+  this is correct under vLLM's torch.compile and CUDA graphs).
+
+Modules: config (pure Python: knobs and checks), state (per-worker state, hooks, stats),
+layers (the linear layers). Only this package imports vllm; fusedpar's core never does.
+"""
+
+from __future__ import annotations
+
+from .config import (
+    SUPPORTED_ARCHITECTURES,
+    DeploymentInfo,
+    FusedparConfigError,
+    FusedparVllmConfig,
+    check_deployment,
+    parse_additional_config,
+)
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "DeploymentInfo",
+    "FusedparConfigError",
+    "FusedparVllmConfig",
+    "check_deployment",
+    "parse_additional_config",
+    "register",
+    "reset_stats",
+    "stats",
+]
+
+_registered = False
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: register the layers (idempotent, cheap, changes nothing by itself)."""
+    global _registered
+    if _registered:
+        return
+    from .layers import register_layers
+
+    register_layers()
+    _registered = True
+
+
+def stats(llm) -> list[dict]:
+    """Per-worker counters of a `vllm.LLM` running fusedpar, in worker (TP rank) order.
+
+    Each dict has base_steps, shift_steps, base_tokens, shift_tokens, base_padding_tokens (rows
+    added to make base steps divisible by SP; never part of any output) and the layout
+    (rank, sequence_parallel_size, base_tensor_parallel_size, tensor_parallel_size,
+    shift_threshold, fused_kernels). Only real model steps count (not vLLM's profile or warm-up
+    runs); steps replayed as full CUDA graphs run no Python and are not counted.
+    """
+    return _rpc(llm, "fusedpar_stats")
+
+
+def reset_stats(llm) -> None:
+    """Zero the counters of every worker."""
+    _rpc(llm, "fusedpar_reset_stats")
+
+
+def _rpc(llm, method: str):
+    # The worker methods are added by the plugin's worker state (state.add_worker_methods), so
+    # a plain name travels to the workers without vLLM's insecure (pickle) serialization.
+    try:
+        return llm.collective_rpc(method)
+    except Exception as e:
+        if "not implemented" in str(e) or "fusedpar_" in str(e):
+            raise ValueError("fusedpar is not enabled in this engine (additional_config has no 'fusedpar' "
+                             "section, or the plugin is not installed in the engine's environment)") from e
+        raise

@@ -1,0 +1,173 @@
+"""What the user asked for (`--additional-config '{"fusedpar": {...}}'`) and whether it can run.
+
+Pure Python (no vllm, no torch.distributed): the worker-side adapter (`plugin.py`) extracts the
+numbers from vLLM's config and calls `check_deployment`, and the unit tests call it directly.
+Every problem found is collected and raised together as one `FusedparConfigError` (a
+ValueError) whose message names each constraint and its numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fusedpar.layers.policy import DEFAULT_SHIFT_THRESHOLD
+from fusedpar.layouts import ModelDims, ParallelLayout
+
+CONFIG_KEY = "fusedpar"
+KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels")
+FUSED_KERNEL_CHOICES = ("auto", True, False)
+
+# The decoder families whose layers are qkv_proj / o_proj / gate_up_proj / down_proj around one
+# full-attention module (vLLM's llama.py / qwen2.py / qwen3.py), with model.layers[i] and a final
+# model.norm(hidden, residual): what the plugin's hooks and weight maps assume.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class FusedparConfigError(ValueError):
+    """The fusedpar additional config, or the engine it is used in, cannot run shift parallelism."""
+
+
+@dataclass(frozen=True)
+class FusedparVllmConfig:
+    """The user's knobs.
+
+    sequence_parallel_size: SP of the base mode (base = SP x TP with TP = P / SP, where P is
+        vLLM's tensor_parallel_size); must divide P.
+    shift_threshold: steps of at most this many tokens run in shift mode (vLLM's own TP = P),
+        larger ones in base mode. 0 = always base.
+    fused_kernels: "auto" (fusedpar's Triton kernels for the base mode on CUDA with bf16/fp16),
+        True (required) or False (plain torch + NCCL/gloo collectives).
+    """
+
+    sequence_parallel_size: int
+    shift_threshold: int = DEFAULT_SHIFT_THRESHOLD
+    fused_kernels: str | bool = "auto"
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
+    """The fusedpar section of vLLM's additional_config; None when there is none (plugin idle)."""
+    if not isinstance(additional_config, dict) or CONFIG_KEY not in additional_config:
+        return None
+    section = additional_config[CONFIG_KEY]
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise FusedparConfigError(
+            f'fusedpar: additional_config["{CONFIG_KEY}"] must be a JSON object like '
+            '{"sequence_parallel_size": 2, "shift_threshold": 256}, got '
+            f"{section!r} ({type(section).__name__})"
+        )
+    problems = []
+    unknown = sorted(set(section) - set(KNOWN_KEYS))
+    if unknown:
+        problems.append(f"unknown key(s) {unknown} (known: {list(KNOWN_KEYS)})")
+    sp = section.get("sequence_parallel_size")
+    if sp is None:
+        problems.append("sequence_parallel_size is required (the SP degree of the base mode)")
+    elif not _is_int(sp) or sp < 1:
+        problems.append(f"sequence_parallel_size must be an int >= 1, got {sp!r}")
+    threshold = section.get("shift_threshold", DEFAULT_SHIFT_THRESHOLD)
+    if threshold is None:
+        threshold = DEFAULT_SHIFT_THRESHOLD
+    if not _is_int(threshold) or threshold < 0:
+        problems.append(f"shift_threshold must be an int >= 0 (tokens per step), got {threshold!r}")
+    fused = section.get("fused_kernels", "auto")
+    if not (fused is True or fused is False or fused == "auto"):
+        problems.append(f'fused_kernels must be "auto", true or false, got {fused!r}')
+    _raise(problems)
+    return FusedparVllmConfig(sequence_parallel_size=sp, shift_threshold=threshold, fused_kernels=fused,
+                              raw=dict(section))
+
+
+@dataclass(frozen=True)
+class DeploymentInfo:
+    """The numbers of one vLLM engine that decide whether fusedpar can run it."""
+
+    tensor_parallel_size: int
+    architectures: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    v_head_dim: int | None = None
+    quantization: str | None = None
+    lora: bool = False
+    speculative: bool = False
+    compilation_mode: str = "VLLM_COMPILE"
+    full_cudagraphs: bool = False
+    max_cudagraph_capture_size: int | None = None
+
+
+def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelLayout:
+    """Raise FusedparConfigError naming every problem; return the replica's ParallelLayout."""
+    problems: list[str] = []
+    P, sp = info.tensor_parallel_size, cfg.sequence_parallel_size
+    layout = None
+    if P % sp:
+        problems.append(
+            f"sequence_parallel_size={sp} does not divide tensor_parallel_size={P} (P = number of GPUs = "
+            "SP x TP; use an SP among the divisors of P)"
+        )
+    else:
+        try:
+            layout = ParallelLayout(P, sp=sp, tp=P // sp)
+        except ValueError as e:  # pragma: no cover - P % sp == 0 already
+            problems.append(str(e))
+    if info.pipeline_parallel_size != 1:
+        problems.append(f"pipeline parallelism (pipeline_parallel_size={info.pipeline_parallel_size}); use 1")
+    if info.data_parallel_size != 1:
+        problems.append(f"data parallelism (data_parallel_size={info.data_parallel_size}); use 1 engine per replica")
+    if info.decode_context_parallel_size != 1 or info.prefill_context_parallel_size != 1:
+        problems.append(
+            f"context parallelism (decode_context_parallel_size={info.decode_context_parallel_size}, "
+            f"prefill_context_parallel_size={info.prefill_context_parallel_size}); use 1"
+        )
+    bad_arch = [a for a in info.architectures if a not in SUPPORTED_ARCHITECTURES]
+    if bad_arch or not info.architectures:
+        problems.append(
+            f"model architecture {list(info.architectures)} (supported: {', '.join(SUPPORTED_ARCHITECTURES)}: "
+            "decoder layers of full GQA attention + SwiGLU MLP)"
+        )
+    if info.v_head_dim is not None and info.v_head_dim != info.head_dim:
+        problems.append(f"unsupported attention: v head size {info.v_head_dim} != q/k head size {info.head_dim}")
+    if info.quantization:
+        problems.append(f"quantized weights (quantization={info.quantization!r})")
+    if info.lora:
+        problems.append("LoRA adapters (enable_lora); LoRA wraps the linear layers fusedpar shards")
+    if info.speculative:
+        problems.append("speculative decoding (speculative_config)")
+    if info.compilation_mode == "STOCK_TORCH_COMPILE":
+        problems.append(
+            "compilation mode STOCK_TORCH_COMPILE (it compiles the whole model, including the per-step mode "
+            "switch); use the default mode or enforce_eager"
+        )
+    if (layout is not None and sp > 1 and info.full_cudagraphs and info.max_cudagraph_capture_size is not None
+            and info.max_cudagraph_capture_size > cfg.shift_threshold):
+        problems.append(
+            f"full CUDA graphs are captured up to {info.max_cudagraph_capture_size} tokens, above "
+            f"shift_threshold={cfg.shift_threshold}: a replayed graph cannot switch to base mode. Pass "
+            f"--compilation-config '{{\"max_cudagraph_capture_size\": {cfg.shift_threshold}}}' (or "
+            "cudagraph_mode PIECEWISE, or a larger shift_threshold)"
+        )
+    if layout is not None:
+        try:
+            layout.weight_shards(ModelDims(info.num_attention_heads, info.num_key_value_heads, info.head_dim,
+                                           info.intermediate_size))
+        except ValueError as e:
+            problems.append(f"heads / MLP do not fit SP={sp} x TP={P // sp}: {e}")
+    _raise(problems)
+    return layout
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise FusedparConfigError("fusedpar cannot run this engine: " + "; ".join(dict.fromkeys(problems)))

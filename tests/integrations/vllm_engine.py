@@ -1,0 +1,69 @@
+"""Run one vLLM engine (CPU build) in this process and write what it produced as JSON.
+
+    python -m tests.integrations.vllm_engine SPEC.json OUT.json
+
+SPEC: {"model": dir, "tensor_parallel_size": 2, "fusedpar": {...} or null, "max_tokens": 8,
+       "batches": [[[token ids], ...], ...]}
+OUT:  {"tokens": [[[generated ids] per prompt] per batch], "stats": [per batch: fusedpar.stats(llm)
+       or null], "seconds": {...}}
+
+test_vllm.py runs each engine in its own process (vLLM's CPU workers bind OpenMP threads and
+keep process-wide state: one engine per process keeps the cases independent). Greedy decoding
+with ignore_eos, so every prompt generates exactly max_tokens tokens. Between batches the
+fusedpar counters are reset, so each batch's stats describe that batch alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per worker
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CI machines have few cores; no pinning
+
+
+def run(spec: dict) -> dict:
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    kwargs = {}
+    if spec.get("fusedpar") is not None:
+        kwargs["additional_config"] = {"fusedpar": spec["fusedpar"]}
+    llm = LLM(spec["model"], tensor_parallel_size=spec.get("tensor_parallel_size", 2), dtype="float32",
+              skip_tokenizer_init=True, max_model_len=spec.get("max_model_len", 256), seed=0,
+              enforce_eager=spec.get("enforce_eager", False), **kwargs)
+    t1 = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True,
+                            detokenize=False)
+    tokens, stats = [], []
+    for batch in spec["batches"]:
+        if spec.get("fusedpar") is not None:
+            from fusedpar.integrations.vllm import reset_stats
+
+            reset_stats(llm)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        if spec.get("fusedpar") is not None:
+            from fusedpar.integrations.vllm import stats as fp_stats
+
+            stats.append(fp_stats(llm))
+        else:
+            stats.append(None)
+    t2 = time.perf_counter()
+    llm.llm_engine.engine_core.shutdown()  # workers log fusedpar's summary line as they exit
+    return {"tokens": tokens, "stats": stats, "seconds": {"startup": t1 - t0, "generate": t2 - t1}}
+
+
+def main() -> None:
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
