@@ -22,3 +22,11 @@ def args_and_pyplot(doc: str, results: str, out: str, tool: str):
         print(f"{tool}: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
         return args, None
     return args, plt
+
+
+def save(fig, out: str) -> int:
+    """Lay out, write and announce the figure; the scripts' exit status (0)."""
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+    return 0

@@ -50,10 +50,7 @@ def main() -> int:
     ax.set_title(f"one {model} decoder layer, 4x H200, bf16 (perf/bench_layer.py)")
     ax.grid(True, which="both", lw=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
-    return 0
+    return _plot.save(fig, args.out)
 
 
 if __name__ == "__main__":

@@ -58,10 +58,7 @@ def main() -> int:
         fig.suptitle(f"{any_rec.get('model', '')} shape, {any_rec.get('layers', '')} layers, bf16, "
                      f"{any_rec['world']}x {any_rec['gpu']}: fusedpar shift vs plain TP / plain SP "
                      "(labels: speedup vs plain TP)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
-    return 0
+    return _plot.save(fig, args.out)
 
 
 if __name__ == "__main__":

@@ -69,10 +69,7 @@ def main() -> int:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle("fusedpar fused kernels vs plain baselines, 4x H200, bf16 (perf/results/*.json)")
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
-    return 0
+    return _plot.save(fig, args.out)
 
 
 if __name__ == "__main__":
