@@ -81,6 +81,26 @@ class StepState:
         return self.batch.num_tokens
 
 
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm: the one-pass Triton kernel on CUDA, the reference elsewhere (same roundings)."""
+    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.dtype == weight.dtype:
+        from fusedpar.kernels.rmsnorm import rms_norm as rms_norm_kernel
+
+        return rms_norm_kernel(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
+def _add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)): one Triton pass on CUDA, the reference elsewhere."""
+    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.dtype == weight.dtype == delta.dtype:
+        from fusedpar.kernels.rmsnorm import add_rms_norm
+
+        return add_rms_norm(x, delta.contiguous(), weight, eps)
+    s = x + delta
+    return s, rms_norm(s, weight, eps)
+
+
 class ShiftParallelDecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, weights: ShardedDecoderWeights, layer_idx: int):
         super().__init__()
@@ -134,13 +154,13 @@ class ShiftParallelDecoderLayer(nn.Module):
     def fused_fwd(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
         mode, rows = self._check(x, step, cache)
         w, rep, cfg, fk = self.w.weights(mode), self.w.replicated, self.cfg, self.fused
-        h = rms_norm(x, rep["input_norm"], cfg.rms_norm_eps)
+        h = _norm(x, rep["input_norm"], cfg.rms_norm_eps)
         # [n_pad, blk] in base (may be a view of the receive buffer), [n, blk] in shift; the bias
         # (if any) is this rank's own block's, added out of place
         qkv = fk.qkv(h, w["qkv"], mode, bias=self.w.shift.get("qkv_bias"))
         attn = self._fused_attention(qkv, step, cache)
-        x = x + fk.o_proj(attn, w["o"], mode)  # attention writes zeros into padding rows
-        h = rms_norm(x, rep["post_norm"], cfg.rms_norm_eps)
+        # residual add + post-attention norm in one pass (attention writes zeros into padding rows)
+        x, h = _add_norm(x, fk.o_proj(attn, w["o"], mode), rep["post_norm"], cfg.rms_norm_eps)
         return x + fk.row_parallel(self._mlp_act(h, w["gate_up"], rows), w["down"], mode)
 
     def _fused_attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
