@@ -207,7 +207,7 @@ def _qkv_all_to_all_kernel(
     epoch = launch_epoch(counters_ptr, EPOCH_AHEAD)
 
     if SEND_READY and USE_FLAGS:
-        publish(signal_ptrs, _READY_ROW * WORLD + rank, epoch, others & (pid == 0))  # program 0 only
+        publish(signal_ptrs, _READY_ROW * WORLD + rank, epoch, tl.where(pid == 0, others, False))  # program 0 only
 
     do_wait = pid == 0  # a wait-only launch has one program
     if PRODUCE:
@@ -265,12 +265,14 @@ def _qkv_all_to_all_kernel(
 
         last = retire_system(counters_ptr, epoch, nprog)
         if USE_FLAGS:
-            publish(signal_ptrs, _DONE_ROW * WORLD + rank, epoch, others & last)  # last program only
+            publish(signal_ptrs, _DONE_ROW * WORLD + rank, epoch, tl.where(last, others, False))  # last program only
         do_wait = last
 
     if WAIT and USE_FLAGS:
         # One waiter: the launch completes only when it does. Other programs see an empty mask.
-        wait_flags(my_flags + _DONE_ROW * WORLD + peers, others & do_wait, epoch, counters_ptr, SPIN_LIMIT)
+        # tl.where, not `others & do_wait`: Triton 3.9's interpreter gives a [P] & scalar mask int32 data
+        wait_flags(my_flags + _DONE_ROW * WORLD + peers, tl.where(do_wait, others, False), epoch, counters_ptr,
+                   SPIN_LIMIT)
 
 
 # ========================================================================= all_to_all_o_proj
@@ -325,7 +327,7 @@ def _all_to_all_o_proj_kernel(
     dtype = attn_ptr.dtype.element_ty
 
     if SEND_READY and USE_FLAGS:
-        publish(signal_ptrs, _READY_ROW * WORLD + rank, epoch, others & (pid == 0))  # program 0 only
+        publish(signal_ptrs, _READY_ROW * WORLD + rank, epoch, tl.where(pid == 0, others, False))  # program 0 only
 
     # Nested on purpose: Triton cannot `and` a constexpr with a runtime value.
     if PUSH:  # noqa: SIM102
