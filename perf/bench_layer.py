@@ -6,7 +6,8 @@
 Modes on P GPUs, all with the same Triton paged attention (so only the communication differs):
   plain TP      sp=1, tp=P: cuBLAS GEMMs + NCCL all-reduces
   plain SP      sp=P: cuBLAS + NCCL all-to-all (Ulysses) + NCCL
-  fused base    sp=P: qkv_all_to_all, all_to_all_o_proj, gemm_all_reduce (each routed by size)
+  fused base    sp=P (or SP=P/--base-tp x TP=--base-tp): qkv_all_to_all, all_to_all_o_proj,
+                gemm_all_reduce (each routed by size)
   fused shift   sp=P layout run in shift mode (TP=P over zero-copy views), fused reductions
   fused policy  the ShiftPolicy's choice at that size (--threshold)
 Steps: tokens <= 64 -> decode: that many sequences, one new token each, against --context cached
@@ -42,6 +43,10 @@ _bench.add_repo_to_path()
 MODELS = {  # DESIGN.md section 9 shapes
     "llama70b": dict(hidden_size=8192, num_q_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=28672,
                      rope_theta=500000.0),
+    # Qwen3-30B-A3B's attention (32 q / 4 kv heads of 128, hidden 2048) with a dense MLP as wide as its
+    # 8 active experts (8 x 768): the kv-replication case of the 8-GPU issue (SP=8 > 4 kv heads)
+    "qwen30b_a3b_attn": dict(hidden_size=2048, num_q_heads=32, num_kv_heads=4, head_dim=128,
+                             intermediate_size=6144, rope_theta=1000000.0, qk_norm=True),
     "qwen32b": dict(hidden_size=5120, num_q_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=25600,
                     rope_theta=1000000.0, qk_norm=True),
 }
@@ -87,6 +92,9 @@ def main() -> int:
     p.add_argument("--threshold", type=int, default=1024, help="policy: shift mode at or below this many tokens")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--base-tp", type=int, default=1,
+                   help="TP degree of the fused modes' base layout (SP = world / base TP; default 1: pure SP). "
+                        "E.g. 2 on 8 GPUs: base (SP=4, TP=2) <-> shift TP=8; plain TP / plain SP stay TP=P / SP=P")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="skip the CUDA-graph decode runs (plain TP with NCCL / symm_mem one-shot, fused shift)")
     p.add_argument("--out", default="perf/results/layer.json")
@@ -95,6 +103,8 @@ def main() -> int:
         print("bench_layer: needs CUDA GPUs and a torchrun launch; nothing to do")
         return 0
     _, rank, world = _bench.init_distributed()
+    if args.base_tp < 1 or world % args.base_tp:
+        raise SystemExit(f"--base-tp {args.base_tp} must divide the world size {world}")
     from fusedpar import ParallelLayout
     from fusedpar.collectives import ParallelContext
     from fusedpar.layers import DecoderConfig, ShiftParallelStack, ShiftPolicy, StepBatch
@@ -123,7 +133,7 @@ def main() -> int:
         return stack, cache, graphs
 
     stacks = {"plain TP": build(1, world, False, full), "plain SP": build(world, 1, False, full),
-              "fused": build(world, 1, True, full)}
+              "fused": build(world // args.base_tp, args.base_tp, True, full)}
     if args.graphs and decode_sizes:
         stacks["plain TP symm_mem"] = build(1, world, False, full, "symm_mem")
     del full
@@ -213,6 +223,7 @@ def main() -> int:
                     "baseline_ms": base_ms, "fused_ms": r[label], "speedup": base_ms / r[label],
                     "roofline_pct": 100 * floor_ms(n) / r[label], "floor_ms": floor_ms(n),
                     "max_rel_diff_vs_plain": diffs[n].get(label),
+                    "fused_base_layout": f"SP={world // args.base_tp} x TP={args.base_tp}",
                     "all_modes_ms": r, **info,
                 })
         _bench.write_records(records, args.out)
