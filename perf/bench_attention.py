@@ -20,9 +20,14 @@ floor = max(FLOPs / peak, bytes / bandwidth): peak = a cuBLAS 8192^3 bf16 GEMM a
 a 1 GiB device copy, both measured in this run. FLOPs = 4 * Hq * d * (causal query-key pairs);
 bytes = the minimum traffic (prefill: qkv read + out write + k/v write; decode: the K/V read).
 
---sweep (default on, time-capped by --sweep-budget-s) also times a few explicit tilings on one
-prefill and one decode shape (records with "sweep": true; there fused_ms is the attention-only
-time, one Triton compile per tiling) to tune pick_config on the GPU.
+--sweep (default on, time-capped by --sweep-budget-s) also times explicit tilings (AttentionConfig,
+incl. prerotate_q) on prefill 1x4096 and 4x1024 and on decode 8x4096 (the layer benchmark's decode
+case) and 64x4096, to tune pick_config on the GPU. Sweep records ("sweep": true) are measured like
+the others: fused_ms is the full path the layer runs (RoPE on q/k + KV-cache write + attention)
+with that tiling, fused_attention_only_ms the attention alone with it (write_kv=False, no RoPE).
+Both matter: the attention-only time hid the cost of the in-kernel q norm/RoPE prologue (0.23 vs
+0.37 ms at 4096 tokens), which is what prerotate_q removes. Each tiling compiles its kernels once;
+a tiling that fails (compile error, shared memory) is recorded with its error, the sweep goes on.
 
 Usage (GPU machine, repo root):
     python perf/bench_attention.py [--iters 20] [--out perf/results/attention.json] [--no-sweep]
@@ -141,8 +146,8 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
 
     baseline_ms = time_ms(lambda qq, kk, vv: sdpa(qq, kk, vv, causal), sdpa_sets, args.iters, args.warmup)
     attn_only_ms = time_ms(lambda s: run_fused(s, False, False), [(s,) for s in sets], args.iters, args.warmup)
-    # Sweep records time the tiling only (one compile per config): fused_ms = attention only there.
-    fused_ms = attn_only_ms if config is not None else time_ms(run_fused, [(s,) for s in sets], args.iters, args.warmup)
+    # The full path for sweep records too: a tiling is only as good as the layer's call with it.
+    fused_ms = time_ms(run_fused, [(s,) for s in sets], args.iters, args.warmup)
 
     tokens = sum(seq_lens)
     pairs = sum(context * q + q * (q + 1) // 2 for q in seq_lens)  # causal query-key pairs
@@ -177,20 +182,43 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
         "bound": "compute" if flops / ctx["peak"] >= bytes_ / ctx["bandwidth"] else "memory",
         "max_rel_diff_vs_baseline": max_rel_diff,
         "triton_config": vars(cfg),
-        "fused_includes": "attention only (sweep)" if config is not None else "RoPE(q, k) + KV-cache write + attention",
+        "fused_includes": "RoPE(q, k) + KV-cache write + attention"
+        + (" with the record's triton_config (sweep)" if config is not None else ""),
         "operand_sets": n_sets,
     }
 
 
-def sweep_configs(kind: str):
+# Prefill tilings: (block_m, block_n, warps, stages, prerotate_q); the first is pick_config's choice,
+# the second the same tile with q normed/roped inside the attention kernel (the previous default).
+PREFILL_SWEEP = (
+    (128, 64, 8, 3, True), (128, 64, 8, 3, False), (128, 32, 4, 4, True), (128, 64, 4, 3, True),
+    (128, 128, 8, 2, True), (64, 64, 4, 3, True), (128, 64, 8, 4, True), (64, 32, 4, 4, True),
+)
+PREFILL_SWEEP_SHAPES = ([4096], [1024] * 4)
+# Decode tilings, block_m 16: (block_n, warps, stages, num_splits). 8 x 4096 is the layer
+# benchmark's decode case; 64 x 4096 keeps its earlier sweep (perf/results/attention.json).
+DECODE_SWEEP = {
+    8: ((64, 4, 4, 16), (64, 4, 4, 8), (64, 4, 4, 4), (128, 4, 3, 8), (32, 4, 4, 16), (64, 4, 3, 32), (128, 4, 2, 4)),
+    64: ((64, 4, 3, 1), (64, 4, 3, 2), (64, 4, 4, 4), (128, 4, 2, 2), (32, 4, 4, 2)),
+}
+
+
+def sweep_cases() -> list[tuple]:
+    """(kind, seq_lens, context, case name, AttentionConfig) of every sweep record, in run order."""
     from fusedpar.kernels.attention import AttentionConfig
 
     g = NQ // NKV
-    if kind == "prefill":
-        return [AttentionConfig(bm, bn, bm // g, w, s) for bm, bn, w, s in
-                ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4))]
-    return [AttentionConfig(16, bn, 1, w, s, splits) for bn, w, s, splits in
-            ((64, 4, 3, 1), (64, 4, 3, 2), (64, 4, 4, 4), (128, 4, 2, 2), (32, 4, 4, 2))]
+    cases = []
+    for seq_lens in PREFILL_SWEEP_SHAPES:
+        name = f"prefill {len(seq_lens)}x{seq_lens[0]} sweep"
+        for bm, bn, w, s, pre in PREFILL_SWEEP:
+            cases.append(("prefill", seq_lens, 0, name, AttentionConfig(bm, bn, bm // g, w, s, prerotate_q=pre)))
+    for b, tilings in DECODE_SWEEP.items():
+        name = f"decode {b}x{DECODE_CONTEXT} sweep"
+        for bn, w, s, splits in tilings:
+            # prerotate_q off as pick_config has it for decode (one token per program: tiny prologue).
+            cases.append(("decode", [1] * b, DECODE_CONTEXT, name, AttentionConfig(16, bn, 1, w, s, splits)))
+    return cases
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -201,7 +229,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median taken)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--sweep-budget-s", type=float, default=30.0, help="stop sweeping after this many seconds")
+    # Sized for the whole sweep (28 tilings, each compiling its kernels and timing SDPA, attention-only
+    # and the full path: ~90 s expected) with headroom; the cap only guards against a slow machine.
+    p.add_argument("--sweep-budget-s", type=float, default=120.0, help="stop sweeping after this many seconds")
     p.add_argument("--out", default="perf/results/attention.json")
     args = p.parse_args(argv)
     if args.iters < 20:
@@ -245,10 +275,7 @@ def main(argv=None) -> int:
     for b in (int(x) for x in args.decode_batch.split(",") if x):
         cases.append(("decode", [1] * b, DECODE_CONTEXT, f"decode {b}x{DECODE_CONTEXT}", None))
     if args.sweep:
-        for cfg in sweep_configs("prefill"):
-            cases.append(("prefill", [4096], 0, "prefill 1x4096 sweep", cfg))
-        for cfg in sweep_configs("decode"):
-            cases.append(("decode", [1] * 64, DECODE_CONTEXT, f"decode 64x{DECODE_CONTEXT} sweep", cfg))
+        cases += sweep_cases()
 
     records, sweep_start = [], None
     for kind, seq_lens, context, name, cfg in cases:
@@ -276,7 +303,7 @@ def main(argv=None) -> int:
             f"{record['bench']:<18}{name:<26}{sum(seq_lens):>7}{record['baseline_ms']:>10.4f}{record['fused_ms']:>10.4f}"
             f"{record['fused_attention_only_ms']:>10.4f}{record['speedup']:>9.2f}{record['roofline_pct']:>6.1f}%  "
             f"m{c['block_m']} n{c['block_n']} q{c['block_q']} w{c['num_warps']} s{c['num_stages']} "
-            f"splits{c['num_splits']}{warn}"
+            f"splits{c['num_splits']} prerotate_q={c.get('prerotate_q', False)}{warn}"
         )
         torch.cuda.empty_cache()
 

@@ -2,8 +2,9 @@
 # GPU tests and benchmarks in one device call. Installs nothing.
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo profile (default: all but profile)
-# MODEL_ARGS / LAYER_ARGS pass extra arguments to perf/model_bench.py / perf/bench_layer.py
-# (e.g. MODEL_ARGS="--layers 4" for a smoke run); MODEL_TIMEOUT / LAYER_TIMEOUT their limits.
+# MODEL_ARGS / LAYER_ARGS / ATTN_ARGS pass extra arguments to perf/model_bench.py / perf/bench_layer.py /
+# perf/bench_attention.py (e.g. MODEL_ARGS="--layers 4" for a smoke run); MODEL_TIMEOUT / LAYER_TIMEOUT /
+# ATTN_TIMEOUT their limits.
 # A device call lasts at most 600 s: "all" does not fit one call; pass a subset per call, e.g.
 #   bash perf/run_gpu.sh tests attention gemm_all_reduce
 #   bash perf/run_gpu.sh qkv_all_to_all all_to_all_o_proj gemm one_shot
@@ -59,8 +60,9 @@ for item in "${ITEMS[@]}"; do
     hf) (cd "$OVERLAY" && run timeout 150 "${TRUN[@]}" -m tests.integrations.hf_gpu_check) || status=1 ;;
     gemm) run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json" ;;
     one_shot) run timeout 120 "${TRUN[@]}" perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json" ;;
-    gemm_all_reduce) run timeout 150 "${TRUN[@]}" perf/bench_gemm_all_reduce.py --out "$RES/gemm_all_reduce.json" ;;
-    attention) run timeout 130 python3 perf/bench_attention.py --out "$RES/attention.json" ;;
+    gemm_all_reduce) run timeout "${GAR_TIMEOUT:-150}" "${TRUN[@]}" perf/bench_gemm_all_reduce.py ${GAR_ARGS:-} \
+                       --out "$RES/gemm_all_reduce.json" ;;
+    attention) run timeout "${ATTN_TIMEOUT:-240}" python3 perf/bench_attention.py ${ATTN_ARGS:-} --out "$RES/attention.json" ;;
     qkv_all_to_all) run timeout 120 "${TRUN[@]}" perf/bench_qkv_all_to_all.py --out "$RES/qkv_all_to_all.json" ;;
     all_to_all_o_proj) run timeout 120 "${TRUN[@]}" perf/bench_all_to_all_o_proj.py \
                          --out "$RES/all_to_all_o_proj.json" ;;

@@ -31,12 +31,27 @@ Layouts
          HeadPlacement.q_to_kv_index for every layout, kv replication included: nkv = 1, G = nq).
 
 Kernels (three layers, DESIGN.md section 1: @triton.jit kernel -> launcher -> registered torch op)
-    _write_kv_kernel     one program per real token: k -> norm -> RoPE -> cache; v -> cache.
+    _write_kv_kernel     one program per real token: k -> norm -> RoPE -> cache; v -> cache;
+                         for prefill/mixed launches (AttentionConfig.prerotate_q) also every q
+                         head -> norm -> RoPE -> a [num_tokens, nq hd] scratch in the cache dtype,
+                         which the attention kernel then reads as its q (no norm/RoPE there).
+                         Why: on an H200 (1 x 4096 tokens, 16 q / 2 kv heads, hd 128, bf16, tile
+                         128x64, 8 warps) attention alone took 0.23 ms but the full path with
+                         q/k RoPE and the cache write 0.37 ms while the write kernel itself takes
+                         ~8 us: the q prologue inside the attention kernel (register pressure
+                         that slows the whole main loop; 0.51 vs 0.20 ms with 4 warps) cost
+                         ~0.13 ms, far more than a q round trip through memory. Decode keeps the
+                         in-kernel prologue (one token per program: tiny, and a round trip would
+                         only add traffic and work to a memory-bound step).
     _attention_kernel    one program per (q tile, kv head, kv split). A q tile packs BLOCK_Q
                          tokens x G q heads of one kv head into its BLOCK_M rows (row r = token
                          r // G, head r % G), so one K/V tile load serves the whole GQA group:
                          decode reads each cached K/V byte once per step, prefill G times less
-                         than a per-head kernel. q is normed/roped in registers after the load.
+                         than a per-head kernel. q is normed/roped in registers after the load
+                         unless the write kernel pre-rotated it (both paths round the fp32
+                         transform to the cache dtype before the dot, so they agree bit for bit
+                         in the interpreter; on a GPU the q RMSNorm sum may reduce in another
+                         order in the two tile shapes, a rare one-unit difference in a q element).
                          K/V are gathered from the paged cache through the block table, in
                          BLOCK_N-key tiles: an unmasked loop over tiles wholly below the causal
                          diagonal, then a masked loop over the rest. Online softmax in base 2.
@@ -166,46 +181,67 @@ def _write_kv_kernel(
     inv_freq_ptr,
     cos_ptr,
     sin_ptr,
+    q_norm_ptr,
     k_norm_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    q_out_ptr,
     stride_qkv,
+    stride_qout,
     stride_blk,
     stride_tok,
     stride_head,
     stride_rope,
     eps,
     NQ: tl.constexpr,
+    NQ_P2: tl.constexpr,
     NKV: tl.constexpr,
     NKV_P2: tl.constexpr,
     HD: tl.constexpr,
     PAGE: tl.constexpr,
+    HAS_Q_NORM: tl.constexpr,
     HAS_K_NORM: tl.constexpr,
     ROPE: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    WRITE_Q: tl.constexpr,
 ):
-    """Program t (one per real token): k_cache[slot_t] = rope(norm(K[t])), v_cache[slot_t] = V[t].
+    """Program t (one per real token):
+        WRITE_KV: k_cache[slot_t] = rope(norm_k(K[t])), v_cache[slot_t] = V[t]   (NKV heads)
+        WRITE_Q:  q_out[t, h hd : (h+1) hd] = rope(norm_q(Q[t, h]))              (NQ heads)
+    q_out [num_tokens, NQ hd] (row stride stride_qout) is stored in the cache dtype: the same
+    rounding the attention kernel applies to a q it transforms itself, so reading q_out back with
+    no norm/RoPE gives that kernel the q it would have computed (see the module docstring).
 
-    All NKV heads of the token in one [NKV_P2, HD] tile. A negative slot means "not a real token"
-    (a CUDA-graph padding row): nothing is written. Padding rows >= num_tokens have no program.
+    Each head group is one [N_P2, HD] tile. A negative slot means "not a real token" (a CUDA-graph
+    padding row): its k/v are not written (q still is: a cheap, harmless row of scratch). Padding
+    rows >= num_tokens have no program.
     """
     t = tl.program_id(0)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    offs_h = tl.arange(0, NKV_P2)
     offs_d = tl.arange(0, HD)
-    h_mask = offs_h < NKV
     row = qkv_ptr + t.to(tl.int64) * stride_qkv
-    rope_rows = tl.full([NKV_P2], 0, tl.int32) + t
-    k = _norm_rope(
-        row + (NQ + offs_h) * HD, h_mask, rope_rows, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr,
-        stride_rope, k_norm_ptr, eps, HD, HAS_K_NORM, ROPE,
-    )
-    dst = (slot // PAGE) * stride_blk + (slot % PAGE) * stride_tok
-    dst_ptrs = dst + offs_h[:, None] * stride_head + offs_d[None, :]
-    tl.store(k_cache_ptr + dst_ptrs, k.to(k_cache_ptr.dtype.element_ty), mask=h_mask[:, None])
-    v = tl.load(row + (NQ + NKV + offs_h)[:, None] * HD + offs_d[None, :], mask=h_mask[:, None])
-    tl.store(v_cache_ptr + dst_ptrs, v.to(v_cache_ptr.dtype.element_ty), mask=h_mask[:, None])
+    if WRITE_KV:
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if slot >= 0:
+            offs_h = tl.arange(0, NKV_P2)
+            h_mask = offs_h < NKV
+            k = _norm_rope(
+                row + (NQ + offs_h) * HD, h_mask, tl.full([NKV_P2], 0, tl.int32) + t, positions_ptr,
+                inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, k_norm_ptr, eps, HD, HAS_K_NORM, ROPE,
+            )
+            dst = (slot // PAGE) * stride_blk + (slot % PAGE) * stride_tok
+            dst_ptrs = dst + offs_h[:, None] * stride_head + offs_d[None, :]
+            tl.store(k_cache_ptr + dst_ptrs, k.to(k_cache_ptr.dtype.element_ty), mask=h_mask[:, None])
+            v = tl.load(row + (NQ + NKV + offs_h)[:, None] * HD + offs_d[None, :], mask=h_mask[:, None])
+            tl.store(v_cache_ptr + dst_ptrs, v.to(v_cache_ptr.dtype.element_ty), mask=h_mask[:, None])
+    if WRITE_Q:
+        offs_q = tl.arange(0, NQ_P2)
+        q_mask = offs_q < NQ
+        q = _norm_rope(
+            row + offs_q * HD, q_mask, tl.full([NQ_P2], 0, tl.int32) + t, positions_ptr, inv_freq_ptr,
+            cos_ptr, sin_ptr, stride_rope, q_norm_ptr, eps, HD, HAS_Q_NORM, ROPE,
+        )
+        q_ptrs = q_out_ptr + t.to(tl.int64) * stride_qout + offs_q[:, None] * HD + offs_d[None, :]
+        tl.store(q_ptrs, q.to(k_cache_ptr.dtype.element_ty), mask=q_mask[:, None])
 
 
 @triton.jit
@@ -372,7 +408,9 @@ def _attention_kernel(
         q_rows, row_ok, token, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope,
         q_norm_ptr, eps, HD, HAS_Q_NORM, ROPE,
     )
-    # Round q to the cache dtype like the reference (which attends with q in the model dtype).
+    # Round q to the cache dtype like the reference (which attends with q in the model dtype). A q
+    # pre-rotated by _write_kv_kernel was stored already rounded, so this is exact there: both
+    # paths feed tl.dot the same bits.
     q = q.to(k_cache_ptr.dtype.element_ty)
 
     kv_hi = ctx + tl.minimum(q_local + BLOCK_Q, q_len)  # 1 + the tile's last position
@@ -454,6 +492,10 @@ class AttentionConfig:
 
     block_m: q-tile rows (= block_q tokens x G heads, padded to a power of two >= 16);
     block_n: keys per K/V tile; num_splits: key-range splits (1 = no split, no combine kernel).
+    prerotate_q: when the launch has RoPE and/or a q norm, _write_kv_kernel computes
+    rope(norm_q(q)) once per token into a [num_tokens, nq hd] scratch (cache dtype) and the
+    attention kernel reads that instead of transforming q itself (the same rounding: see the
+    module docstring); ignored without RoPE and q norm.
     """
 
     block_m: int
@@ -462,6 +504,7 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     num_splits: int = 1
+    prerotate_q: bool = False
 
 
 def _next_pow2(x: int) -> int:
@@ -487,12 +530,21 @@ def pick_config(
       heads (tl.dot needs M >= 16, so G < 16 wastes rows, but decode is bound by the K/V bytes,
       which are read once per kv head). block_n 64, 4 warps, 4 stages (measured: 64 x 4096
       decode 0.076 ms with 4 stages and 4 splits vs 0.087 ms with 3 stages and 2 splits).
-    Prefill/mixed: block_m 128 (hd <= 128) with block_q = 128 // G tokens, block_n 64, 8 warps,
-      3 stages. Measured at 4096 tokens (one sequence): attention alone is faster with block_n
-      32 / 4 warps / 4 stages (0.198 vs 0.233 ms), but with RoPE and q/k-norm applied in the
-      kernel and the cache write on (what the layer runs) it is much slower (0.513 vs 0.369 ms,
-      likely register pressure at 4 warps), so the 8-warp tile stays. hd 256 or fp32 inputs:
-      block_m 64, block_n 32, 2 stages to stay inside 227 KiB of shared memory.
+    Prefill/mixed: block_m 128 (hd <= 128) with block_q = 128 // G tokens, block_n 32, 4 warps,
+      4 stages, prerotate_q on. Measured on one H200 (perf/results/attention.json, sweep records,
+      full path = q/k RoPE + cache write + attention, 16 q / 2 kv heads, hd 128, bf16): one 4096-token
+      sequence 0.221 ms with this tile vs 0.251 ms with 128x64 / 8 warps / 3 stages and 0.369 ms
+      with that tile and q normed/roped inside the attention kernel (the previous default;
+      SDPA flash without RoPE or cache write: 0.318 ms); four 1024-token sequences 0.120 vs
+      0.119 ms (a tie). hd 256 or fp32 inputs: block_m 64, block_n 32, 4 warps, 2 stages to stay
+      inside 227 KiB of shared memory.
+      prerotate_q: the in-kernel q prologue cost 0.12-0.13 ms at 4096 tokens although the write
+      kernel is ~8 us: its extra live registers slow the whole main loop. Pre-rotating q in the
+      write kernel costs one [T, nq hd] write + read (2 x 16 MiB at 4096 tokens, ~7 us at H200
+      bandwidth) and leaves the attention kernel as lean as the attention-only one.
+    Decode (max_query_len == 1): prerotate_q off: the prologue transforms one token's G heads
+      per program (tiny), so an extra q round trip through memory and its launch work would be
+      pure cost.
     Split-KV when every sequence fits in one q tile (decode-like) and the (sequence, kv head)
       programs cannot fill the GPU: enough splits for ~4 programs per SM (measured best at
       batch 64), each split at least 4 key tiles long (1 in the interpreter, so CPU tests
@@ -507,7 +559,7 @@ def pick_config(
         block_m, block_n, warps, stages = max(16, _next_pow2(group)), (32 if big else 64), 4, (3 if big else 4)
     else:
         block_m = max(64 if big else 128, _next_pow2(group))
-        block_n, warps, stages = (32 if big else 64), (4 if big else 8), (2 if big else 3)
+        block_n, warps, stages = 32, 4, (2 if big else 4)
     block_q = 1 if max_query_len == 1 else max(1, block_m // group)
 
     splits = 1
@@ -518,7 +570,8 @@ def pick_config(
         want = max(1, round(4 * num_sms / programs))
         by_len = triton.cdiv(max(max_kv_len, 1), (1 if interpret else 4) * block_n)
         splits = max(1, min(want, by_len, _MAX_SPLITS))
-    return AttentionConfig(block_m, block_n, block_q, warps, stages, splits)
+    # Interpreter too: CPU tests of prefill batches then run the pre-rotated path the GPU runs.
+    return AttentionConfig(block_m, block_n, block_q, warps, stages, splits, prerotate_q=max_query_len > 1)
 
 
 @functools.cache
@@ -680,7 +733,8 @@ def _launch(
     write_kv: bool,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
-    """Check, write the new k/v into the cache, run attention into `out`, zero `out`'s padding rows."""
+    """Check, write the new k/v into the cache (and, with cfg.prerotate_q and RoPE or a q norm, the
+    transformed q into a scratch), run attention into `out`, zero `out`'s padding rows."""
     _check_args(
         qkv, out, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions,
         q_norm, k_norm, rope_cos, rope_sin, num_tokens, num_q_heads, rope_theta, write_kv,
@@ -744,26 +798,41 @@ def _launch(
     else:
         part_acc = part_m = part_l = qkv  # unused
 
+    q_norm_arg = q_norm if q_norm is not None else qkv
+    prerotate = cfg.prerotate_q and (rope_mode != ROPE_NONE or q_norm is not None)
+    if prerotate:
+        # The attention kernel addresses q as q_src + token * stride + head * hd: a contiguous
+        # [num_tokens, nq hd] scratch fits that as the qkv layout's q columns do.
+        q_src = torch.empty((num_tokens, num_q_heads * hd), dtype=k_cache.dtype, device=qkv.device)
+        attn_rope, attn_q_norm = ROPE_NONE, False
+    else:
+        q_src, attn_rope, attn_q_norm = qkv, rope_mode, q_norm is not None
+    # The write kernel holds one [heads_p2, hd] fp32 tile (plus its rotated copy, cos and sin):
+    # one warp for a few heads, more so that a wide q tile (16 x 128) does not spill.
+    tile = max(_next_pow2(nkv) if write_kv else 0, _next_pow2(num_q_heads) if prerotate else 0) * hd
+    write_warps = 1 if tile <= 256 else 4 if tile <= 4096 else 8
+
     guard = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        if write_kv:
+        if write_kv or prerotate:
             _write_kv_kernel[(num_tokens,)](
-                qkv, slots, positions_arg, inv_freq, cos_arg, sin_arg,
-                k_norm if k_norm is not None else qkv, k_cache, v_cache,
-                qkv.stride(0), blk_stride, tok_stride, head_stride, stride_rope, eps,
-                NQ=num_q_heads, NKV=nkv, NKV_P2=_next_pow2(nkv), HD=hd, PAGE=page,
-                HAS_K_NORM=k_norm is not None, ROPE=rope_mode,
-                num_warps=1 if nkv * hd <= 256 else 4,
+                qkv, slots if write_kv else cu_seqlens_q, positions_arg, inv_freq, cos_arg, sin_arg,
+                q_norm_arg, k_norm if k_norm is not None else qkv, k_cache, v_cache, q_src,
+                qkv.stride(0), q_src.stride(0), blk_stride, tok_stride, head_stride, stride_rope, eps,
+                NQ=num_q_heads, NQ_P2=_next_pow2(num_q_heads), NKV=nkv, NKV_P2=_next_pow2(nkv), HD=hd, PAGE=page,
+                HAS_Q_NORM=q_norm is not None, HAS_K_NORM=k_norm is not None, ROPE=rope_mode,
+                WRITE_KV=write_kv, WRITE_Q=prerotate,
+                num_warps=write_warps,
             )
         _attention_kernel[(num_tiles, nkv, splits)](
-            qkv, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-            positions_arg, inv_freq, cos_arg, sin_arg, q_norm if q_norm is not None else qkv,
+            q_src, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+            positions_arg, inv_freq, cos_arg, sin_arg, q_norm_arg,
             part_acc, part_m, part_l,
-            qkv.stride(0), out.stride(0), blk_stride, tok_stride, head_stride, block_tables.stride(0), stride_rope,
+            q_src.stride(0), out.stride(0), blk_stride, tok_stride, head_stride, block_tables.stride(0), stride_rope,
             num_seqs, num_tokens, num_tiles, split_len, scale * _LOG2E, eps,
             NQ=num_q_heads, G=group, HD=hd, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_Q=block_q, ONE_TOKEN_PER_SEQ=one_token_per_seq, HAS_Q_NORM=q_norm is not None,
-            ROPE=rope_mode, SPLIT=splits > 1,
+            BLOCK_Q=block_q, ONE_TOKEN_PER_SEQ=one_token_per_seq, HAS_Q_NORM=attn_q_norm,
+            ROPE=attn_rope, SPLIT=splits > 1,
             DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -39,6 +39,17 @@ Two fused paths, one Triton kernel (`_gemm_all_reduce_kernel`, constexpr TWO_SHO
         and every load is local. Each rank sends and receives 2 (W-1)/W of the output, the
         all-reduce minimum; the reduce-scatter half is hidden behind the GEMM, the all-gather
         half runs after it on all SMs.
+    Residual epilogue (constexpr HAS_RESIDUAL): the reduce (one-shot reduce, two-shot phase B) can
+    add a residual [M, N] that is identical on every rank (the residual stream): out =
+    round(round(sum) + residual), the plain path's roundings. In a decode step that removes the
+    residual add after the down projection (and lets the o projection's output go straight into
+    a plain RMSNorm), kernels the stock path (cuBLAS + one-shot all-reduce) launches separately:
+    decode MLP tail (silu_mul -> down -> all-reduce -> + residual) in a CUDA graph 1.07-1.17x the
+    stock tail on 4x H200, 1-64 rows (perf/results/gemm_all_reduce.json, "mlp-tail" records).
+    A SwiGLU prologue (silu(gate) * up computed in the A-operand load from the gate_up output, so
+    no activation tensor) was tried and measured 2.0-2.6x SLOWER than silu_mul + this kernel
+    (e.g. Llama-70B down, 8 rows: 0.082 vs 0.039 ms per call in a graph, run 17): the exp and the
+    second A load in every K step of every N tile outweigh one 2-3 us elementwise pass; it was removed.
     Large M is processed in row chunks (one launch each) sized to the workspace; each chunk
     must have >= W tiles (the double-buffering argument below needs every rank to own a tile).
 
@@ -130,6 +141,7 @@ __all__ = [
     "TWO_SHOT_MIN_TOKENS",
     "FusedConfig",
     "FusedPlan",
+    "auto_path",
     "choose_path",
     "default_config",
     "fused_plan",
@@ -190,6 +202,21 @@ def _store_tile_rows(out_ptr, vals, tile_id, r0, M, N, stride_om, stride_on, num
 
 
 @triton.jit
+def _add_residual_rows(vals, res_ptr, tile_id, r0, M, N, stride_rm, stride_rn, num_pid_in_group, num_pid_m,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                       COMM_ROWS: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """round(round(vals) + residual) for rows [r0, r0 + COMM_ROWS) of tile `tile_id`: the plain path's
+    roundings (the all-reduced sum in the output dtype, then torch's add). Rows/columns outside
+    [M, N] read 0 (they are never stored to out; the two-shot result region gets finite values)."""
+    pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+    rows = pid_m * BLOCK_M + r0 + tl.arange(0, COMM_ROWS)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn,
+                  mask=(rows[:, None] < M) & (cols[None, :] < N), other=0.0)
+    return (vals.to(OUT_DTYPE).to(tl.float32) + res.to(tl.float32)).to(OUT_DTYPE)
+
+
+@triton.jit
 def _gemm_all_reduce_kernel(
     a_ptr,
     w_ptr,
@@ -203,6 +230,9 @@ def _gemm_all_reduce_kernel(
     stride_wk,
     stride_om,
     stride_on,
+    res_ptr,  # HAS_RESIDUAL: [M, N] added to the reduced sum (identical on every rank)
+    stride_rm,
+    stride_rn,
     buffer_ptrs,  # int64 [WORLD]: every rank's data buffer
     signal_ptrs,  # int64 [WORLD]: every rank's flag words (int64 [max_blocks * WORLD] each)
     counters_ptr,  # int64 local: EPOCH, RETIRED, STATUS
@@ -227,6 +257,7 @@ def _gemm_all_reduce_kernel(
     DO_COPY: tl.constexpr,  # two-shot only
     RETIRE: tl.constexpr,  # this launch runs the last phase: advance the epoch
     USE_FLAGS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,  # 0: spin until the flag arrives; > 0: give up, set STATUS
 ):
     pid = tl.program_id(axis=0)
@@ -314,7 +345,11 @@ def _gemm_all_reduce_kernel(
                     for q in tl.static_range(WORLD):
                         acc += tl.load(src + q * own_cap * TILE + r0 * BLOCK_N + offs_rows,
                                        cache_modifier=".cg").to(tl.float32)
-                    res = acc.to(odt)
+                    if HAS_RESIDUAL:
+                        res = _add_residual_rows(acc, res_ptr, t, r0, M, N, stride_rm, stride_rn, num_pid_in_group,
+                                                 num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS, odt)
+                    else:
+                        res = acc.to(odt)
                     _store_tile_rows(out_ptr, res, t, r0, M, N, stride_om, stride_on, num_pid_in_group,
                                      num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS)
                     # All-gather by push: the full tile block (ragged rows too: finite values) into
@@ -341,6 +376,9 @@ def _gemm_all_reduce_kernel(
                     for q in tl.static_range(WORLD):
                         acc += tl.load(src + q * num_tiles * TILE + r0 * BLOCK_N + offs_rows,
                                        cache_modifier=".cg").to(tl.float32)
+                    if HAS_RESIDUAL:
+                        acc = _add_residual_rows(acc, res_ptr, t, r0, M, N, stride_rm, stride_rn, num_pid_in_group,
+                                                 num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS, odt)
                     _store_tile_rows(out_ptr, acc, t, r0, M, N, stride_om, stride_on, num_pid_in_group,
                                      num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS)
                 t += NUM_SMS
@@ -559,14 +597,9 @@ def _plan_cached(path, m, n, k, dtype, world, slot, max_blocks, num_sms, partial
 # ---- launcher -----------------------------------------------------------------------------------
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, device: torch.device) -> None:
-    if x.dim() != 2 or w.dim() != 2:
-        raise ValueError(f"gemm_all_reduce: x must be [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
-    if x.shape[1] != w.shape[1]:
-        raise ValueError(
-            f"gemm_all_reduce: inner dims differ: x {tuple(x.shape)} is [M, K_local] and w {tuple(w.shape)} is "
-            "[N, K_local] (nn.Linear orientation)"
-        )
+def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, device: torch.device,
+           residual: torch.Tensor | None = None) -> None:
+    _check_shapes_only(x, w)
     if x.dtype not in _SUPPORTED_DTYPES or w.dtype != x.dtype:
         raise TypeError(
             f"gemm_all_reduce: x and w must share one dtype of {_SUPPORTED_DTYPES}, got {x.dtype}, {w.dtype}"
@@ -578,25 +611,28 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, device: t
             "gemm_all_reduce on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before "
             "fusedpar.kernels.gemm_all_reduce is first imported"
         )
-    if out is not None:
-        want = (x.shape[0], w.shape[0])
-        if tuple(out.shape) != want or out.dtype != x.dtype or out.device != x.device:
+    want = (x.shape[0], w.shape[0])
+    for name, t in (("out", out), ("residual", residual)):
+        if t is not None and (tuple(t.shape) != want or t.dtype != x.dtype or t.device != x.device):
             raise ValueError(
-                f"gemm_all_reduce: out must be {want} of {x.dtype} on {x.device}, got {tuple(out.shape)} "
-                f"{out.dtype} {out.device}"
+                f"gemm_all_reduce: {name} must be {want} of {x.dtype} on {x.device}, got {tuple(t.shape)} "
+                f"{t.dtype} {t.device}"
             )
-    for name, t in (("x", x), ("w", w), ("out", out)):
+    for name, t in (("x", x), ("w", w), ("out", out), ("residual", residual)):
         if t is not None and sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True)) >= 2**31:
             raise ValueError(f"gemm_all_reduce: {name} spans >= 2**31 elements (int32 offsets); split the call")
 
 
 def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan: FusedPlan, *,
-                  gemm: bool, reduce: bool, copy: bool, use_flags: bool, spin_limit: int | None):
-    """One launch over x [rows, K] -> out [rows, N] (a chunk); returns Triton's compiled handle (GPU)."""
+                  gemm: bool, reduce: bool, copy: bool, use_flags: bool, spin_limit: int | None,
+                  residual: torch.Tensor | None = None):
+    """One launch over x [rows, K] -> out [rows, N] (+ residual) (a chunk); returns Triton's compiled
+    handle (GPU)."""
     two_shot = plan.path == "two_shot"
     cfg, g = plan.config, plan.config.gemm
     m, k = x.shape
     n = w.shape[0]
+    res = residual if residual is not None else out
     tiles, own_cap, result_off, _, _ = _layout(plan.path, m, n, world, cfg, esize(plan.partial_dtype),
                                                esize(x.dtype))
     last = copy if two_shot else reduce
@@ -614,6 +650,9 @@ def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pl
             w.stride(1),
             out.stride(0),
             out.stride(1),
+            res,
+            res.stride(0),
+            res.stride(1),
             buffer_ptrs,
             signal_ptrs,
             counters,
@@ -638,6 +677,7 @@ def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pl
             DO_COPY=copy and two_shot,
             RETIRE=last,
             USE_FLAGS=use_flags,
+            HAS_RESIDUAL=residual is not None,
             SPIN_LIMIT=resolve_spin_limit(spin_limit, _INTERPRETED, GPU_SPIN_LIMIT),
             num_warps=g.num_warps,
             num_stages=g.num_stages,
@@ -645,13 +685,15 @@ def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pl
 
 
 def _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan: FusedPlan, *, gemm: bool = True,
-              reduce: bool = True, copy: bool = True, use_flags: bool = True, spin_limit: int | None = None):
+              reduce: bool = True, copy: bool = True, use_flags: bool = True, spin_limit: int | None = None,
+              residual: torch.Tensor | None = None):
     """The chosen phases (default all: the GPU path) of every chunk, one launch per chunk. Returns the last handle."""
     handle = None
     for m0, rows in plan.chunks:
         handle = _launch_chunk(x.narrow(0, m0, rows), w, out.narrow(0, m0, rows), buffer_ptrs, signal_ptrs,
                                counters, rank, world, plan, gemm=gemm, reduce=reduce, copy=copy,
-                               use_flags=use_flags, spin_limit=spin_limit)
+                               use_flags=use_flags, spin_limit=spin_limit,
+                               residual=None if residual is None else residual.narrow(0, m0, rows))
     return handle
 
 
@@ -677,6 +719,7 @@ def launch_gemm_all_reduce(
     use_flags: bool = True,
     spin_limit: int | None = None,
     config: FusedConfig | None = None,
+    residual: torch.Tensor | None = None,
 ):
     """Raw launcher as `table.rank`: the chosen phases (all: the GPU path; one: a step of the CPU
     emulation), one launch per row chunk. No routing, no op registration: callers normally want
@@ -692,7 +735,7 @@ def launch_gemm_all_reduce(
         raise ValueError(f"launch_gemm_all_reduce: path must be 'one_shot' or 'two_shot', got {path!r}")
     if not (gemm or reduce or (copy and path == "two_shot")):
         raise ValueError("launch_gemm_all_reduce: nothing to do (no phase selected)")
-    _check(x, w, out, table.device)
+    _check(x, w, out, table.device, residual)
     plan = _plan_or_raise(path, x, w, table, partial_dtype, config)
     if len(plan.chunks) > 1 and not (gemm and reduce and (copy or path == "one_shot")):
         raise ValueError(
@@ -700,7 +743,8 @@ def launch_gemm_all_reduce(
             f"{len(plan.chunks)} chunks (use gemm_all_reduce_emulated, or a bigger workspace)"
         )
     return _run_plan(x, w, out, table.buffer_ptrs, table.signal_ptrs, table.counters, table.rank, table.world_size,
-                     plan, gemm=gemm, reduce=reduce, copy=copy, use_flags=use_flags, spin_limit=spin_limit)
+                     plan, gemm=gemm, reduce=reduce, copy=copy, use_flags=use_flags, spin_limit=spin_limit,
+                     residual=residual)
 
 
 # ---- registered ops -----------------------------------------------------------------------------
@@ -710,13 +754,14 @@ def launch_gemm_all_reduce(
 
 
 def _run_op(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, buffer_bytes, max_blocks, path,
-            partial_fp32, config, use_flags) -> None:
+            partial_fp32, config, use_flags, residual=None) -> None:
     """Body of the registered ops: plan from the op's arguments, then every phase of every chunk."""
     # A light PeerTable stand-in for fused_plan (sizes only).
     table = _Sizes(world_size, buffer_bytes, max_blocks, counters.device)
     pdt = torch.float32 if partial_fp32 else x.dtype
     plan = _plan_or_raise(path, x, w, table, pdt, FusedConfig.from_list(list(config)))
-    _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, plan, use_flags=use_flags)
+    _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, plan, use_flags=use_flags,
+              residual=residual)
 
 
 @dataclass(frozen=True)
@@ -742,18 +787,20 @@ def _fused_op(
     partial_fp32: bool,
     config: list[int],
     use_flags: bool,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out = sum over ranks of x @ w^T through a fused path; a new contiguous [M, N] tensor of x's dtype."""
-    _check(x, w, None, counters.device)
+    """out = [residual +] sum over ranks of x @ w^T through a fused path; a new contiguous [M, N] tensor
+    of x's dtype."""
+    _check(x, w, None, counters.device, residual)
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     _run_op(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, buffer_bytes, max_blocks, path,
-            partial_fp32, config, use_flags)
+            partial_fp32, config, use_flags, residual)
     return out
 
 
 @_fused_op.register_fake
 def _fused_fake(x, w, buffer_ptrs, signal_ptrs, counters, rank, world_size, buffer_bytes, max_blocks, path,
-                partial_fp32, config, use_flags):
+                partial_fp32, config, use_flags, residual=None):
     _check_shapes_only(x, w)
     return x.new_empty((x.shape[0], w.shape[0]))
 
@@ -774,31 +821,40 @@ def _fused_out_op(
     partial_fp32: bool,
     config: list[int],
     use_flags: bool,
+    residual: torch.Tensor | None = None,
 ) -> None:
-    """out[:] = sum over ranks of x @ w^T through a fused path; out may be any strided [M, N] view."""
-    _check(x, w, out, counters.device)
+    """out[:] = [residual +] sum over ranks of x @ w^T through a fused path; out may be any strided
+    [M, N] view (not overlapping residual)."""
+    _check(x, w, out, counters.device, residual)
     _run_op(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, buffer_bytes, max_blocks, path,
-            partial_fp32, config, use_flags)
+            partial_fp32, config, use_flags, residual)
 
 
 @_fused_out_op.register_fake
 def _fused_out_fake(x, w, buffer_ptrs, signal_ptrs, counters, out, rank, world_size, buffer_bytes, max_blocks, path,
-                    partial_fp32, config, use_flags):
+                    partial_fp32, config, use_flags, residual=None):
     _check_shapes_only(x, w)
 
 
 def _check_shapes_only(x: torch.Tensor, w: torch.Tensor) -> None:
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+    if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"gemm_all_reduce: x must be [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"gemm_all_reduce: inner dims differ: x {tuple(x.shape)} is [M, K_local] and w {tuple(w.shape)} is "
+            "[N, K_local] (nn.Linear orientation)"
+        )
 
 
-def _call_fused(x, w, table: PeerTable, out, plan: FusedPlan, use_flags: bool = True) -> torch.Tensor:
+def _call_fused(x, w, table: PeerTable, out, plan: FusedPlan, use_flags: bool = True,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """Run a fused plan: through the registered op under torch.compile, else a direct launch (the
     custom-op dispatcher's host cost is a sizeable part of a ~20 us decode step)."""
     if torch.compiler.is_compiling():
         args = (table.buffer_ptrs, table.signal_ptrs, table.counters)
         meta = (table.rank, table.world_size, table.buffer_bytes, table.max_blocks, plan.path,
-                plan.partial_dtype == torch.float32 and x.dtype != torch.float32, plan.config.as_list(), use_flags)
+                plan.partial_dtype == torch.float32 and x.dtype != torch.float32, plan.config.as_list(), use_flags,
+                residual)
         if out is None:
             return torch.ops.fusedpar.gemm_all_reduce(x, w, *args, *meta)
         torch.ops.fusedpar.gemm_all_reduce_out(x, w, *args, out, *meta)
@@ -806,7 +862,7 @@ def _call_fused(x, w, table: PeerTable, out, plan: FusedPlan, use_flags: bool = 
     if out is None:
         out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     _run_plan(x, w, out, table.buffer_ptrs, table.signal_ptrs, table.counters, table.rank, table.world_size, plan,
-              use_flags=use_flags)
+              use_flags=use_flags, residual=residual)
     return out
 
 
@@ -844,6 +900,32 @@ def choose_path(
     return "unfused"
 
 
+def auto_path(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    world_size: int,
+    table: PeerTable | None,
+    device: torch.device,
+    *,
+    partial_dtype: torch.dtype | None = None,
+    one_shot_max_tokens: int = ONE_SHOT_MAX_TOKENS,
+    two_shot_min_tokens: int = TWO_SHOT_MIN_TOKENS,
+) -> str:
+    """The path gemm_all_reduce(path="auto") takes for x [m, k], w [n, k] right now.
+
+    Eager decode loses to the Triton launch's host cost (see the thresholds above), so the
+    one-shot is only taken while a CUDA graph is captured (or under routing_as_captured());
+    capture is the same on every rank of a collective, so the choice still agrees across ranks.
+    """
+    capturing = device.type == "cuda" and (torch.cuda.is_current_stream_capturing()
+                                           or getattr(_ROUTING, "as_captured", False))
+    return choose_path(m, n, k, dtype, world_size, table, device=device, partial_dtype=partial_dtype,
+                       one_shot_max_tokens=one_shot_max_tokens if capturing or device.type != "cuda" else 0,
+                       two_shot_min_tokens=two_shot_min_tokens)
+
+
 def gemm_all_reduce_reference(x: torch.Tensor, w: torch.Tensor, group, workspace=None) -> torch.Tensor:
     """The plain path: cuBLAS F.linear, then fusedpar.kernels.allreduce.all_reduce (our one-shot for
     small messages when a workspace is given, NCCL otherwise). Also the router's fallback."""
@@ -867,8 +949,9 @@ def gemm_all_reduce(
     one_shot_max_tokens: int = ONE_SHOT_MAX_TOKENS,
     two_shot_min_tokens: int = TWO_SHOT_MIN_TOKENS,
     config: FusedConfig | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Row-parallel linear + all-reduce: sum over the group of x @ w^T, the same on every rank.
+    """Row-parallel linear + all-reduce: [residual +] sum over the group of x @ w^T, the same on every rank.
 
     x: [..., K_local] activations (any strides; leading dims are flattened); w: [N, K_local]
     weight shard in nn.Linear orientation, any strides (a column view of the base weight is
@@ -879,6 +962,9 @@ def gemm_all_reduce(
     for decode and >= 132 + tiles / W for prefill on an H200 (the default of 64 is too small),
     and a data buffer of ~4 x the output bytes for one-launch prefill (less: row chunks).
     Without room the router falls back to the unfused path.
+    residual: optional [..., N] tensor, identical on every rank (the residual stream), added to the
+    reduced sum with the plain path's roundings (sum rounded to x's dtype, then torch's add); the
+    fused paths add it in their reduce epilogue, the others with a torch add.
     out: optional [..., N] destination (fully overwritten). partial_dtype: None (x's dtype) or
     torch.float32 (more accurate, twice the NVLink bytes).
     path: "auto" (choose_path), or force "one_shot" / "two_shot" (ValueError if the workspace
@@ -893,6 +979,12 @@ def gemm_all_reduce(
         raise ValueError(f"gemm_all_reduce: x must be [..., K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    _check_shapes_only(x2, w)
+    res2 = None
+    if residual is not None:
+        if tuple(residual.shape) != (*lead, w.shape[0]):
+            raise ValueError(f"gemm_all_reduce: residual must be {(*lead, w.shape[0])}, got {tuple(residual.shape)}")
+        res2 = residual.reshape(-1, w.shape[0])
     out2 = None
     if out is not None:
         if tuple(out.shape) != (*lead, w.shape[0]):
@@ -910,24 +1002,22 @@ def gemm_all_reduce(
         raise ValueError(f"gemm_all_reduce: workspace spans {table.world_size} ranks but the group has {size}")
 
     if path == "auto":
-        # Eager decode loses to host launch cost (see the thresholds above); capture is the same
-        # on every rank of a collective, so the choice still agrees across ranks.
-        capturing = x2.is_cuda and (torch.cuda.is_current_stream_capturing()
-                                    or getattr(_ROUTING, "as_captured", False))
-        path = choose_path(x2.shape[0], w.shape[0], x2.shape[1], x2.dtype, size, table, device=x2.device,
-                           partial_dtype=partial_dtype,
-                           one_shot_max_tokens=one_shot_max_tokens if capturing or not x2.is_cuda else 0,
-                           two_shot_min_tokens=two_shot_min_tokens)
+        path = auto_path(x2.shape[0], w.shape[0], w.shape[1], x2.dtype, size, table, x2.device,
+                         partial_dtype=partial_dtype, one_shot_max_tokens=one_shot_max_tokens,
+                         two_shot_min_tokens=two_shot_min_tokens)
     if path in ("one_shot", "two_shot"):
         if table is None:
             raise ValueError(f"gemm_all_reduce: path {path!r} needs a workspace")
-        _check(x2, w, out2, table.device)
+        _check(x2, w, out2, table.device, res2)
         plan = _plan_or_raise(path, x2, w, table, partial_dtype, config)
-        result = _call_fused(x2, w, table, out2, plan)
+        result = _call_fused(x2, w, table, out2, plan, residual=res2)
+        res2 = None  # added in the kernel
     elif path == "local":
         result = torch.nn.functional.linear(x2, w)
     else:
         result = gemm_all_reduce_reference(x2, w, group, table)
+    if res2 is not None:
+        result = res2 + result
     if out is not None:
         if result is not out2:
             out2.copy_(result)
@@ -949,8 +1039,11 @@ def gemm_all_reduce_emulated(
     use_flags: bool = True,
     schedule: str = "phased",
     config: FusedConfig | None = None,
+    residuals: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """One fused call on every rank of an EmulatedWorld (CPU, interpreter); rank r's output at [r].
+
+    residuals: as gemm_all_reduce's residual, one per rank (the reduce epilogues of both paths).
 
     schedule "phased": per chunk, each phase for every rank before the next phase.
     schedule "staggered": a legal interleaving with multi-phase launches and live flags.
@@ -968,14 +1061,16 @@ def gemm_all_reduce_emulated(
         raise ValueError(f"gemm_all_reduce_emulated: unknown schedule {schedule!r}")
     if outs is None:
         outs = [torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype) for x, w in zip(xs, ws, strict=True)]
+    res = residuals if residuals is not None else [None] * W
     for r in range(W):
-        _check(xs[r], ws[r], outs[r], world[r].device)
+        _check(xs[r], ws[r], outs[r], world[r].device, res[r])
     plan = _plan_or_raise(path, xs[0], ws[0], world[0], partial_dtype, config)
 
     def run(r: int, m0: int, rows: int, **phases) -> None:
         t = world[r]
         _launch_chunk(xs[r].narrow(0, m0, rows), ws[r], outs[r].narrow(0, m0, rows), t.buffer_ptrs, t.signal_ptrs,
                       t.counters, r, W, plan, use_flags=use_flags, spin_limit=None,
+                      residual=None if res[r] is None else res[r].narrow(0, m0, rows),
                       **{"gemm": False, "reduce": False, "copy": False, **phases})
 
     def checked(r: int) -> None:
@@ -998,7 +1093,7 @@ def gemm_all_reduce_emulated(
                     xs[W - 1].narrow(0, m0, rows), ws[W - 1], t.buffer_ptrs, t.signal_ptrs, t.counters,
                     outs[W - 1].narrow(0, m0, rows), W - 1, W, t.buffer_bytes, t.max_blocks, path,
                     plan.partial_dtype == torch.float32 and xs[0].dtype != torch.float32, plan.config.as_list(),
-                    use_flags,
+                    use_flags, None if res[W - 1] is None else res[W - 1].narrow(0, m0, rows),
                 )
                 checked(W - 1)
                 for r in rest:

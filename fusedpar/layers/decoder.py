@@ -159,9 +159,14 @@ class ShiftParallelDecoderLayer(nn.Module):
         # (if any) is this rank's own block's, added out of place
         qkv = fk.qkv(h, w["qkv"], mode, bias=self.w.shift.get("qkv_bias"))
         attn = self._fused_attention(qkv, step, cache)
-        # residual add + post-attention norm in one pass (attention writes zeros into padding rows)
-        x, h = _add_norm(x, fk.o_proj(attn, w["o"], mode), rep["post_norm"], cfg.rms_norm_eps)
-        return x + fk.row_parallel(self._mlp_act(h, w["gate_up"], rows), w["down"], mode)
+        if fk.fuses_residual(rows, w["o"], mode):  # the o-projection's reduce epilogue adds x
+            x = fk.o_proj(attn, w["o"], mode, residual=x)
+            h = _norm(x, rep["post_norm"], cfg.rms_norm_eps)
+        else:  # residual add + post-attention norm in one pass (attention zero-fills padding rows)
+            x, h = _add_norm(x, fk.o_proj(attn, w["o"], mode), rep["post_norm"], cfg.rms_norm_eps)
+        # SwiGLU of the [gate | up] blocks and the residual add ride on the down projection
+        block = cfg.intermediate_size // self.ctx.layout.replica_size
+        return fk.row_parallel(F.linear(h, w["gate_up"]), w["down"], mode, residual=x, swiglu_block=block)
 
     def _fused_attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
         """Triton paged attention of qkv [rows >= n, blk] -> [rows, q*hd] (padding rows zero)."""

@@ -6,8 +6,14 @@ for steps of up to `max_tokens` tokens, and exposes the four stages the layer co
     base  (SP x TP)                                  shift (TP = P)
     qkv   qkv_all_to_all(h, W_qkv) -> recv [n_pad, blk]   F.linear(h, W_qkv view)
     attn  attention_step(recv, ...) -> [n_pad, q*hd]      attention_step(...) -> [n, q*hd]
-    o     all_to_all_o_proj(attn, W_o) + TP all_reduce    gemm_all_reduce(attn, W_o view, shift)
-    down  gemm_all_reduce(act, W_down, TP)                gemm_all_reduce(act, W_down view, shift)
+    o     all_to_all_o_proj(attn, W_o) + TP all_reduce    gemm_all_reduce(attn, W_o view, shift) [+ x]
+    down  gemm_all_reduce(gate_up, W_down, TP) + x        gemm_all_reduce(gate_up, W_down view, shift) + x
+
+The down projection takes the gate_up GEMM's output (SwiGLU by fusedpar.kernels.swiglu.silu_mul,
+one pass) and the residual stream, which the fused reduce epilogue adds (one-shot in decode
+graphs, two-shot at prefill sizes), so those steps launch no residual add; unfused paths add it
+with torch. The o projection takes the residual only where a fused reduce adds it
+(`fuses_residual`); elsewhere the layer keeps its one-pass residual-add + RMSNorm.
 
 A q/k/v bias is the own block's bias rows: added to recv (out of place) in base mode, in the
 GEMM in shift mode. Scaled RoPE reaches the attention as cos/sin tables instead of rope_theta.
@@ -115,9 +121,12 @@ class FusedKernels:
             return out if bias is None else out + bias
         return F.linear(h, w, bias)
 
-    def o_proj(self, attn: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
-        """Attention output -> o-projection summed over the mode's reduce group: [rows, d]."""
+    def o_proj(self, attn: torch.Tensor, w: torch.Tensor, mode: str, *, residual: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """Attention output -> [residual +] o-projection summed over the mode's reduce group: [rows, d]."""
         if mode == "base" and self.ctx.sp.size > 1:
+            if residual is not None:
+                raise ValueError("o_proj: base mode with SP > 1 has no residual epilogue (see fuses_residual)")
             from fusedpar.kernels.allreduce import all_reduce
             from fusedpar.kernels.ulysses import all_to_all_o_proj
 
@@ -128,20 +137,45 @@ class FusedKernels:
             if self.ctx.tp.size > 1:  # NCCL when there is no workspace
                 out = all_reduce(out, self.ctx.tp, self.tp_allreduce_ws, inplace=True)
             return out
-        return self.row_parallel(attn, w, mode)
+        return self.row_parallel(attn, w, mode, residual=residual)
 
-    def row_parallel(self, x: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
-        """x @ w^T summed over the mode's reduce group (TP in base, shift group in shift)."""
+    def row_parallel(self, x: torch.Tensor, w: torch.Tensor, mode: str, *, residual: torch.Tensor | None = None,
+                     swiglu_block: int = 0) -> torch.Tensor:
+        """[residual +] act(x) @ w^T summed over the mode's reduce group (TP in base, shift group in shift).
+
+        act(x) = x, or with swiglu_block > 0 the SwiGLU of the blocked gate_up output x [rows, 2 K]
+        (fusedpar.kernels.swiglu). residual [rows, N]: the residual stream (same on every rank).
+        """
         from fusedpar.kernels.gemm_all_reduce import gemm_all_reduce
+        from fusedpar.kernels.swiglu import silu_mul
 
+        # A separate pass, not a GEMM prologue: computing SwiGLU in the one-shot kernel's operand
+        # load measured 2x slower than this + the kernel (fusedpar.kernels.gemm_all_reduce docstring).
+        act = silu_mul(x, swiglu_block) if swiglu_block else x
         group = self.ctx.attention_group(mode)
-        if group.size == 1:
-            return F.linear(x, w)
         stock = self._stock_one_shot
-        if stock is not None and mode == "shift" and x.shape[0] * w.shape[0] <= stock[0].shape[1]:
-            buf, group_name = stock
-            view = buf[self._stock_calls % 2, : x.shape[0] * w.shape[0]].view(x.shape[0], w.shape[0])
-            self._stock_calls += 1
-            torch.matmul(x, w.t(), out=view)
-            return torch.ops.symm_mem.one_shot_all_reduce(view, "sum", group_name)
-        return gemm_all_reduce(x, w, group, self.gemm_ar_ws[mode])
+        if group.size == 1 or (stock is not None and mode == "shift" and x.shape[0] * w.shape[0] <= stock[0].shape[1]):
+            if group.size == 1:
+                y = F.linear(act, w)
+            else:
+                buf, group_name = stock
+                view = buf[self._stock_calls % 2, : x.shape[0] * w.shape[0]].view(x.shape[0], w.shape[0])
+                self._stock_calls += 1
+                torch.matmul(act, w.t(), out=view)
+                y = torch.ops.symm_mem.one_shot_all_reduce(view, "sum", group_name)
+            return y if residual is None else residual + y
+        return gemm_all_reduce(act, w, group, self.gemm_ar_ws[mode], residual=residual)
+
+    def fuses_residual(self, rows: int, w: torch.Tensor, mode: str) -> bool:
+        """Whether o_proj/row_parallel of `rows` rows with this weight adds a residual inside a fused
+        reduce (free) rather than with a torch add (then the layer's add + RMSNorm pass is cheaper)."""
+        from fusedpar.kernels.gemm_all_reduce import auto_path
+
+        if mode == "base" and self.ctx.sp.size > 1:
+            return False  # all_to_all_o_proj + TP all-reduce: no residual epilogue there
+        group = self.ctx.attention_group(mode)
+        if group.size == 1 or (self._stock_one_shot is not None and mode == "shift"):
+            return False
+        ws = self.gemm_ar_ws[mode]
+        table = ws.table if ws is not None else None
+        return auto_path(rows, w.shape[0], w.shape[1], w.dtype, group.size, table, w.device) in ("one_shot", "two_shot")

@@ -14,6 +14,7 @@ so a stray read or a forgotten write fails; cache slots outside `slots` must sta
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 
@@ -346,6 +347,121 @@ def test_default_out_and_inferred_bounds():
     r.check(out)
 
 
+# ---- pre-rotated q (AttentionConfig.prerotate_q) ----------------------------------------------------
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel object: records each launch's keyword (constexpr) arguments, then
+    launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """(write kernel spy, attention kernel spy): which path each launch took."""
+    write, attend = _LaunchSpy(attention._write_kv_kernel), _LaunchSpy(attention._attention_kernel)
+    monkeypatch.setattr(attention, "_write_kv_kernel", write)
+    monkeypatch.setattr(attention, "_attention_kernel", attend)
+    return write, attend
+
+
+def _prefill_config(group: int, prerotate: bool, **kw) -> AttentionConfig:
+    """The interpreter's prefill tiling with prerotate_q set explicitly."""
+    return AttentionConfig(32, 16, 32 // group, 4, 1, prerotate_q=prerotate, **kw)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("qk_norm", "rope"), [(True, "theta"), (True, "tables"), (False, "theta"), (True, None), (False, None)]
+)
+def test_prerotated_q_is_bit_identical_to_in_kernel_q(qk_norm, rope, dtype, spies):
+    """Varlen prefill with cached context (and a decode row): q normed/roped by the write kernel into a
+    cache-dtype scratch vs in the attention prologue. Both match the oracle, and they agree bit for bit
+    (output and cache): each rounds the fp32 transform of q to the cache dtype before the dot. Without
+    RoPE and q norm the flag changes nothing (no scratch, no q work in the write kernel)."""
+    if HAS_CUDA:
+        pytest.skip("bit identity is an interpreter check (GPU reductions may order the RMSNorm sum differently)")
+    write, attend = spies
+    case = Case([(9, 0), (1, 21), (13, 7), (6, 4)], 8, 2, 16, page=4, dtype=dtype, qk_norm=qk_norm, rope=rope,
+                pad_rows=2, seed=12)
+    transformed = qk_norm or rope is not None
+    results = []
+    for prerotate in (False, True):
+        write.calls.clear()
+        attend.calls.clear()
+        r = Run(case)  # same seed: the same inputs and poisoned buffers for both paths
+        out = r.launch(config=_prefill_config(4, prerotate))
+        r.check(out, name=f"prerotate_q={prerotate}")
+        pre = prerotate and transformed
+        assert [c["WRITE_Q"] for c in write.calls] == [pre] and write.calls[0]["WRITE_KV"]
+        assert attend.calls[0]["HAS_Q_NORM"] == (qk_norm and not pre)
+        assert attend.calls[0]["ROPE"] == (attention.ROPE_NONE if pre or rope is None else write.calls[0]["ROPE"])
+        results.append((out.clone(), r.k_cache.clone(), r.v_cache.clone()))
+    for name, a, b in zip(("out", "k_cache", "v_cache"), *results, strict=True):
+        assert torch.equal(_bits(a), _bits(b)), f"{name}: prerotated q differs from the in-kernel q path"
+
+
+def test_pick_config_prerotates_prefill_only():
+    """Prefill/mixed launches pre-rotate q (GPU and interpreter alike, so CPU layer tests run that
+    path); decode keeps the in-kernel prologue."""
+    for interpret in (False, True):
+        for max_query_len, want in ((1, False), (2, True), (300, True), (4096, True)):
+            cfg = attention.pick_config(head_dim=128, group=8, num_seqs=4, num_kv_heads=2, max_query_len=max_query_len,
+                                        max_kv_len=4096, dtype=torch.bfloat16, num_sms=132, interpret=interpret)
+            assert cfg.prerotate_q is want, (interpret, max_query_len, cfg)
+    assert AttentionConfig(16, 16, 1, 4, 2, 3).prerotate_q is False, "positional fields keep their order"
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_prerotated_q_without_cache_write(dtype, spies):
+    """write_kv=False (the new k/v are already cached, here by a first call) with prerotate_q: the write
+    kernel runs for q only, and leaves both caches bit-identical."""
+    write, attend = spies
+    r = Run(Case([(7, 3), (1, 12), (10, 0)], 8, 2, 16, page=4, dtype=dtype, qk_norm=True, pad_rows=3, seed=13))
+    r.launch(config=_prefill_config(4, False))
+    k_after, v_after = r.k_cache.clone(), r.v_cache.clone()
+    poison_(r.out)
+    write.calls.clear()
+    out = r.launch(write_kv=False, slots=None, config=_prefill_config(4, True))
+    assert [(c["WRITE_KV"], c["WRITE_Q"]) for c in write.calls] == [(False, True)]
+    assert not attend.calls[-1]["HAS_Q_NORM"] and attend.calls[-1]["ROPE"] == attention.ROPE_NONE
+    assert torch.equal(_bits(r.k_cache), _bits(k_after)) and torch.equal(_bits(r.v_cache), _bits(v_after))
+    r.check(out)
+
+
+def test_prerotated_q_negative_slot_skips_only_the_cache_write(spies):
+    """A negative slot with prerotate_q: the row's k/v are not written, its q still is. The row's k/v
+    were cached by a first call and its K/V columns are then poisoned, so a write would put NaN into
+    the cache (and into every output row that sees that key); the row's own output must still be
+    right, which needs its pre-rotated q."""
+    write, _ = spies
+    r = Run(Case([(6, 3), (5, 0)], 8, 2, 16, page=4, dtype=torch.float32, qk_norm=True, pad_rows=1, seed=14))
+    ref, _, _ = r.oracle()  # before the K/V columns are poisoned
+    r.launch(config=_prefill_config(4, False))
+    k_after, v_after = r.k_cache.clone(), r.v_cache.clone()
+    row, nq, hd = 8, r.c.nq, r.c.hd  # token 2 of the second sequence: later rows attend to its key
+    slots = r.slots.clone()
+    slots[row] = -1
+    r.qkv[row, nq * hd :] = float("nan")
+    poison_(r.out)
+    write.calls.clear()
+    out = r.launch(slots=slots, config=_prefill_config(4, True))
+    assert [(c["WRITE_KV"], c["WRITE_Q"]) for c in write.calls] == [(True, True)]
+    assert torch.equal(_bits(r.k_cache), _bits(k_after)) and torch.equal(_bits(r.v_cache), _bits(v_after))
+    n = r.c.num_tokens
+    assert_close(out[:n], ref[:n], dtype=r.c.dtype, name="negative slot + prerotate_q", **out_tolerance(r.c.dtype))
+    assert (out[n:] == 0).all()
+
+
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=4),
@@ -626,20 +742,40 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("q_path", ["raw", "in-kernel", "prerotated"])
 @pytest.mark.parametrize(("nq", "nkv"), LLAMA70B_RANK_HEADS)
-def test_gpu_prefill_4096_vs_sdpa(nq, nkv):
-    """bf16, hd 128: one 4096-token prefill (no RoPE, so SDPA sees the same q/k/v), padded rows."""
+def test_gpu_prefill_4096_vs_sdpa(nq, nkv, q_path):
+    """bf16, hd 128: one 4096-token prefill with padded rows, on the default tiling.
+    raw: no RoPE/norm, so SDPA sees the same q/k/v and the new k must be cached verbatim.
+    in-kernel / prerotated: q/k RMSNorm + RoPE, with q transformed in the attention prologue
+    (prerotate_q=False) or by the write kernel (True); SDPA gets q/k transformed by the reference
+    functions in fp32 and rounded to bf16 (what the kernel attends with and caches)."""
     hd, n, page = 128, 4096, 16
-    r = Run(Case([(n, 0)], nq, nkv, hd, page=page, dtype=torch.bfloat16, rope=None, pad_rows=8, seed=1))
-    out = r.launch()
+    raw = q_path == "raw"
+    r = Run(Case([(n, 0)], nq, nkv, hd, page=page, dtype=torch.bfloat16, qk_norm=not raw,
+                 rope=None if raw else "theta", pad_rows=8, seed=1))
+    cfg = attention.pick_config(head_dim=hd, group=nq // nkv, num_seqs=1, num_kv_heads=nkv, max_query_len=n,
+                                max_kv_len=n, dtype=torch.bfloat16,
+                                num_sms=torch.cuda.get_device_properties(DEVICE).multi_processor_count,
+                                interpret=False)
+    out = r.launch(config=dataclasses.replace(cfg, prerotate_q=q_path == "prerotated"))
     q, k, v = r.qkv[:n].split([nq * hd, nkv * hd, nkv * hd], dim=1)
+    if not raw:
+        q, k = q.float().reshape(n, nq, hd), k.float().reshape(n, nkv, hd)
+        q, k = rms_norm(q, r.q_norm.float(), EPS), rms_norm(k, r.k_norm.float(), EPS)
+        cos, sin = rope_cos_sin(r.positions, hd, THETA, torch.float32)
+        q = apply_rope(q, cos, sin).to(torch.bfloat16).reshape(n, nq * hd)
+        k = apply_rope(k, cos, sin).to(torch.bfloat16).reshape(n, nkv * hd)
     ref = _sdpa(*(t.reshape(1, n, -1, hd).transpose(1, 2) for t in (q, k, v)), causal=True)
     ref = ref.transpose(1, 2).reshape(n, nq * hd)
     assert _rel(out[:n], ref) < 1e-2
     assert (out[:n].float() - ref.float()).abs().max().item() < 5e-2
     assert (out[n:] == 0).all()
     k_cached = r.k_cache.view(-1, nkv * hd)[r.slots]
-    assert torch.equal(k_cached, k), "the new k must be cached verbatim without RoPE/norm"
+    if raw:
+        assert torch.equal(k_cached, k), "the new k must be cached verbatim without RoPE/norm"
+    else:
+        assert_close(k_cached, k, dtype=torch.bfloat16, name="cached k")
 
 
 @pytest.mark.gpu

@@ -294,6 +294,78 @@ def test_gpu_tile_shapes_run_in_the_interpreter():
         check_sum(outs, xs, ws, name=f"{path} {cfg.gemm}")
 
 
+# ------------------------------------------------------------------------ residual epilogue
+
+
+@pytest.mark.parametrize("path", ["one_shot", "two_shot"])
+@pytest.mark.parametrize(("world_size", "dtype"), [(2, torch.float16), (3, torch.float32), (4, torch.float16)],
+                         ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize("schedule", ["phased", "staggered"])
+def test_residual_epilogue_equals_the_separate_add(path, world_size, dtype, m, n, k, schedule):
+    """Fused: out = residual + sum_r x_r @ w_r^T in one call. Separate: the same fused GEMM +
+    all-reduce, then torch's add. The epilogue rounds the sum first, as that path does: same bits."""
+    xs, ws = _inputs(world_size, m, n, k, dtype, seed=m * 31 + n + world_size)
+    g = torch.Generator().manual_seed(m + 5)
+    residual = (torch.randn((m, n + 3), generator=g) * 3.0).to(dtype)[:, 1 : n + 1]  # a strided view
+    world = _world(world_size)
+    fused = gemm_all_reduce_emulated(world, xs, ws, path=path, outs=_poisoned(xs, ws), schedule=schedule,
+                                     residuals=[residual] * world_size)
+    plain = gemm_all_reduce_emulated(_world(world_size), xs, ws, path=path, outs=_poisoned(xs, ws))
+    check_sum(plain, xs, ws, name=f"plain {path} W={world_size}")
+    want = residual + plain[0]
+    for r, out in enumerate(fused):
+        assert not out.isnan().any(), f"rank {r}: unwritten output elements"
+        assert torch.equal(out, want), (
+            f"rank {r}: the residual epilogue differs from sum-then-add by "
+            f"{(out.double() - want.double()).abs().max().item():.3g}")
+    assert all(world[r].status() == 0 for r in range(world_size))
+
+
+def test_router_adds_the_residual_on_every_path(monkeypatch):
+    """One rank: one_shot / two_shot (fused epilogue), local and unfused (a torch add after)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: t.mul_(2.0))
+    t = _world(1)[0]
+    m, n, k = 9, 72, 40
+    xs, ws = _inputs(1, m, n, k, torch.float32, seed=4)
+    res = torch.randn((m, n), generator=torch.Generator().manual_seed(5))
+    plain = torch.nn.functional.linear(xs[0], ws[0])
+    for path in ("one_shot", "two_shot", "local"):
+        got = gemm_all_reduce(xs[0], ws[0], None, t, path=path, residual=res)
+        torch.testing.assert_close(got, res + plain, rtol=1e-5, atol=1e-5, msg=lambda msg, p=path: f"{p}: {msg}")
+    got = gemm_all_reduce(xs[0], ws[0], SimpleNamespace(size=2, pg=object()), None, residual=res)
+    assert torch.equal(got, res + 2.0 * plain)  # unfused: cuBLAS, all_reduce, then the add
+    out = poison_(torch.empty((m, n)))
+    assert gemm_all_reduce(xs[0], ws[0], None, t, path="one_shot", residual=res, out=out) is out
+    torch.testing.assert_close(out, res + plain, rtol=1e-5, atol=1e-5)
+    # leading dims flatten for x and the residual alike
+    got3 = gemm_all_reduce(xs[0].reshape(3, 3, k), ws[0], None, t, path="one_shot", residual=res.reshape(3, 3, n))
+    assert got3.shape == (3, 3, n) and torch.allclose(got3.reshape(m, n), res + plain, rtol=1e-5, atol=1e-5)
+
+
+def test_residual_argument_errors():
+    t = _world(1)[0]
+    x, w = torch.ones(4, 8, dtype=torch.float16), torch.ones(6, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="residual must be"):
+        gemm_all_reduce(x, w, None, t, path="one_shot", residual=torch.ones(4, 5, dtype=torch.float16))
+    with pytest.raises(ValueError, match="residual must be"):
+        launch_gemm_all_reduce(x, w, t, torch.empty(4, 6, dtype=torch.float16), path="one_shot",
+                               residual=torch.ones(4, 6, dtype=torch.float32))
+
+
+def test_registered_ops_with_residual_pass_opcheck():
+    t = _world(1)[0]
+    xs, ws = _inputs(1, 9, 40, 24, torch.float32, seed=22)
+    res = torch.randn(9, 40)
+    plan, _ = fused_plan("one_shot", 9, 40, 24, torch.float32, t)
+    meta = (0, 1, t.buffer_bytes, t.max_blocks, "one_shot", False, plan.config.as_list(), True, res)
+    args = (xs[0], ws[0], t.buffer_ptrs, t.signal_ptrs, t.counters)
+    torch.library.opcheck(torch.ops.fusedpar.gemm_all_reduce.default, (*args, *meta))
+    torch.library.opcheck(torch.ops.fusedpar.gemm_all_reduce_out.default, (*args, torch.empty((9, 40)), *meta))
+
+
 # ---------------------------------------------------- one rank: the registered ops, one launch
 
 
@@ -682,3 +754,39 @@ def test_gpu_router_fallback_is_the_plain_path(gpu_world, gpu_workspace):
     got = gemm_all_reduce(x, w, gpu_world, gpu_workspace)
     want = gar.gemm_all_reduce_reference(x, w, gpu_world, gpu_workspace)
     assert all_ranks_ok(torch.equal(got, want))
+
+
+@pytest.mark.gpu
+def test_gpu_residual_epilogue_matches_the_separate_add(gpu_world, gpu_workspace):
+    # bf16, Llama-70B down shard: the fused one-shot (eager and replayed in a CUDA graph) and
+    # two-shot with the residual epilogue vs the same path + torch's add, bit for bit.
+    import torch.distributed as dist
+
+    n, k = 8192, 7168
+    errors = []
+    for m, path in ((1, "one_shot"), (8, "one_shot"), (64, "one_shot"), (2048, "two_shot")):
+        x, w = _gpu_operands(m, n, k, salt=500 + m)
+        res = _gpu_x(m, n, salt=7).mul_(3.0)
+        dist.broadcast(res, 0)  # the same on every rank, like a residual stream
+        plain = gemm_all_reduce(x, w, gpu_world, gpu_workspace, path=path)
+        err = _gpu_check(plain, x, w, f"[{m}] {path} plain")
+        if err:
+            errors.append(err)
+        want = res + plain
+        got = gemm_all_reduce(x, w, gpu_world, gpu_workspace, path=path, residual=res)
+        if not torch.equal(got, want):
+            errors.append(f"[{m}] {path} eager: fused differs by {(got.float() - want.float()).abs().max().item()}")
+        if path == "one_shot":
+            out = torch.empty_like(want)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                gemm_all_reduce(x, w, gpu_world, gpu_workspace, path=path, residual=res, out=out)
+            poison_(out)
+            graph.replay()
+            torch.cuda.synchronize()
+            if not torch.equal(out, want):
+                errors.append(f"[{m}] graph replay differs by {(out.float() - want.float()).abs().max().item()}")
+        if gpu_workspace.table.status() != 0:
+            errors.append(f"[{m}] {path}: a flag wait timed out")
+            break
+    assert all_ranks_ok(not errors), "\n".join(errors[:6])

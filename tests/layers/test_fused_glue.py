@@ -1,10 +1,12 @@
 """The fused layer path (ShiftParallelDecoderLayer.fused_fwd) on CPU: gloo processes, the Triton
 attention on the interpreter, and a FusedKernels stand-in whose qkv / o_proj / row_parallel are
-the plain collectives with the same contract (bias: the own block's, added after the exchange).
+the plain collectives with the same contract (bias: the own block's, added after the exchange;
+row_parallel takes the blocked gate_up output + swiglu_block and an optional residual).
 
 It checks the layer's own fused-path logic, which the GPU tests (test_fused_gpu.py) can only
 check under torchrun: the q/k/v bias added after the all-to-all and the scaled-RoPE cos/sin
-tables handed to the attention kernel, in base, shift and mixed steps against the fp64 oracle.
+tables handed to the attention kernel, the SwiGLU block width handed to the down projection and
+both residual branches around the o projection, in base, shift and mixed steps against the fp64 oracle.
 """
 
 import os
@@ -13,6 +15,7 @@ import pytest
 import torch.nn.functional as F
 
 from fusedpar.collectives import all_reduce_sum, head_to_seq_all_to_all, seq_to_head_all_to_all
+from fusedpar.kernels.swiglu import silu_mul
 from fusedpar.layers import DecoderConfig
 from fusedpar.testing.dist import run_distributed
 from fusedpar.testing.scenarios import Step, run_layer_scenario
@@ -44,13 +47,21 @@ class PlainCollectiveOps:
             return out if bias is None else out + bias
         return F.linear(h, w, bias)
 
-    def o_proj(self, attn, w, mode):
+    def o_proj(self, attn, w, mode, *, residual=None):
         if mode == "base" and self.ctx.sp.size > 1:
+            assert residual is None, "the layer asked for a residual epilogue that base mode does not have"
             return all_reduce_sum(F.linear(head_to_seq_all_to_all(attn, self.ctx.sp), w), self.ctx.tp)
-        return self.row_parallel(attn, w, mode)
+        return self.row_parallel(attn, w, mode, residual=residual)
 
-    def row_parallel(self, x, w, mode):
-        return all_reduce_sum(F.linear(x, w), self.ctx.attention_group(mode))
+    def row_parallel(self, x, w, mode, *, residual=None, swiglu_block=0):
+        # the Triton silu_mul (interpreter) on the blocked gate_up output, as the fused paths compute it
+        act = silu_mul(x, swiglu_block) if swiglu_block else x
+        y = all_reduce_sum(F.linear(act, w), self.ctx.attention_group(mode))
+        return y if residual is None else residual + y
+
+    def fuses_residual(self, rows, w, mode):
+        # shift steps take the residual-epilogue branch of the layer, base steps the add + norm one
+        return mode == "shift"
 
 
 def _run(rank, world, cfg, sp, tp):
