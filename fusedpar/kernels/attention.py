@@ -530,14 +530,15 @@ def pick_config(
       heads (tl.dot needs M >= 16, so G < 16 wastes rows, but decode is bound by the K/V bytes,
       which are read once per kv head). block_n 64, 4 warps, 4 stages (measured: 64 x 4096
       decode 0.076 ms with 4 stages and 4 splits vs 0.087 ms with 3 stages and 2 splits).
-    Prefill/mixed: block_m 128 (hd <= 128) with block_q = 128 // G tokens, block_n 32, 4 warps,
-      4 stages, prerotate_q on. Measured on one H200 (perf/results/attention.json, sweep records,
-      full path = q/k RoPE + cache write + attention, 16 q / 2 kv heads, hd 128, bf16): one 4096-token
-      sequence 0.221 ms with this tile vs 0.251 ms with 128x64 / 8 warps / 3 stages and 0.369 ms
-      with that tile and q normed/roped inside the attention kernel (the previous default;
-      SDPA flash without RoPE or cache write: 0.318 ms); four 1024-token sequences 0.120 vs
-      0.119 ms (a tie). hd 256 or fp32 inputs: block_m 64, block_n 32, 4 warps, 2 stages to stay
-      inside 227 KiB of shared memory.
+    Prefill/mixed: block_m 128 (hd <= 128) with block_q = 128 // G tokens, prerotate_q on, and
+      for sequences longer than 1024 tokens block_n 32 / 4 warps / 4 stages, else block_n 64 /
+      8 warps / 3 stages. Measured on one H200 (perf/results/attention.json, full path = q/k RoPE
+      + cache write + attention, 16 q / 2 kv heads, hd 128, bf16, SDPA flash without RoPE or cache
+      write as the reference): 1 x 4096 tokens 0.221 vs 0.251 ms (the 8-warp tile), 4 x 4096 0.886
+      vs 0.994 ms, 1 x 16384 2.907 vs 3.158 ms; but 1 x 1024 0.054 vs 0.044 ms and 4 x 1024 a tie
+      (0.121 vs 0.119). The previous default (8-warp tile, q normed/roped inside the attention
+      kernel) took 0.369 ms at 1 x 4096 (SDPA 0.318). hd 256 or fp32 inputs: block_m 64, block_n
+      32, 4 warps, 2 stages to stay inside 227 KiB of shared memory.
       prerotate_q: the in-kernel q prologue cost 0.12-0.13 ms at 4096 tokens although the write
       kernel is ~8 us: its extra live registers slow the whole main loop. Pre-rotating q in the
       write kernel costs one [T, nq hd] write + read (2 x 16 MiB at 4096 tokens, ~7 us at H200
@@ -559,7 +560,12 @@ def pick_config(
         block_m, block_n, warps, stages = max(16, _next_pow2(group)), (32 if big else 64), 4, (3 if big else 4)
     else:
         block_m = max(64 if big else 128, _next_pow2(group))
-        block_n, warps, stages = 32, 4, (2 if big else 4)
+        if big:
+            block_n, warps, stages = 32, 4, 2
+        elif max_query_len > 1024:
+            block_n, warps, stages = 32, 4, 4
+        else:
+            block_n, warps, stages = 64, 8, 3
     block_q = 1 if max_query_len == 1 else max(1, block_m // group)
 
     splits = 1
