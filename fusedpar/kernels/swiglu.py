@@ -19,7 +19,6 @@ was measured 2x slower on the decode path (fusedpar.kernels.gemm_all_reduce docs
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
@@ -60,10 +59,11 @@ def _check(gu: torch.Tensor, block: int) -> int:
 
 
 def silu_mul_reference(gu: torch.Tensor, block: int) -> torch.Tensor:
-    """The plain-PyTorch definition: [rows, blocks * 2 * block] -> [rows, blocks * block]."""
-    k = _check(gu, block)
-    v = gu.reshape(gu.shape[0], k // block, 2, block)
-    return (F.silu(v[:, :, 0]) * v[:, :, 1]).reshape(gu.shape[0], k)
+    """The plain-PyTorch definition (fusedpar.layers.functional.blocked_swiglu, the layers' CPU path)."""
+    from fusedpar.layers.functional import blocked_swiglu
+
+    _check(gu, block)
+    return blocked_swiglu(gu, block)
 
 
 def silu_mul(gu: torch.Tensor, block: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,7 +42,7 @@ from fusedpar.collectives import (
     seq_to_head_all_to_all,
 )
 from fusedpar.layers.config import DecoderConfig
-from fusedpar.layers.functional import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin, swiglu
+from fusedpar.layers.functional import apply_rope, blocked_swiglu, causal_gqa_attention, rms_norm, rope_cos_sin
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import StepBatch
 from fusedpar.layers.weights import ShardedDecoderWeights
@@ -116,6 +116,8 @@ class ShiftParallelDecoderLayer(nn.Module):
         self.register_buffer("kv_index", torch.tensor(placement.q_to_kv_index(rank), device=ctx.device),
                              persistent=False)
         self.nq, self.nkv = len(self.q_heads), len(self.kv_heads)
+        # width of one [gate | up] block of the gate_up output (SP blocks in base mode, one in shift)
+        self.act_block = cfg.intermediate_size // ctx.layout.replica_size
         self.fused = None  # FusedKernels, shared by the stack's layers (set by ShiftParallelStack)
 
     @classmethod
@@ -143,13 +145,6 @@ class ShiftParallelDecoderLayer(nn.Module):
             raise ValueError(f"cache holds kv heads {cache.kv_heads}, this rank computes {self.kv_heads}")
         return mode, rows
 
-    def _mlp_act(self, h: torch.Tensor, w_gate_up: torch.Tensor, rows: int) -> torch.Tensor:
-        """silu(gate) * up with the gate_up GEMM output laid out as per-block [gate | up] chunks."""
-        gu = F.linear(h, w_gate_up)
-        blocks = gu.shape[1] // (2 * (self.cfg.intermediate_size // self.ctx.layout.replica_size))
-        gu = gu.view(rows, blocks, 2, -1)
-        return swiglu(gu[:, :, 0], gu[:, :, 1]).reshape(rows, -1)
-
     # ---- fused path -------------------------------------------------------------------------
     def fused_fwd(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
         mode, rows = self._check(x, step, cache)
@@ -165,8 +160,7 @@ class ShiftParallelDecoderLayer(nn.Module):
         else:  # residual add + post-attention norm in one pass (attention zero-fills padding rows)
             x, h = _add_norm(x, fk.o_proj(attn, w["o"], mode), rep["post_norm"], cfg.rms_norm_eps)
         # SwiGLU of the [gate | up] blocks and the residual add ride on the down projection
-        block = cfg.intermediate_size // self.ctx.layout.replica_size
-        return fk.row_parallel(F.linear(h, w["gate_up"]), w["down"], mode, residual=x, swiglu_block=block)
+        return fk.row_parallel(F.linear(h, w["gate_up"]), w["down"], mode, residual=x, swiglu_block=self.act_block)
 
     def _fused_attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
         """Triton paged attention of qkv [rows >= n, blk] -> [rows, q*hd] (padding rows zero)."""
@@ -192,7 +186,7 @@ class ShiftParallelDecoderLayer(nn.Module):
 
     # ---- reference path -----------------------------------------------------------------------
     def torch_fwd(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
-        mode, rows = self._check(x, step, cache)
+        mode, _ = self._check(x, step, cache)
         w = self.w.weights(mode)
         reduce_group = self.ctx.attention_group(mode)
 
@@ -207,7 +201,7 @@ class ShiftParallelDecoderLayer(nn.Module):
         x = x + all_reduce_sum(F.linear(attn, w["o"]), reduce_group)
 
         h = rms_norm(x, self.w.replicated["post_norm"], self.cfg.rms_norm_eps)
-        act = self._mlp_act(h, w["gate_up"], rows)
+        act = blocked_swiglu(F.linear(h, w["gate_up"]), self.act_block)
         return x + all_reduce_sum(F.linear(act, w["down"]), reduce_group)
 
     def _attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:

@@ -55,6 +55,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def blocked_swiglu(gate_up: torch.Tensor, block: int) -> torch.Tensor:
+    """SwiGLU of a gate_up GEMM output laid out as per-block [gate | up] chunks of `block` columns:
+    [rows, blocks * 2 * block] -> [rows, blocks * block] (fusedpar.kernels.swiglu is its Triton pass)."""
+    rows, width = gate_up.shape
+    v = gate_up.reshape(rows, width // (2 * block), 2, block)
+    return swiglu(v[:, :, 0], v[:, :, 1]).reshape(rows, width // 2)
+
+
 def causal_gqa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -154,16 +154,14 @@ class FusedKernels:
         act = silu_mul(x, swiglu_block) if swiglu_block else x
         group = self.ctx.attention_group(mode)
         stock = self._stock_one_shot
-        if group.size == 1 or (stock is not None and mode == "shift" and x.shape[0] * w.shape[0] <= stock[0].shape[1]):
-            if group.size == 1:
-                y = F.linear(act, w)
-            else:
-                buf, group_name = stock
-                view = buf[self._stock_calls % 2, : x.shape[0] * w.shape[0]].view(x.shape[0], w.shape[0])
-                self._stock_calls += 1
-                torch.matmul(act, w.t(), out=view)
-                y = torch.ops.symm_mem.one_shot_all_reduce(view, "sum", group_name)
+        if stock is not None and group.size > 1 and mode == "shift" and x.shape[0] * w.shape[0] <= stock[0].shape[1]:
+            buf, group_name = stock
+            view = buf[self._stock_calls % 2, : x.shape[0] * w.shape[0]].view(x.shape[0], w.shape[0])
+            self._stock_calls += 1
+            torch.matmul(act, w.t(), out=view)
+            y = torch.ops.symm_mem.one_shot_all_reduce(view, "sum", group_name)
             return y if residual is None else residual + y
+        # a group of one takes gemm_all_reduce's "local" path (cuBLAS, then the residual add)
         return gemm_all_reduce(act, w, group, self.gemm_ar_ws[mode], residual=residual)
 
     def fuses_residual(self, rows: int, w: torch.Tensor, mode: str) -> bool:
