@@ -22,6 +22,13 @@ import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per worker
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CI machines have few cores; no pinning
+# Shutdown grace periods: a process vLLM kills never runs its exit handlers, and fusedpar's summary
+# line is one. By default the client gives the engine-core process 5 s before killing its process
+# tree, workers included (vllm.v1.utils.shutdown), and the engine core gives its workers 5 s before
+# SIGTERM; a teardown takes ~4 s here, so on a loaded 2-core CI machine
+# test_summary_logged_at_shutdown failed once. Both limits are raised (see run() for the first).
+os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")
+ENGINE_SHUTDOWN_TIMEOUT_S = 120.0
 
 
 def run(spec: dict) -> dict:
@@ -52,7 +59,8 @@ def run(spec: dict) -> dict:
         else:
             stats.append(None)
     t2 = time.perf_counter()
-    llm.llm_engine.engine_core.shutdown()  # workers log fusedpar's summary line as they exit
+    # workers log fusedpar's summary line as they exit; wait for that instead of killing them at 5 s
+    llm.llm_engine.engine_core.shutdown(timeout=ENGINE_SHUTDOWN_TIMEOUT_S)
     return {"tokens": tokens, "stats": stats, "seconds": {"startup": t1 - t0, "generate": t2 - t1}}
 
 
