@@ -13,6 +13,18 @@ Shapes: per-rank heads of a Llama-3-70B layer at P=4 (16 q / 2 kv heads, head_di
 Both columns are also reported for the fused kernel without RoPE/cache write
 (`fused_attention_only_ms`: write_kv=False, no RoPE), the like-for-like attention time.
 
+Decode graph records ("case": "decode Bx4096 graph", "timing": "cuda graph"; the eager record of
+the same shape carries "timing": "eager"). In the layer stack a decode step runs as one CUDA-graph
+replay, so the host's launch cost is not paid per kernel there; timed eagerly, the decode shapes
+(1 .. 8 sequences) measure the host instead: the fused path is three Triton launches plus Python
+argument handling against SDPA's one launch (eager speedup 0.3 - 0.55x). So every decode shape run
+with pick_config's tiling is also timed with both sides captured: per side one graph holding one
+call on each operand set in turn (SDPA; the fused full path; the fused attention-only path), so
+one replay still rotates the operands through L2 and amortises the replay's own launch. ms per
+call = median replay time (CUDA events after a GPU spin, warm-up replays first, --iters replays)
+/ calls per replay. A capture that fails is recorded as the eager record's graph_error and the
+graph record is left out. Sweep records are eager only (keeps the sweep fast).
+
 Protocol (DESIGN.md section 9, as perf/bench_gemm.py): CUDA events around each call after a GPU
 spin, warm-up first (includes Triton compilation), median of --iters, inputs and caches rotate
 over enough sets to exceed 3x the L2 cache. roofline_pct = 100 * floor / fused_ms with
@@ -37,16 +49,19 @@ Without a GPU it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # setup, timing and records shared by the benchmarks
-from bench_gemm import measure_ceilings, time_ms  # one timing protocol for every benchmark
+from bench_gemm import SLEEP_CYCLES, measure_ceilings, time_ms  # one timing protocol for every benchmark
 
 NQ, NKV, HD = 16, 2, 128  # Llama-3-70B per rank at P = 4
 ROPE_THETA = 500000.0  # Llama-3
@@ -56,6 +71,7 @@ PREFILL_TOKENS = [512, 1024, 2048, 4096, 8192, 16384]
 PREFILL_SEQS = [1, 4]
 DECODE_BATCH = [1, 4, 16, 64]
 BASELINE = "torch SDPA flash (contiguous [B, H, L, d] q/k/v, enable_gqa; decode: contiguous KV cache)"
+BASELINE_GRAPH = BASELINE + " - both sides captured in one CUDA graph per operand rotation (ms per call)"
 
 
 class PagedInputs:
@@ -120,6 +136,40 @@ def sdpa(q, k, v, causal: bool):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
+def graph_ms(graph: torch.cuda.CUDAGraph, per_replay_calls: int, iters: int, warmup: int) -> float:
+    """Median GPU time (ms) of one replay of `graph` over `iters` replays, divided by its calls."""
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    sleep = getattr(torch.cuda, "_sleep", None)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(iters):
+        if sleep is not None:
+            sleep(SLEEP_CYCLES)  # as time_ms: the GPU is busy while the host launches the replay
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples) / per_replay_calls
+
+
+def captured_ms(calls: list[Callable[[], object]], iters: int, warmup: int) -> float:
+    """ms per call of `calls` captured in order in one CUDA graph (see graph_ms)."""
+    for c in calls:  # eager first: Triton compiles, lazy device state (RoPE table) is set up, outside capture
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    outs = []  # SDPA returns fresh tensors from the graph's pool: held until the timing is done
+    with torch.cuda.graph(g):
+        for c in calls:
+            outs.append(c())
+    ms = graph_ms(g, len(calls), iters, warmup)
+    del g, outs
+    return ms
+
+
 def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
     """Time SDPA, fused (RoPE + cache write + attention) and fused attention-only on one shape."""
     from fusedpar.kernels import attention
@@ -148,6 +198,24 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
     attn_only_ms = time_ms(lambda s: run_fused(s, False, False), [(s,) for s in sets], args.iters, args.warmup)
     # The full path for sweep records too: a tiling is only as good as the layer's call with it.
     fused_ms = time_ms(run_fused, [(s,) for s in sets], args.iters, args.warmup)
+
+    # Decode runs inside a CUDA graph in the layer stack, where eager timing mostly measures host
+    # launch cost. Sweep tilings skip it: three captures per tiling would slow the sweep down.
+    graph_times: dict[str, float | str] = {}
+    if kind == "decode" and config is None:
+        try:
+            # The fused calls pass max_query_len / max_kv_len (PagedInputs.kwargs): no host sync in
+            # capture. write_kv rewrites the same slot with the same k/v on every replay (idempotent).
+            base_g = captured_ms([functools.partial(sdpa, *t, causal) for t in sdpa_sets], args.iters, args.warmup)
+            fused_g = captured_ms([functools.partial(run_fused, s) for s in sets], args.iters, args.warmup)
+            attn_g = captured_ms(
+                [functools.partial(run_fused, s, False, False) for s in sets], args.iters, args.warmup
+            )
+            graph_times = {"baseline_graph_ms": base_g, "fused_graph_ms": fused_g,
+                           "fused_attention_only_graph_ms": attn_g, "speedup_graph": base_g / fused_g}
+        except Exception as exc:
+            # The eager timings above stand on their own: keep them, record why the graph failed.
+            graph_times = {"graph_error": f"{type(exc).__name__}: {exc}"[:2000]}
 
     tokens = sum(seq_lens)
     pairs = sum(context * q + q * (q + 1) // 2 for q in seq_lens)  # causal query-key pairs
@@ -185,6 +253,7 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
         "fused_includes": "RoPE(q, k) + KV-cache write + attention"
         + (" with the record's triton_config (sweep)" if config is not None else ""),
         "operand_sets": n_sets,
+        **graph_times,
     }
 
 
@@ -237,6 +306,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.iters < 20:
         print(f"note: --iters {args.iters} is below the protocol's 20 (DESIGN.md section 9)")
     return args
+
+
+def print_row(record: dict) -> None:
+    """One table line of a measured record (the header is printed in main)."""
+    c = record["triton_config"]
+    warn = "" if record["max_rel_diff_vs_baseline"] < 2e-2 else "  WARNING: results differ"
+    print(
+        f"{record['bench']:<18}{record['case']:<26}{record['tokens']:>7}{record['baseline_ms']:>10.4f}"
+        f"{record['fused_ms']:>10.4f}{record['fused_attention_only_ms']:>10.4f}{record['speedup']:>9.2f}"
+        f"{record['roofline_pct']:>6.1f}%  "
+        f"m{c['block_m']} n{c['block_n']} q{c['block_q']} w{c['num_warps']} s{c['num_stages']} "
+        f"splits{c['num_splits']} prerotate_q={c.get('prerotate_q', False)}{warn}"
+    )
 
 
 def main(argv=None) -> int:
@@ -296,15 +378,31 @@ def main(argv=None) -> int:
             records.append(record)
             torch.cuda.empty_cache()
             continue
+        graph_record = None
+        if kind == "decode" and cfg is None:
+            record["timing"] = "eager"
+            if "graph_error" not in record:
+                base_g, fused_g, attn_g = (record["baseline_graph_ms"], record["fused_graph_ms"],
+                                           record["fused_attention_only_graph_ms"])
+                graph_record = record | {
+                    "case": f"{name} graph",
+                    "baseline": BASELINE_GRAPH,
+                    "baseline_ms": base_g,
+                    "fused_ms": fused_g,
+                    "fused_attention_only_ms": attn_g,
+                    "speedup": record["speedup_graph"],
+                    "speedup_attention_only": base_g / attn_g,
+                    "roofline_pct": 100 * record["floor_ms"] / fused_g,
+                    "baseline_roofline_pct": 100 * record["floor_ms"] / base_g,
+                    "timing": "cuda graph",
+                }
         records.append(record)
-        c = record["triton_config"]
-        warn = "" if record["max_rel_diff_vs_baseline"] < 2e-2 else "  WARNING: results differ"
-        print(
-            f"{record['bench']:<18}{name:<26}{sum(seq_lens):>7}{record['baseline_ms']:>10.4f}{record['fused_ms']:>10.4f}"
-            f"{record['fused_attention_only_ms']:>10.4f}{record['speedup']:>9.2f}{record['roofline_pct']:>6.1f}%  "
-            f"m{c['block_m']} n{c['block_n']} q{c['block_q']} w{c['num_warps']} s{c['num_stages']} "
-            f"splits{c['num_splits']} prerotate_q={c.get('prerotate_q', False)}{warn}"
-        )
+        print_row(record)
+        if "graph_error" in record:
+            print(f"{record['bench']:<18}{name + ' graph':<26}{sum(seq_lens):>7}  ERROR {record['graph_error'][:200]}")
+        if graph_record is not None:
+            records.append(graph_record)
+            print_row(graph_record)
         torch.cuda.empty_cache()
 
     _bench.write_records(records, args.out)

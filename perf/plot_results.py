@@ -35,7 +35,10 @@ def load(results: Path) -> dict[str, dict[str, list[tuple[float, float]]]]:
             if bench == "attention":
                 kind = r["bench"].removeprefix("attention_")
                 # prefill: one sequence or four of equal length; decode: batch size = tokens
-                case = kind if kind == "decode" else f"prefill {case.split()[-1].split('x')[0]} seq"
+                if kind == "decode":  # eager and CUDA-graph timings are separate lines
+                    case = "decode graph" if r.get("timing") == "cuda graph" else "decode eager"
+                else:
+                    case = f"prefill {case.split()[-1].split('x')[0]} seq"
             elif bench == "gemm_all_reduce":
                 case = f"{case.split()[0]} {r.get('mode', case.split()[-1])}"
             elif bench == "one_shot_all_reduce":

@@ -2,9 +2,10 @@
 # GPU tests and benchmarks in one device call. Installs nothing.
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo profile (default: all but profile)
-# MODEL_ARGS / LAYER_ARGS / ATTN_ARGS pass extra arguments to perf/model_bench.py / perf/bench_layer.py /
-# perf/bench_attention.py (e.g. MODEL_ARGS="--layers 4" for a smoke run); MODEL_TIMEOUT / LAYER_TIMEOUT /
-# ATTN_TIMEOUT their limits.
+# MODEL_ARGS / LAYER_ARGS / ATTN_ARGS / GAR_ARGS / PROFILE_ARGS pass extra arguments to perf/model_bench.py /
+# perf/bench_layer.py / perf/bench_attention.py / perf/bench_gemm_all_reduce.py / perf/profile_layer.py (e.g.
+# MODEL_ARGS="--layers 4" for a smoke run); MODEL_TIMEOUT / LAYER_TIMEOUT / ATTN_TIMEOUT / GAR_TIMEOUT /
+# PROFILE_TIMEOUT / TEST_TIMEOUT their limits; TEST_PATHS narrows the GPU tests.
 # A device call lasts at most 600 s: "all" does not fit one call; pass a subset per call, e.g.
 #   bash perf/run_gpu.sh tests attention gemm_all_reduce
 #   bash perf/run_gpu.sh qkv_all_to_all all_to_all_o_proj gemm one_shot
@@ -69,7 +70,8 @@ for item in "${ITEMS[@]}"; do
     layer) run timeout "${LAYER_TIMEOUT:-300}" "${TRUN[@]}" perf/bench_layer.py ${LAYER_ARGS:-} --out "$RES/layer.json" ;;
     # the main job on GPUs: fusedpar demo --device cuda (one process per GPU, bf16, fused kernels)
     demo) (cd "$OVERLAY" && run timeout 240 python3 -m fusedpar demo --device cuda --world-size "$NGPU") || status=1 ;;
-    profile) run timeout 200 "${TRUN[@]}" perf/profile_layer.py --out "$RES/profile_layer.txt" ;;
+    profile) run timeout "${PROFILE_TIMEOUT:-200}" "${TRUN[@]}" perf/profile_layer.py ${PROFILE_ARGS:-} \
+               --out "$RES/profile_layer.txt" ;;
     model) run timeout "${MODEL_TIMEOUT:-480}" "${TRUN[@]}" perf/model_bench.py ${MODEL_ARGS:-} --out "$RES/model.json" ;;
     *) echo "unknown item $item" | tee -a "$LOG"; status=1 ;;
   esac

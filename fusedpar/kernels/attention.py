@@ -60,7 +60,7 @@ Kernels (three layers, DESIGN.md section 1: @triton.jit kernel -> launcher -> re
                          fp32 scratch and are merged by
     _combine_kernel      one program per (token, q head).
     paged_attention(...)         launcher (asserts, heuristics, grid, padding-row zero fill)
-    torch.ops.fusedpar.paged_attention[_out]   custom ops with fake impls (torch.compile, graphs)
+    torch.ops.fusedpar.paged_attention[_out]   custom ops with fake impls (what torch.compile traces)
     AttentionMetadata.from_step / attention_step(...)   glue for the decoder layer's contract.
 
 Known limits (see pick_config for the tilings): head_dim must be a power of two >= 16; the cache
@@ -117,15 +117,41 @@ ROPE_NONE, ROPE_THETA, ROPE_TABLES = 0, 1, 2
 
 
 @triton.jit
+def _rope_cos_sin(rope_rows, row_mask, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, HD: tl.constexpr,
+                  ROPE: tl.constexpr):
+    """fp32 cos, sin [R, HD] of the packed tokens rope_rows [R] (index into positions or the
+    cos/sin tables); column d holds the angle of frequency d % (HD / 2), as rotate-half pairs
+    them. Masked rows are zeros. R = 1 gives one token's row, which broadcasts over its heads.
+    """
+    HALF: tl.constexpr = HD // 2
+    offs_d = tl.arange(0, HD)
+    if ROPE == 1:
+        pos = tl.load(positions_ptr + rope_rows, mask=row_mask, other=0).to(tl.float32)
+        inv_freq = tl.load(inv_freq_ptr + (offs_d % HALF))
+        ang = pos[:, None] * inv_freq[None, :]
+        # Reduce to [-pi, pi] with a two-constant 2*pi (6.28125 has 8 significant bits, so
+        # k * 6.28125 is exact for k < 2**16): accurate cos/sin whether they lower to libdevice
+        # or to the hardware approximations, which lose accuracy for large arguments.
+        k = tl.floor(ang * 0.15915494309189535 + 0.5)
+        ang = (ang - k * 6.28125) - k * 0.0019353071795864769
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    elif ROPE == 2:
+        t_off = rope_rows.to(tl.int64)[:, None] * stride_rope + offs_d[None, :]
+        c = tl.load(cos_ptr + t_off, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t_off, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    else:  # no RoPE: nothing to read (callers ignore c and s)
+        c = tl.zeros((rope_rows.shape[0], HD), dtype=tl.float32)
+        s = c
+    return c, s
+
+
+@triton.jit
 def _norm_rope(
     row_ptrs,
     row_mask,
-    rope_rows,
-    positions_ptr,
-    inv_freq_ptr,
-    cos_ptr,
-    sin_ptr,
-    stride_rope,
+    c,
+    s,
     w_ptr,
     eps,
     HD: tl.constexpr,
@@ -135,10 +161,12 @@ def _norm_rope(
     """Load R head vectors (row_ptrs[r] -> element 0 of a contiguous [HD] vector) and return
     rope(norm(x)) as fp32 [R, HD]; masked rows are zeros.
 
+    c, s: _rope_cos_sin of the rows' tokens, [R, HD] or [1, HD] (one token's angles shared by
+    all its heads: the write kernel evaluates them once per token, not once per head; the
+    values are the same, so are the results). Unused without ROPE.
     Rotate-half needs x[(d + HD/2) % HD] next to x[d]: it is loaded a second time through permuted
     column offsets (an L1 hit) instead of shuffling registers. RMSNorm's row scale is shared by
     both loads; the weight is applied per column.
-    rope_rows[r]: the packed token of row r (index into positions or the cos/sin tables).
     """
     HALF: tl.constexpr = HD // 2
     offs_d = tl.arange(0, HD)
@@ -154,21 +182,6 @@ def _norm_rope(
             wr = tl.load(w_ptr + offs_rot).to(tl.float32)
             xr = xr * rstd[:, None] * wr[None, :]
         sign = tl.where(offs_d < HALF, -1.0, 1.0)
-        if ROPE == 1:
-            pos = tl.load(positions_ptr + rope_rows, mask=row_mask, other=0).to(tl.float32)
-            inv_freq = tl.load(inv_freq_ptr + (offs_d % HALF))
-            ang = pos[:, None] * inv_freq[None, :]
-            # Reduce to [-pi, pi] with a two-constant 2*pi (6.28125 has 8 significant bits, so
-            # k * 6.28125 is exact for k < 2**16): accurate cos/sin whether they lower to libdevice
-            # or to the hardware approximations, which lose accuracy for large arguments.
-            k = tl.floor(ang * 0.15915494309189535 + 0.5)
-            ang = (ang - k * 6.28125) - k * 0.0019353071795864769
-            c = tl.cos(ang)
-            s = tl.sin(ang)
-        else:
-            t_off = rope_rows.to(tl.int64)[:, None] * stride_rope + offs_d[None, :]
-            c = tl.load(cos_ptr + t_off, mask=row_mask[:, None], other=0.0).to(tl.float32)
-            s = tl.load(sin_ptr + t_off, mask=row_mask[:, None], other=0.0).to(tl.float32)
         x = x * c + sign[None, :] * xr * s
     return x
 
@@ -219,15 +232,16 @@ def _write_kv_kernel(
     t = tl.program_id(0)
     offs_d = tl.arange(0, HD)
     row = qkv_ptr + t.to(tl.int64) * stride_qkv
+    # One token per program: its cos/sin row once, shared by the k and q heads (evaluating them
+    # per head element was most of this kernel's time: 2 x (NQ + NKV) x HD transcendentals).
+    one = tl.arange(0, 1)
+    c, s = _rope_cos_sin(one + t, one < 1, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, HD, ROPE)
     if WRITE_KV:
         slot = tl.load(slots_ptr + t).to(tl.int64)
         if slot >= 0:
             offs_h = tl.arange(0, NKV_P2)
             h_mask = offs_h < NKV
-            k = _norm_rope(
-                row + (NQ + offs_h) * HD, h_mask, tl.full([NKV_P2], 0, tl.int32) + t, positions_ptr,
-                inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, k_norm_ptr, eps, HD, HAS_K_NORM, ROPE,
-            )
+            k = _norm_rope(row + (NQ + offs_h) * HD, h_mask, c, s, k_norm_ptr, eps, HD, HAS_K_NORM, ROPE)
             dst = (slot // PAGE) * stride_blk + (slot % PAGE) * stride_tok
             dst_ptrs = dst + offs_h[:, None] * stride_head + offs_d[None, :]
             tl.store(k_cache_ptr + dst_ptrs, k.to(k_cache_ptr.dtype.element_ty), mask=h_mask[:, None])
@@ -236,10 +250,7 @@ def _write_kv_kernel(
     if WRITE_Q:
         offs_q = tl.arange(0, NQ_P2)
         q_mask = offs_q < NQ
-        q = _norm_rope(
-            row + offs_q * HD, q_mask, tl.full([NQ_P2], 0, tl.int32) + t, positions_ptr, inv_freq_ptr,
-            cos_ptr, sin_ptr, stride_rope, q_norm_ptr, eps, HD, HAS_Q_NORM, ROPE,
-        )
+        q = _norm_rope(row + offs_q * HD, q_mask, c, s, q_norm_ptr, eps, HD, HAS_Q_NORM, ROPE)
         q_ptrs = q_out_ptr + t.to(tl.int64) * stride_qout + offs_q[:, None] * HD + offs_d[None, :]
         tl.store(q_ptrs, q.to(k_cache_ptr.dtype.element_ty), mask=q_mask[:, None])
 
@@ -404,10 +415,8 @@ def _attention_kernel(
     p_row = ctx + tok_local  # key positions row r may see: 0 .. p_row
 
     q_rows = qkv_ptr + token.to(tl.int64) * stride_qkv + head * HD
-    q = _norm_rope(
-        q_rows, row_ok, token, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope,
-        q_norm_ptr, eps, HD, HAS_Q_NORM, ROPE,
-    )
+    c, s = _rope_cos_sin(token, row_ok, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, HD, ROPE)
+    q = _norm_rope(q_rows, row_ok, c, s, q_norm_ptr, eps, HD, HAS_Q_NORM, ROPE)
     # Round q to the cache dtype like the reference (which attends with q in the model dtype). A q
     # pre-rotated by _write_kv_kernel was stored already rounded, so this is exact there: both
     # paths feed tl.dot the same bits.
@@ -989,9 +998,10 @@ def paged_attention(
       (results are correct for any values); None derives them from the tensors (a device sync).
       In a CUDA graph pass bounds valid for every replay (e.g. the model's max length).
     scale: softmax scale, default hd ** -0.5. out: optional [rows, nq hd] destination (any row
-      stride, contiguous columns). config: explicit tiling (bypasses the custom op; tests/tuning).
+      stride, contiguous columns). config: explicit tiling (tests/tuning).
     Returns out: rows < num_tokens = attention output, rows >= num_tokens = 0.
-    Goes through torch.ops.fusedpar.paged_attention[_out] unless config is given.
+    Under torch.compile it goes through torch.ops.fusedpar.paged_attention[_out] (one opaque node
+    with a fake impl; not with an explicit config); eager calls launch the kernels directly.
     """
     hd = k_cache.shape[-1]
     if scale is None:
@@ -1013,7 +1023,10 @@ def paged_attention(
         num_tokens=num_tokens, num_q_heads=num_q_heads, max_query_len=max_query_len, max_kv_len=max_kv_len,
         scale=float(scale), eps=float(eps), rope_theta=theta, write_kv=write_kv,
     )
-    if config is not None:
+    if config is not None or not torch.compiler.is_compiling():
+        # Eager (and CUDA-graph capture, which records kernels, not ops): launch directly. The
+        # custom-op dispatcher costs ~20 us of host time per call, as much as a decode step's
+        # attention on the GPU (the other fused ops do the same; see gemm_all_reduce._call_fused).
         if out is None:
             out = torch.empty((qkv.shape[0], num_q_heads * hd), dtype=qkv.dtype, device=qkv.device)
         return _launch(qkv, out, k_cache, v_cache, *args, **kwargs, config=config)

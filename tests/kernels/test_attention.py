@@ -678,6 +678,37 @@ def test_torch_compile_sees_one_op():
     assert torch.equal(compiled(r.qkv, r.k_cache, r.v_cache), eager)
 
 
+def test_public_call_eager_launches_directly_and_compiles_to_the_op():
+    """paged_attention skips the op dispatcher in eager mode (host cost) but must still reach
+    torch.compile as the registered op (a Triton launch cannot be traced), with equal results."""
+    r = _small_run()
+    kw = dict(num_tokens=r.c.num_tokens, num_q_heads=r.c.nq, cu_seqlens_q=r.cu, context_lens=r.ctx,
+              block_tables=r.block_tables, slots=r.slots, positions=r.positions, max_query_len=3, max_kv_len=5,
+              scale=0.25, eps=EPS, rope_theta=THETA)
+
+    def f(qkv, k_cache, v_cache):
+        return attention.paged_attention(qkv, k_cache=k_cache, v_cache=v_cache, **kw) * 2.0
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    k_eager, v_eager = r.k_cache.clone(), r.v_cache.clone()
+    eager = f(r.qkv, k_eager, v_eager)
+    direct = torch.ops.fusedpar.paged_attention(r.qkv, r.k_cache.clone(), r.v_cache.clone(), *_op_args(r),
+                                                **_op_kwargs(r)) * 2.0
+    assert torch.equal(eager, direct)
+    k_comp, v_comp = r.k_cache.clone(), r.v_cache.clone()
+    got = torch.compile(f, backend=backend, fullgraph=True)(r.qkv, k_comp, v_comp)
+    assert len(graphs) == 1 and "fusedpar.paged_attention" in graphs[0].code, graphs[0].code if graphs else None
+    assert torch.equal(got, eager)
+    for got_cache, want_cache in ((k_comp, k_eager), (v_comp, v_eager)):  # the new k/v were written
+        torch.testing.assert_close(got_cache, want_cache, rtol=0, atol=0, equal_nan=True)  # NaN: unused slots
+    assert not torch.equal(torch.nan_to_num(k_eager), torch.nan_to_num(r.k_cache))
+
+
 def test_reimport_is_idempotent():
     module = importlib.reload(attention)
     r = _small_run()
