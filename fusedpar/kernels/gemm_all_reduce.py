@@ -24,6 +24,14 @@ Two fused paths, one Triton kernel (`_gemm_all_reduce_kernel`, constexpr TWO_SHO
         flag words [p, 0..W-1] of its own rank (program p of every rank computed the same tiles,
         since every rank launches the same grid), and sums the W local partial copies of its
         tiles in fp32, rank order 0..W-1, into out. One cross-GPU hop per launch; all reads local.
+        Only the tile's real rows (< M) are pushed: a 1-row decode step in a 16-row tile sends 1/16
+        of the tile. Split-K (FusedConfig.split_k = S > 1, decode steps of <= SPLIT_K_MAX_ROWS rows
+        whose output has too few tiles to occupy the SMs): work unit u = (tile u // S, K range
+        u % S) replaces the tile in the loop above, each unit pushes its own partial (region
+        [src][range][t]), flag word [p, r] still follows all of program p's units, and the
+        reducer of tile t (program t, t + grid, ...) waits for the S x W words of the programs
+        that computed its units and sums the S x W partials in the fixed order (rank, range). The
+        roundings become round(sum over ranks and ranges of round_p(range partial))).
     two_shot (prefill, M >= TWO_SHOT_MIN_TOKENS): persistent GEMM + reduce-scatter + all-gather.
         Tile t is OWNED by rank t % W. Phase A (GEMM): program p computes tiles t = p, p + S, ...
         and pushes each partial straight into its owner's workspace, region partial[src = r]
@@ -138,6 +146,7 @@ __all__ = [
     "GPU_SPIN_LIMIT",
     "ONE_SHOT_MAX_TOKENS",
     "PATHS",
+    "SPLIT_K_MAX_ROWS",
     "TWO_SHOT_MIN_TOKENS",
     "FusedConfig",
     "FusedPlan",
@@ -251,6 +260,8 @@ def _gemm_all_reduce_kernel(
     INPUT_PRECISION: tl.constexpr,
     PARTIAL_FP32: tl.constexpr,  # partials in fp32 (else in x's dtype)
     COMM_ROWS: tl.constexpr,  # tile rows per step of the reduce / copy loops
+    SPLIT_K: tl.constexpr,  # one-shot: K ranges per output tile (units = tiles x SPLIT_K); two-shot: 1
+    SPLIT_WORLD_P2: tl.constexpr,  # next power of two >= SPLIT_K * WORLD (the one-shot reducer's flag vector)
     TWO_SHOT: tl.constexpr,
     DO_GEMM: tl.constexpr,
     DO_REDUCE: tl.constexpr,
@@ -285,10 +296,15 @@ def _gemm_all_reduce_kernel(
     # ---- phase A: the persistent GEMM (a copy of fusedpar.kernels.gemm's loop; only the epilogue's
     # destination differs: a contiguous tile block in a workspace instead of C) -----------------
     if DO_GEMM:
-        tile_id_c = pid - NUM_SMS  # epilogue's own tile counter (see gemm.py: pipelining workaround)
+        unit_c = pid - NUM_SMS  # epilogue's own unit counter (see gemm.py: pipelining workaround)
         offs_k_base = tl.arange(0, BLOCK_K)
         k_tiles = tl.cdiv(K, BLOCK_K)
-        for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=True):
+        # Work unit u = (tile u // SPLIT_K, K range u % SPLIT_K): every range has k_per BLOCK_K steps
+        # (a uniform trip count keeps the loop pipelined; steps past K load zeros).
+        k_per = tl.cdiv(k_tiles, SPLIT_K)
+        for unit in tl.range(pid, num_tiles * SPLIT_K, NUM_SMS, flatten=True):
+            tile_id = unit // SPLIT_K
+            k_first = (unit % SPLIT_K) * k_per
             pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
             offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_wn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -297,7 +313,8 @@ def _gemm_all_reduce_kernel(
             offs_am = tl.where(offs_am < M, offs_am, 0)
             offs_wn = tl.where(offs_wn < N, offs_wn, 0)
             accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(k_tiles):
+            for kk in range(k_per):
+                ki = k_first + kk
                 offs_k = ki * BLOCK_K + offs_k_base
                 a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
                 b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
@@ -310,7 +327,8 @@ def _gemm_all_reduce_kernel(
                     b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
                 accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
 
-            tile_id_c += NUM_SMS
+            unit_c += NUM_SMS
+            tile_id_c = unit_c // SPLIT_K
             part = accumulator.to(pdt)
             if TWO_SHOT:
                 # Reduce-scatter by push: straight into the owner's partial region [rank][t // WORLD].
@@ -318,10 +336,15 @@ def _gemm_all_reduce_kernel(
                 dst = tl.multiple_of((tl.load(buffer_ptrs + owner) + slot_off).to(tl.pointer_type(pdt)), 16)
                 tl.store(dst + (rank * own_cap + tile_id_c // WORLD) * TILE + offs_tile, part)
             else:
-                # One-shot by push: into region [rank][t] of every rank (own copy included).
+                # One-shot by push: into region [rank][K range][t] of every rank (own copy included),
+                # real rows only (a decode step of 1 row must not send 15 padding rows over NVLink;
+                # the reduce never stores the unsent rows).
+                pm_c, _ = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+                row_ok = (pm_c * BLOCK_M + tl.arange(0, BLOCK_M)) < M
+                region = (rank * SPLIT_K + unit_c % SPLIT_K) * num_tiles + tile_id_c
                 for q in tl.static_range(WORLD):
                     dst = tl.multiple_of((tl.load(buffer_ptrs + q) + slot_off).to(tl.pointer_type(pdt)), 16)
-                    tl.store(dst + (rank * num_tiles + tile_id_c) * TILE + offs_tile, part)
+                    tl.store(dst + region * TILE + offs_tile, part, mask=row_ok[:, None])
         if USE_FLAGS:
             # One flag per program and rank, after ALL its tiles: nothing of the flag protocol sits
             # inside the pipelined loop, and the system-scope fence is paid once per program.
@@ -363,6 +386,29 @@ def _gemm_all_reduce_kernel(
                     tl.debug_barrier()
                     publish(signal_ptrs, (NUM_SMS + j) * WORLD + rank, epoch, peer_mask & (peers != rank))
                 j += nprog
+        elif SPLIT_K > 1:
+            # Tile t's K ranges came from programs (t SPLIT_K + s) % NUM_SMS of every rank; program p
+            # reduces tiles p, p + grid, ... (every program is resident: any assignment is safe).
+            sw = tl.arange(0, SPLIT_WORLD_P2)
+            sw_mask = sw < SPLIT_K * WORLD
+            t = pid
+            while t < num_tiles:
+                if USE_FLAGS:
+                    wait_flags(my_flags + ((t * SPLIT_K + sw // WORLD) % NUM_SMS) * WORLD + sw % WORLD, sw_mask,
+                               epoch, counters_ptr, SPIN_LIMIT)
+                for r0 in range(0, BLOCK_M, COMM_ROWS):
+                    acc = tl.zeros((COMM_ROWS, BLOCK_N), dtype=tl.float32)
+                    # Fixed order (rank, then K range) on every rank: identical bits everywhere.
+                    for q in tl.static_range(WORLD):
+                        for ks in tl.static_range(SPLIT_K):
+                            src = mine + ((q * SPLIT_K + ks) * num_tiles + t) * TILE
+                            acc += tl.load(src + r0 * BLOCK_N + offs_rows, cache_modifier=".cg").to(tl.float32)
+                    if HAS_RESIDUAL:
+                        acc = _add_residual_rows(acc, res_ptr, t, r0, M, N, stride_rm, stride_rn, num_pid_in_group,
+                                                 num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS, odt)
+                    _store_tile_rows(out_ptr, acc, t, r0, M, N, stride_om, stride_on, num_pid_in_group,
+                                     num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS)
+                t += nprog
         else:
             if USE_FLAGS:
                 # Program pid of every rank computed exactly this program's tiles.
@@ -425,19 +471,24 @@ class FusedConfig:
     num_sms: persistent stride and upper bound of the grid (the device's SM count: every program
         must be co-resident with the ones it waits for).
     comm_rows: tile rows per step of the reduce / copy loops (comm_rows x block_n elements).
+    split_k: one_shot only: K ranges per output tile, each a separate work unit with its own
+        partial (1 = none). Decode GEMMs read the weight once and are bound by how many SMs
+        stream it: split-K puts more SMs on an output too narrow to fill the GPU with tiles.
     """
 
     gemm: GemmConfig
     num_sms: int
     comm_rows: int
+    split_k: int = 1
 
     def as_list(self) -> list[int]:
         g = self.gemm
-        return [g.block_m, g.block_n, g.block_k, g.group_m, g.num_warps, g.num_stages, self.num_sms, self.comm_rows]
+        return [g.block_m, g.block_n, g.block_k, g.group_m, g.num_warps, g.num_stages, self.num_sms, self.comm_rows,
+                self.split_k]
 
     @staticmethod
     def from_list(v: list[int]) -> FusedConfig:
-        return FusedConfig(GemmConfig(*v[:6]), num_sms=v[6], comm_rows=v[7])
+        return FusedConfig(GemmConfig(*v[:6]), num_sms=v[6], comm_rows=v[7], split_k=v[8] if len(v) > 8 else 1)
 
 
 @dataclass(frozen=True)
@@ -467,16 +518,52 @@ def default_config(path: str, m: int, n: int, k: int, dtype: torch.dtype, partia
     badly. The fused kernel's GEMM loop is the plain kernel's, so its best tiling should carry
     over (to be confirmed by perf/bench_gemm_all_reduce.py). Comm steps move 16 elements per
     thread (two 16-byte vectors of bf16 per rank).
-    path is accepted for symmetry; both fused paths use the same GEMM tiling.
+    one_shot with m <= SPLIT_K_MAX_ROWS on a GPU: where the output has too few BLOCK_N-wide tiles to
+    give most SMs a share of the weight (Qwen3-32B's hidden 5120: 80 tiles of 64 columns on 132
+    SMs), 128-column tiles split in K (`split_k`) so that more SMs stream the weight, e.g. 40 x 3 =
+    120 units; see _decode_split. The interpreter never splits (its one-launch emulation of a
+    rank runs programs one after another, and a split tile's reducer waits for other programs).
     """
-    del path
-    if _INTERPRETED if interpret is None else interpret:
+    interpreted = _INTERPRETED if interpret is None else interpret
+    if interpreted:
         gcfg = pick_config(m, n, k, dtype=dtype, out_dtype=partial_dtype, num_sms=num_sms, interpret=True)
         comm = _COMM_ELEMS_INTERPRETER
     else:
         gcfg = pick_config(m, n, k, dtype=dtype, out_dtype=partial_dtype, num_sms=num_sms, interpret=False)
         comm = _COMM_ELEMS_PER_WARP * gcfg.num_warps
-    return FusedConfig(gcfg, num_sms=num_sms, comm_rows=max(1, min(gcfg.block_m, comm // gcfg.block_n)))
+    split = 1
+    if path == "one_shot" and not interpreted and m <= SPLIT_K_MAX_ROWS:
+        gcfg, split = _decode_split(n, k, esize(dtype), gcfg, num_sms)
+    return FusedConfig(gcfg, num_sms=num_sms, comm_rows=max(1, min(gcfg.block_m, comm // gcfg.block_n)),
+                       split_k=split)
+
+
+# One-shot split-K: decode steps of at most this many rows (each unit pushes its partial rows to
+# every rank, so the NVLink bytes grow with rows x split_k); 128-column tiles of 128-deep K steps,
+# 4 warps, 4 stages (the second-best decode tiling of the 128-column GEMM in gemm_tune.json);
+# every K range at least 2 steps long. fp32 inputs get fewer stages (shared memory).
+SPLIT_K_MAX_ROWS = 16
+_SPLIT_TILE = (128, 128, 4, 4)  # block_n, block_k, warps, stages
+_SMEM_BYTES = 227 * 1024
+
+
+def _decode_split(n: int, k: int, elem: int, gcfg: GemmConfig, num_sms: int) -> tuple[GemmConfig, int]:
+    """(tiling, split_k) that gives the most SMs a share of the weight: the unsplit tiling's
+    cdiv(n, block_n) units, or 128-column tiles x s K ranges (units <= num_sms); ties keep no split."""
+    best = (triton.cdiv(n, gcfg.block_n), gcfg, 1)
+    bn, bk, warps, stages = _SPLIT_TILE
+    bm = gcfg.block_m
+    stages = min(stages, (_SMEM_BYTES - bm * bn * elem) // ((bm + bn) * bk * elem))
+    if stages < 2:
+        return gcfg, 1
+    wide = GemmConfig(bm, bn, bk, gcfg.group_m, warps, stages)
+    for split in range(2, 17):
+        units = triton.cdiv(n, bn) * split
+        if units > num_sms or triton.cdiv(k, bk) < 2 * split:
+            break
+        if units > best[0]:
+            best = (units, wide, split)
+    return best[1], best[2]
 
 
 def _layout(path: str, rows: int, n: int, world: int, cfg: FusedConfig, psize: int, osize: int):
@@ -485,7 +572,8 @@ def _layout(path: str, rows: int, n: int, world: int, cfg: FusedConfig, psize: i
     tiles = triton.cdiv(rows, g.block_m) * triton.cdiv(n, g.block_n)
     tile = g.block_m * g.block_n
     if path == "one_shot":
-        return tiles, 0, 0, world * tiles * tile * psize, min(cfg.num_sms, tiles)
+        units = tiles * cfg.split_k
+        return tiles, 0, 0, world * units * tile * psize, min(cfg.num_sms, units)
     own_cap = triton.cdiv(tiles, world)
     result_off = _align(world * own_cap * tile * psize)
     return tiles, own_cap, result_off, result_off + tiles * tile * osize, cfg.num_sms + own_cap
@@ -561,11 +649,13 @@ def _plan_cached(path, m, n, k, dtype, world, slot, max_blocks, num_sms, partial
         if flag_rows > max_blocks:
             return f"needs {flag_rows} flag rows, the workspace has max_blocks={max_blocks}"
         tile = cfg.gemm.block_m * cfg.gemm.block_n
-        region = world * (tiles if path == "one_shot" else own_cap) * tile
+        region = world * (tiles * cfg.split_k if path == "one_shot" else own_cap) * tile
         if max(region, tiles * tile) >= 2**31:
             return "workspace regions of >= 2**31 elements (int32 offsets)"
         return ""
 
+    if cfg.split_k < 1 or (cfg.split_k > 1 and path != "one_shot"):
+        return None, f"split_k={cfg.split_k}: must be >= 1, and > 1 only on the one_shot path"
     if m == 0 or n == 0:
         return FusedPlan(path, cfg, pdt, (), slot), ""
     if path == "one_shot":
@@ -636,8 +726,14 @@ def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pl
     tiles, own_cap, result_off, _, _ = _layout(plan.path, m, n, world, cfg, esize(plan.partial_dtype),
                                                esize(x.dtype))
     last = copy if two_shot else reduce
+    split = 1 if two_shot else cfg.split_k
+    if _INTERPRETED and split > 1 and gemm and reduce:
+        # The interpreter runs a launch's programs one after another, so a reducer would wait for
+        # a unit of a program that has not run yet (on GPUs every program is resident).
+        raise ValueError("gemm_all_reduce: split_k > 1 under the interpreter needs the GEMM and reduce phases in "
+                         "separate launches (gemm_all_reduce_emulated with schedule='phased')")
     with device_guard(x.device):
-        return _gemm_all_reduce_kernel[(min(cfg.num_sms, tiles),)](
+        return _gemm_all_reduce_kernel[(min(cfg.num_sms, tiles * split),)](
             x,
             w,
             out,
@@ -667,10 +763,12 @@ def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pl
             BLOCK_K=g.block_k,
             GROUP_M=g.group_m,
             NUM_SMS=cfg.num_sms,
-            EVEN_K=k % g.block_k == 0,
+            EVEN_K=k % g.block_k == 0 and triton.cdiv(k, g.block_k) % split == 0,  # every range's steps full
             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             PARTIAL_FP32=plan.partial_dtype == torch.float32 and x.dtype != torch.float32,
             COMM_ROWS=cfg.comm_rows,
+            SPLIT_K=split,
+            SPLIT_WORLD_P2=next_pow2(split * world),
             TWO_SHOT=two_shot,
             DO_GEMM=gemm,
             DO_REDUCE=reduce,

@@ -61,7 +61,8 @@ class FusedKernels:
         def reduce_bytes(group_size: int, k_o: int, k_down: int, rows: int) -> tuple[int, int]:
             sizes = [gemm_all_reduce.required_workspace(path, min(rows, cap), cfg.hidden_size, k, dtype,
                                                         group_size, num_sms=num_sms)
-                     for path, cap in (("one_shot", gemm_all_reduce.ONE_SHOT_MAX_TOKENS), ("two_shot", 2048))
+                     for path, cap in (("one_shot", gemm_all_reduce.ONE_SHOT_MAX_TOKENS),
+                                       ("one_shot", gemm_all_reduce.SPLIT_K_MAX_ROWS), ("two_shot", 2048))
                      for k in (k_o, k_down)]
             return max(s[0] for s in sizes), max(s[1] for s in sizes)
 

@@ -70,7 +70,7 @@ def _poisoned(xs, ws):
     return [poison_(torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)) for x, w in zip(xs, ws, strict=True)]
 
 
-def check_sum(outs, xs, ws, *, partial_dtype=None, name="gemm_all_reduce") -> None:
+def check_sum(outs, xs, ws, *, partial_dtype=None, name="gemm_all_reduce", k_ranges=None) -> None:
     """Every rank: finite, identical bits, and |out - sum_r x_r w_r^T| within the kernel's rounding bound.
 
     Per element, with p_r = x_r w_r^T exact (float64), s = sum_r p_r and A = sum_r |x_r| |w_r|^T:
@@ -78,15 +78,21 @@ def check_sum(outs, xs, ws, *, partial_dtype=None, name="gemm_all_reduce") -> No
       + (K + W + 2) 2^-24 A      fp32 accumulation of the GEMM (K terms) and of the rank sum (W)
       + u_o * (|s| + the above)  the final rounding to the output dtype
     (times 1.01 for the bound's own rounding), the textbook worst case of the kernel's arithmetic.
+    k_ranges: split-K's K ranges [(start, stop)]: each range's partial is rounded (sum_r sum_range
+    |p_r,range| in the first term) and the rank sum has W x len(k_ranges) terms.
     """
     dtype = xs[0].dtype
     pdt = partial_dtype or dtype
     parts = [x.double() @ w.double().T for x, w in zip(xs, ws, strict=True)]
     ref = torch.stack(parts).sum(0)
-    abs_parts = torch.stack([p.abs() for p in parts]).sum(0)
+    if k_ranges is None:
+        abs_parts = torch.stack([p.abs() for p in parts]).sum(0)
+    else:
+        abs_parts = sum((x[:, a:b].double() @ w[:, a:b].double().T).abs()
+                        for x, w in zip(xs, ws, strict=True) for a, b in k_ranges)
     a = sum(x.double().abs() @ w.double().abs().T for x, w in zip(xs, ws, strict=True))
     k, world = xs[0].shape[1], len(xs)
-    inner = _U[pdt] * abs_parts + (k + world + 2) * 2.0**-24 * a
+    inner = _U[pdt] * abs_parts + (k + world * len(k_ranges or [0]) + 2) * 2.0**-24 * a
     allowed = 1.01 * (inner + _U[dtype] * (ref.abs() + inner)) + 1e-30
     for r, out in enumerate(outs):
         assert out.shape == ref.shape and out.dtype == dtype, (out.shape, out.dtype)
@@ -292,6 +298,95 @@ def test_gpu_tile_shapes_run_in_the_interpreter():
         xs, ws = _inputs(2, m, n, k, torch.float16, seed=m)
         outs = gemm_all_reduce_emulated(_world(2, 8 << 20), xs, ws, path=path, outs=_poisoned(xs, ws), config=cfg)
         check_sum(outs, xs, ws, name=f"{path} {cfg.gemm}")
+
+
+# ------------------------------------------------------------------------------ split-K (one-shot)
+
+
+def _k_ranges(k: int, block_k: int, split: int) -> list[tuple[int, int]]:
+    """The kernel's K ranges: cdiv(k_tiles, split) steps of block_k each; ranges past K are empty."""
+    per = math.ceil(math.ceil(k / block_k) / split) * block_k
+    return [(a, min(k, a + per)) for a in range(0, k, per)]
+
+
+# (m, n, k, split) against 32x32x32 tiles and 4 interpreter "SMs" (units wrap around the programs):
+# K = 40 has 2 K steps, so split 3 leaves an empty third range; M = 33 has two tile rows.
+SPLIT_CASES = [(1, 100, 40, 3), (7, 130, 96, 2), (33, 72, 64, 3), (16, 200, 160, 4)]
+
+
+@pytest.mark.parametrize(("world_size", "dtype"), [(2, torch.float16), (3, torch.float32), (4, torch.float16)],
+                         ids=str)
+@pytest.mark.parametrize(("m", "n", "k", "split"), SPLIT_CASES)
+def test_split_k_one_shot_sums_every_range_of_every_rank(world_size, dtype, m, n, k, split):
+    cfg = FusedConfig(GemmConfig(32, 32, 32, 8, 4, 1), num_sms=4, comm_rows=8, split_k=split)
+    world = _world(world_size, 4 << 20, 64)
+    xs, ws = _inputs(world_size, m, n, k, dtype, seed=m + n + k + split)
+    outs = gemm_all_reduce_emulated(world, xs, ws, path="one_shot", outs=_poisoned(xs, ws), config=cfg)
+    check_sum(outs, xs, ws, name=f"split {split} W={world_size} [{m},{n}] K={k}", k_ranges=_k_ranges(k, 32, split))
+    assert all(world[r].epoch() == 1 and world[r].status() == 0 for r in range(world_size))
+    # The residual epilogue on the split path: the same bits as the separate add.
+    g = torch.Generator().manual_seed(k)
+    res = (torch.randn((m, n), generator=g)).to(dtype)
+    plain = gemm_all_reduce_emulated(world, xs, ws, path="one_shot", config=cfg)
+    got = gemm_all_reduce_emulated(world, xs, ws, path="one_shot", outs=_poisoned(xs, ws), config=cfg,
+                                   residuals=[res.clone() for _ in range(world_size)])
+    for r in range(world_size):
+        assert torch.equal(got[r], res + plain[r]), f"rank {r}"
+
+
+def test_split_k_flag_wait_gates_every_range():
+    # Rank 1 skipped its GEMM: rank 0's reducers must not pass (every tile waits for S x W words).
+    cfg = FusedConfig(GemmConfig(32, 32, 32, 8, 4, 1), num_sms=4, comm_rows=8, split_k=2)
+    world = _world(2, 4 << 20, 64)
+    xs, ws = _inputs(2, 7, 72, 96, torch.float32, seed=3)
+    out = poison_(torch.empty((7, 72)))
+    launch_gemm_all_reduce(xs[0], ws[0], world[0], out, path="one_shot", reduce=False, config=cfg)
+    launch_gemm_all_reduce(xs[0], ws[0], world[0], out, path="one_shot", gemm=False, config=cfg)
+    assert world[0].status() == 1
+
+
+def test_split_k_needs_separate_phases_in_the_interpreter():
+    cfg = FusedConfig(GemmConfig(32, 32, 32, 8, 4, 1), num_sms=4, comm_rows=8, split_k=2)
+    world = _world(1, 4 << 20, 64)
+    xs, ws = _inputs(1, 7, 72, 96, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="separate launches"):
+        launch_gemm_all_reduce(xs[0], ws[0], world[0], torch.empty((7, 72)), path="one_shot", config=cfg)
+    plan, why = fused_plan("two_shot", 64, 72, 96, torch.float32, world[0], config=cfg)
+    assert plan is None and "only on the one_shot path" in why
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_one_shot_pushes_only_the_real_rows(split):
+    # M = 5 rows in a 32-row tile: every peer's partial region must keep rows 5..31 untouched
+    # (poisoned), i.e. only real rows crossed "NVLink".
+    m, n, k, W = 5, 64, 96, 2
+    cfg = FusedConfig(GemmConfig(32, 32, 32, 8, 4, 1), num_sms=4, comm_rows=8, split_k=split)
+    world = _world(W, 4 << 20, 64)
+    xs, ws = _inputs(W, m, n, k, torch.float32, seed=split)
+    out = torch.empty((m, n))
+    launch_gemm_all_reduce(xs[0], ws[0], world[0], out, path="one_shot", reduce=False, config=cfg)
+    tiles = math.ceil(n / 32)
+    slot = gar.slot_bytes_of(world[0])  # launch epoch 1: slot 1
+    for q in range(W):
+        region = world.buffers[q][slot:].view(torch.float32)[: W * split * tiles * 32 * 32]
+        mine = region.view(W, split, tiles, 32, 32)[0]  # rank 0's partials in rank q's workspace
+        assert mine[:, :, :m].isfinite().all(), "a real row was not pushed"
+        assert mine[:, :, m:].isnan().all(), "a padding row was pushed"
+
+
+def test_decode_split_rule():
+    # Qwen3-32B's hidden 5120: 80 tiles of 64 columns -> 40 x 3 units of 128 columns; Llama's 8192 fills
+    # 128 SMs unsplit; larger steps, two-shot and the interpreter never split.
+    qwen = gar.default_config("one_shot", 1, 5120, 6400, torch.bfloat16, torch.bfloat16, 132, interpret=False)
+    assert (qwen.gemm.block_n, qwen.split_k) == (128, 3)
+    assert gar.default_config("one_shot", 8, 5120, 2048, torch.bfloat16, torch.bfloat16, 132,
+                              interpret=False).split_k == 3
+    for args in (("one_shot", 8, 8192, 7168), ("one_shot", 32, 5120, 6400), ("two_shot", 8, 5120, 6400)):
+        assert gar.default_config(*args, torch.bfloat16, torch.bfloat16, 132, interpret=False).split_k == 1, args
+    assert gar.default_config("one_shot", 1, 5120, 6400, torch.float16, torch.float16, 132,
+                              interpret=True).split_k == 1
+    assert FusedConfig.from_list(qwen.as_list()) == qwen
+    assert FusedConfig.from_list(qwen.as_list()[:8]).split_k == 1
 
 
 # ------------------------------------------------------------------------ residual epilogue
@@ -549,7 +644,8 @@ def test_property_over_shapes(m, n, k, world_size, dtype, path, schedule, kind, 
 
 # --------------------------------------------------------------------------- GPU (torchrun)
 
-GPU_SHAPES = [(8192, 2048), (8192, 7168)]  # (d_out, K_local): Llama-70B o and down shards at TP=4
+# (d_out, K_local): Llama-70B o and down shards at TP=4, Qwen3-32B down (decode splits K: 40 x 3 units)
+GPU_SHAPES = [(8192, 2048), (8192, 7168), (5120, 6400)]
 GPU_TOKENS = [1, 8, 64, 333, 2048]
 
 
@@ -580,17 +676,20 @@ def _gpu_operands(m, n, k, salt):
     return _gpu_x(m, k, salt), base.narrow(1, k, k)
 
 
-def _gpu_check(out, x, w, what) -> str | None:
+def _gpu_check(out, x, w, what, k_ranges=None) -> str | None:
     """None if `out` is right on this rank and identical on every rank, else a message.
 
     Reference: F.linear in fp32 + dist.all_reduce in fp32. Bound per element: u_bf16 (2^-8) for the
-    bf16 partials (sum_r |p_r|, all-reduced) and for the final rounding, + 2^-14 sum_r |x_r||w_r|^T for
-    fp32 accumulation-order differences (tensor cores vs cuBLAS), times 1.05.
+    bf16 partials (sum_r |p_r|, all-reduced; with split-K the sum over each K range's partial) and for
+    the final rounding, + 2^-14 sum_r |x_r||w_r|^T for fp32 accumulation-order differences (tensor
+    cores vs cuBLAS), times 1.05.
     """
     import torch.distributed as dist
 
     p = torch.nn.functional.linear(x.float(), w.float())
     ref, abs_p = p.clone(), p.abs()
+    if k_ranges is not None:
+        abs_p = sum(torch.nn.functional.linear(x[:, a:b].float(), w[:, a:b].float()).abs() for a, b in k_ranges)
     dist.all_reduce(ref)
     dist.all_reduce(abs_p)
     a = torch.nn.functional.linear(x.float().abs(), w.float().abs())
@@ -609,6 +708,14 @@ def _gpu_check(out, x, w, what) -> str | None:
                 f"{out.reshape(-1)[i].item()} want {ref.reshape(-1)[i].item()} "
                 f"allowed {allowed.reshape(-1)[i].item():.3g}")
     return None
+
+
+def _split_ranges(m: int, n: int, k: int, table) -> list[tuple[int, int]] | None:
+    """K ranges of the one-shot plan for [m, k] x [n, k] if it splits K, else None."""
+    plan, _ = fused_plan("one_shot", m, n, k, torch.bfloat16, table)
+    if plan is None or plan.config.split_k == 1:
+        return None
+    return _k_ranges(k, plan.config.gemm.block_k, plan.config.split_k)
 
 
 def _paths_for(m: int) -> list[str]:
@@ -642,7 +749,8 @@ def test_gpu_eager_matches_fp32_reference(gpu_world, gpu_workspace):
                     same = torch.equal(out, ref)
                     err = None if same else f"[{m},{n}] K={k} auto: unfused route != cuBLAS + all_reduce"
                 else:
-                    err = _gpu_check(out, x, w, f"[{m},{n}] K={k} {path}")
+                    ranges = _split_ranges(m, n, k, gpu_workspace.table) if path == "one_shot" else None
+                    err = _gpu_check(out, x, w, f"[{m},{n}] K={k} {path}", ranges)
                 if err:
                     errors.append(err)
         if errors:
@@ -679,10 +787,12 @@ def test_gpu_fp32_partials_and_chunked_prefill(gpu_world, gpu_workspace):
 def test_gpu_cuda_graph_replay(gpu_world, gpu_workspace):
     # Decode calls (one-shot) and a prefill call (two-shot) captured once, replayed with fresh
     # inputs: the device-side epoch advances per launch and every output is right every time.
-    n, k = 8192, 2048
-    cases = [(8, "one_shot"), (1, "auto"), (64, "one_shot"), (2048, "two_shot"), (8, "auto")]
+    # (rows, path, n, k); the 5120-wide ones take split-K (FusedConfig.split_k 3)
+    cases = [(8, "one_shot", 8192, 2048), (1, "auto", 8192, 2048), (64, "one_shot", 8192, 2048),
+             (2048, "two_shot", 8192, 2048), (8, "auto", 8192, 2048), (1, "one_shot", 5120, 6400),
+             (8, "auto", 5120, 2048)]
     xs, ws, outs = [], [], []
-    for i, (m, path) in enumerate(cases):
+    for i, (m, path, n, k) in enumerate(cases):
         x, w = _gpu_operands(m, n, k, salt=50 + i)
         xs.append(x)
         ws.append(w)
@@ -691,23 +801,24 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_workspace):
     launches = sum(
         len(fused_plan("two_shot" if p == "two_shot" else "one_shot", m, n, k, torch.bfloat16,
                        gpu_workspace.table)[0].chunks)
-        for m, p in cases
+        for m, p, n, k in cases
     )
     epoch0 = gpu_workspace.table.epoch()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for (_, path), x, w, out in zip(cases, xs, ws, outs, strict=True):
+        for (_, path, _, _), x, w, out in zip(cases, xs, ws, outs, strict=True):
             gemm_all_reduce(x, w, gpu_world, gpu_workspace, path=path, out=out)
     torch.cuda.synchronize()
     errors = []
     for rep in range(3):
-        for i, ((m, _), x) in enumerate(zip(cases, xs, strict=True)):
+        for i, ((m, _, _, k), x) in enumerate(zip(cases, xs, strict=True)):
             x.copy_(_gpu_x(m, k, salt=100 * (rep + 1) + i))
             poison_(outs[i])
         graph.replay()
         torch.cuda.synchronize()
-        for i, ((m, path), x, w, out) in enumerate(zip(cases, xs, ws, outs, strict=True)):
-            err = _gpu_check(out, x, w, f"replay {rep} call {i} [{m}] {path}")
+        for i, ((m, path, n, k), x, w, out) in enumerate(zip(cases, xs, ws, outs, strict=True)):
+            ranges = _split_ranges(m, n, k, gpu_workspace.table) if path != "two_shot" else None
+            err = _gpu_check(out, x, w, f"replay {rep} call {i} [{m}] {path}", ranges)
             if err:
                 errors.append(err)
         want = epoch0 + launches * (rep + 1)
