@@ -47,6 +47,10 @@ Usage (GPU machine, repo root):
 graph": the layer's SwiGLU -> down -> all-reduce -> + residual in a CUDA graph, stock (silu_mul +
 cuBLAS + torch one-shot + torch add) vs fused (silu_mul + our one-shot adding the residual in its
 reduce epilogue).
+--split-sweep (off by default) also times, for decode sizes <= 16 rows, the one-shot in a CUDA graph
+with explicit tilings and split-K factors (SPLIT_SWEEP; records "<shape> graph split-sweep", "sweep":
+true, speedup vs the same point's stock graph baseline): the data behind
+gemm_all_reduce.SPLIT_K_MAX_ROWS and _SPLIT_TILE.
 Without CUDA or outside torchrun it prints a message and exits 0.
 """
 
@@ -288,6 +292,55 @@ def bench_point(ctx: Context, name: str, n: int, k: int, tokens: int, ops: list[
     return records
 
 
+# (block_n, block_k, warps, stages, split_k): the unsplit decode tiling first, then split-K variants.
+SPLIT_SWEEP = ((64, 256, 4, 5, 1), (64, 128, 4, 5, 1), (128, 128, 4, 4, 2), (128, 128, 4, 4, 3),
+               (128, 128, 4, 4, 4), (128, 256, 4, 3, 3), (64, 128, 4, 5, 2), (32, 256, 4, 5, 4))
+SPLIT_SWEEP_MAX_ROWS = 16
+
+
+def bench_split_sweep(ctx: Context, name: str, n: int, k: int, tokens: int, ops, baseline: dict | None) -> list[dict]:
+    """The one-shot of one decode point in a CUDA graph per SPLIT_SWEEP tiling (max over ranks)."""
+    from fusedpar.kernels.gemm import GemmConfig
+
+    gar, group, ws = ctx.gar, ctx.group, ctx.ws
+    dtype = ops[0][0].dtype
+    rotating = [ops[i % len(ops)] for i in range(CALLS_DECODE)]
+    outs = [torch.empty((tokens, n), dtype=dtype, device="cuda") for _ in rotating]
+    bm = max(16, 1 << max(0, (tokens - 1).bit_length()))
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    records = []
+    for bn, bk, warps, stages, split in SPLIT_SWEEP:
+        cfg = gar.FusedConfig(GemmConfig(bm, bn, bk, 8, warps, stages), num_sms=sms,
+                              comm_rows=max(1, min(bm, 512 * warps // bn)), split_k=split)
+        plan, _ = gar.fused_plan("one_shot", tokens, n, k, dtype, ws.table, config=cfg)
+        if plan is None:  # a pure function of shapes: every rank skips alike
+            continue
+        try:
+            ms = ctx.timer.graph([
+                lambda x=x, w=w, o=o, c=cfg: gar.gemm_all_reduce(x, w, group, ws, path="one_shot", out=o, config=c)
+                for (x, w), o in zip(rotating, outs, strict=True)
+            ])
+        except Exception as exc:  # a tiling that does not compile here: report, keep the others
+            print(f"rank {ctx.rank}: {name} {tokens} split-sweep {cfg.as_list()} failed: {exc}"[:400])
+            torch.cuda.synchronize()
+            ms = float("inf")
+        worst = max_over_ranks(ms)
+        if worst == float("inf"):
+            continue
+        base_ms = baseline["baseline_ms"] if baseline else None
+        records.append({
+            **ctx.common, "case": f"{name} graph split-sweep", "tokens": tokens, "n": n, "k": k, "sweep": True,
+            "baseline": baseline["baseline"] if baseline else None, "baseline_ms": base_ms, "fused_ms": worst,
+            "speedup": base_ms / worst if base_ms else None, "path": "one_shot", "config": cfg.as_list(),
+            "units": plan.config.split_k * (-(-tokens // bm)) * (-(-n // bn)),
+        })
+        if ctx.rank == 0:
+            sp = f"{base_ms / worst:8.2f}" if base_ms else ""
+            print(f"{name:<15}{tokens:>7} split-sweep n{bn} k{bk} w{warps} s{stages} split{split}: "
+                  f"{worst:.4f} ms{sp}")
+    return records
+
+
 def bench_mlp_tail(ctx: Context, name: str, n: int, k: int, tokens: int, weights: list[torch.Tensor],
                    gen: torch.Generator) -> list[dict]:
     """The decode MLP tail of a layer, act = silu(gate) * up -> down GEMM -> all-reduce -> + residual,
@@ -361,6 +414,9 @@ def main() -> int:
     p.add_argument("--mlp-tail", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the decode MLP tail (SwiGLU -> down -> all-reduce -> + residual) for the down "
                         "shapes at decode sizes, stock vs fused (the residual in the one-shot's epilogue)")
+    p.add_argument("--split-sweep", action="store_true",
+                   help=f"also time the decode one-shot (<= {SPLIT_SWEEP_MAX_ROWS} rows) in a CUDA graph per "
+                        "tiling / split-K factor of SPLIT_SWEEP")
     p.add_argument("--out", default="perf/results/gemm_all_reduce.json")
     args = p.parse_args()
     if args.iters < 20:
@@ -426,7 +482,11 @@ def main() -> int:
         weights = [make_weight(n, k, dtype, gen) for _ in range(n_sets)]
         for tokens in tokens_list:
             xs = [torch.randn((tokens, k), generator=gen, device="cuda").to(dtype) for _ in range(n_sets)]
-            records += bench_point(ctx, name, n, k, tokens, list(zip(xs, weights, strict=True)))
+            point = bench_point(ctx, name, n, k, tokens, list(zip(xs, weights, strict=True)))
+            records += point
+            if args.split_sweep and tokens <= SPLIT_SWEEP_MAX_ROWS:
+                graph_rec = next((r for r in point if r["case"].endswith(" graph")), None)
+                records += bench_split_sweep(ctx, name, n, k, tokens, list(zip(xs, weights, strict=True)), graph_rec)
             del xs
             if args.mlp_tail and name.endswith(".down") and tokens <= DECODE_MAX:
                 records += bench_mlp_tail(ctx, name, n, k, tokens, weights, gen)
@@ -439,7 +499,8 @@ def main() -> int:
         # be set from: where each fused path loses to its baseline, and where the router itself does.
         for mode, path in (("eager", "one_shot"), ("graph", "one_shot"), ("eager", "two_shot")):
             lose = sorted({(r["case"].split()[0], r["tokens"]) for r in records
-                           if r["case"].endswith(mode) and r["path"] == path and r["speedup"] < 1.0})
+                           if r["case"].endswith(mode) and r["path"] == path and r["speedup"] < 1.0
+                           and not r.get("sweep")})
             print(f"{path} ({mode}) slower than its baseline at: {lose or 'nowhere'}")
         slow = [(r["case"], r["tokens"], round(r["routed_speedup"], 3)) for r in records
                 if r.get("routed_speedup") is not None and r["routed_speedup"] < 0.97]

@@ -538,18 +538,24 @@ def default_config(path: str, m: int, n: int, k: int, dtype: torch.dtype, partia
                        split_k=split)
 
 
-# One-shot split-K: decode steps of at most this many rows (each unit pushes its partial rows to
-# every rank, so the NVLink bytes grow with rows x split_k); 128-column tiles of 128-deep K steps,
-# 4 warps, 4 stages (the second-best decode tiling of the 128-column GEMM in gemm_tune.json);
-# every K range at least 2 steps long. fp32 inputs get fewer stages (shared memory).
-SPLIT_K_MAX_ROWS = 16
+# One-shot split-K, from `perf/bench_gemm_all_reduce.py --split-sweep` on 4x H200 (bf16, CUDA graph,
+# perf/results/gemm_all_reduce.json "split-sweep" records): Qwen3-32B down (N 5120, K 6400) 1 row
+# 0.0254 ms with 40 x 3 units of 128 columns vs 0.0272 unsplit (80 tiles of 64), 2 rows 0.0260 vs
+# 0.0270; from 4 rows on the unsplit tiling is as fast or faster (every unit pushes its partial
+# rows to every rank, and the reducer sums W x split partials), and splits that leave < 1024 K
+# per unit lose (Qwen o, K 2048: 3 ranges 0.0145 vs 0.0143 unsplit). Llama-70B (N 8192, 128
+# tiles) never gains. Tile: 128 columns, 128-deep K steps, 4 warps, 4 stages; fp32 inputs get
+# fewer stages (shared memory).
+SPLIT_K_MAX_ROWS = 2
+_SPLIT_MIN_K = 1024
 _SPLIT_TILE = (128, 128, 4, 4)  # block_n, block_k, warps, stages
 _SMEM_BYTES = 227 * 1024
 
 
 def _decode_split(n: int, k: int, elem: int, gcfg: GemmConfig, num_sms: int) -> tuple[GemmConfig, int]:
     """(tiling, split_k) that gives the most SMs a share of the weight: the unsplit tiling's
-    cdiv(n, block_n) units, or 128-column tiles x s K ranges (units <= num_sms); ties keep no split."""
+    cdiv(n, block_n) units, or 128-column tiles x s K ranges (units <= num_sms, >= _SPLIT_MIN_K of K
+    per range); ties keep no split."""
     best = (triton.cdiv(n, gcfg.block_n), gcfg, 1)
     bn, bk, warps, stages = _SPLIT_TILE
     bm = gcfg.block_m
@@ -559,7 +565,7 @@ def _decode_split(n: int, k: int, elem: int, gcfg: GemmConfig, num_sms: int) -> 
     wide = GemmConfig(bm, bn, bk, gcfg.group_m, warps, stages)
     for split in range(2, 17):
         units = triton.cdiv(n, bn) * split
-        if units > num_sms or triton.cdiv(k, bk) < 2 * split:
+        if units > num_sms or triton.cdiv(k, split) < _SPLIT_MIN_K:
             break
         if units > best[0]:
             best = (units, wide, split)

@@ -375,13 +375,15 @@ def test_one_shot_pushes_only_the_real_rows(split):
 
 
 def test_decode_split_rule():
-    # Qwen3-32B's hidden 5120: 80 tiles of 64 columns -> 40 x 3 units of 128 columns; Llama's 8192 fills
-    # 128 SMs unsplit; larger steps, two-shot and the interpreter never split.
+    # Qwen3-32B's down (hidden 5120, K 6400): 80 tiles of 64 columns -> 40 x 3 units of 128 columns
+    # at 1-2 rows; its o (K 2048) would get < 1024 of K per range at 3 and ties at 2; Llama's 8192
+    # fills 128 SMs unsplit; larger steps, two-shot and the interpreter never split.
     qwen = gar.default_config("one_shot", 1, 5120, 6400, torch.bfloat16, torch.bfloat16, 132, interpret=False)
     assert (qwen.gemm.block_n, qwen.split_k) == (128, 3)
-    assert gar.default_config("one_shot", 8, 5120, 2048, torch.bfloat16, torch.bfloat16, 132,
+    assert gar.default_config("one_shot", 2, 5120, 6400, torch.bfloat16, torch.bfloat16, 132,
                               interpret=False).split_k == 3
-    for args in (("one_shot", 8, 8192, 7168), ("one_shot", 32, 5120, 6400), ("two_shot", 8, 5120, 6400)):
+    for args in (("one_shot", 8, 8192, 7168), ("one_shot", 1, 8192, 7168), ("one_shot", 1, 5120, 2048),
+                 ("one_shot", 4, 5120, 6400), ("two_shot", 8, 5120, 6400)):
         assert gar.default_config(*args, torch.bfloat16, torch.bfloat16, 132, interpret=False).split_k == 1, args
     assert gar.default_config("one_shot", 1, 5120, 6400, torch.float16, torch.float16, 132,
                               interpret=True).split_k == 1
