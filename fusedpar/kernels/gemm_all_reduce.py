@@ -386,19 +386,22 @@ def _gemm_all_reduce_kernel(
                     tl.debug_barrier()
                     publish(signal_ptrs, (NUM_SMS + j) * WORLD + rank, epoch, peer_mask & (peers != rank))
                 j += nprog
-        elif SPLIT_K > 1:
-            # Tile t's K ranges came from programs (t SPLIT_K + s) % NUM_SMS of every rank; program p
-            # reduces tiles p, p + grid, ... (every program is resident: any assignment is safe).
+        else:
+            # Unsplit: program pid of every rank computed exactly this program's tiles (one wait).
+            # Split-K: tile t's K ranges came from programs (t SPLIT_K + s) % NUM_SMS of every rank
+            # (a wait per tile). Program p reduces tiles p, p + grid, ... (grid = NUM_SMS whenever
+            # there are more tiles than SMs, so unsplit tiles are still this program's own).
+            if USE_FLAGS and SPLIT_K == 1:
+                wait_flags(my_flags + pid * WORLD + peers, peer_mask, epoch, counters_ptr, SPIN_LIMIT)
             sw = tl.arange(0, SPLIT_WORLD_P2)
-            sw_mask = sw < SPLIT_K * WORLD
             t = pid
             while t < num_tiles:
-                if USE_FLAGS:
-                    wait_flags(my_flags + ((t * SPLIT_K + sw // WORLD) % NUM_SMS) * WORLD + sw % WORLD, sw_mask,
-                               epoch, counters_ptr, SPIN_LIMIT)
+                if USE_FLAGS and SPLIT_K > 1:
+                    wait_flags(my_flags + ((t * SPLIT_K + sw // WORLD) % NUM_SMS) * WORLD + sw % WORLD,
+                               sw < SPLIT_K * WORLD, epoch, counters_ptr, SPIN_LIMIT)
                 for r0 in range(0, BLOCK_M, COMM_ROWS):
                     acc = tl.zeros((COMM_ROWS, BLOCK_N), dtype=tl.float32)
-                    # Fixed order (rank, then K range) on every rank: identical bits everywhere.
+                    # Fixed order (rank 0..WORLD-1, then K range) on every rank: identical bits everywhere.
                     for q in tl.static_range(WORLD):
                         for ks in tl.static_range(SPLIT_K):
                             src = mine + ((q * SPLIT_K + ks) * num_tiles + t) * TILE
@@ -409,25 +412,6 @@ def _gemm_all_reduce_kernel(
                     _store_tile_rows(out_ptr, acc, t, r0, M, N, stride_om, stride_on, num_pid_in_group,
                                      num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS)
                 t += nprog
-        else:
-            if USE_FLAGS:
-                # Program pid of every rank computed exactly this program's tiles.
-                wait_flags(my_flags + pid * WORLD + peers, peer_mask, epoch, counters_ptr, SPIN_LIMIT)
-            t = pid
-            while t < num_tiles:
-                src = mine + t * TILE
-                for r0 in range(0, BLOCK_M, COMM_ROWS):
-                    acc = tl.zeros((COMM_ROWS, BLOCK_N), dtype=tl.float32)
-                    # Fixed rank order 0..WORLD-1 on every rank: identical bits everywhere.
-                    for q in tl.static_range(WORLD):
-                        acc += tl.load(src + q * num_tiles * TILE + r0 * BLOCK_N + offs_rows,
-                                       cache_modifier=".cg").to(tl.float32)
-                    if HAS_RESIDUAL:
-                        acc = _add_residual_rows(acc, res_ptr, t, r0, M, N, stride_rm, stride_rn, num_pid_in_group,
-                                                 num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS, odt)
-                    _store_tile_rows(out_ptr, acc, t, r0, M, N, stride_om, stride_on, num_pid_in_group,
-                                     num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, COMM_ROWS)
-                t += NUM_SMS
 
     # ---- phase C (two-shot): copy the tiles reduced by their owners into out ----------------------
     if DO_COPY and WORLD > 1:  # WORLD == 1 has no tile to copy (and WORLD - 1 would divide by 0)
