@@ -313,8 +313,11 @@ def test_sp2_tp2_on_four_ranks_matches_plain(models, tmp_path_factory):
 @needs_vllm
 def test_summary_logged_at_shutdown(models, tmp_path_factory):
     fp = _ok(_engine(models, tmp_path_factory, "llama", {"sequence_parallel_size": 2, "shift_threshold": 0}))
+    # on failure, show how the engine went down (vLLM's shutdown / kill lines)
+    teardown = "\n".join(line for line in fp["log"].splitlines()
+                         if any(w in line for w in ("shutdown", "kill", "leaked", "fusedpar rank")))
     for rank in (0, 1):
-        assert f"fusedpar rank {rank} (SP=2 x TP=1 <-> TP=2, threshold 0): base " in fp["log"]
+        assert f"fusedpar rank {rank} (SP=2 x TP=1 <-> TP=2, threshold 0): base " in fp["log"], teardown
 
 
 @needs_vllm
