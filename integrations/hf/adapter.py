@@ -472,7 +472,8 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
     shift_threshold: steps with at most this many real tokens run in shift mode (TP over all
         sp*tp ranks of a replica), larger ones in base mode (SP x TP). None: the core default
         (fusedpar.layers.DEFAULT_SHIFT_THRESHOLD); 0: always base; a huge number: always shift.
-    max_seq_len: optional per-sequence token limit (required, <= window, for sliding-window models).
+    max_seq_len: optional per-sequence token limit; a sliding-window model defaults to (and
+        accepts at most) its window, inside which windowed attention equals full attention.
     block_size: page size of the KV cache.
     fused: run the decoder on the fused kernels (see fused_decision; None = auto: CUDA + bf16/fp16
         + a model the core layer computes as is). fused_max_tokens sizes their symmetric

@@ -114,8 +114,11 @@ def rotary_tables(model) -> tuple[torch.Tensor, float]:
 def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = None) -> HFModelSpec:
     """Check that `model` can run sharded on `layout` and describe it; raise UnsupportedModelError.
 
-    max_seq_len: optional per-sequence token limit. A model with sliding-window attention is
-    only accepted with max_seq_len <= its window (then the window never cuts anything).
+    max_seq_len: optional per-sequence token limit. A model with sliding-window attention runs
+    sequences of up to its (smallest) window, where windowed attention equals full attention:
+    max_seq_len defaults to the window there, and a larger max_seq_len is rejected. The forward
+    raises (naming the window) before a sequence would grow past the limit, so nothing is
+    silently wrong; MistralConfig's default window (4096) thus needs no argument.
     """
     problems: list[str] = []
     config = getattr(model, "config", None)
@@ -212,12 +215,16 @@ def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = No
         problems.append("q/k/v bias on some layers only")
 
     sliding_window = min(windows) if windows else None
-    if sliding_window is not None and (max_seq_len is None or max_seq_len > sliding_window):
-        problems.append(
-            f"sliding window attention (sliding_window={sliding_window}): pass max_seq_len <= {sliding_window} "
-            "to parallelize to run with that per-sequence length limit (inside the window it equals full "
-            "attention), or use a config with sliding_window=None"
-        )
+    if sliding_window is not None:
+        if max_seq_len is None:
+            max_seq_len = sliding_window  # inside the window, windowed attention is full attention
+        elif max_seq_len > sliding_window:
+            problems.append(
+                f"sliding window attention (sliding_window={sliding_window}) with max_seq_len={max_seq_len}: "
+                f"fusedpar computes full attention, equal to the model's only up to {sliding_window} tokens "
+                f"per sequence; pass max_seq_len <= {sliding_window} (the default for this model) or use a "
+                "config with sliding_window=None"
+            )
 
     rope = _rope_params(config)
     rope_type = rope.get("rope_type", "default")

@@ -19,7 +19,9 @@ def make_config(family: str, **overrides):
         kw.update(rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     elif family == "mistral":
         cls = transformers.MistralConfig
-        kw.update(sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+        # transformers' default sliding_window (4096), as a user's MistralConfig() has it: runs with a
+        # per-sequence limit of 4096 tokens (spec.inspect_model)
+        kw.update(rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
     elif family == "qwen2":
         cls = transformers.Qwen2Config
         kw.update(rope_parameters={"rope_type": "default", "rope_theta": 1000.0})

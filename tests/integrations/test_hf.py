@@ -41,7 +41,7 @@ CASES_4 = [
          overrides=dict(num_attention_heads=8, num_key_value_heads=4)),
     dict(name="qwen2_bias_sp2tp2_mixed", family="qwen2", sp=2, tp=2, threshold=8, prompts=MIXED),
     dict(name="mistral_window_sp2_dp2", family="mistral", sp=2, tp=1, threshold=4, prompts=[[7, 5]],
-         overrides=dict(sliding_window=32), parallel_kwargs=dict(max_seq_len=32), too_long=33),
+         overrides=dict(sliding_window=32), too_long=33),  # limit 32 = the window, by default
 ]
 CASES_2 = [
     dict(name="llama_sp2_default_threshold", family="llama", sp=2, tp=1, threshold=None, prompts=MIXED),
@@ -202,8 +202,6 @@ LAYOUT4 = ParallelLayout(4, sp=2, tp=2)
 @pytest.mark.parametrize(
     ("family", "overrides", "match"),
     [
-        ("mistral", dict(sliding_window=16), r"sliding window attention \(sliding_window=16\)"),
-        ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "sliding window"),
         ("llama", dict(attention_bias=True), r"o_proj\.bias"),
         ("llama", dict(mlp_bias=True), "MLP bias"),
         ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
@@ -218,15 +216,23 @@ def test_unsupported_configs_rejected(family, overrides, match):
     _rejects(make_model(family, **overrides), LAYOUT4, match)
 
 
-def test_mistral_default_window_needs_max_seq_len():
-    """MistralConfig's default sliding_window=4096: rejected unless max_seq_len <= 4096 promises it never bites."""
+def test_sliding_window_limits_sequences_to_the_window():
+    """MistralConfig's default sliding_window=4096 is accepted with a per-sequence limit of 4096 tokens
+    (inside the window it equals full attention); a larger explicit max_seq_len is rejected. Qwen2's
+    per-layer windows: the smallest one is the limit."""
     from fusedpar.integrations.hf import inspect_model
 
-    model = make_model("mistral", sliding_window=4096)
-    _rejects(model, LAYOUT4, "pass max_seq_len <= 4096")
-    _rejects(model, LAYOUT4, "sliding window", max_seq_len=4097)
-    spec = inspect_model(model, LAYOUT4, max_seq_len=4096)
+    model = make_model("mistral")
+    assert model.config.sliding_window == 4096
+    spec = inspect_model(model, LAYOUT4)
     assert (spec.sliding_window, spec.max_seq_len) == (4096, 4096)
+    assert inspect_model(model, LAYOUT4, max_seq_len=100).max_seq_len == 100
+    _rejects(model, LAYOUT4, r"sliding window attention \(sliding_window=4096\) with max_seq_len=4097", max_seq_len=4097)
+    _rejects(make_model("mistral", sliding_window=16), LAYOUT4, r"pass max_seq_len <= 16", max_seq_len=17)
+    qwen2 = make_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert inspect_model(qwen2, LAYOUT4).max_seq_len == 8
+    _rejects(qwen2, LAYOUT4, "sliding window", max_seq_len=9)
+    assert inspect_model(make_model("mistral", sliding_window=None), LAYOUT4).max_seq_len is None
 
 
 def test_moe_and_other_architectures_rejected():
