@@ -101,6 +101,19 @@ def _add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: f
     return s, rms_norm(s, weight, eps)
 
 
+def _row_parallel_reference(a: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+    """sum over the group of a @ weight.T (each rank holds a K slice): the reference row-parallel GEMM.
+
+    Half-precision partials are computed, summed and rounded once in fp32 - the unsharded GEMM
+    also rounds its fp32 accumulator once - instead of rounding each rank's partial to half and
+    summing in half (P + 1 roundings, enough to flip near-tied greedy tokens against the
+    unsharded model). The fused kernels do the same (fp32 reduction, gemm_all_reduce).
+    """
+    if group.size == 1 or a.dtype not in (torch.float16, torch.bfloat16):
+        return all_reduce_sum(F.linear(a, weight), group)
+    return all_reduce_sum(F.linear(a.float(), weight.float()), group).to(a.dtype)
+
+
 class ShiftParallelDecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, weights: ShardedDecoderWeights, layer_idx: int):
         super().__init__()
@@ -198,11 +211,11 @@ class ShiftParallelDecoderLayer(nn.Module):
         if mode == "base":
             attn = F.pad(attn, (0, 0, 0, step.padded_tokens - step.num_tokens))  # pad rows stay zero
             attn = head_to_seq_all_to_all(attn, self.ctx.sp)  # [m, SP*q*hd]
-        x = x + all_reduce_sum(F.linear(attn, w["o"]), reduce_group)
+        x = x + _row_parallel_reference(attn, w["o"], reduce_group)
 
         h = rms_norm(x, self.w.replicated["post_norm"], self.cfg.rms_norm_eps)
         act = blocked_swiglu(F.linear(h, w["gate_up"]), self.act_block)
-        return x + all_reduce_sum(F.linear(act, w["down"]), reduce_group)
+        return x + _row_parallel_reference(act, w["down"], reduce_group)
 
     def _attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
         """qkv [n, (q+2kv)*hd] of the rank's heads for the n real tokens -> [n, q*hd].

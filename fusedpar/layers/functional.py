@@ -74,9 +74,11 @@ def causal_gqa_attention(
     """
     L_new, L_ctx = q.shape[0], k.shape[0]
     kh, vh = k[:, kv_index], v[:, kv_index]  # [L_ctx, Hq, d]
+    if q.dtype in (torch.float16, torch.bfloat16):
+        # fp32 scores and softmax state for half inputs (as SDPA's kernels keep them; rounding the
+        # scores to half first is a visible extra error); fp64 oracles stay fp64
+        q, kh = q.float(), kh.float()
     scores = torch.einsum("qhd,khd->hqk", q, kh)
-    if scores.dtype in (torch.float16, torch.bfloat16):
-        scores = scores.float()  # fp32 softmax state for half inputs; fp64 oracles stay fp64
     scores = scores * scale
     q_pos = torch.arange(L_ctx - L_new, L_ctx, device=q.device)[:, None]
     k_pos = torch.arange(L_ctx, device=q.device)[None, :]

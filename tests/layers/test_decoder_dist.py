@@ -123,3 +123,40 @@ def test_base_mode_pads_and_strips_13_tokens_at_sp4():
         assert (decode.tokens, decode.padded_tokens) == (1, 4)  # 3 of 4 SP ranks hold only padding
         assert max(first.rel_error, decode.rel_error) < REL_TOL[torch.float32]
         assert r.cache_lengths == {0: 14}
+
+
+def _row_parallel_half(rank, world, dtype, naive=False):
+    from fusedpar.collectives import ParallelContext
+    from fusedpar.collectives.comm import all_reduce_sum
+    from fusedpar.layers.decoder import _row_parallel_reference
+    from fusedpar.layouts import ParallelLayout
+
+    gen = torch.Generator().manual_seed(5)
+    m, k, n = 37, 96 * world, 53  # odd rows / columns
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    cols = slice(rank * k // world, (rank + 1) * k // world)
+    group = ParallelContext(ParallelLayout(world, sp=1, tp=world)).attention_group("shift")
+    a_s, w_s = a[:, cols].contiguous(), w[:, cols].contiguous()
+    y = all_reduce_sum(torch.nn.functional.linear(a_s, w_s), group) if naive else _row_parallel_reference(a_s, w_s, group)
+    return y, (a.float() @ w.float().T).to(dtype), a.float().abs() @ w.float().abs().T, k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_row_parallel_rounds_once_like_the_unsharded_gemm(dtype):
+    """Half-precision row-parallel partials are summed in fp32 and rounded once: the result is the
+    unsharded GEMM's rounding, up to one unit in the last place plus fp32 summation-order noise
+    (~sqrt(K) fp32 epsilons of sum |a_i w_i|: it matters only for results near zero), the same on
+    every rank - not P + 1 roundings that flip near-tied greedy tokens."""
+    per_rank = run_distributed(_row_parallel_half, 4, dtype)
+    y0, want, abs_sum, k = per_rank[0]
+    for y, *_ in per_rank[1:]:
+        assert torch.equal(y, y0)
+    fi = torch.finfo(dtype)  # spacing of half values near `want` (subnormals: the fixed smallest step)
+    ulp = fi.eps * want.float().abs().clamp_min(fi.smallest_normal)
+    tol = ulp + 4 * k ** 0.5 * torch.finfo(torch.float32).eps * abs_sum
+    off = (y0.float() - want.float()).abs() / tol
+    assert y0.dtype == dtype and off.max() <= 1.0, f"{off.max():.2f} x the tolerance off the unsharded rounding"
+    # the naive sum of half partials is measurably worse (the check above can fail)
+    naive = run_distributed(_row_parallel_half, 4, dtype, naive=True)[0][0]
+    assert ((naive.float() - want.float()).abs() / tol).max() > 1.0
