@@ -227,7 +227,8 @@ def test_sliding_window_limits_sequences_to_the_window():
     spec = inspect_model(model, LAYOUT4)
     assert (spec.sliding_window, spec.max_seq_len) == (4096, 4096)
     assert inspect_model(model, LAYOUT4, max_seq_len=100).max_seq_len == 100
-    _rejects(model, LAYOUT4, r"sliding window attention \(sliding_window=4096\) with max_seq_len=4097", max_seq_len=4097)
+    _rejects(model, LAYOUT4, r"sliding window attention \(sliding_window=4096\) with max_seq_len=4097",
+             max_seq_len=4097)
     _rejects(make_model("mistral", sliding_window=16), LAYOUT4, r"pass max_seq_len <= 16", max_seq_len=17)
     qwen2 = make_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
     assert inspect_model(qwen2, LAYOUT4).max_seq_len == 8

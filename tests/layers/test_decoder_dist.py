@@ -138,7 +138,10 @@ def _row_parallel_half(rank, world, dtype, naive=False):
     cols = slice(rank * k // world, (rank + 1) * k // world)
     group = ParallelContext(ParallelLayout(world, sp=1, tp=world)).attention_group("shift")
     a_s, w_s = a[:, cols].contiguous(), w[:, cols].contiguous()
-    y = all_reduce_sum(torch.nn.functional.linear(a_s, w_s), group) if naive else _row_parallel_reference(a_s, w_s, group)
+    if naive:  # each rank's partial rounded to half, summed in half
+        y = all_reduce_sum(torch.nn.functional.linear(a_s, w_s), group)
+    else:
+        y = _row_parallel_reference(a_s, w_s, group)
     return y, (a.float() @ w.float().T).to(dtype), a.float().abs() @ w.float().abs().T, k
 
 
