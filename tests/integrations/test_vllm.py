@@ -8,7 +8,7 @@ lengths (odd and even token counts; the second batch runs after the shift path w
 and reuses a prefix the first batch cached); the token ids must be identical and each worker's
 stats must show the modes that were expected. One more engine runs SP=2 x TP=2 on 4 ranks.
 Each engine runs in its own process (tests/integrations/vllm_engine.py); the file takes about
-8 minutes on 2 CPU cores.
+7 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
