@@ -24,7 +24,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per worker
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CI machines have few cores; no pinning
 # The engine core runs in this process (vLLM's in-process client), not in a child process of its
 # own. With a child, shutdown sends it SIGTERM and relies on its Python signal handler; now and
-# then (about 1 engine in 15 here, cold compile cache) that handler never ran, the client
+# then (1 of 17 engines here with a cold compile cache) that handler never ran, the client
 # force-killed the process tree after its timeout, and the workers died before their exit
 # handlers - fusedpar's summary line is one - could run (test_summary_logged_at_shutdown failed
 # in CI that way, with "force killing" and leaked shared_memory warnings in the log). In process,
