@@ -42,7 +42,9 @@ Kernels (three layers, DESIGN.md section 1: @triton.jit kernel -> launcher -> re
                          that slows the whole main loop; 0.51 vs 0.20 ms with 4 warps) cost
                          ~0.13 ms, far more than a q round trip through memory. Decode keeps the
                          in-kernel prologue (one token per program: tiny, and a round trip would
-                         only add traffic and work to a memory-bound step).
+                         only add traffic and work to a memory-bound step), and a pure decode
+                         launch of up to FUSED_WRITE_MAX_SEQS sequences has no write kernel at
+                         all (see WRITE_NEW_KV below).
     _attention_kernel    one program per (q tile, kv head, kv split). A q tile packs BLOCK_Q
                          tokens x G q heads of one kv head into its BLOCK_M rows (row r = token
                          r // G, head r % G), so one K/V tile load serves the whole GQA group:
@@ -52,6 +54,11 @@ Kernels (three layers, DESIGN.md section 1: @triton.jit kernel -> launcher -> re
                          transform to the cache dtype before the dot, so they agree bit for bit
                          in the interpreter; on a GPU the q RMSNorm sum may reduce in another
                          order in the two tile shapes, a rare one-unit difference in a q element).
+                         Decode (one token per sequence, write_kv, <= FUSED_WRITE_MAX_SEQS
+                         sequences): the program whose key range
+                         holds the new position stores the step's k (normed, roped) and v in
+                         the cache and attends to them from registers; the cached keys before
+                         it come from the cache as usual (one launch fewer per decode step).
                          K/V are gathered from the paged cache through the block table, in
                          BLOCK_N-key tiles: an unmasked loop over tiles wholly below the causal
                          diagonal, then a masked loop over the rest. Online softmax in base 2.
@@ -106,6 +113,12 @@ _LOG2E = 1.4426950408889634
 # CPU-test decode batches (a handful of sequences) and the combine path is exercised.
 _INTERPRETER_NUM_SMS = 16
 _MAX_SPLITS = 64
+# Decode batches of up to this many sequences write their new k/v inside the attention launch
+# (WRITE_NEW_KV). Measured on H200 (perf/bench_attention.py, 4096-token contexts, CUDA graphs; GPU
+# runs 24 -> 29): 1 seq 0.0171 -> 0.0147 ms, 8 seqs 0.0259 -> 0.0224 ms (one launch fewer), but
+# 16 seqs 0.0361 -> 0.0410 and 64 seqs 0.082 -> 0.099 ms: there the extra prologue in every program
+# costs more than the launch it saves. With this limit (run 36): 0.0145 / 0.0224 / 0.0367 / 0.0820.
+FUSED_WRITE_MAX_SEQS = 8
 # Score masks use -inf; the running max starts at this finite value instead, so a row that has
 # seen only masked keys keeps exp2(-inf - m) = 0 and alpha = exp2(m - m) = 1 (never inf - inf).
 _M_INIT = tl.constexpr(-1.0e38)
@@ -338,6 +351,39 @@ def _attend_tiles(
 
 
 @triton.jit
+def _write_and_attend_new_key(
+    acc, l_i, m_i, q, row_ptr, token, kvh, slots_ptr, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr,
+    stride_rope, k_norm_ptr, eps, k_cache_ptr, v_cache_ptr, stride_blk, stride_tok, stride_head, qk_scale,
+    NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr, HAS_K_NORM: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    """Decode with WRITE_NEW_KV: the step's own key and value for kv head `kvh` of packed token `token`
+    (row_ptr = its qkv row): k = rope(norm_k(K)) in the cache dtype and raw V are stored at the
+    token's slot (skipped for a negative slot) and attended from registers, one online-softmax
+    step with the roundings of _attend_tiles (score from the stored-dtype k; p rounded to V's
+    dtype for the PV product). No read-back of what was just stored, so no ordering question.
+    """
+    one = tl.arange(0, 1)
+    offs_d = tl.arange(0, HD)
+    c, s = _rope_cos_sin(one + token, one < 1, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, HD, ROPE)
+    k = _norm_rope(row_ptr + (NQ + kvh + one) * HD, one < 1, c, s, k_norm_ptr, eps, HD, HAS_K_NORM, ROPE)
+    k = k.to(k_cache_ptr.dtype.element_ty)  # [1, HD]
+    v = tl.load(row_ptr + (NQ + NKV + kvh + one)[:, None] * HD + offs_d[None, :]).to(v_cache_ptr.dtype.element_ty)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if slot >= 0:
+        dst = (slot // PAGE) * stride_blk + (slot % PAGE) * stride_tok + kvh * stride_head + offs_d[None, :]
+        tl.store(k_cache_ptr + dst + one[:, None] * 0, k)
+        tl.store(v_cache_ptr + dst + one[:, None] * 0, v)
+    score = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1)
+    m_new = tl.maximum(m_i, score * qk_scale)
+    p = tl.exp2(score * qk_scale - m_new)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attention_kernel(
     qkv_ptr,
     out_ptr,
@@ -354,6 +400,8 @@ def _attention_kernel(
     part_acc_ptr,
     part_m_ptr,
     part_l_ptr,
+    slots_ptr,  # WRITE_NEW_KV: the new tokens' cache slots
+    k_norm_ptr,  # WRITE_NEW_KV with HAS_K_NORM
     stride_qkv,
     stride_out,
     stride_blk,
@@ -379,6 +427,8 @@ def _attention_kernel(
     ROPE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WRITE_NEW_KV: tl.constexpr,  # ONE_TOKEN_PER_SEQ only: the launch's cache write happens here
+    HAS_K_NORM: tl.constexpr,
 ):
     """Program (tile, kv head j, split): BLOCK_Q tokens x the G q heads of kv head j.
 
@@ -388,6 +438,10 @@ def _attention_kernel(
     SPLIT: this program covers keys [split * split_len, (split + 1) * split_len) (the last split
     runs to the end whatever split_len says, so an underestimated bound stays correct) and writes
     unnormalised partials; otherwise it covers every key and writes the output rows.
+    WRITE_NEW_KV (decode, no write kernel): keys [0, ctx) come from the cache and the step's own key
+    (position ctx) from the qkv row: the program whose key range holds position ctx (one per
+    sequence and kv head) normalises/ropes it, stores it into the cache and attends to it from
+    registers (_write_and_attend_new_key). Saves the write kernel's launch in every decode step.
     """
     tile = num_tiles - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -429,9 +483,17 @@ def _attention_kernel(
     else:
         lo = 0
         hi = kv_hi
-    # Key tiles ending at or before the tile's first position + 1 are visible to every row.
-    diag = (ctx + q_local + 1) // BLOCK_N * BLOCK_N
-    mid = tl.maximum(lo, tl.minimum(hi, diag))
+    if WRITE_NEW_KV:
+        # Cached keys stop before the new one (position ctx, attended from registers below).
+        hi_cache = tl.minimum(hi, ctx)
+        kv_cached = ctx
+        diag = ctx // BLOCK_N * BLOCK_N
+    else:
+        hi_cache = hi
+        kv_cached = kv_len
+        # Key tiles ending at or before the tile's first position + 1 are visible to every row.
+        diag = (ctx + q_local + 1) // BLOCK_N * BLOCK_N
+    mid = tl.maximum(lo, tl.minimum(hi_cache, diag))
 
     m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -439,13 +501,21 @@ def _attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kvh * stride_head
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, lo, mid, p_row, kv_len,
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, lo, mid, p_row, kv_cached,
         stride_blk, stride_tok, qk_scale, HD, PAGE, BLOCK_N, False, DOT_PRECISION,
     )
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, mid, hi, p_row, kv_len,
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, mid, hi_cache, p_row, kv_cached,
         stride_blk, stride_tok, qk_scale, HD, PAGE, BLOCK_N, True, DOT_PRECISION,
     )
+    if WRITE_NEW_KV:  # noqa: SIM102 (a compile-time branch around a runtime one: Triton cannot `and` them)
+        if (lo <= ctx) & (ctx < hi):
+            acc, l_i, m_i = _write_and_attend_new_key(
+                acc, l_i, m_i, q, qkv_ptr + q_start.to(tl.int64) * stride_qkv, q_start, kvh, slots_ptr,
+                positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, k_norm_ptr, eps, k_cache_ptr,
+                v_cache_ptr, stride_blk, stride_tok, stride_head, qk_scale, NQ, NQ // G, HD, PAGE, HAS_K_NORM,
+                ROPE,
+            )
 
     if SPLIT:
         part = (split * num_tokens + token).to(tl.int64) * NQ + head
@@ -815,6 +885,8 @@ def _launch(
 
     q_norm_arg = q_norm if q_norm is not None else qkv
     prerotate = cfg.prerotate_q and (rope_mode != ROPE_NONE or q_norm is not None)
+    # Small decode batches: the attention programs write the new k/v themselves (one launch fewer).
+    fused_write = write_kv and one_token_per_seq and not prerotate and num_seqs <= FUSED_WRITE_MAX_SEQS
     if prerotate:
         # The attention kernel addresses q as q_src + token * stride + head * hd: a contiguous
         # [num_tokens, nq hd] scratch fits that as the qkv layout's q columns do.
@@ -829,26 +901,28 @@ def _launch(
 
     guard = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        if write_kv or prerotate:
+        if (write_kv and not fused_write) or prerotate:
             _write_kv_kernel[(num_tokens,)](
                 qkv, slots if write_kv else cu_seqlens_q, positions_arg, inv_freq, cos_arg, sin_arg,
                 q_norm_arg, k_norm if k_norm is not None else qkv, k_cache, v_cache, q_src,
                 qkv.stride(0), q_src.stride(0), blk_stride, tok_stride, head_stride, stride_rope, eps,
                 NQ=num_q_heads, NQ_P2=_next_pow2(num_q_heads), NKV=nkv, NKV_P2=_next_pow2(nkv), HD=hd, PAGE=page,
                 HAS_Q_NORM=q_norm is not None, HAS_K_NORM=k_norm is not None, ROPE=rope_mode,
-                WRITE_KV=write_kv, WRITE_Q=prerotate,
+                WRITE_KV=write_kv and not fused_write, WRITE_Q=prerotate,
                 num_warps=write_warps,
             )
         _attention_kernel[(num_tiles, nkv, splits)](
             q_src, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
             positions_arg, inv_freq, cos_arg, sin_arg, q_norm_arg,
             part_acc, part_m, part_l,
+            slots if fused_write else cu_seqlens_q, k_norm if k_norm is not None else qkv,
             q_src.stride(0), out.stride(0), blk_stride, tok_stride, head_stride, block_tables.stride(0), stride_rope,
             num_seqs, num_tokens, num_tiles, split_len, scale * _LOG2E, eps,
             NQ=num_q_heads, G=group, HD=hd, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_Q=block_q, ONE_TOKEN_PER_SEQ=one_token_per_seq, HAS_Q_NORM=attn_q_norm,
             ROPE=attn_rope, SPLIT=splits > 1,
             DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+            WRITE_NEW_KV=fused_write, HAS_K_NORM=k_norm is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:

@@ -374,6 +374,57 @@ def spies(monkeypatch):
     return write, attend
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize(("qk_norm", "rope", "splits"), [(True, "theta", 3), (False, "tables", 1), (True, None, 7)])
+def test_decode_writes_the_new_kv_inside_the_attention_launch(qk_norm, rope, splits, dtype, spies):
+    """Pure decode batch: no write kernel; the attention program whose key range holds the new position
+    stores the normed/roped k and raw v and attends to them from registers. Output and cache match the
+    oracle for 1, 3 (combine) and 7 (more splits than key tiles: empty splits) key ranges."""
+    if HAS_CUDA:
+        pytest.skip("explicit tilings are an interpreter check of the schedule")
+    write, attend = spies
+    seqs = [(1, 50), (1, 17), (1, 0), (1, 31)]  # context 0: the new key is the only key
+    r = Run(Case(seqs, 8, 2, 16, page=8, dtype=dtype, qk_norm=qk_norm, rope=rope, pad_rows=1, seed=splits))
+    out = r.launch(config=AttentionConfig(16, 16, 1, num_splits=splits))
+    r.check(out)
+    assert write.calls == [], "decode must not launch the write kernel"
+    assert attend.calls[-1]["WRITE_NEW_KV"] and attend.calls[-1]["HAS_K_NORM"] == qk_norm
+    # A prefill row in the batch (or write_kv=False) keeps the write kernel.
+    r2 = Run(Case([(1, 50), (3, 17)], 8, 2, 16, page=8, dtype=dtype, seed=1))
+    r2.check(r2.launch(config=AttentionConfig(16, 16, 4, num_splits=2)))
+    assert len(write.calls) == 1 and not attend.calls[-1]["WRITE_NEW_KV"]
+
+
+def test_decode_above_the_fused_write_limit_keeps_the_write_kernel(spies):
+    """More than FUSED_WRITE_MAX_SEQS decode sequences: the separate write kernel (measured faster there)."""
+    if HAS_CUDA:
+        pytest.skip("explicit tilings are an interpreter check of the schedule")
+    write, attend = spies
+    n = attention.FUSED_WRITE_MAX_SEQS
+    for seqs, fused in ((n, True), (n + 1, False)):
+        r = Run(Case([(1, 3 + 5 * i) for i in range(seqs)], 4, 2, 16, page=4, dtype=torch.float32, seed=seqs))
+        r.check(r.launch(config=AttentionConfig(16, 16, 1, num_splits=2)))
+        assert attend.calls[-1]["WRITE_NEW_KV"] is fused and (len(write.calls) == 1) is not fused
+        write.calls.clear()
+
+
+def test_decode_negative_slot_still_attends_to_its_own_key():
+    """slot < 0 (a CUDA-graph padding row): nothing is stored, but the row's output still uses its own
+    new key and value (from registers), so it equals the oracle rather than reading a stale slot."""
+    if HAS_CUDA:
+        pytest.skip("explicit tilings are an interpreter check of the schedule")
+    r = Run(Case([(1, 10), (1, 5), (1, 23)], 4, 2, 16, page=4, dtype=torch.float32, qk_norm=True, seed=16))
+    ref, _, _ = r.oracle()
+    slots = r.slots.clone()
+    skipped = int(slots[1])
+    slots[1] = -1
+    out = r.launch(slots=slots, config=AttentionConfig(16, 16, 1, num_splits=2))
+    n = r.c.num_tokens
+    assert_close(out[:n], ref[:n], dtype=r.c.dtype, name="decode with a negative slot", **out_tolerance(r.c.dtype))
+    flat_k, flat_before = r.k_cache.view(-1, 2, 16), r.k_before.view(-1, 2, 16)
+    assert torch.equal(_bits(flat_k[skipped]), _bits(flat_before[skipped]))
+
+
 def _prefill_config(group: int, prerotate: bool, **kw) -> AttentionConfig:
     """The interpreter's prefill tiling with prerotate_q set explicitly."""
     return AttentionConfig(32, 16, 32 // group, 4, 1, prerotate_q=prerotate, **kw)
@@ -830,16 +881,17 @@ def test_gpu_decode_64x4096_vs_sdpa(nq, nkv):
 @gpu
 def test_gpu_cuda_graph_replay_matches_eager():
     r = Run(Case([(1, 1000), (1, 37), (1, 2500)], 16, 2, 128, page=16, dtype=torch.bfloat16, qk_norm=True, seed=3))
+    assert torch.cuda.current_device() == DEVICE.index, "the capture stream must be on the tensors' GPU"
     eager = r.launch().clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
+    stream = torch.cuda.Stream(device=DEVICE)
+    stream.wait_stream(torch.cuda.current_stream(DEVICE))
     with torch.cuda.stream(stream):
         r.launch()  # warm-up on the side stream (compiles nothing new; caches inv_freq)
-    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.current_stream(DEVICE).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    r.out.fill_(float("nan"))
     with torch.cuda.graph(graph):
         r.launch(max_query_len=1, max_kv_len=4096)  # host bounds: no device sync inside the capture
+    r.out.fill_(float("nan"))  # after the capture: only the replay can write the output
     graph.replay()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(DEVICE)
     assert_close(r.out, eager, dtype=torch.bfloat16, **out_tolerance(torch.bfloat16))
