@@ -51,6 +51,20 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_for_numpy_2_4()
 
 
+def pytest_sessionstart(session):
+    """Under torchrun, make this process's GPU (LOCAL_RANK) the current CUDA device before any test runs.
+
+    Single-GPU tests put their tensors on cuda:LOCAL_RANK (fusedpar.testing.gpu.local_device); left at
+    cuda:0, streams and graph captures made without a device land on GPU 0 while the kernels run on the
+    tensors' GPU: a capture records nothing (an empty graph), and later launches can run with GPU 0's
+    context current ("Pointer argument cannot be accessed from Triton"). One process, one GPU.
+    """
+    from fusedpar.testing.gpu import launched_by_torchrun, local_device
+
+    if torch.cuda.is_available() and launched_by_torchrun():
+        torch.cuda.set_device(local_device())
+
+
 @pytest.fixture(scope="session")
 def nccl_world():
     """(rank, world_size) of an NCCL process group made from torchrun's environment; skips otherwise.
