@@ -103,6 +103,13 @@ class FusedKernels:
                                                           ranks=ctx.shift.ranks)
         torch.cuda.synchronize(ctx.device)
 
+    def spin_timeouts(self) -> list[str]:
+        """Names of the workspaces on which a bounded flag wait gave up (counters[STATUS] != 0: a peer
+        never published, so that launch's output is wrong). Host sync: tests and debugging only."""
+        named = {"qkv_all_to_all": self.qkv_ws, "all_to_all_o_proj": self.o_ws, "tp_all_reduce": self.tp_allreduce_ws,
+                 **{f"gemm_all_reduce[{mode}]": ws for mode, ws in self.gemm_ar_ws.items()}}
+        return [name for name, ws in named.items() if ws is not None and ws.table.status() != 0]
+
     # ---- the stages ------------------------------------------------------------------------
     def qkv(self, h: torch.Tensor, w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, d] -> qkv of this rank's heads for every token of the step: [n(_pad), blk].

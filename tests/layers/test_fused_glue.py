@@ -87,3 +87,20 @@ def test_fused_layer_path_matches_oracle(extra):
             assert rec["rel_error"] < REL_TOL, f"rank {r['rank']} step {i} ({rec['mode']}): {rec['rel_error']:.3g}"
         assert r["cache_rel_error"] < REL_TOL
         assert r["cache_rows_written"] == 2 * sum(q for s in STEPS for _, q in s.seqs)
+
+
+def test_spin_timeouts_names_the_workspaces_whose_wait_gave_up():
+    """FusedKernels.spin_timeouts reads every workspace's STATUS counter (a bounded flag wait that gave up)."""
+    from types import SimpleNamespace
+
+    from fusedpar.layers.fused import FusedKernels
+
+    def ws(status):
+        return SimpleNamespace(table=SimpleNamespace(status=lambda: status))
+
+    fk = FusedKernels.__new__(FusedKernels)  # the state only: building one needs CUDA symmetric memory
+    fk.qkv_ws, fk.o_ws, fk.tp_allreduce_ws = ws(0), ws(1), None
+    fk.gemm_ar_ws = {"base": None, "shift": ws(1)}
+    assert fk.spin_timeouts() == ["all_to_all_o_proj", "gemm_all_reduce[shift]"]
+    fk.o_ws, fk.gemm_ar_ws = ws(0), {"base": ws(0), "shift": None}
+    assert fk.spin_timeouts() == []

@@ -143,6 +143,8 @@ def _gpu_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_reduce="n
             ke, ve = eager_cache.gather(li, sid)
             if kg.shape[0] != n or rel_error(kg, ke) > REL_TOL[dtype] or rel_error(vg, ve) > REL_TOL[dtype]:
                 errors.append(f"cache layer {li} seq {sid}: graph and eager caches differ")
+    if stack.fused.spin_timeouts():
+        errors.append(f"rank {rank}: a flag wait timed out on {stack.fused.spin_timeouts()}")
     return errors
 
 
