@@ -151,7 +151,8 @@ def bench_point(ctx: Context, name: str, n: int, k: int, tokens: int, ops: list[
     n_sets = len(ops)
     decode = tokens <= DECODE_MAX
     fused_path = "one_shot" if decode else "two_shot"
-    routed_path = gar.choose_path(tokens, n, k, dtype, ctx.world, ws.table)
+    # What path="auto" takes in an eager call (no capture): decode sizes stay off the one-shot there.
+    routed_path = gar.auto_path(tokens, n, k, dtype, ctx.world, ws.table, ops[0][0].device)
     plan, why = gar.fused_plan(fused_path, tokens, n, k, dtype, ws.table)
     # Decode: CALLS calls per sample over rotating operand sets. Above: one call per sample, the
     # operand set rotating from sample to sample.

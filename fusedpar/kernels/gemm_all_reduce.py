@@ -1065,14 +1065,15 @@ def gemm_all_reduce(
         raise ValueError(f"gemm_all_reduce: path must be one of {PATHS}, got {path!r}")
     if x.dim() < 1 or w.dim() != 2:
         raise ValueError(f"gemm_all_reduce: x must be [..., K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
+    flat = x.dim() == 2  # the common case: no reshapes (each costs host time in an eager decode step)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if flat else x.reshape(-1, x.shape[-1])
     _check_shapes_only(x2, w)
     res2 = None
     if residual is not None:
         if tuple(residual.shape) != (*lead, w.shape[0]):
             raise ValueError(f"gemm_all_reduce: residual must be {(*lead, w.shape[0])}, got {tuple(residual.shape)}")
-        res2 = residual.reshape(-1, w.shape[0])
+        res2 = residual if flat else residual.reshape(-1, w.shape[0])
     out2 = None
     if out is not None:
         if tuple(out.shape) != (*lead, w.shape[0]):
@@ -1110,7 +1111,7 @@ def gemm_all_reduce(
         if result is not out2:
             out2.copy_(result)
         return out
-    return result.reshape(*lead, w.shape[0])
+    return result if flat else result.reshape(*lead, w.shape[0])
 
 
 # ---- CPU emulation ------------------------------------------------------------------------------

@@ -575,6 +575,26 @@ def test_fallback_is_cublas_plus_nccl(monkeypatch):
     assert len(calls) == 3
 
 
+def test_leading_dims_flatten_and_come_back(monkeypatch):
+    """x [..., K] (and residual / out [..., N]) behave as the flattened rows: the 2-D fast path and the
+    reshaping path give the same numbers, on the fallback and on the fused one-shot."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: t.mul_(2.0))
+    xs, ws = _inputs(1, 6, 72, 40, torch.float32, seed=21)
+    res = torch.randn((6, 72), generator=torch.Generator().manual_seed(22))
+    flat = gemm_all_reduce(xs[0], ws[0], SimpleNamespace(size=2, pg=None), residual=res)
+    got = gemm_all_reduce(xs[0].view(2, 3, 40), ws[0], SimpleNamespace(size=2, pg=None), residual=res.view(2, 3, 72))
+    assert got.shape == (2, 3, 72) and torch.equal(got.reshape(6, 72), flat)
+    out = poison_(torch.empty((2, 3, 72)))
+    assert gemm_all_reduce(xs[0].view(2, 3, 40), ws[0], SimpleNamespace(size=2, pg=None), out=out) is out
+    assert torch.equal(out.reshape(6, 72), 2.0 * torch.nn.functional.linear(xs[0], ws[0]))
+    t1 = _world(1)[0]  # a one-rank table: the fused one-shot in one launch
+    one = gemm_all_reduce(xs[0], ws[0], None, t1, path="one_shot")
+    three = gemm_all_reduce(xs[0].view(3, 2, 40), ws[0], None, t1, path="one_shot")
+    assert three.shape == (3, 2, 72) and torch.equal(three.reshape(6, 72), one)
+
+
 def test_argument_errors():
     t2 = _world(2)[0]
     x, w = torch.ones(4, 8, dtype=torch.float16), torch.ones(6, 8, dtype=torch.float16)
