@@ -20,6 +20,10 @@ compares fused shift with the faster plain-TP graph (the best stock decode, DESI
 "decode replay" record times the graph replay alone (inputs staged once: the layer's GPU time,
 which a 64-layer model pays per layer, while the host staging is paid once per step). Each fused mode's
 output is checked against plain SP / plain TP on the same input (max relative difference).
+Prefill sizes are also timed as the decoder layer alone (layer_time_ms: the step planned once, then
+only layer(x, step, cache) per sample; records case "<model> prefill layer"): what each layer of a
+deep model costs, without the per-step planning, metadata upload and base-mode output all-gather
+that the "eager" step records charge to this one-layer stack.
 Records: bench layer_base / layer_shift (speedup vs plain TP) and layer_shift_policy (vs the
 better of plain TP and plain SP), plus the plain modes' times; roofline_pct against
 max(GEMM FLOPs at the cuBLAS TFLOP/s, weight-shard bytes at the HBM bandwidth) measured here.
@@ -82,6 +86,28 @@ def step_time_ms(fn, iters: int, warmup: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return _bench.max_over_ranks(statistics.median(times))
+
+
+def layer_time_ms(stack, cache, x: torch.Tensor, n: int, mode: str | None, iters: int, warmup: int) -> float:
+    """Eager time of the decoder layer alone for a prefill of n tokens: the step is planned once
+    (cache slots, attention metadata upload, base-mode row slice) and every sample runs only
+    layer(x, step, cache), rewriting the same cache slots. A model pays this per layer; the
+    stack's per-step work (planning, host->device metadata copies, the base-mode all-gather of
+    the output) once per step, whatever its depth, so the step records (case "... eager")
+    charge a one-layer stack all of it."""
+    import torch.nn.functional as F
+
+    from fusedpar.layers import StepBatch
+
+    sid = -1 - n  # a sequence id of its own, freed below
+    step = stack.plan(StepBatch((sid,), (n,), (0,)), cache, mode)
+    if step.mode == "base":
+        rows = step.padded_tokens // stack.ctx.sp.size
+        x = F.pad(x, (0, 0, 0, step.padded_tokens - n)).narrow(0, stack.ctx.sp.rank * rows, rows).contiguous()
+    layer = stack.layers[0]
+    ms = step_time_ms(lambda i: layer(x, step, cache), iters, warmup)
+    cache.free(sid)
+    return ms
 
 
 def main() -> int:
@@ -191,6 +217,8 @@ def main() -> int:
             if n <= 64:
                 for s in ids:
                     cache.free(s)
+            elif label != "fused policy":  # the decoder layer alone, on a step planned once
+                results[n][f"{label} layer"] = layer_time_ms(stack, cache, x, n, mode, args.iters, args.warmup)
         if n > 64:  # fused vs plain on the same input (prefill: fresh cache state, comparable)
             for label, ref in (("fused base", "plain SP"), ("fused shift", "plain TP"), ("fused policy", "plain SP")):
                 d = (outs[label] - outs[ref]).abs().max() / outs[ref].abs().max()
@@ -211,6 +239,15 @@ def main() -> int:
                 ("layer_shift_policy", "fused policy", "better of plain TP and plain SP", best_plain, "eager"),
                 ("layer_plain_sp", "plain SP", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"], "eager"),
             ]
+            if "plain TP layer" in r:  # prefill: the layer alone (layer_time_ms)
+                runs_here += [
+                    ("layer_base", "fused base layer", "plain TP layer (cuBLAS + NCCL, Triton attention)",
+                     r["plain TP layer"], "layer"),
+                    ("layer_shift", "fused shift layer", "plain TP layer (cuBLAS + NCCL, Triton attention)",
+                     r["plain TP layer"], "layer"),
+                    ("layer_plain_sp", "plain SP layer", "plain TP layer (cuBLAS + NCCL, Triton attention)",
+                     r["plain TP layer"], "layer"),
+                ]
             for kind in ("graph", "replay"):
                 stock = [r[k] for k in (f"plain TP {kind}", f"plain TP {kind} symm_mem") if k in r]
                 if f"fused shift {kind}" in r and stock:

@@ -20,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench
@@ -46,6 +47,13 @@ def main() -> int:
     p.add_argument("--prefill", type=int, default=4096)
     p.add_argument("--decode", type=int, default=8)
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--layer-only", action="store_true",
+                   help="prefill: profile the decoder layer alone on a step planned once (bench_layer.layer_time_ms), "
+                        "without the stack's per-step planning, metadata upload and output all-gather")
+    p.add_argument("--aligned", action="store_true",
+                   help="with --layer-only: synchronize and barrier the ranks before every profiled layer call, so a "
+                        "fused kernel's time is its own work, not the wait for a late peer (the barrier's small NCCL "
+                        "kernel appears in the table)")
     p.add_argument("--out", default="perf/results/profile_layer.txt")
     args = p.parse_args()
     if not _bench.torchrun_available():
@@ -103,7 +111,26 @@ def main() -> int:
             stack(x_pre, StepBatch((s,), (args.prefill,), (0,)), cache, mode=mode)
             cache.free(s)
 
-        report(f"{label} {args.prefill} tokens", prefill)
+        if args.layer_only:
+            step = stack.plan(StepBatch((next(sid),), (args.prefill,), (0,)), cache, mode)
+            x = x_pre
+            if step.mode == "base":
+                rows = step.padded_tokens // stack.ctx.sp.size
+                x = F.pad(x_pre, (0, 0, 0, step.padded_tokens - args.prefill)).narrow(
+                    0, stack.ctx.sp.rank * rows, rows).contiguous()
+
+            def layer_step(i, layer=stack.layers[0], x=x, step=step, cache=cache):
+                if args.aligned:
+                    torch.cuda.synchronize()
+                    torch.distributed.barrier()
+                layer(x, step, cache)
+
+            report(f"{label} {args.prefill} tokens (layer only{', aligned' if args.aligned else ''})", layer_step)
+        else:
+            report(f"{label} {args.prefill} tokens", prefill)
+        timeouts = stack.fused.spin_timeouts()
+        if timeouts:  # a bounded flag wait gave up: that run's output (and timing) is not trustworthy
+            print(f"rank {rank}: {label}: flag waits timed out on {timeouts}", flush=True)
         del stack, cache
     n = args.decode
     x_dec = torch.randn((n, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
