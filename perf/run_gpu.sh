@@ -6,7 +6,8 @@
 # perf/bench_layer.py / perf/bench_attention.py / perf/bench_gemm_all_reduce.py / perf/profile_layer.py (e.g.
 # MODEL_ARGS="--layers 4" for a smoke run); MODEL_TIMEOUT / LAYER_TIMEOUT / ATTN_TIMEOUT / GAR_TIMEOUT /
 # PROFILE_TIMEOUT / TEST_TIMEOUT their limits; TEST_PATHS narrows the GPU tests; TORCHRUN_ARGS adds torchrun
-# options (per-rank logs: TORCHRUN_ARGS="--log-dir $OUT/ranks --tee 3").
+# options (per-rank logs: TORCHRUN_ARGS="--log-dir /tmp/ranks --tee 3", then copy the logs you need into $OUT:
+# the device tool brings back files at most two folders below it).
 # A device call lasts at most 600 s: "all" does not fit one call; pass a subset per call, e.g.
 #   bash perf/run_gpu.sh tests attention gemm_all_reduce
 #   bash perf/run_gpu.sh qkv_all_to_all all_to_all_o_proj gemm one_shot
@@ -32,7 +33,7 @@ LOG="$RES/gpu_run.log"
 ITEMS=("$@")
 [ ${#ITEMS[@]} -eq 0 ] && ITEMS=(tests hf gemm one_shot gemm_all_reduce attention qkv_all_to_all all_to_all_o_proj layer model demo)
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-TRUN=(torchrun --standalone --nproc-per-node "$NGPU" ${TORCHRUN_ARGS:-})  # e.g. "--log-dir $OUT/ranks --tee 3"
+TRUN=(torchrun --standalone --nproc-per-node "$NGPU" ${TORCHRUN_ARGS:-})
 status=0
 
 run() {  # run CMD..., logging the command and its output; remember failures
