@@ -95,15 +95,11 @@ def layer_time_ms(stack, cache, x: torch.Tensor, n: int, mode: str | None, iters
     stack's per-step work (planning, host->device metadata copies, the base-mode all-gather of
     the output) once per step, whatever its depth, so the step records (case "... eager")
     charge a one-layer stack all of it."""
-    import torch.nn.functional as F
-
     from fusedpar.layers import StepBatch
 
     sid = -1 - n  # a sequence id of its own, freed below
     step = stack.plan(StepBatch((sid,), (n,), (0,)), cache, mode)
-    if step.mode == "base":
-        rows = step.padded_tokens // stack.ctx.sp.size
-        x = F.pad(x, (0, 0, 0, step.padded_tokens - n)).narrow(0, stack.ctx.sp.rank * rows, rows).contiguous()
+    x = stack.layer_input(x, step)
     layer = stack.layers[0]
     ms = step_time_ms(lambda i: layer(x, step, cache), iters, warmup)
     cache.free(sid)

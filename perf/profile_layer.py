@@ -20,7 +20,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench
@@ -113,11 +112,7 @@ def main() -> int:
 
         if args.layer_only:
             step = stack.plan(StepBatch((next(sid),), (args.prefill,), (0,)), cache, mode)
-            x = x_pre
-            if step.mode == "base":
-                rows = step.padded_tokens // stack.ctx.sp.size
-                x = F.pad(x_pre, (0, 0, 0, step.padded_tokens - args.prefill)).narrow(
-                    0, stack.ctx.sp.rank * rows, rows).contiguous()
+            x = stack.layer_input(x_pre, step)
 
             def layer_step(i, layer=stack.layers[0], x=x, step=step, cache=cache):
                 if args.aligned:

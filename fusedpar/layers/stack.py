@@ -92,6 +92,14 @@ class ShiftParallelStack(nn.Module):
                 tables = rope_tables(self.cfg, positions)
         return StepState(mode, batch, padded, positions, slots, metadata, tables)
 
+    def layer_input(self, hidden: torch.Tensor, step: StepState) -> torch.Tensor:
+        """What the first layer takes from the step's hidden states [n, d]: in base mode this SP rank's
+        rows of the step padded to padded_tokens (a view of a padded copy), in shift mode all rows."""
+        if step.mode != "base":
+            return hidden
+        rows = step.padded_tokens // self.ctx.sp.size
+        return F.pad(hidden, (0, 0, 0, step.padded_tokens - step.num_tokens)).narrow(0, self.ctx.sp.rank * rows, rows)
+
     def forward(self, hidden: torch.Tensor, batch: StepBatch, cache: PagedKVCache,
                 mode: str | None = None) -> torch.Tensor:
         n = batch.num_tokens
@@ -105,11 +113,7 @@ class ShiftParallelStack(nn.Module):
             return graphs.run(hidden, batch).clone()  # the graph's output buffer is reused by the next replay
         step = self.plan(batch, cache, mode)
         self.steps[step.mode] += 1
-        if step.mode == "base":
-            rows = step.padded_tokens // self.ctx.sp.size
-            x = F.pad(hidden, (0, 0, 0, step.padded_tokens - n)).narrow(0, self.ctx.sp.rank * rows, rows)
-        else:
-            x = hidden
+        x = self.layer_input(hidden, step)
         for layer in self.layers:
             x = layer(x, step, cache)
         if step.mode == "base":
