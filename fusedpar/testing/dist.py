@@ -29,6 +29,10 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=120))
         out = fn(rank, world_size, *args, **kwargs)
+        # gloo's connectFullMesh for a new_group can finish on one rank while its peer is still mid-handshake;
+        # a rank that returned and destroyed its groups then makes the peer fail with "Connection closed by
+        # peer" (seen once in CI on test_shape_errors_name_the_numbers). Leave only when every rank is done.
+        dist.barrier()
         results.put((rank, "ok", out))
     except BaseException:  # report anything, including KeyboardInterrupt, to the parent
         results.put((rank, "error", traceback.format_exc()))
