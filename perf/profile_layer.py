@@ -2,12 +2,17 @@
 
     torchrun --nproc-per-node 4 perf/profile_layer.py [--model qwen32b] [--prefill 4096] [--decode 8]
                                                       [--context 4096] [--out perf/results/profile_layer.txt]
+                                                      [--layer-only [--aligned] [--qkv-timeline]]
 
 Profiles (rank 0's kernels, 5 steps each after warm-up): fused base prefill of --prefill tokens
 (one sequence), plain TP prefill (cuBLAS + NCCL) of the same, and the CUDA-graph replay of a
 --decode-sequence shift decode step, fused and stock (cuBLAS + torch symm_mem one-shot). Writes
 the per-kernel tables (total / count / mean GPU us, share of the step) and, per run, the sum of
 kernel time vs the wall time of the step (the gap is launch latency and idle time).
+With --layer-only, also per rank and per prefill run: the host time to launch one layer call vs
+its GPU time (a layer whose launches take longer than its kernels leaves the GPU idle and turns
+host jitter into rank skew), and with --qkv-timeline the fused qkv kernel's own phases from
+%globaltimer stamps (READY wait = waiting for the latest peer to enter, GEMM, DONE wait).
 A diagnosis tool: nothing here is a benchmark record.
 """
 
@@ -53,8 +58,13 @@ def main() -> int:
                    help="with --layer-only: synchronize and barrier the ranks before every profiled layer call, so a "
                         "fused kernel's time is its own work, not the wait for a late peer (the barrier's small NCCL "
                         "kernel appears in the table)")
+    p.add_argument("--qkv-timeline", action="store_true",
+                   help="with --layer-only: stamp the fused qkv kernel's phases (fusedpar.kernels.ulysses."
+                        "qkv_timeline_summary) over the profiled steps and print each rank's medians")
     p.add_argument("--out", default="perf/results/profile_layer.txt")
     args = p.parse_args()
+    if args.qkv_timeline and not args.layer_only:
+        p.error("--qkv-timeline needs --layer-only (it times the layer's own qkv launch)")
     if not _bench.torchrun_available():
         print("profile_layer: needs CUDA GPUs and a torchrun launch; nothing to do")
         return 0
@@ -98,6 +108,54 @@ def main() -> int:
                 out_lines.append(f"  {us:8.1f} us  {100 * us / total:5.1f}%  x{n:<3d} {name}")
             print("\n".join(out_lines[-min(len(rows), 25) - 1:]), flush=True)
 
+    def layer_diagnostics(stack, layer_call) -> None:
+        """Per rank: host launch time vs GPU time of one layer call; fused qkv phases (--qkv-timeline)."""
+        import statistics
+
+        from fusedpar.kernels.ulysses import qkv_timeline_summary
+
+        timed = args.qkv_timeline and stack.fused is not None and stack.fused.qkv_ws is not None
+        if timed:
+            num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            stack.fused.qkv_timeline = torch.full((num_sms, 4), -1, dtype=torch.int64, device=dev)
+        layer_call()  # warm-up: the timed qkv is its own Triton specialization (TIMELINE=True), compiled here
+        host, gpu, phases = [], [], []
+        for _ in range(steps):
+            if timed:
+                stack.fused.qkv_timeline.fill_(-1)
+            torch.cuda.synchronize()
+            if args.aligned:
+                torch.distributed.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            layer_call()
+            host.append((time.perf_counter() - t0) * 1e6)
+            end.record()
+            torch.cuda.synchronize()
+            gpu.append(start.elapsed_time(end) * 1e3)
+            if timed:
+                phases.append(qkv_timeline_summary(stack.fused.qkv_timeline))
+        if timed:
+            stack.fused.qkv_timeline = None
+        mine = {"host_us": statistics.median(host), "gpu_us": statistics.median(gpu)}
+        if phases:
+            mine.update({k: statistics.median(p[k] for p in phases) for k in phases[0]})
+        per_rank = [None] * world
+        torch.distributed.all_gather_object(per_rank, mine)
+        if rank == 0:
+            out_lines.append(f"   per rank, median of {steps} layer calls (host: launching the call; gpu: events "
+                             f"around it{'; qkv: fused kernel phases' if phases else ''}):")
+            for r, d in enumerate(per_rank):
+                line = f"     rank {r}: host {d['host_us']:7.0f} us  gpu {d['gpu_us']:7.0f} us"
+                if "total_us" in d:
+                    line += (f"  | qkv {d['total_us']:6.0f} us: enter spread {d['enter_spread_us']:5.1f}, READY wait "
+                             f"{d['ready_wait_median_us']:6.1f} (max {d['ready_wait_max_us']:6.1f}), GEMM "
+                             f"{d['gemm_median_us']:6.1f} (max {d['gemm_max_us']:6.1f}), DONE wait "
+                             f"{d['done_wait_us']:6.1f}")
+                out_lines.append(line)
+            print("\n".join(out_lines[-world - 1:]), flush=True)
+
     x_pre = torch.randn((args.prefill, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
     sid = iter(range(10**9))
     for label, sp, tp, fuse, mode in (("fused base prefill", world, 1, True, "base"),
@@ -120,7 +178,9 @@ def main() -> int:
                     torch.distributed.barrier()
                 layer(x, step, cache)
 
-            report(f"{label} {args.prefill} tokens (layer only{', aligned' if args.aligned else ''})", layer_step)
+            what = f"{label} {args.prefill} tokens (layer only{', aligned' if args.aligned else ''})"
+            report(what, layer_step)
+            layer_diagnostics(stack, lambda layer=stack.layers[0], x=x, step=step, cache=cache: layer(x, step, cache))
         else:
             report(f"{label} {args.prefill} tokens", prefill)
         timeouts = stack.fused.spin_timeouts()

@@ -93,6 +93,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 from triton.runtime.jit import JITFunction
 
 from fusedpar.collectives.symmetric import NUM_COUNTERS, EmulatedWorld, PeerTable, as_peer_table
@@ -126,6 +127,7 @@ __all__ = [
     "qkv_all_to_all_emulated",
     "qkv_all_to_all_wait",
     "qkv_recv_view",
+    "qkv_timeline_summary",
     "qkv_workspace_bytes",
     "use_fused",
 ]
@@ -156,6 +158,15 @@ _DONE_ROW = tl.constexpr(1)
 COUNTER_TILE = NUM_COUNTERS - 1
 _TILE = tl.constexpr(COUNTER_TILE)
 
+# qkv timeline (a diagnostic, GPU only): per program, %globaltimer ns at these points.
+QKV_TIMELINE_POINTS = ("enter", "ready", "gemm", "exit")
+
+
+@triton.jit
+def _stamp(timeline_ptr, pid, POINT: tl.constexpr, TIMELINE: tl.constexpr):
+    if TIMELINE:
+        tl.store(timeline_ptr + pid * 4 + POINT, globaltimer())
+
 
 # ============================================================================ qkv_all_to_all
 
@@ -167,6 +178,7 @@ def _qkv_all_to_all_kernel(
     buffer_ptrs,  # int64 [WORLD]: every rank's receive buffer ([WORLD*M, BLK] of x's dtype at offset 0)
     signal_ptrs,  # int64 [WORLD]: every rank's flag words
     counters_ptr,  # int64 local: EPOCH, RETIRED, STATUS
+    timeline_ptr,  # int64 [programs, 4] (QKV_TIMELINE_POINTS), only with TIMELINE
     rank,
     M,
     BLK,
@@ -190,6 +202,7 @@ def _qkv_all_to_all_kernel(
     WAIT: tl.constexpr,
     USE_FLAGS: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
+    TIMELINE: tl.constexpr,
 ):
     """GEMM x @ w^T with tile (rows r, block g, cols c) stored into rank g's buffer at [rank*M + r, c].
 
@@ -201,6 +214,7 @@ def _qkv_all_to_all_kernel(
     """
     pid = tl.program_id(axis=0)
     nprog = tl.num_programs(axis=0)
+    _stamp(timeline_ptr, pid, 0, TIMELINE)
     peers = tl.arange(0, WORLD_P2)
     others = (peers < WORLD) & (peers != rank)
     my_flags = flags_of(signal_ptrs, rank)
@@ -214,6 +228,7 @@ def _qkv_all_to_all_kernel(
         if USE_FLAGS:
             # Peers' buffers are free for this launch once they entered it (module docstring).
             wait_flags(my_flags + _READY_ROW * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
+        _stamp(timeline_ptr, pid, 1, TIMELINE)
 
         dtype = x_ptr.dtype.element_ty
         # Every rank's buffer address, loaded once: the epilogue picks its owner's with integer
@@ -263,6 +278,7 @@ def _qkv_all_to_all_kernel(
             c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < BLK)
             tl.store(c_ptrs, accumulator.to(dtype), mask=c_mask)
 
+        _stamp(timeline_ptr, pid, 2, TIMELINE)
         last = retire_system(counters_ptr, epoch, nprog)
         if USE_FLAGS:
             publish(signal_ptrs, _DONE_ROW * WORLD + rank, epoch, tl.where(last, others, False))  # last program only
@@ -273,6 +289,7 @@ def _qkv_all_to_all_kernel(
         # tl.where, not `others & do_wait`: Triton 3.9's interpreter gives a [P] & scalar mask int32 data
         wait_flags(my_flags + _DONE_ROW * WORLD + peers, tl.where(do_wait, others, False), epoch, counters_ptr,
                    SPIN_LIMIT)
+    _stamp(timeline_ptr, pid, 3, TIMELINE)
 
 
 # ========================================================================= all_to_all_o_proj
@@ -556,14 +573,16 @@ def launch_qkv_all_to_all(
     use_flags: bool = True,
     spin_limit: int | None = None,
     config: GemmConfig | None = None,
+    timeline: torch.Tensor | None = None,
 ):
     """Launch the qkv kernel as `table.rank`: all phases (GPU) or some of them (CPU emulation).
 
     Phases: send_ready (publish READY e), produce (wait READY, GEMM + peer stores, retire, DONE),
     wait (wait DONE). A wait-only launch (send_ready=produce=False) waits for the epoch the last
     produce advanced to. use_flags=False skips all flag traffic: only correct when something else
-    orders the ranks (the phased emulation). Returns Triton's compiled kernel (None if nothing ran
-    or interpreting). Raw launcher, no op registration: callers want qkv_all_to_all().
+    orders the ranks (the phased emulation). timeline: see qkv_all_to_all. Returns Triton's
+    compiled kernel (None if nothing ran or interpreting). Raw launcher, no op registration:
+    callers want qkv_all_to_all().
     """
     table = as_peer_table(table)
     _check_device("qkv_all_to_all", x, table.device)
@@ -580,6 +599,10 @@ def launch_qkv_all_to_all(
         grid = max(1, min(num_sms, tiles))
     else:
         grid = 1
+    if timeline is not None:
+        if not produce:
+            raise ValueError("launch_qkv_all_to_all: a timeline times the produce phase; this launch has none")
+        _check_timeline(timeline, grid, x.device)
     with device_guard(x.device):
         return _qkv_all_to_all_kernel[(grid,)](
             x,
@@ -587,6 +610,7 @@ def launch_qkv_all_to_all(
             table.buffer_ptrs,
             table.signal_ptrs,
             table.counters,
+            table.counters if timeline is None else timeline,
             table.rank,
             m,
             blk,
@@ -610,9 +634,52 @@ def launch_qkv_all_to_all(
             WAIT=wait,
             USE_FLAGS=use_flags,
             SPIN_LIMIT=_spin_limit(spin_limit),
+            TIMELINE=timeline is not None,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
+
+
+def _check_timeline(timeline: torch.Tensor, programs: int, device: torch.device) -> None:
+    if timeline.dtype != torch.int64 or timeline.device != device or not timeline.is_contiguous():
+        raise ValueError(f"qkv_all_to_all: timeline must be a contiguous int64 tensor on {device}, got "
+                         f"{timeline.dtype} on {timeline.device} (contiguous={timeline.is_contiguous()})")
+    if timeline.numel() < programs * len(QKV_TIMELINE_POINTS):
+        raise ValueError(f"qkv_all_to_all: timeline has {timeline.numel()} elements; this launch has {programs} "
+                         f"programs x {len(QKV_TIMELINE_POINTS)} points (size it [#SMs, 4])")
+    if _INTERPRETED:
+        raise ValueError("qkv_all_to_all: timeline reads the GPU's %globaltimer; the interpreter has none")
+
+
+def qkv_timeline_summary(timeline: torch.Tensor) -> dict[str, float]:
+    """Phase times (us) of one timed qkv launch from its [programs, 4] timeline (QKV_TIMELINE_POINTS).
+
+    Rows still holding a negative poison value (programs that did not run) are dropped.
+    enter_spread: last - first program start (block scheduling, SMs still busy with the previous
+    kernel). ready_wait: per program, READY wait = ready - enter (median and max): how long the
+    launch idled for the latest peer to enter it (rank skew). gemm: per program ready -> gemm
+    (median, max): its tiles, remote stores included. done_wait: the waiter's gemm -> exit, max
+    over programs (the completion wait for the slowest peer's tiles). total: first enter -> last exit.
+    All from one GPU's clock, so no cross-GPU clock comparison is involved.
+    """
+    t = timeline.reshape(-1, len(QKV_TIMELINE_POINTS)).to("cpu", torch.int64)
+    t = t[(t >= 0).all(dim=1)]
+    if t.shape[0] == 0:
+        raise ValueError("qkv_timeline_summary: no program wrote the timeline (plain path taken, or not launched)")
+    if bool((t.diff(dim=1) < 0).any()):
+        raise ValueError("qkv_timeline_summary: a program's points are out of order (not one launch's timeline?)")
+    us = t.double() / 1e3
+    enter, ready, gemm, exit_ = us.unbind(dim=1)
+    return {
+        "programs": float(t.shape[0]),
+        "enter_spread_us": float(enter.max() - enter.min()),
+        "ready_wait_median_us": float((ready - enter).median()),
+        "ready_wait_max_us": float((ready - enter).max()),
+        "gemm_median_us": float((gemm - ready).median()),
+        "gemm_max_us": float((gemm - ready).max()),
+        "done_wait_us": float((exit_ - gemm).max()),
+        "total_us": float(exit_.max() - enter.min()),
+    }
 
 
 # ---------------------------------------------------------------------------- o_proj launcher
@@ -930,6 +997,7 @@ def _launch_wait(signal_ptrs, counters, rank, world_size, *, use_flags, spin_lim
             signal_ptrs,  # buffer_ptrs unused
             signal_ptrs,
             counters,
+            counters,  # timeline unused
             rank,
             1,
             1,
@@ -953,6 +1021,7 @@ def _launch_wait(signal_ptrs, counters, rank, world_size, *, use_flags, spin_lim
             WAIT=True,
             USE_FLAGS=use_flags,
             SPIN_LIMIT=_spin_limit(spin_limit),
+            TIMELINE=False,
             num_warps=1,
         )
 
@@ -988,6 +1057,7 @@ def qkv_all_to_all(
     wait: bool = True,
     use_flags: bool = True,
     config: GemmConfig | None = None,
+    timeline: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """recv [W*m, blk] = seq_to_head_all_to_all(F.linear(x, w_qkv), sp_group), one fused kernel.
 
@@ -999,6 +1069,9 @@ def qkv_all_to_all(
     fused: None picks by size (QKV_FUSED_TOKEN_RANGES; same choice on every rank); True / False force.
     wait: False returns right after the producing phase; call qkv_all_to_all_wait(peers) before
         reading the result.
+    timeline: a diagnostic (GPU, eager fused path): an int64 [#SMs, 4] tensor that receives each
+        program's %globaltimer ns at QKV_TIMELINE_POINTS; read it with qkv_timeline_summary. It
+        tells rank skew (READY wait) from GEMM time in a real step. Left untouched by the plain path.
     Returns (fused, eager) the receive buffer view: fixed address, valid until the next call on
     the same workspace; under torch.compile a copy of it (registered op); plain path: a new tensor.
     Collective: every rank of the SP group calls it with the same shapes, in the same order.
@@ -1029,10 +1102,12 @@ def qkv_all_to_all(
     if m == 0:
         return qkv_recv_view(table, 0, blk, x.dtype)
     if torch.compiler.is_compiling():
+        if timeline is not None:
+            raise ValueError("qkv_all_to_all: timeline is an eager diagnostic, not supported under torch.compile")
         return torch.ops.fusedpar.qkv_all_to_all(
             x, w_qkv, *_table_args(table), *_table_meta(table), use_flags, list(_gemm_meta(config))
         )
-    launch_qkv_all_to_all(x, w_qkv, table, wait=wait, use_flags=use_flags, config=config)
+    launch_qkv_all_to_all(x, w_qkv, table, wait=wait, use_flags=use_flags, config=config, timeline=timeline)
     return qkv_recv_view(table, m, blk, x.dtype)
 
 

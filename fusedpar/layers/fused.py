@@ -69,6 +69,9 @@ class FusedKernels:
         self.qkv_ws = self.o_ws = self.tp_allreduce_ws = None
         self.gemm_ar_ws: dict[str, object | None] = {"base": None, "shift": None}
         self.fuse_comm = fuse_comm
+        # Diagnostic (perf/profile_layer.py --qkv-timeline): an int64 [#SMs, 4] tensor that the fused
+        # qkv launch stamps with its phase times (fusedpar.kernels.ulysses.qkv_timeline_summary).
+        self.qkv_timeline: torch.Tensor | None = None
         self._stock_one_shot = None  # (buffer [2, rows * d], group name): torch's one-shot baseline
         self._stock_calls = 0
         if plain_all_reduce not in ("nccl", "symm_mem"):
@@ -123,7 +126,7 @@ class FusedKernels:
             from fusedpar.kernels.ulysses import qkv_all_to_all
 
             if self.qkv_ws is not None:
-                out = qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp)
+                out = qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp, timeline=self.qkv_timeline)
             else:
                 out = seq_to_head_all_to_all(F.linear(h, w), self.ctx.sp)
             return out if bias is None else out + bias

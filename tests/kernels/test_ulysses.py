@@ -592,6 +592,41 @@ def test_argument_errors():
         u.check_status(t2)
 
 
+def test_timeline_argument_errors():
+    t2 = EmulatedWorld(2, 4096)[0]
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    with pytest.raises(ValueError, match="int64"):
+        qkv_all_to_all(x, w, t2, fused=True, timeline=torch.zeros(64, 4))
+    with pytest.raises(ValueError, match=r"has 4 elements; this launch has \d+ programs x 4 points"):
+        qkv_all_to_all(x, w, t2, fused=True, timeline=torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="times the produce phase"):
+        launch_qkv_all_to_all(x, w, t2, send_ready=False, produce=False, wait=True,
+                              timeline=torch.zeros(64, 4, dtype=torch.int64))
+    assert u._INTERPRETED  # CPU tests run on the interpreter (tests/conftest.py)
+    with pytest.raises(ValueError, match="globaltimer"):
+        qkv_all_to_all(x, w, t2, fused=True, timeline=torch.zeros(64, 4, dtype=torch.int64))
+    assert t2.epoch() == 0  # rejected before any launch
+
+
+def test_timeline_summary_phases():
+    # Three programs that ran (ns), one row still poisoned (-1: a program that never ran).
+    rows = [
+        [1_000, 51_000, 251_000, 252_000],   # waited 50 us for READY, 200 us of tiles
+        [3_000, 51_000, 241_000, 400_000],   # the waiter: 159 us for the slowest peer's DONE
+        [2_000, 52_000, 262_000, 263_000],
+        [-1, -1, -1, -1],
+    ]
+    got = u.qkv_timeline_summary(torch.tensor(rows, dtype=torch.int64))
+    want = {"programs": 3.0, "enter_spread_us": 2.0, "ready_wait_median_us": 50.0, "ready_wait_max_us": 50.0,
+            "gemm_median_us": 200.0, "gemm_max_us": 210.0, "done_wait_us": 159.0, "total_us": 399.0}
+    assert got == pytest.approx(want)
+    assert u.qkv_timeline_summary(torch.tensor(rows).flatten())["programs"] == 3.0  # flat [P * 4] works too
+    with pytest.raises(ValueError, match="no program wrote"):
+        u.qkv_timeline_summary(torch.full((5, 4), -1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="out of order"):
+        u.qkv_timeline_summary(torch.tensor([[5, 4, 6, 7]]))
+
+
 def test_empty_step():
     t = EmulatedWorld(2, 1024)[0]
     v = qkv_all_to_all(torch.empty(0, 8), torch.randn(6, 8), t, fused=True)
@@ -697,6 +732,36 @@ def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m):
     rel = ((got.float() - plain.float()).abs().max() / plain.float().abs().max()).item()
     if rel > 2e-2:
         errors.append(f"qkv m={m}: rel diff {rel:.3g} vs the plain bf16 path")
+    err = _status_err(gpu_ws)
+    if err:
+        errors.append(err)
+    assert all_ranks_ok(not errors), "\n".join(errors)
+
+
+@pytest.mark.gpu
+def test_gpu_qkv_timeline_stamps_every_program_and_keeps_the_result(gpu_world, gpu_ws):
+    errors = []
+    m = 1024
+    x, w = _gpu_qkv_operands(gpu_ws, m, salt=4242)
+    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    timeline = torch.full((num_sms + 8, 4), -1, dtype=torch.int64, device=x.device)  # 8 rows no program owns
+    gpu_ws.qkv.table.buffer.fill_(0xFF)
+    got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, timeline=timeline)
+    torch.cuda.synchronize()
+    err = _qkv_err(got.clone(), x, w, gpu_ws, "qkv with timeline vs fp64")
+    if err:
+        errors.append(err)
+    written = (timeline >= 0).all(dim=1)
+    if not bool((written | (timeline == -1).all(dim=1)).all()):
+        errors.append("a program wrote only some of its timeline points")
+    if not bool(written[:num_sms].all()) or bool(written[num_sms:].any()):
+        errors.append(f"programs that stamped: {written.nonzero().flatten().tolist()}, want 0..{num_sms - 1}")
+    try:
+        s = u.qkv_timeline_summary(timeline)
+        if s["programs"] != num_sms or not 0 < s["gemm_median_us"] <= s["total_us"] < 1e6:
+            errors.append(f"implausible timeline summary {s}")
+    except ValueError as e:
+        errors.append(str(e))
     err = _status_err(gpu_ws)
     if err:
         errors.append(err)

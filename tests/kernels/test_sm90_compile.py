@@ -1,0 +1,64 @@
+"""The GPU build of a kernel, checked without a GPU: compile it for sm_90 (PTX, then cubin by the
+ptxas that ships with Triton) in a subprocess that does not interpret.
+
+CPU tests run every kernel on the Triton interpreter, which never builds the GPU code: a path
+that exists only on the GPU (bf16 tl.dot, inline PTX such as the qkv timeline's %globaltimer)
+would first fail on a lent GPU machine. This catches build errors there, not numerics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+_COMPILE = textwrap.dedent(
+    """
+    import json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fusedpar.kernels import ulysses
+
+    spec = json.loads(sys.argv[1])
+    fn = ulysses._qkv_all_to_all_kernel
+    names = list(fn.arg_names)
+    consts = spec["constexprs"]
+    missing = [n for n in names if n not in consts and n not in spec["types"]]
+    assert not missing, f"no type given for {missing}"
+    sig = {n: "constexpr" if n in consts else spec["types"][n] for n in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+    print(json.dumps({"ptx_globaltimer": k.asm["ptx"].count("%globaltimer"), "cubin_bytes": len(k.asm["cubin"])}))
+    """
+)
+
+_QKV_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "buffer_ptrs": "*i64", "signal_ptrs": "*i64",
+              "counters_ptr": "*i64", "timeline_ptr": "*i64", "rank": "i32", "M": "i32", "BLK": "i32", "K": "i32",
+              "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32"}
+
+
+def _qkv_constexprs(timeline: bool) -> dict:
+    return {"WORLD": 4, "WORLD_P2": 4, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_SMS": 132,
+            "EVEN_K": True, "INPUT_PRECISION": "tf32", "EPOCH_AHEAD": 1, "SEND_READY": True, "PRODUCE": True,
+            "WAIT": True, "USE_FLAGS": True, "SPIN_LIMIT": 1 << 24, "TIMELINE": timeline}
+
+
+@pytest.mark.parametrize("timeline", [False, True])
+def test_qkv_kernel_builds_for_sm90_in_bf16(tmp_path, timeline):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh build, not a cached one
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    spec = {"types": _QKV_TYPES, "constexprs": _qkv_constexprs(timeline)}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(spec)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["cubin_bytes"] > 10_000, got
+    # The timeline reads the clock at its four points; without it the build has no clock read at all.
+    assert got["ptx_globaltimer"] == (4 if timeline else 0), got
