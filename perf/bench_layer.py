@@ -23,7 +23,10 @@ output is checked against plain SP / plain TP on the same input (max relative di
 Prefill sizes are also timed as the decoder layer alone (layer_time_ms: the step planned once, then
 only layer(x, step, cache) per sample; records case "<model> prefill layer"): what each layer of a
 deep model costs, without the per-step planning, metadata upload and base-mode output all-gather
-that the "eager" step records charge to this one-layer stack.
+that the "eager" step records charge to this one-layer stack. One call after a barrier still
+carries the slowest rank's host launch of the layer's first kernels (the first collective waits
+for it); case "<model> prefill layer pipelined" times 8 calls back to back per sample (per call),
+as the layers of a deep model run with the host ahead of the GPU.
 Records: bench layer_base / layer_shift (speedup vs plain TP) and layer_shift_policy (vs the
 better of plain TP and plain SP), plus the plain modes' times; roofline_pct against
 max(GEMM FLOPs at the cuBLAS TFLOP/s, weight-shard bytes at the HBM bandwidth) measured here.
@@ -70,6 +73,9 @@ def full_weights(cfg, device, dtype, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+PIPELINED_CALLS = 8  # layer calls per sample of the "layer pipelined" records
+
+
 def step_time_ms(fn, iters: int, warmup: int) -> float:
     import torch.distributed as dist
 
@@ -88,22 +94,35 @@ def step_time_ms(fn, iters: int, warmup: int) -> float:
     return _bench.max_over_ranks(statistics.median(times))
 
 
-def layer_time_ms(stack, cache, x: torch.Tensor, n: int, mode: str | None, iters: int, warmup: int) -> float:
+def layer_time_ms(stack, cache, x: torch.Tensor, n: int, mode: str | None, iters: int, warmup: int,
+                  pipelined_calls: int = PIPELINED_CALLS) -> tuple[float, float]:
     """Eager time of the decoder layer alone for a prefill of n tokens: the step is planned once
     (cache slots, attention metadata upload, base-mode row slice) and every sample runs only
     layer(x, step, cache), rewriting the same cache slots. A model pays this per layer; the
     stack's per-step work (planning, host->device metadata copies, the base-mode all-gather of
     the output) once per step, whatever its depth, so the step records (case "... eager")
-    charge a one-layer stack all of it."""
+    charge a one-layer stack all of it.
+
+    Returns (one call, pipelined): one call starts on an idle GPU after a barrier, so the slowest
+    rank's host launch of the layer's first kernels is in it (every rank waits for it at the
+    first collective); pipelined = `pipelined_calls` calls back to back in one sample, per call,
+    which is how the layers of a deep model run (the host launches ahead of the GPU whenever a
+    layer's launch cost is below its GPU time, so that skew is paid once per step, not per layer)."""
     from fusedpar.layers import StepBatch
 
     sid = -1 - n  # a sequence id of its own, freed below
     step = stack.plan(StepBatch((sid,), (n,), (0,)), cache, mode)
     x = stack.layer_input(x, step)
     layer = stack.layers[0]
-    ms = step_time_ms(lambda i: layer(x, step, cache), iters, warmup)
+    one = step_time_ms(lambda i: layer(x, step, cache), iters, warmup)
+
+    def calls(i):
+        for _ in range(pipelined_calls):
+            layer(x, step, cache)
+
+    pipelined = step_time_ms(calls, iters, 1) / pipelined_calls
     cache.free(sid)
-    return ms
+    return one, pipelined
 
 
 def main() -> int:
@@ -214,7 +233,8 @@ def main() -> int:
                 for s in ids:
                     cache.free(s)
             elif label != "fused policy":  # the decoder layer alone, on a step planned once
-                results[n][f"{label} layer"] = layer_time_ms(stack, cache, x, n, mode, args.iters, args.warmup)
+                results[n][f"{label} layer"], results[n][f"{label} layer pipelined"] = layer_time_ms(
+                    stack, cache, x, n, mode, args.iters, args.warmup)
         if n > 64:  # fused vs plain on the same input (prefill: fresh cache state, comparable)
             for label, ref in (("fused base", "plain SP"), ("fused shift", "plain TP"), ("fused policy", "plain SP")):
                 d = (outs[label] - outs[ref]).abs().max() / outs[ref].abs().max()
@@ -243,6 +263,15 @@ def main() -> int:
                      r["plain TP layer"], "layer"),
                     ("layer_plain_sp", "plain SP layer", "plain TP layer (cuBLAS + NCCL, Triton attention)",
                      r["plain TP layer"], "layer"),
+                ]
+                pipe = f"plain TP layer pipelined ({PIPELINED_CALLS} calls back to back, per call)"
+                runs_here += [
+                    ("layer_base", "fused base layer pipelined", pipe, r["plain TP layer pipelined"],
+                     "layer pipelined"),
+                    ("layer_shift", "fused shift layer pipelined", pipe, r["plain TP layer pipelined"],
+                     "layer pipelined"),
+                    ("layer_plain_sp", "plain SP layer pipelined", pipe, r["plain TP layer pipelined"],
+                     "layer pipelined"),
                 ]
             for kind in ("graph", "replay"):
                 stock = [r[k] for k in (f"plain TP {kind}", f"plain TP {kind} symm_mem") if k in r]

@@ -6,6 +6,8 @@ eager and as a CUDA graph of 10 calls:
     nccl       torch.distributed.all_reduce (in place)
     symm_mem   torch.ops.symm_mem.one_shot_all_reduce on a symmetric input (if this torch has it)
     fusedpar   fusedpar one_shot_all_reduce (copies x into the workspace, out of place)
+    routed     fusedpar all_reduce(x, group, workspace, inplace=True): the library's router (one-shot
+               inside a graph up to DEFAULT_ONE_SHOT_MAX_BYTES, NCCL otherwise and always eager)
 
 Protocol (DESIGN.md section 9): warm-up first (Triton compilation, NCCL/graph setup); every
 sample is a stream-ordered device barrier, a CUDA event, 10 calls (or one replay of a 10-call
@@ -28,7 +30,8 @@ Records (rank 0 writes --out, a JSON list): one per size and mode ("graph": our 
 best stock graph path, the decode-relevant comparison; "eager": our eager vs the best stock
 eager path), with the keys bench, case, tokens (rows of hidden 8192 bf16 = bytes / 16384),
 world, gpu, baseline, baseline_ms, fused_ms, speedup, roofline_pct, torch, triton, date,
-command, plus bytes and paths_ms (every path's time).
+command, plus bytes, paths_ms (every path's time) and routed_ms / routed_vs_nccl (the router's time
+and NCCL's time over it, same mode: the "never below 0.97x of the plain path" check).
 
 Usage (GPU machine, repo root):
     torchrun --nproc-per-node 4 perf/bench_one_shot_all_reduce.py [--sizes 16K,64K,1M] [--iters 30]
@@ -58,7 +61,8 @@ DEFAULT_SIZES = "16K,32K,64K,128K,256K,512K,1M,2M,4M,8M,16M"
 TINY_BYTES = 16  # message for t_fixed
 BUS_BYTES = 256 << 20  # message for B_bus
 MODES = ("eager", "graph")
-PATHS = ("nccl", "symm_mem", "fusedpar")
+PATHS = ("nccl", "symm_mem", "fusedpar", "routed")
+OURS = ("fusedpar", "routed")  # never a baseline
 
 
 def parse_size(s: str) -> int:
@@ -93,7 +97,7 @@ def main() -> int:
         return 0
 
     from fusedpar.collectives.symmetric import SymmetricWorkspace
-    from fusedpar.kernels.allreduce import OneShotConfig, one_shot_all_reduce
+    from fusedpar.kernels.allreduce import OneShotConfig, all_reduce, one_shot_all_reduce
 
     _, rank, world = _bench.init_distributed()
     group = dist.group.WORLD
@@ -134,6 +138,7 @@ def main() -> int:
                 lambda x=x, o=o: one_shot_all_reduce(x, ws, out=o, config=cfg) for x, o in zip(xs, outs, strict=True)
             ],
             "symm_mem": None,
+            "routed": [lambda x=x: all_reduce(x, group, ws, inplace=True, config=cfg) for x in xs],
         }
         if symm_inputs is not None:
             views = [symm_inputs[i % 2][:n] for i in range(CALLS)]
@@ -201,7 +206,7 @@ def main() -> int:
         if any(paths_ms[f"fusedpar {mode}"] is None for mode in MODES):
             raise RuntimeError(f"fusedpar one-shot failed at {label(nbytes)}; see the messages above")
         for mode in MODES:
-            stock = {k: v for k, v in paths_ms.items() if k.endswith(mode) and not k.startswith("fusedpar") and v}
+            stock = {k: v for k, v in paths_ms.items() if k.endswith(mode) and not k.startswith(OURS) and v}
             base_name = min(stock, key=stock.get)
             fused = paths_ms[f"fusedpar {mode}"]
             records.append(
@@ -217,6 +222,9 @@ def main() -> int:
                     "roofline_pct": 100.0 * floor_ms / fused,
                     "paths_ms": paths_ms,
                     "max_rel_err_vs_nccl": res["max_rel_err_vs_nccl"],
+                    "routed_ms": paths_ms[f"routed {mode}"],
+                    "routed_vs_nccl": (paths_ms[f"nccl {mode}"] / paths_ms[f"routed {mode}"]
+                                       if paths_ms[f"routed {mode}"] else None),
                 }
             )
         if rank == 0:
@@ -227,7 +235,8 @@ def main() -> int:
             g = records[-1]
             print(
                 f"{label(nbytes):>8} {tokens:>7.2f} {cells}   graph speedup {g['speedup']:.2f}x vs "
-                f"{g['baseline']}, {g['roofline_pct']:.0f}% of floor, rel err {res['max_rel_err_vs_nccl']:.1e}"
+                f"{g['baseline']}, {g['roofline_pct']:.0f}% of floor, rel err {res['max_rel_err_vs_nccl']:.1e}; "
+                f"routed vs NCCL eager {records[-2]['routed_vs_nccl']:.2f}x, graph {g['routed_vs_nccl']:.2f}x"
             )
 
     if rank == 0:

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 perf/profile_layer.py [--model qwen32b] [--prefill 4096] [--decode 8]
                                                       [--context 4096] [--out perf/results/profile_layer.txt]
-                                                      [--layer-only [--aligned] [--qkv-timeline]]
+                                                      [--layer-only [--aligned] [--qkv-timeline] [--host-profile]]
 
 Profiles (rank 0's kernels, 5 steps each after warm-up): fused base prefill of --prefill tokens
 (one sequence), plain TP prefill (cuBLAS + NCCL) of the same, and the CUDA-graph replay of a
@@ -12,7 +12,10 @@ kernel time vs the wall time of the step (the gap is launch latency and idle tim
 With --layer-only, also per rank and per prefill run: the host time to launch one layer call vs
 its GPU time (a layer whose launches take longer than its kernels leaves the GPU idle and turns
 host jitter into rank skew), and with --qkv-timeline the fused qkv kernel's own phases from
-%globaltimer stamps (READY wait = waiting for the latest peer to enter, GEMM, DONE wait).
+%globaltimer stamps (READY wait = waiting for the latest peer to enter, GEMM, DONE wait);
+--pipelined K times K calls back to back per sample instead (the steady state of a deep model).
+With --host-profile, also rank 0's Python profile (cProfile) of 20 layer calls: where the host time
+to launch a layer goes (the part before the first collective decides how late the slowest rank joins).
 A diagnosis tool: nothing here is a benchmark record.
 """
 
@@ -61,10 +64,21 @@ def main() -> int:
     p.add_argument("--qkv-timeline", action="store_true",
                    help="with --layer-only: stamp the fused qkv kernel's phases (fusedpar.kernels.ulysses."
                         "qkv_timeline_summary) over the profiled steps and print each rank's medians")
+    p.add_argument("--pipelined", type=int, default=1, metavar="K",
+                   help="with --layer-only: each per-rank sample runs K layer calls back to back (as a deep model's "
+                        "layers run, the host ahead of the GPU) and reports per call; the qkv phases are the last "
+                        "call's")
+    p.add_argument("--host-profile", action="store_true",
+                   help="with --layer-only: cProfile 20 layer calls on rank 0 and print the functions by own and "
+                        "cumulative host time")
     p.add_argument("--out", default="perf/results/profile_layer.txt")
     args = p.parse_args()
     if args.qkv_timeline and not args.layer_only:
         p.error("--qkv-timeline needs --layer-only (it times the layer's own qkv launch)")
+    if args.pipelined < 1 or (args.pipelined > 1 and not args.layer_only):
+        p.error("--pipelined K needs K >= 1 and --layer-only")
+    if args.host_profile and not args.layer_only:
+        p.error("--host-profile needs --layer-only (it profiles the layer call alone)")
     if not _bench.torchrun_available():
         print("profile_layer: needs CUDA GPUs and a torchrun launch; nothing to do")
         return 0
@@ -129,11 +143,12 @@ def main() -> int:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             t0 = time.perf_counter()
-            layer_call()
-            host.append((time.perf_counter() - t0) * 1e6)
+            for _ in range(args.pipelined):
+                layer_call()
+            host.append((time.perf_counter() - t0) * 1e6 / args.pipelined)
             end.record()
             torch.cuda.synchronize()
-            gpu.append(start.elapsed_time(end) * 1e3)
+            gpu.append(start.elapsed_time(end) * 1e3 / args.pipelined)
             if timed:
                 phases.append(qkv_timeline_summary(stack.fused.qkv_timeline))
         if timed:
@@ -144,8 +159,9 @@ def main() -> int:
         per_rank = [None] * world
         torch.distributed.all_gather_object(per_rank, mine)
         if rank == 0:
-            out_lines.append(f"   per rank, median of {steps} layer calls (host: launching the call; gpu: events "
-                             f"around it{'; qkv: fused kernel phases' if phases else ''}):")
+            batch = f" of {args.pipelined} calls back to back, per call" if args.pipelined > 1 else ""
+            out_lines.append(f"   per rank, median of {steps} samples{batch} (host: launching the call; gpu: events "
+                             f"around it{'; qkv: fused kernel phases of the last call' if phases else ''}):")
             for r, d in enumerate(per_rank):
                 line = f"     rank {r}: host {d['host_us']:7.0f} us  gpu {d['gpu_us']:7.0f} us"
                 if "total_us" in d:
@@ -155,6 +171,35 @@ def main() -> int:
                              f"{d['done_wait_us']:6.1f}")
                 out_lines.append(line)
             print("\n".join(out_lines[-world - 1:]), flush=True)
+        if args.host_profile:
+            host_profile(layer_call)
+
+    def host_profile(layer_call, calls: int = 20) -> None:
+        """Rank 0's cProfile of `calls` layer calls, each started on an idle GPU (synchronize + barrier
+        before it, outside the profile), so the host never blocks on a full launch queue."""
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            torch.distributed.barrier()
+            if rank == 0:
+                prof.enable()
+            layer_call()
+            if rank == 0:
+                prof.disable()
+        torch.cuda.synchronize()
+        if rank == 0:
+            for key, n in (("tottime", 30), ("cumulative", 40)):
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(key).print_stats(n)
+                text = buf.getvalue().strip().splitlines()
+                start = next((i for i, line in enumerate(text) if "ncalls" in line), 0)
+                out_lines.append(f"   rank 0 host profile of {calls} layer calls, by {key} (seconds in total):")
+                out_lines.extend("     " + line for line in text[:1] + text[start:])
+                print("\n".join(out_lines[-(len(text) - start + 2):]), flush=True)
 
     x_pre = torch.randn((args.prefill, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
     sid = iter(range(10**9))

@@ -29,12 +29,14 @@ Variants that differ in a scope or a barrier are separate functions (`retire` vs
 never a switch.
 
 Host side: the small helpers the three launchers share (sizes, SM count, spin limit, device guard,
-group resolution, emulation status check).
+group resolution, emulation status check) and the routers' capture test (`routes_as_captured`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -177,6 +179,31 @@ def resolve_spin_limit(spin_limit: int | None, interpreted: bool, gpu_limit: int
 def device_guard(device: torch.device):
     """Triton launches on the current CUDA device: make it `device` (a no-op on CPU)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+_ROUTING = threading.local()
+
+
+@contextlib.contextmanager
+def routing_as_captured() -> Iterator[None]:
+    """Within the block, the size routers (all_reduce, gemm_all_reduce path="auto") choose as if a
+    CUDA graph were being captured. For the eager warm-up run before a capture: it compiles exactly
+    the kernels the capture will launch, so no Triton compile happens inside the capture."""
+    before = getattr(_ROUTING, "as_captured", False)
+    _ROUTING.as_captured = True
+    try:
+        yield
+    finally:
+        _ROUTING.as_captured = before
+
+
+def routes_as_captured(device: torch.device) -> bool:
+    """Whether a router on `device` picks its CUDA-graph choice: a capture is under way on the current
+    stream, or routing_as_captured() is active. Eager CUDA calls are bound by the host's launch cost
+    at decode sizes, where a Triton launch costs more than NCCL's or cuBLAS's, so they route to the
+    stock path. Capture is the same on every rank of a collective, so all ranks still agree."""
+    return device.type == "cuda" and (getattr(_ROUTING, "as_captured", False)
+                                      or torch.cuda.is_current_stream_capturing())
 
 
 def group_size_and_pg(group):

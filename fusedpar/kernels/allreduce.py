@@ -36,6 +36,7 @@ CPU: set TRITON_INTERPRET=1 before this module is first imported (Triton reads i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,7 @@ from fusedpar.kernels._sync import (
     publish,
     resolve_spin_limit,
     retire,
+    routes_as_captured,
     slot_size,
     wait_flags,
 )
@@ -65,6 +67,7 @@ __all__ = [
     "one_shot_all_reduce",
     "one_shot_all_reduce_emulated",
     "one_shot_capacity_bytes",
+    "sum_over_group_",
 ]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -72,6 +75,8 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Measured on 4 x H200 in CUDA graphs (perf/results/one_shot_all_reduce.json, 2026-11-21): ours
 # beats torch's symm_mem one-shot and NCCL up to 256 KiB (10.4 vs 11.2 / 13.6 us); at 512 KiB
 # torch's one-shot wins (13.3 vs 14.8 us) and from 2 MiB NCCL does. Above this size: NCCL.
+# Eager (no capture) the Triton launch's host cost decides: 20 us vs NCCL's 18-19 us at every
+# size up to 256 KiB, so eager CUDA calls take NCCL (routes_as_captured).
 DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
 
 
@@ -496,13 +501,15 @@ def all_reduce(
 
     group: a torch ProcessGroup or a CommGroup (fusedpar.collectives.context; .size, .pg).
     workspace: SymmetricWorkspace / PeerTable of the same group, or None (always NCCL).
-    The choice depends only on x's size and dtype and the arguments, so every rank makes the
-    same one. inplace=True reduces into x (both paths) and returns x; otherwise x is untouched.
+    On CUDA the one-shot is taken only inside a CUDA-graph capture (or routing_as_captured()):
+    eager, NCCL's launch is cheaper than ours. The choice depends only on x's size and dtype, the
+    arguments and the capture state, so every rank makes the same one. inplace=True reduces into
+    x (both paths) and returns x; otherwise x is untouched.
     """
     size, pg = group_size_and_pg(group)
     if size == 1:
         return x if inplace else x.clone()
-    if workspace is not None:
+    if workspace is not None and (x.device.type != "cuda" or routes_as_captured(x.device)):
         table = as_peer_table(workspace)
         if table.world_size != size:
             raise ValueError(f"all_reduce: workspace spans {table.world_size} ranks but the group has {size}")
@@ -513,8 +520,31 @@ def all_reduce(
             and nbytes <= min(max_one_shot_bytes, one_shot_capacity_bytes(table))
         ):
             return one_shot_all_reduce(x, table, out=x if inplace else None, config=config)
+    return sum_over_group_(x if inplace else x.clone(), pg)
+
+
+@functools.cache
+def _sum_options():
     import torch.distributed as dist
 
-    y = x if inplace else x.clone()
-    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=pg)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    return opts
+
+
+def sum_over_group_(y: torch.Tensor, pg) -> torch.Tensor:
+    """y summed in place over the ProcessGroup `pg` (NCCL on GPUs, gloo on CPU); returns y.
+
+    What dist.all_reduce(y, group=pg) does, minus its Python wrapper (logging decorator, argument
+    and membership checks): the process group's own allreduce, then wait() (on NCCL: the current
+    stream waits for the collective, no host block). That wrapper is about half of an eager
+    decode all-reduce's host cost (perf/host_cost.py), and eager decode is host-bound. Under
+    torch.compile it is dist.all_reduce itself, which dynamo knows how to trace.
+    """
+    if torch.compiler.is_compiling():
+        import torch.distributed as dist
+
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=pg)
+        return y
+    pg.allreduce([y], _sum_options()).wait()
     return y

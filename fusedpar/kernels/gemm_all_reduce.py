@@ -113,10 +113,7 @@ bf16, so CPU tests use fp16/fp32.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -136,10 +133,13 @@ from fusedpar.kernels._sync import (
     publish,
     resolve_spin_limit,
     retire,
+    routes_as_captured,
+    routing_as_captured,
     slot_size,
     sm_count,
     wait_flags,
 )
+from fusedpar.kernels.allreduce import all_reduce, sum_over_group_
 from fusedpar.kernels.gemm import GemmConfig, _tile_coords, pick_config
 
 __all__ = [
@@ -181,21 +181,6 @@ TWO_SHOT_MIN_TOKENS = 4096
 GPU_SPIN_LIMIT = 1 << 25
 
 PATHS = ("auto", "local", "one_shot", "two_shot", "unfused")
-
-_ROUTING = threading.local()
-
-
-@contextlib.contextmanager
-def routing_as_captured() -> Iterator[None]:
-    """Within the block, path="auto" routes as if a CUDA graph were being captured (decode sizes
-    take the one-shot kernel). For the eager warm-up run before a capture: it compiles exactly the
-    kernels the capture will launch, so no Triton compile happens inside the capture."""
-    before = getattr(_ROUTING, "as_captured", False)
-    _ROUTING.as_captured = True
-    try:
-        yield
-    finally:
-        _ROUTING.as_captured = before
 
 
 @triton.jit
@@ -1007,8 +992,7 @@ def auto_path(
     one-shot is only taken while a CUDA graph is captured (or under routing_as_captured());
     capture is the same on every rank of a collective, so the choice still agrees across ranks.
     """
-    capturing = device.type == "cuda" and (torch.cuda.is_current_stream_capturing()
-                                           or getattr(_ROUTING, "as_captured", False))
+    capturing = routes_as_captured(device)
     return choose_path(m, n, k, dtype, world_size, table, device=device, partial_dtype=partial_dtype,
                        one_shot_max_tokens=one_shot_max_tokens if capturing or device.type != "cuda" else 0,
                        two_shot_min_tokens=two_shot_min_tokens)
@@ -1016,9 +1000,8 @@ def auto_path(
 
 def gemm_all_reduce_reference(x: torch.Tensor, w: torch.Tensor, group, workspace=None) -> torch.Tensor:
     """The plain path: cuBLAS F.linear, then fusedpar.kernels.allreduce.all_reduce (our one-shot for
-    small messages when a workspace is given, NCCL otherwise). Also the router's fallback."""
-    from fusedpar.kernels.allreduce import all_reduce
-
+    small messages inside a CUDA graph when a workspace is given, NCCL otherwise). Also the
+    router's fallback."""
     y = torch.nn.functional.linear(x, w)
     if group is None:
         return y
@@ -1084,16 +1067,24 @@ def gemm_all_reduce(
     if group is None:
         if table is None or path not in ("one_shot", "two_shot", "local"):
             raise ValueError("gemm_all_reduce: group=None needs a workspace and an explicit fused path")
-        size = table.world_size
+        size, pg = table.world_size, None
     else:
-        size, _ = group_size_and_pg(group)
+        size, pg = group_size_and_pg(group)
     if table is not None and table.world_size != size:
         raise ValueError(f"gemm_all_reduce: workspace spans {table.world_size} ranks but the group has {size}")
 
+    # An eager CUDA call is host-bound at the sizes where this matters: its unfused path goes
+    # straight to cuBLAS + the process group's allreduce (what the plain path launches, minus
+    # dist.all_reduce's Python wrapper), and auto below the two-shot range needs no lookups
+    # (auto_path answers "unfused" there for every eager call).
+    eager_cuda = size > 1 and pg is not None and x2.device.type == "cuda" and not routes_as_captured(x2.device)
     if path == "auto":
-        path = auto_path(x2.shape[0], w.shape[0], w.shape[1], x2.dtype, size, table, x2.device,
-                         partial_dtype=partial_dtype, one_shot_max_tokens=one_shot_max_tokens,
-                         two_shot_min_tokens=two_shot_min_tokens)
+        if eager_cuda and x2.shape[0] < two_shot_min_tokens:
+            path = "unfused"
+        else:
+            path = auto_path(x2.shape[0], w.shape[0], w.shape[1], x2.dtype, size, table, x2.device,
+                             partial_dtype=partial_dtype, one_shot_max_tokens=one_shot_max_tokens,
+                             two_shot_min_tokens=two_shot_min_tokens)
     if path in ("one_shot", "two_shot"):
         if table is None:
             raise ValueError(f"gemm_all_reduce: path {path!r} needs a workspace")
@@ -1103,6 +1094,8 @@ def gemm_all_reduce(
         res2 = None  # added in the kernel
     elif path == "local":
         result = torch.nn.functional.linear(x2, w)
+    elif eager_cuda:
+        result = sum_over_group_(torch.nn.functional.linear(x2, w), pg)
     else:
         result = gemm_all_reduce_reference(x2, w, group, table)
     if res2 is not None:

@@ -25,11 +25,12 @@ step does not fit its workspace), deciding from shapes alone so every rank agree
 Collective: every rank builds FusedKernels with the same arguments, in the same order.
 
 fuse_comm=False builds no workspaces: every stage then takes its plain path (cuBLAS GEMMs,
-NCCL all-to-all / all-reduce) around the same Triton attention, which is the baseline the
-layer benchmark compares the fused communication against. With plain_all_reduce="symm_mem" the
-shift-mode row-parallel GEMMs of up to `symm_mem_rows` rows write into a torch symmetric-memory
-buffer and reduce with torch.ops.symm_mem.one_shot_all_reduce (the best stock decode path inside
-a CUDA graph, DESIGN.md section 9); larger steps keep NCCL.
+stock torch.distributed NCCL all-to-all / all-reduce) around the same Triton attention, which is
+the baseline the layer benchmark compares the fused communication against. (The fused stack's
+own eager fallbacks skip dist.all_reduce's Python wrapper: fusedpar.kernels.allreduce.sum_over_group_.)
+With plain_all_reduce="symm_mem" the shift-mode row-parallel GEMMs of up to `symm_mem_rows` rows
+write into a torch symmetric-memory buffer and reduce with torch.ops.symm_mem.one_shot_all_reduce
+(the best stock decode path inside a CUDA graph, DESIGN.md section 9); larger steps keep NCCL.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusedpar.collectives import ParallelContext, head_to_seq_all_to_all, seq_to_head_all_to_all
+from fusedpar.collectives import ParallelContext, all_reduce_sum, head_to_seq_all_to_all, seq_to_head_all_to_all
 from fusedpar.layers.config import DecoderConfig
 
 
@@ -145,8 +146,10 @@ class FusedKernels:
                 out = all_to_all_o_proj(attn, w, self.o_ws, self.ctx.sp)
             else:
                 out = F.linear(head_to_seq_all_to_all(attn, self.ctx.sp), w)
-            if self.ctx.tp.size > 1:  # NCCL when there is no workspace
+            if self.ctx.tp.size > 1 and self.fuse_comm:
                 out = all_reduce(out, self.ctx.tp, self.tp_allreduce_ws, inplace=True)
+            elif self.ctx.tp.size > 1:  # the plain baseline: stock dist.all_reduce
+                out = all_reduce_sum(out, self.ctx.tp)
             return out
         return self.row_parallel(attn, w, mode, residual=residual)
 
@@ -171,6 +174,9 @@ class FusedKernels:
             self._stock_calls += 1
             torch.matmul(act, w.t(), out=view)
             y = torch.ops.symm_mem.one_shot_all_reduce(view, "sum", group_name)
+            return y if residual is None else residual + y
+        if not self.fuse_comm:  # the plain baseline: cuBLAS + stock dist.all_reduce, then the residual add
+            y = all_reduce_sum(F.linear(act, w), group)
             return y if residual is None else residual + y
         # a group of one takes gemm_all_reduce's "local" path (cuBLAS, then the residual add)
         return gemm_all_reduce(act, w, group, self.gemm_ar_ws[mode], residual=residual)

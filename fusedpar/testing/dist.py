@@ -3,6 +3,9 @@
 run_distributed(fn, world_size, *args, **kwargs) calls fn(rank, world_size, *args, **kwargs) in each process and
 returns the per-rank results in rank order. A failure on any rank raises RuntimeError carrying
 that rank's traceback; a rank that hangs is killed after `timeout` seconds.
+
+TwinRankGroup is a one-process stand-in for a process group of two identical ranks (its
+allreduce doubles the tensor), for routing tests that need no second process.
 """
 
 from __future__ import annotations
@@ -75,3 +78,21 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if errors:
         raise RuntimeError("\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+class TwinRankGroup:
+    """A stand-in for a two-rank ProcessGroup whose ranks hold identical tensors: allreduce (SUM)
+    doubles the tensor in place. Records each call (the tensor, then "waited" when its work is
+    waited on) in `calls`. Pass it as `pg` of a CommGroup-like SimpleNamespace(size=2, pg=...)."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def allreduce(self, tensors: list[torch.Tensor], opts) -> Any:
+        from types import SimpleNamespace
+
+        if len(tensors) != 1 or opts.reduceOp != dist.ReduceOp.SUM:
+            raise AssertionError(f"TwinRankGroup: expected one tensor and SUM, got {len(tensors)}, {opts.reduceOp}")
+        self.calls.append(tensors[0])
+        tensors[0].mul_(2.0)
+        return SimpleNamespace(wait=lambda: self.calls.append("waited"))

@@ -28,6 +28,7 @@ from fusedpar.kernels.allreduce import (
     one_shot_all_reduce_emulated,
     one_shot_capacity_bytes,
 )
+from fusedpar.testing.dist import TwinRankGroup
 from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 from fusedpar.testing.numerics import assert_close, poison_
 
@@ -282,27 +283,19 @@ def test_all_reduce_routes_small_messages_to_one_shot():
     assert world[0].epoch() == 1
 
 
-def test_all_reduce_routes_large_messages_and_no_workspace_to_nccl(monkeypatch):
-    import torch.distributed as dist
-
-    calls = []
-
-    def fake_all_reduce(t, op=None, group=None):
-        calls.append((t, group))
-        t.mul_(2.0)  # the sum over two identical ranks
-
-    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
-    pg = object()
+def test_all_reduce_routes_large_messages_and_no_workspace_to_nccl():
+    pg = TwinRankGroup()  # stands for NCCL: the process group's own allreduce, then wait()
     group = SimpleNamespace(size=2, pg=pg)
     world = EmulatedWorld(2, 4 * 1024)
     x = torch.randn(1000)  # 4000 bytes > one slot (2048)
     y = all_reduce(x, group, world[0])
-    assert len(calls) == 1 and calls[0][1] is pg and calls[0][0] is not x and torch.equal(y, 2 * x)
+    assert pg.calls[0] is y and y is not x and pg.calls[1:] == ["waited"] and torch.equal(y, 2 * x)
     small = torch.randn(10)
     y = all_reduce(small, group, world[0], max_one_shot_bytes=16)  # over the threshold
-    assert len(calls) == 2 and torch.equal(y, 2 * small)
+    assert len(pg.calls) == 4 and torch.equal(y, 2 * small)
     z = small.clone()
     assert all_reduce(z, group, None, inplace=True) is z and torch.equal(z, 2 * small)
+    assert pg.calls[-2] is z and pg.calls[-1] == "waited"
     assert world[0].epoch() == 0, "the NCCL path must not launch the one-shot kernel"
 
 
@@ -438,23 +431,54 @@ def test_gpu_one_shot_in_cuda_graph(gpu_world, gpu_workspace):
 
 @pytest.mark.gpu
 def test_gpu_all_reduce_routes_by_size(gpu_world, gpu_workspace):
+    """One-shot for small messages only as a CUDA graph would run it (eager, NCCL's launch is
+    cheaper); NCCL above DEFAULT_ONE_SHOT_MAX_BYTES either way; and inside a real capture."""
+    from fusedpar.kernels.gemm_all_reduce import routing_as_captured
+
     errors = []
-    for numel, one_shot in ((4096, True), (1 << 20, False)):  # 8 KiB and 2 MiB of bf16
-        x = _rank_input((numel,), torch.bfloat16, salt=numel + 7)
+    # (numel, route as captured, expect one-shot): 8 KiB and 2 MiB of bf16
+    for numel, captured, one_shot in ((4096, False, False), (4096, True, True), (1 << 20, True, False),
+                                      (1 << 20, False, False)):
+        x = _rank_input((numel,), torch.bfloat16, salt=numel + 7 + captured)
         before = gpu_workspace.table.epoch()
-        out = all_reduce(x, gpu_world, gpu_workspace)
+        if captured:
+            with routing_as_captured():
+                out = all_reduce(x, gpu_world, gpu_workspace)
+        else:
+            out = all_reduce(x, gpu_world, gpu_workspace)
         torch.cuda.synchronize()
+        what = f"numel={numel} as_captured={captured}"
         if (gpu_workspace.table.epoch() == before + 1) != one_shot:
-            errors.append(f"numel={numel}: expected one_shot={one_shot}")
+            errors.append(f"{what}: expected one_shot={one_shot}")
         if one_shot:
-            err = _gpu_check(out, x, f"all_reduce numel={numel}")
+            err = _gpu_check(out, x, f"all_reduce {what}")
         else:
             # Routed to NCCL, which accumulates in bf16 (no fp32 bound applies): it must be
             # exactly what a plain NCCL all-reduce returns.
             nccl = x.clone()
             torch.distributed.all_reduce(nccl)
-            err = None if torch.equal(out, nccl) else f"numel={numel}: NCCL route differs from NCCL"
+            err = None if torch.equal(out, nccl) else f"{what}: NCCL route differs from NCCL"
         if err:
             errors.append(err)
+    # A real capture routes an 8 KiB message to the one-shot: one epoch per replay, right sums.
+    x = _rank_input((4096,), torch.bfloat16, salt=99)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), routing_as_captured():
+        all_reduce(x, gpu_world, gpu_workspace)  # warm-up: the kernel the capture launches is compiled
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_out = all_reduce(x, gpu_world, gpu_workspace)
+    before = gpu_workspace.table.epoch()
+    poison_(captured_out)
+    graph.replay()
+    torch.cuda.synchronize()
+    if gpu_workspace.table.epoch() != before + 1:
+        errors.append(f"captured replay: epoch {gpu_workspace.table.epoch()}, want {before + 1} (one-shot)")
+    err = _gpu_check(captured_out, x, "all_reduce in a captured graph")
+    if err:
+        errors.append(err)
     assert all_ranks_ok(not errors), "\n".join(errors)
     assert ar.DEFAULT_ONE_SHOT_MAX_BYTES == 256 * 1024

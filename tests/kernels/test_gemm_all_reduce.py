@@ -32,6 +32,7 @@ from fusedpar.kernels.gemm_all_reduce import (
     gemm_all_reduce_emulated,
     launch_gemm_all_reduce,
 )
+from fusedpar.testing.dist import TwinRankGroup
 from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 from fusedpar.testing.numerics import poison_
 
@@ -419,11 +420,8 @@ def test_residual_epilogue_equals_the_separate_add(path, world_size, dtype, m, n
     assert all(world[r].status() == 0 for r in range(world_size))
 
 
-def test_router_adds_the_residual_on_every_path(monkeypatch):
+def test_router_adds_the_residual_on_every_path():
     """One rank: one_shot / two_shot (fused epilogue), local and unfused (a torch add after)."""
-    import torch.distributed as dist
-
-    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: t.mul_(2.0))
     t = _world(1)[0]
     m, n, k = 9, 72, 40
     xs, ws = _inputs(1, m, n, k, torch.float32, seed=4)
@@ -432,7 +430,7 @@ def test_router_adds_the_residual_on_every_path(monkeypatch):
     for path in ("one_shot", "two_shot", "local"):
         got = gemm_all_reduce(xs[0], ws[0], None, t, path=path, residual=res)
         torch.testing.assert_close(got, res + plain, rtol=1e-5, atol=1e-5, msg=lambda msg, p=path: f"{p}: {msg}")
-    got = gemm_all_reduce(xs[0], ws[0], SimpleNamespace(size=2, pg=object()), None, residual=res)
+    got = gemm_all_reduce(xs[0], ws[0], SimpleNamespace(size=2, pg=TwinRankGroup()), None, residual=res)
     assert torch.equal(got, res + 2.0 * plain)  # unfused: cuBLAS, all_reduce, then the add
     out = poison_(torch.empty((m, n)))
     assert gemm_all_reduce(xs[0], ws[0], None, t, path="one_shot", residual=res, out=out) is out
@@ -549,17 +547,8 @@ def test_auto_route_runs_the_fused_one_shot_with_a_live_peer():
     assert world[0].epoch() == 1
 
 
-def test_fallback_is_cublas_plus_nccl(monkeypatch):
-    import torch.distributed as dist
-
-    calls = []
-
-    def fake_all_reduce(t, op=None, group=None):
-        calls.append(group)
-        t.mul_(2.0)  # the sum over two identical ranks
-
-    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
-    pg = object()
+def test_fallback_is_cublas_plus_nccl():
+    pg = TwinRankGroup()
     group = SimpleNamespace(size=2, pg=pg)
     xs, ws = _inputs(1, 20, 72, 40, torch.float32, seed=16)
     want = 2.0 * torch.nn.functional.linear(xs[0], ws[0])
@@ -569,25 +558,23 @@ def test_fallback_is_cublas_plus_nccl(monkeypatch):
         assert torch.equal(got, want)
     out = poison_(torch.empty((20, 72)))
     assert gemm_all_reduce(xs[0], ws[0], group, None, out=out) is out and torch.equal(out, want)
-    assert calls == [pg, pg, pg] and tiny.epoch() == 0
+    assert pg.calls[1::2] == ["waited"] * 3 and tiny.epoch() == 0  # three allreduces, each waited on
     # A group of one never communicates.
     assert torch.equal(gemm_all_reduce(xs[0], ws[0], SimpleNamespace(size=1, pg=pg)), want / 2.0)
-    assert len(calls) == 3
+    assert len(pg.calls) == 6
 
 
-def test_leading_dims_flatten_and_come_back(monkeypatch):
+def test_leading_dims_flatten_and_come_back():
     """x [..., K] (and residual / out [..., N]) behave as the flattened rows: the 2-D fast path and the
     reshaping path give the same numbers, on the fallback and on the fused one-shot."""
-    import torch.distributed as dist
-
-    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: t.mul_(2.0))
+    twins = SimpleNamespace(size=2, pg=TwinRankGroup())
     xs, ws = _inputs(1, 6, 72, 40, torch.float32, seed=21)
     res = torch.randn((6, 72), generator=torch.Generator().manual_seed(22))
-    flat = gemm_all_reduce(xs[0], ws[0], SimpleNamespace(size=2, pg=None), residual=res)
-    got = gemm_all_reduce(xs[0].view(2, 3, 40), ws[0], SimpleNamespace(size=2, pg=None), residual=res.view(2, 3, 72))
+    flat = gemm_all_reduce(xs[0], ws[0], twins, residual=res)
+    got = gemm_all_reduce(xs[0].view(2, 3, 40), ws[0], twins, residual=res.view(2, 3, 72))
     assert got.shape == (2, 3, 72) and torch.equal(got.reshape(6, 72), flat)
     out = poison_(torch.empty((2, 3, 72)))
-    assert gemm_all_reduce(xs[0].view(2, 3, 40), ws[0], SimpleNamespace(size=2, pg=None), out=out) is out
+    assert gemm_all_reduce(xs[0].view(2, 3, 40), ws[0], twins, out=out) is out
     assert torch.equal(out.reshape(6, 72), 2.0 * torch.nn.functional.linear(xs[0], ws[0]))
     t1 = _world(1)[0]  # a one-rank table: the fused one-shot in one launch
     one = gemm_all_reduce(xs[0], ws[0], None, t1, path="one_shot")
@@ -881,12 +868,31 @@ def test_gpu_kernel_pipelines_and_uses_system_scope_flags(gpu_world, gpu_workspa
 
 @pytest.mark.gpu
 def test_gpu_router_fallback_is_the_plain_path(gpu_world, gpu_workspace):
-    # 333 rows: between the thresholds -> cuBLAS + NCCL, bit for bit the plain path.
-    x, w = _gpu_operands(333, 8192, 2048, salt=10)
+    # Eager "auto" below the two-shot range -> cuBLAS + the process group's allreduce: bit for bit
+    # what stock F.linear + dist.all_reduce return (333 rows: between the thresholds; 8 rows: decode,
+    # which only a CUDA graph sends to the one-shot), with a residual and an out= too.
+    import torch.distributed as dist
+
     assert choose_path(333, 8192, 2048, torch.bfloat16, gpu_workspace.world_size, gpu_workspace.table) == "unfused"
-    got = gemm_all_reduce(x, w, gpu_world, gpu_workspace)
-    want = gar.gemm_all_reduce_reference(x, w, gpu_world, gpu_workspace)
-    assert all_ranks_ok(torch.equal(got, want))
+    errors = []
+    for m in (333, 8):
+        x, w = _gpu_operands(m, 8192, 2048, salt=10 + m)
+        want = torch.nn.functional.linear(x, w)
+        dist.all_reduce(want)
+        before = gpu_workspace.table.epoch()
+        got = gemm_all_reduce(x, w, gpu_world, gpu_workspace)
+        res = _gpu_x(m, 8192, salt=3)
+        dist.broadcast(res, 0)
+        out = poison_(torch.empty_like(want))
+        got_res = gemm_all_reduce(x, w, gpu_world, gpu_workspace, residual=res, out=out)
+        torch.cuda.synchronize()
+        if gpu_workspace.table.epoch() != before:
+            errors.append(f"[{m}] eager auto launched a fused kernel (epoch {before} -> {gpu_workspace.table.epoch()})")
+        if not torch.equal(got, want):
+            errors.append(f"[{m}] eager auto differs from F.linear + dist.all_reduce")
+        if got_res is not out or not torch.equal(out, res + want):
+            errors.append(f"[{m}] eager auto with residual/out differs from res + (F.linear + dist.all_reduce)")
+    assert all_ranks_ok(not errors), "\n".join(errors)
 
 
 @pytest.mark.gpu
