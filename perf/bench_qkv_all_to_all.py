@@ -65,6 +65,10 @@ MODELS = {
 }
 DEFAULT_TOKENS = ",".join(str(2**i) for i in range(3, 15))  # 8 .. 16384
 SETS = 2
+# --sweep-configs: tilings tried for the fused kernel (block_m, block_n, block_k, num_warps, num_stages),
+# each within Hopper's 227 KiB of shared memory in bf16.
+SWEEP_CONFIGS = ((128, 128, 64, 4, 5), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                 (64, 256, 64, 4, 4), (64, 128, 128, 4, 4))
 
 
 # ------------------------------------------------------------------------------------ bench
@@ -75,6 +79,30 @@ def dims(model: str, sp: int) -> dict[str, int]:
     q = cfg["heads"] // sp
     kv = max(1, cfg["kv_heads"] // sp)
     return {"d": cfg["hidden"], "blk": (q + 2 * kv) * cfg["head_dim"], "q": q, "kv": kv}
+
+
+def sweep_configs(model, m, W, ws, timer) -> list[tuple[str, float]]:
+    """The fused kernel's time (max over ranks) with each of SWEEP_CONFIGS, and the default's."""
+    from fusedpar.kernels import ulysses as u
+    from fusedpar.kernels.gemm import GemmConfig
+
+    dm = dims(model, W)
+    d, n = dm["d"], W * dm["blk"]
+    gen = torch.Generator(device="cuda").manual_seed(1000 * dist.get_rank() + m)
+    xs = [torch.randn((m, d), generator=gen, device="cuda").to(torch.bfloat16) for _ in range(SETS)]
+    wts = [(torch.randn((n, d), generator=gen, device="cuda") / d**0.5).to(torch.bfloat16) for _ in range(SETS)]
+    ref = u.qkv_all_to_all(xs[0], wts[0], ws, fused=True).clone()
+    out = []
+    for bm, bn, bk, warps, stages in SWEEP_CONFIGS:
+        cfg = GemmConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages)
+        got = u.qkv_all_to_all(xs[0], wts[0], ws, fused=True, config=cfg)
+        rel = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        if rel > 1e-2:  # tilings only reorder the fp32 accumulation: anything larger is a bug
+            print(f"rank {dist.get_rank()}: {model} m={m} {cfg}: differs from the default tiling by {rel:.3g} (rel)")
+        ms = timer(lambda i, c=cfg: u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True, config=c))
+        out.append((f"{bm}x{bn}x{bk} w{warps} s{stages}", ms))
+    u.check_status(ws)
+    return out
 
 
 def bench_case(model, m, W, group, ws, timer, ceil) -> dict:
@@ -150,6 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default=DEFAULT_TOKENS, help="comma list of tokens per rank (m)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sweep-configs", action="store_true",
+                   help="instead of the benchmark: time the fused kernel with each tiling of SWEEP_CONFIGS at every "
+                        "--tokens (printed, no records): the data behind ulysses._qkv_config")
     p.add_argument("--out", default=f"perf/results/{BENCH}.json")
     args = p.parse_args(argv)
     if args.iters < 20:
@@ -171,6 +202,20 @@ def main(argv=None) -> int:
     need = max(u.qkv_workspace_bytes(max(tokens), dims(mo, W)["blk"], W, torch.bfloat16) for mo in models)
     ws = SymmetricWorkspace(dist.group.WORLD, need)
     timer = _bench.SpinTimer(ws.barrier, args.iters, args.warmup)
+    if args.sweep_configs:
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for model in models:
+            for m in tokens:
+                dm = dims(model, W)
+                default = u._qkv_config(m, W * dm["blk"], dm["d"], dm["blk"], torch.bfloat16, num_sms)
+                row = sweep_configs(model, m, W, ws, timer)
+                if rank == 0:
+                    best = min(row, key=lambda r: r[1])
+                    cells = "  ".join(f"{name} {ms * 1e3:6.1f}" for name, ms in row)
+                    print(f"{model} m={m:5d} (default {default.block_m}x{default.block_n}x{default.block_k} "
+                          f"w{default.num_warps} s{default.num_stages}) us: {cells}  | best {best[0]}", flush=True)
+        _bench.finish_distributed()
+        return 0
     ceil = _bench.measure_link_ceilings(timer, group)
     common = _bench.sp_common(BENCH, W, BASELINE, ceil)
     if rank == 0:
