@@ -68,6 +68,10 @@ for item in "${ITEMS[@]}"; do
                        --out "$RES/gemm_all_reduce.json" ;;
     attention) run timeout "${ATTN_TIMEOUT:-240}" python3 perf/bench_attention.py ${ATTN_ARGS:-} --out "$RES/attention.json" ;;
     qkv_all_to_all) run timeout 120 "${TRUN[@]}" perf/bench_qkv_all_to_all.py --out "$RES/qkv_all_to_all.json" ;;
+    # tiling sweeps behind the heuristics (printed tables; tune_gemm also writes its JSON)
+    tune_gemm) run timeout "${TUNE_TIMEOUT:-300}" python3 perf/tune_gemm.py ${TUNE_ARGS:-} --out "$RES/gemm_tune.json" ;;
+    qkv_sweep) run timeout "${SWEEP_TIMEOUT:-200}" "${TRUN[@]}" perf/bench_qkv_all_to_all.py --sweep-configs \
+                 ${SWEEP_ARGS:---tokens 512,1024,2048,4096} ;;
     all_to_all_o_proj) run timeout 120 "${TRUN[@]}" perf/bench_all_to_all_o_proj.py \
                          --out "$RES/all_to_all_o_proj.json" ;;
     layer) run timeout "${LAYER_TIMEOUT:-300}" "${TRUN[@]}" perf/bench_layer.py ${LAYER_ARGS:-} --out "$RES/layer.json" ;;

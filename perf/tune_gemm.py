@@ -42,12 +42,22 @@ def candidates(m: int) -> list[gemm.GemmConfig]:
             + c.block_m * c.block_n * 2 <= SMEM_BYTES]
 
 
+def tma_candidates() -> list[gemm.GemmConfig]:
+    """TMA-fed tilings (gemm.py's TMA mainloop), with and without Triton's warp specialisation."""
+    base = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 5), (128, 128, 64, 8, 4),
+            (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (64, 128, 128, 4, 4)]
+    return [gemm.GemmConfig(bm, bn, bk, 8, w, s, tma=True, warp_specialize=ws)
+            for bm, bn, bk, w, s in base for ws in (False, True)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="llama70b,qwen32b")
     p.add_argument("--tokens", default="8,32,64,128,256,512,1024,2048,4096,8192,16384")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this many seconds")
+    p.add_argument("--tma-only", action="store_true",
+                   help="sweep only the TMA tilings (tma_candidates) against the default and cuBLAS")
     p.add_argument("--out", default="perf/results/gemm_tune.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -72,7 +82,8 @@ def main() -> int:
                 cublas = bench_gemm.time_ms(torch.nn.functional.linear, sets, args.iters, 3)
                 default = gemm.pick_config(m, n, k, dtype=dtype, num_sms=sms, interpret=False)
                 results = []
-                for cfg in [default, *candidates(m)]:
+                pool = tma_candidates() if args.tma_only else [*candidates(m), *tma_candidates()]
+                for cfg in [default, *pool]:
                     try:
                         gemm._launch(sets[0][0], w, outs[0], config=cfg)
                         err = (outs[0].float() - ref).abs().max().item() / ref.abs().max().item()
@@ -95,7 +106,8 @@ def main() -> int:
                 b = best[0]
                 print(f"{case.name:16s} m={m:6d} cublas {cublas:.4f}  default {results[0][1]:.4f} "
                       f"({row['default_vs_cublas']:.2f}x)  best {best[1]:.4f} ({row['best_vs_cublas']:.2f}x) "
-                      f"{b.block_m}x{b.block_n}x{b.block_k} w{b.num_warps} s{b.num_stages}", flush=True)
+                      f"{b.block_m}x{b.block_n}x{b.block_k} w{b.num_warps} s{b.num_stages}"
+                      f"{' tma' if b.tma else ''}{' ws' if b.warp_specialize else ''}", flush=True)
                 del sets, outs, w
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,

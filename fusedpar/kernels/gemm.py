@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-__all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config"]
+__all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config", "tma_compatible", "tma_descriptors"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -72,6 +72,8 @@ def _persistent_matmul_kernel(
     a_ptr,
     w_ptr,
     c_ptr,
+    a_desc,  # TMA descriptors of a [M, K] and w [N, K] (block [BLOCK_M|BLOCK_N, BLOCK_K]); None unless TMA
+    w_desc,
     M,
     N,
     K,
@@ -88,6 +90,8 @@ def _persistent_matmul_kernel(
     NUM_SMS: tl.constexpr,
     EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """C[M, N] = A[M, K] @ W[N, K]^T with fp32 accumulation; every operand arbitrarily strided.
 
@@ -98,6 +102,13 @@ def _persistent_matmul_kernel(
     EVEN_K: K % BLOCK_K == 0, so the K loop needs no mask.
     INPUT_PRECISION: "ieee" for fp32 inputs (exact fp32 products, like torch's default of no
     TF32); for fp16/bf16 Triton ignores it.
+    TMA: the K loop reads A and W tiles through the tensor descriptors a_desc / w_desc (Hopper's
+    bulk tensor copies: one instruction per tile, no address math in the loop, zero fill past the
+    M/N/K edges so no masks) instead of per-thread pointer loads. Needs both operands row-major
+    in K (stride 1) with 16-byte aligned bases and row strides (`tma_compatible`).
+    WARP_SPECIALIZE: ask Triton to split the tile loop into producer (TMA) and consumer (MMA)
+    warps; the tile loop is then not flattened (Triton's Hopper warp specialisation wants the
+    nested loop).
     """
     start_pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -113,9 +124,10 @@ def _persistent_matmul_kernel(
 
     offs_k_base = tl.arange(0, BLOCK_K)
 
-    # flatten=True fuses the tile loop and the K loop into one loop for the software pipeliner,
-    # so the loads of the next tile are in flight while this tile's epilogue runs.
-    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+    # flatten fuses the tile loop and the K loop into one loop for the software pipeliner, so the
+    # loads of the next tile are in flight while this tile's epilogue runs.
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=not WARP_SPECIALIZE,
+                            warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
         offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_wn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -127,17 +139,21 @@ def _persistent_matmul_kernel(
 
         accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
-            offs_k = ki * BLOCK_K + offs_k_base
-            a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
-            b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
+            if TMA:
+                a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
             else:
-                # Zero-fill past K on both operands so the tail contributes nothing.
-                k_left = K - ki * BLOCK_K
-                a = tl.load(a_ptrs, mask=offs_k_base[None, :] < k_left, other=0.0)
-                b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
+                offs_k = ki * BLOCK_K + offs_k_base
+                a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
+                b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    # Zero-fill past K on both operands so the tail contributes nothing.
+                    k_left = K - ki * BLOCK_K
+                    a = tl.load(a_ptrs, mask=offs_k_base[None, :] < k_left, other=0.0)
+                    b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
             accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
 
         tile_id_c += NUM_SMS
@@ -164,6 +180,8 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False  # TMA tile loads (only where tma_compatible holds; else the launcher uses pointers)
+    warp_specialize: bool = False
 
 
 def _next_pow2(x: int) -> int:
@@ -274,6 +292,26 @@ def _check_args(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> N
             raise ValueError(f"fusedpar.matmul: out is on {out.device} but a is on {a.device}")
 
 
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Whether every 2-D tensor can back a TMA descriptor: stride 1 along its last dim, and a
+    16-byte aligned base and row stride (the hardware's rule for bulk tensor copies)."""
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.shape[1] * size) < 16:
+            return False
+    return True
+
+
+def tma_descriptors(a: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: int):
+    """Host-side TMA descriptors of a [M, K] (tiles [block_m, block_k]) and w [N, K] (tiles
+    [block_n, block_k]); reads past either edge return zeros. Host-side (kernel arguments) rather
+    than built in the kernel, which would need a global Triton scratch allocator."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor(a, list(a.shape), list(a.stride()), [block_m, block_k]),
+            TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k]))
+
+
 def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
     """Check the arguments and run the kernel into `out` (allocated by the caller); `config` overrides the
     block-size heuristic (tests use it to exercise other tilings)."""
@@ -306,6 +344,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
     cfg = config or pick_config(m, n, k, dtype=a.dtype, out_dtype=out.dtype, num_sms=num_sms, interpret=_INTERPRETED)
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = (min(num_sms, num_tiles),)
+    use_tma = cfg.tma and tma_compatible(a, w)
+    a_desc, w_desc = tma_descriptors(a, w, cfg.block_m, cfg.block_n, cfg.block_k) if use_tma else (None, None)
     # Triton launches on the current CUDA device; make it the tensors' device.
     guard = torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext()
     with guard:
@@ -313,6 +353,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
             a,
             w,
             out,
+            a_desc,
+            w_desc,
             m,
             n,
             k,
@@ -329,6 +371,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
             NUM_SMS=num_sms,
             EVEN_K=k % cfg.block_k == 0,
             INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            TMA=use_tma,
+            WARP_SPECIALIZE=use_tma and cfg.warp_specialize,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

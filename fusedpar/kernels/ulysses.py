@@ -110,7 +110,7 @@ from fusedpar.kernels._sync import (
     sm_count,
     wait_flags,
 )
-from fusedpar.kernels.gemm import GemmConfig, _tile_coords, pick_config
+from fusedpar.kernels.gemm import GemmConfig, _tile_coords, pick_config, tma_compatible, tma_descriptors
 
 __all__ = [
     "GPU_SPIN_LIMIT",
@@ -175,6 +175,8 @@ def _stamp(timeline_ptr, pid, POINT: tl.constexpr, TIMELINE: tl.constexpr):
 def _qkv_all_to_all_kernel(
     x_ptr,
     w_ptr,
+    x_desc,  # TMA descriptors of x [M, K] and w [WORLD*BLK, K]; None unless TMA (gemm.py)
+    w_desc,
     buffer_ptrs,  # int64 [WORLD]: every rank's receive buffer ([WORLD*M, BLK] of x's dtype at offset 0)
     signal_ptrs,  # int64 [WORLD]: every rank's flag words
     counters_ptr,  # int64 local: EPOCH, RETIRED, STATUS
@@ -203,6 +205,8 @@ def _qkv_all_to_all_kernel(
     USE_FLAGS: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
     TIMELINE: tl.constexpr,
+    TMA: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """GEMM x @ w^T with tile (rows r, block g, cols c) stored into rank g's buffer at [rank*M + r, c].
 
@@ -210,7 +214,8 @@ def _qkv_all_to_all_kernel(
     flattened tile x K loop, same epilogue tile-id recomputation), with N tiled per block
     (tiles = cdiv(M, BLOCK_M) x WORLD * cdiv(BLK, BLOCK_N)) so that every tile has one owner,
     and the epilogue's store redirected to the owner. Flag code sits outside the loop only
-    (DESIGN.md pitfall e).
+    (DESIGN.md pitfall e). TMA / WARP_SPECIALIZE: the K loop's tile loads as in gemm.py; a W tile
+    that runs past its block reads the next block's rows (or zeros), whose columns the store masks.
     """
     pid = tl.program_id(axis=0)
     nprog = tl.num_programs(axis=0)
@@ -243,7 +248,8 @@ def _qkv_all_to_all_kernel(
         tile_id_c = pid - NUM_SMS
         offs_k_base = tl.arange(0, BLOCK_K)
 
-        for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=True):
+        for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=not WARP_SPECIALIZE,
+                                warp_specialize=WARP_SPECIALIZE):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
             blk_id = pid_n // tiles_per_block
             offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -254,16 +260,20 @@ def _qkv_all_to_all_kernel(
 
             accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(k_tiles):
-                offs_k = ki * BLOCK_K + offs_k_base
-                a_ptrs = x_ptr + (offs_am[:, None] * stride_xm + offs_k[None, :] * stride_xk)
-                b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs)
+                if TMA:
+                    a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                    b = w_desc.load([blk_id * BLK + (pid_n % tiles_per_block) * BLOCK_N, ki * BLOCK_K]).T
                 else:
-                    k_left = K - ki * BLOCK_K
-                    a = tl.load(a_ptrs, mask=offs_k_base[None, :] < k_left, other=0.0)
-                    b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
+                    offs_k = ki * BLOCK_K + offs_k_base
+                    a_ptrs = x_ptr + (offs_am[:, None] * stride_xm + offs_k[None, :] * stride_xk)
+                    b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
+                    if EVEN_K:
+                        a = tl.load(a_ptrs)
+                        b = tl.load(b_ptrs)
+                    else:
+                        k_left = K - ki * BLOCK_K
+                        a = tl.load(a_ptrs, mask=offs_k_base[None, :] < k_left, other=0.0)
+                        b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
                 accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
 
             tile_id_c += NUM_SMS
@@ -607,10 +617,14 @@ def launch_qkv_all_to_all(
         if not produce:
             raise ValueError("launch_qkv_all_to_all: a timeline times the produce phase; this launch has none")
         _check_timeline(timeline, grid, x.device)
+    use_tma = produce and cfg.tma and tma_compatible(x, w)
+    x_desc, w_desc = tma_descriptors(x, w, cfg.block_m, cfg.block_n, cfg.block_k) if use_tma else (None, None)
     with device_guard(x.device):
         return _qkv_all_to_all_kernel[(grid,)](
             x,
             w,
+            x_desc,
+            w_desc,
             table.buffer_ptrs,
             table.signal_ptrs,
             table.counters,
@@ -639,6 +653,8 @@ def launch_qkv_all_to_all(
             USE_FLAGS=use_flags,
             SPIN_LIMIT=_spin_limit(spin_limit),
             TIMELINE=timeline is not None,
+            TMA=use_tma,
+            WARP_SPECIALIZE=use_tma and cfg.warp_specialize,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -868,16 +884,18 @@ def _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, ma
     )
 
 
-def _gemm_cfg(block_m, block_n, block_k, group_m, num_warps, num_stages) -> GemmConfig | None:
+def _gemm_cfg(block_m, block_n, block_k, group_m, num_warps, num_stages, tma=0, ws=0) -> GemmConfig | None:
     if block_m <= 0:
         return None
-    return GemmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages)
+    return GemmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
+                      tma=bool(tma), warp_specialize=bool(ws))
 
 
-def _gemm_meta(cfg: GemmConfig | None) -> tuple[int, int, int, int, int, int]:
+def _gemm_meta(cfg: GemmConfig | None) -> tuple[int, ...]:
     if cfg is None:
-        return (0, 0, 0, 0, 0, 0)
-    return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
+        return (0,) * 8
+    return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages,
+            int(cfg.tma), int(cfg.warp_specialize))
 
 
 @torch.library.custom_op("fusedpar::qkv_all_to_all", mutates_args=("counters",))
@@ -923,7 +941,7 @@ def _o_meta(cfg: OProjConfig) -> list[int]:
 
 
 def _o_cfg(meta: list[int]) -> OProjConfig:
-    return OProjConfig(_gemm_cfg(*meta[:6]), *meta[6:])
+    return OProjConfig(_gemm_cfg(*meta[:8]), *meta[8:])
 
 
 @torch.library.custom_op("fusedpar::all_to_all_o_proj", mutates_args=("counters",))
@@ -998,6 +1016,8 @@ def _launch_wait(signal_ptrs, counters, rank, world_size, *, use_flags, spin_lim
         _qkv_all_to_all_kernel[(1,)](
             dummy,
             dummy,
+            None,
+            None,
             signal_ptrs,  # buffer_ptrs unused
             signal_ptrs,
             counters,

@@ -149,6 +149,60 @@ def test_explicit_tilings(config):
     run_and_check(a, w, name=f"tiling {config}", config=config)
 
 
+TMA_SHAPES = [(1, 24, 16), (33, 40, 40), (100, 72, 96), (37, 50, 72)]  # K % 8 == 0: 16-byte rows in fp16
+
+
+def _count_descriptors(monkeypatch) -> list:
+    made = []
+    real = gemm.tma_descriptors
+
+    def counting(*args):
+        made.append(args[2:])
+        return real(*args)
+
+    monkeypatch.setattr(gemm, "tma_descriptors", counting)
+    return made
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", WEIGHT_KINDS[:3])
+@pytest.mark.parametrize(("m", "n", "k"), TMA_SHAPES)
+def test_tma_loads(m, n, k, kind, dtype, monkeypatch):
+    """The TMA mainloop (descriptor tile loads, zero fill past every edge) on ragged shapes and the
+    shift views; 32x32x32 tiles on the interpreter, so M, N and K all have partial tiles."""
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    a = _randn((m, k), dtype, gen)
+    w = make_weight(kind, n, k, dtype, gen)
+    assert gemm.tma_compatible(a, w)
+    made = _count_descriptors(monkeypatch)
+    cfg = (32, 32, 32, 2, 4, 1, True) if not HAS_CUDA else (64, 128, 64, 8, 4, 3, True)
+    run_and_check(a, w, name=f"tma {kind} C[{m},{n}] K={k}", config=cfg)
+    assert made == [tuple(cfg[:3])], "the TMA path did not run"
+
+
+def test_tma_config_falls_back_where_descriptors_cannot_work(monkeypatch):
+    """A TMA config on operands TMA cannot read (transposed weight; K = 36 rows of 72 bytes) still
+    gives the right result: the launcher takes the pointer loads."""
+    gen = torch.Generator().manual_seed(9)
+    a = _randn((40, 36), torch.float16, gen)
+    made = _count_descriptors(monkeypatch)
+    cfg = (32, 32, 32, 2, 4, 1, True) if not HAS_CUDA else (64, 128, 64, 8, 4, 3, True)
+    for kind in ("transposed", "contiguous"):
+        w = make_weight(kind, 24, 36, torch.float16, gen)
+        assert not gemm.tma_compatible(a, w)
+        run_and_check(a, w, name="tma fallback", config=cfg)
+    assert made == []
+
+
+def test_tma_compatible_names_the_rules():
+    x = torch.zeros((8, 64), dtype=torch.float16, device=DEVICE)
+    assert gemm.tma_compatible(x)
+    assert not gemm.tma_compatible(x.T)  # stride 1 must be the last dim
+    assert not gemm.tma_compatible(x[:, 1:9])  # base 2 bytes past a 16-byte boundary
+    assert gemm.tma_compatible(x[:, 8:16])
+    assert not gemm.tma_compatible(torch.zeros((8, 4), dtype=torch.float16, device=DEVICE))  # 8-byte rows
+
+
 def test_empty_dims():
     gen = torch.Generator().manual_seed(0)
     a = _randn((0, 16), torch.float32, gen)
@@ -305,6 +359,25 @@ def test_gpu_llama_shapes(m, kind, dtype):
     out = run_and_check(a, w, name=f"{kind} C[{m},{n}] K={k} {dtype}")
     # Same-precision agreement with cuBLAS as a second opinion (both round the same fp32 sums).
     assert_close(out, gemm.matmul_reference(a, w), dtype=dtype, name="vs cuBLAS")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("ws", (False, True), ids=("tma", "tma-ws"))
+@pytest.mark.parametrize("kind", ("contiguous", "row_view", "col_view"))
+@pytest.mark.parametrize("m", (200, 1000))
+def test_gpu_tma_mainloop(m, kind, ws):
+    """bf16 TMA tilings (with and without Triton's warp specialisation) on ragged Llama-sized shapes."""
+    dtype = torch.bfloat16
+    n, k = 1320, 8192
+    gen = torch.Generator().manual_seed(m + ws)
+    a = _randn((m, k), dtype, gen)
+    w = make_weight(kind, n, k, dtype, gen, blocks=4)
+    for cfg in ((128, 128, 64, 8, 8, 4, True, ws), (128, 256, 64, 8, 8, 3, True, ws)):
+        out = run_and_check(a, w, name=f"{kind} C[{m},{n}] K={k} {cfg}", config=cfg)
+        assert_close(out, gemm.matmul_reference(a, w), dtype=dtype, name="vs cuBLAS")
 
 
 @pytest.mark.gpu

@@ -34,7 +34,9 @@ _COMPILE = textwrap.dedent(
     sig = {n: "constexpr" if n in consts else spec["types"][n] for n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
-    print(json.dumps({"ptx_globaltimer": k.asm["ptx"].count("%globaltimer"), "cubin_bytes": len(k.asm["cubin"])}))
+    ptx = k.asm["ptx"]
+    print(json.dumps({"ptx_globaltimer": ptx.count("%globaltimer"), "cubin_bytes": len(k.asm["cubin"]),
+                      "tma_loads": ptx.count("cp.async.bulk.tensor")}))
     """
 )
 
@@ -43,18 +45,23 @@ _QKV_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "buffer_ptrs": "*i64", "signal
               "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32"}
 
 
-def _qkv_constexprs(timeline: bool) -> dict:
-    return {"WORLD": 4, "WORLD_P2": 4, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_SMS": 132,
-            "EVEN_K": True, "INPUT_PRECISION": "tf32", "EPOCH_AHEAD": 1, "SEND_READY": True, "PRODUCE": True,
-            "WAIT": True, "USE_FLAGS": True, "SPIN_LIMIT": 1 << 24, "TIMELINE": timeline}
+def _qkv_constexprs(timeline: bool, tma: bool) -> dict:
+    consts = {"WORLD": 4, "WORLD_P2": 4, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_SMS": 132,
+              "EVEN_K": True, "INPUT_PRECISION": "tf32", "EPOCH_AHEAD": 1, "SEND_READY": True, "PRODUCE": True,
+              "WAIT": True, "USE_FLAGS": True, "SPIN_LIMIT": 1 << 24, "TIMELINE": timeline, "TMA": tma,
+              "WARP_SPECIALIZE": False}
+    if not tma:
+        consts.update(x_desc=None, w_desc=None)  # what the launcher passes without TMA
+    return consts
 
 
-@pytest.mark.parametrize("timeline", [False, True])
-def test_qkv_kernel_builds_for_sm90_in_bf16(tmp_path, timeline):
+@pytest.mark.parametrize(("timeline", "tma"), [(False, False), (True, False), (False, True)])
+def test_qkv_kernel_builds_for_sm90_in_bf16(tmp_path, timeline, tma):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh build, not a cached one
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    spec = {"types": _QKV_TYPES, "constexprs": _qkv_constexprs(timeline)}
+    types = dict(_QKV_TYPES, x_desc="tensordesc<bf16[128, 64]>", w_desc="tensordesc<bf16[256, 64]>")
+    spec = {"types": types, "constexprs": _qkv_constexprs(timeline, tma)}
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(spec)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
@@ -62,3 +69,5 @@ def test_qkv_kernel_builds_for_sm90_in_bf16(tmp_path, timeline):
     assert got["cubin_bytes"] > 10_000, got
     # The timeline reads the clock at its four points; without it the build has no clock read at all.
     assert got["ptx_globaltimer"] == (4 if timeline else 0), got
+    # TMA: the K loop's tiles come in by bulk tensor copies; without it, by none.
+    assert (got["tma_loads"] > 0) == tma, got

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from fusedpar.collectives import comm
 from fusedpar.collectives.symmetric import COUNTER_EPOCH, EmulatedWorld, SymmetricWorkspace
 from fusedpar.kernels import ulysses as u
-from fusedpar.kernels.gemm import GemmConfig
+from fusedpar.kernels.gemm import GemmConfig, tma_compatible
 from fusedpar.kernels.ulysses import (
     OProjConfig,
     all_to_all_o_proj,
@@ -80,20 +80,23 @@ def o_proj_reference(attns, ws) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------------- inputs
 
 
-def _weight(n: int, k: int, dtype, gen, kind: str) -> torch.Tensor:
-    """[n, k], entries ~ N(0, 1/k), stored as `kind` (the shift views of DESIGN.md section 3)."""
+def _weight(n: int, k: int, dtype, gen, kind: str, col_offset: int = 3) -> torch.Tensor:
+    """[n, k], entries ~ N(0, 1/k), stored as `kind` (the shift views of DESIGN.md section 3).
+    The view is taken last: arithmetic on a view returns a new contiguous tensor."""
     scale = 1.0 / math.sqrt(k)
+
+    def draw(shape):
+        return (torch.randn(shape, generator=gen) * scale).to(dtype)
+
     if kind == "contiguous":
-        t = torch.randn((n, k), generator=gen)
-    elif kind == "row_view":  # rows of a larger base weight: offset pointer
-        t = torch.randn((n + 7, k), generator=gen).narrow(0, 5, n)
-    elif kind == "col_view":  # columns of a wider base weight: stride(0) != k
-        t = torch.randn((n, k + 6), generator=gen).narrow(1, 3, k)
-    elif kind == "transposed":
-        t = torch.randn((k, n), generator=gen).T
-    else:
-        raise ValueError(kind)
-    return (t * scale).to(dtype)
+        return draw((n, k))
+    if kind == "row_view":  # rows of a larger base weight: offset pointer
+        return draw((n + 7, k)).narrow(0, 5, n)
+    if kind == "col_view":  # columns of a wider base weight: stride(0) != k
+        return draw((n, k + 2 * col_offset)).narrow(1, col_offset, k)
+    if kind == "transposed":
+        return draw((k, n)).T
+    raise ValueError(kind)
 
 
 def qkv_inputs(W, m, d, blk, dtype, seed, kind="row_view"):
@@ -184,6 +187,27 @@ def test_qkv_explicit_small_tiles_many_programs():
     world = qkv_world(W, m, blk, torch.float32)
     recvs = qkv_all_to_all_emulated(world, xs, ws, config=GemmConfig(16, 16, 16, group_m=3, num_stages=1))
     check_qkv(world, xs, ws, recvs, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("schedule", ["phased", "staggered"])
+@pytest.mark.parametrize("kind", ["contiguous", "row_view", "col_view"])
+def test_qkv_tma_loads(kind, schedule, monkeypatch):
+    # The TMA mainloop: blk 40 against 32-wide tiles, so a W tile reads 24 rows past its block (the
+    # next block's, or zeros after the last) that the store must drop; K = 72 leaves a K tail.
+    W, m, d, blk = 3, 13, 72, 40
+    gen = torch.Generator().manual_seed(17)
+    xs = [(torch.randn((m, d), generator=gen) + 0.1).half() for _ in range(W)]
+    ws = [_weight(W * blk, d, torch.float16, gen, kind, col_offset=8) for _ in range(W)]  # 16-byte aligned view
+    assert all(tma_compatible(x, w) for x, w in zip(xs, ws, strict=True))
+    assert (kind == "contiguous") == (ws[0].is_contiguous() and ws[0].storage_offset() == 0)
+    made = []
+    real = u.tma_descriptors
+    monkeypatch.setattr(u, "tma_descriptors", lambda *a: made.append(a[2:]) or real(*a))
+    world = qkv_world(W, m, blk, torch.float16)
+    cfg = GemmConfig(32, 32, 32, group_m=2, num_stages=1, tma=True)
+    recvs = qkv_all_to_all_emulated(world, xs, ws, schedule=schedule, config=cfg)
+    check_qkv(world, xs, ws, recvs, dtype=torch.float16)
+    assert len(made) == W and set(made) == {(32, 32, 32)}, "every produce launch takes the TMA path"
 
 
 def test_qkv_consecutive_calls_reuse_one_buffer_and_advance_epochs():
@@ -732,6 +756,31 @@ def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m):
     rel = ((got.float() - plain.float()).abs().max() / plain.float().abs().max()).item()
     if rel > 2e-2:
         errors.append(f"qkv m={m}: rel diff {rel:.3g} vs the plain bf16 path")
+    err = _status_err(gpu_ws)
+    if err:
+        errors.append(err)
+    assert all_ranks_ok(not errors), "\n".join(errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ws_flag", [False, True], ids=["tma", "tma-ws"])
+@pytest.mark.parametrize("m", [13, 1024])
+def test_gpu_qkv_tma_matches_fp64(gpu_world, gpu_ws, m, ws_flag):
+    """The TMA mainloop (optionally warp-specialised) on the shift-style column-view weight."""
+    errors = []
+    x, w = _gpu_qkv_operands(gpu_ws, m, salt=31 * m + ws_flag)
+    assert tma_compatible(x, w)
+    gpu_ws.qkv.table.buffer.fill_(0xFF)
+    for cfg in (GemmConfig(128, 128, 64, 8, 8, 4, tma=True, warp_specialize=ws_flag),
+                GemmConfig(128, 256, 64, 8, 8, 3, tma=True, warp_specialize=ws_flag)):
+        got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, config=cfg)
+        torch.cuda.synchronize()
+        if got.isnan().any():
+            errors.append(f"m={m} {cfg}: NaN in the receive buffer")
+        err = _qkv_err(got.clone(), x, w, gpu_ws, f"qkv m={m} {cfg} vs fp64")
+        if err:
+            errors.append(err)
+        gpu_ws.qkv.table.buffer.fill_(0xFF)  # the next call's READY orders this fill before peers' stores
     err = _status_err(gpu_ws)
     if err:
         errors.append(err)
