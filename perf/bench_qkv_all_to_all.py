@@ -67,12 +67,13 @@ DEFAULT_TOKENS = ",".join(str(2**i) for i in range(3, 15))  # 8 .. 16384
 SETS = 2
 # --sweep-configs: tilings tried for the fused kernel (block_m, block_n, block_k, num_warps, num_stages),
 # each within Hopper's 227 KiB of shared memory in bf16.
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA loads, warp specialisation)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA loads, nested tile/K loops instead of one flattened loop)
 SWEEP_CONFIGS = ((128, 128, 64, 4, 5, 0, 0), (128, 128, 64, 8, 4, 0, 0), (128, 256, 64, 8, 3, 0, 0),
                  (256, 128, 64, 8, 3, 0, 0), (64, 256, 64, 4, 4, 0, 0), (64, 128, 128, 4, 4, 0, 0),
+                 (128, 128, 64, 8, 4, 0, 1), (128, 256, 64, 8, 3, 0, 1),
                  (128, 128, 64, 4, 5, 1, 0), (128, 128, 64, 8, 4, 1, 0), (128, 256, 64, 8, 3, 1, 0),
-                 (128, 256, 64, 8, 4, 1, 0), (128, 128, 64, 4, 4, 1, 1), (128, 128, 64, 8, 4, 1, 1),
-                 (128, 256, 64, 8, 3, 1, 1))
+                 (128, 128, 64, 4, 5, 1, 1), (128, 128, 64, 8, 4, 1, 1), (128, 128, 64, 8, 5, 1, 1),
+                 (128, 256, 64, 8, 3, 1, 1), (128, 256, 64, 8, 4, 1, 1), (256, 128, 64, 8, 3, 1, 1))
 
 
 # ------------------------------------------------------------------------------------ bench
@@ -97,9 +98,9 @@ def sweep_configs(model, m, W, ws, timer) -> list[tuple[str, float]]:
     wts = [(torch.randn((n, d), generator=gen, device="cuda") / d**0.5).to(torch.bfloat16) for _ in range(SETS)]
     ref = u.qkv_all_to_all(xs[0], wts[0], ws, fused=True).clone()
     out = []
-    for bm, bn, bk, warps, stages, tma, wspec in SWEEP_CONFIGS:
+    for bm, bn, bk, warps, stages, tma, nested in SWEEP_CONFIGS:
         cfg = GemmConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages, tma=bool(tma),
-                         warp_specialize=bool(wspec))
+                         flatten=not nested)
         try:
             got = u.qkv_all_to_all(xs[0], wts[0], ws, fused=True, config=cfg)
         except Exception as e:  # a tiling Triton cannot compile fails before any launch, on every rank
@@ -109,7 +110,7 @@ def sweep_configs(model, m, W, ws, timer) -> list[tuple[str, float]]:
         if rel > 1e-2:  # tilings only reorder the fp32 accumulation: anything larger is a bug
             print(f"rank {dist.get_rank()}: {model} m={m} {cfg}: differs from the default tiling by {rel:.3g} (rel)")
         ms = timer(lambda i, c=cfg: u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True, config=c))
-        out.append((f"{bm}x{bn}x{bk} w{warps} s{stages}{' tma' if tma else ''}{' ws' if wspec else ''}", ms))
+        out.append((f"{bm}x{bn}x{bk} w{warps} s{stages}{' tma' if tma else ''}{' nested' if nested else ''}", ms))
     u.check_status(ws)
     return out
 

@@ -43,11 +43,11 @@ def candidates(m: int) -> list[gemm.GemmConfig]:
 
 
 def tma_candidates() -> list[gemm.GemmConfig]:
-    """TMA-fed tilings (gemm.py's TMA mainloop), with and without Triton's warp specialisation."""
+    """TMA-fed tilings (gemm.py's TMA mainloop), with the flattened and the nested tile loop."""
     base = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 5), (128, 128, 64, 8, 4),
             (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (64, 128, 128, 4, 4)]
-    return [gemm.GemmConfig(bm, bn, bk, 8, w, s, tma=True, warp_specialize=ws)
-            for bm, bn, bk, w, s in base for ws in (False, True)]
+    return [gemm.GemmConfig(bm, bn, bk, 8, w, s, tma=True, flatten=flat)
+            for bm, bn, bk, w, s in base for flat in (True, False)]
 
 
 def main() -> int:
@@ -107,7 +107,7 @@ def main() -> int:
                 print(f"{case.name:16s} m={m:6d} cublas {cublas:.4f}  default {results[0][1]:.4f} "
                       f"({row['default_vs_cublas']:.2f}x)  best {best[1]:.4f} ({row['best_vs_cublas']:.2f}x) "
                       f"{b.block_m}x{b.block_n}x{b.block_k} w{b.num_warps} s{b.num_stages}"
-                      f"{' tma' if b.tma else ''}{' ws' if b.warp_specialize else ''}", flush=True)
+                      f"{' tma' if b.tma else ''}{'' if b.flatten else ' nested'}", flush=True)
                 del sets, outs, w
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,

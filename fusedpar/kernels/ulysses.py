@@ -206,7 +206,7 @@ def _qkv_all_to_all_kernel(
     SPIN_LIMIT: tl.constexpr,
     TIMELINE: tl.constexpr,
     TMA: tl.constexpr = False,
-    WARP_SPECIALIZE: tl.constexpr = False,
+    FLATTEN: tl.constexpr = True,
 ):
     """GEMM x @ w^T with tile (rows r, block g, cols c) stored into rank g's buffer at [rank*M + r, c].
 
@@ -214,7 +214,7 @@ def _qkv_all_to_all_kernel(
     flattened tile x K loop, same epilogue tile-id recomputation), with N tiled per block
     (tiles = cdiv(M, BLOCK_M) x WORLD * cdiv(BLK, BLOCK_N)) so that every tile has one owner,
     and the epilogue's store redirected to the owner. Flag code sits outside the loop only
-    (DESIGN.md pitfall e). TMA / WARP_SPECIALIZE: the K loop's tile loads as in gemm.py; a W tile
+    (DESIGN.md pitfall e). TMA / FLATTEN: the K loop's tile loads and the loop nest as in gemm.py; a W tile
     that runs past its block reads the next block's rows (or zeros), whose columns the store masks.
     """
     pid = tl.program_id(axis=0)
@@ -248,8 +248,7 @@ def _qkv_all_to_all_kernel(
         tile_id_c = pid - NUM_SMS
         offs_k_base = tl.arange(0, BLOCK_K)
 
-        for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=not WARP_SPECIALIZE,
-                                warp_specialize=WARP_SPECIALIZE):
+        for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
             blk_id = pid_n // tiles_per_block
             offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -654,7 +653,7 @@ def launch_qkv_all_to_all(
             SPIN_LIMIT=_spin_limit(spin_limit),
             TIMELINE=timeline is not None,
             TMA=use_tma,
-            WARP_SPECIALIZE=use_tma and cfg.warp_specialize,
+            FLATTEN=cfg.flatten,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -884,18 +883,18 @@ def _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, ma
     )
 
 
-def _gemm_cfg(block_m, block_n, block_k, group_m, num_warps, num_stages, tma=0, ws=0) -> GemmConfig | None:
+def _gemm_cfg(block_m, block_n, block_k, group_m, num_warps, num_stages, tma=0, flatten=1) -> GemmConfig | None:
     if block_m <= 0:
         return None
     return GemmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
-                      tma=bool(tma), warp_specialize=bool(ws))
+                      tma=bool(tma), flatten=bool(flatten))
 
 
 def _gemm_meta(cfg: GemmConfig | None) -> tuple[int, ...]:
     if cfg is None:
         return (0,) * 8
     return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages,
-            int(cfg.tma), int(cfg.warp_specialize))
+            int(cfg.tma), int(cfg.flatten))
 
 
 @torch.library.custom_op("fusedpar::qkv_all_to_all", mutates_args=("counters",))

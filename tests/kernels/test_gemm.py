@@ -136,6 +136,7 @@ def test_transposed_output_and_fp32_out_from_fp16():
         (16, 16, 16, 1, 4, 1),  # many tiles per program, plain row-major order
         (32, 16, 64, 3, 4, 1),  # GROUP_M=3: last swizzle group ragged; K=80 not a multiple of 64
         (64, 32, 16, 8, 4, 1),  # GROUP_M larger than the number of tile rows; K multiple of 16
+        (16, 32, 32, 3, 4, 1, False, False),  # nested tile and K loops (FLATTEN off), pointer loads
     ],
     ids=lambda c: "x".join(map(str, c[:3])) + f"-g{c[3]}",
 )
@@ -175,9 +176,10 @@ def test_tma_loads(m, n, k, kind, dtype, monkeypatch):
     w = make_weight(kind, n, k, dtype, gen)
     assert gemm.tma_compatible(a, w)
     made = _count_descriptors(monkeypatch)
-    cfg = (32, 32, 32, 2, 4, 1, True) if not HAS_CUDA else (64, 128, 64, 8, 4, 3, True)
-    run_and_check(a, w, name=f"tma {kind} C[{m},{n}] K={k}", config=cfg)
-    assert made == [tuple(cfg[:3])], "the TMA path did not run"
+    for flatten in (True, False):  # one fused tile x K loop, or the nested loops
+        cfg = (32, 32, 32, 2, 4, 1, True, flatten) if not HAS_CUDA else (64, 128, 64, 8, 4, 3, True, flatten)
+        run_and_check(a, w, name=f"tma {kind} C[{m},{n}] K={k} flatten={flatten}", config=cfg)
+    assert made == [tuple(cfg[:3])] * 2, "the TMA path did not run"
 
 
 def test_tma_config_falls_back_where_descriptors_cannot_work(monkeypatch):
@@ -363,19 +365,17 @@ def test_gpu_llama_shapes(m, kind, dtype):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("ws", (False, True), ids=("tma", "tma-ws"))
+@pytest.mark.parametrize("flatten", (True, False), ids=("flat", "nested"))
 @pytest.mark.parametrize("kind", ("contiguous", "row_view", "col_view"))
 @pytest.mark.parametrize("m", (200, 1000))
-def test_gpu_tma_mainloop(m, kind, ws):
-    """bf16 TMA tilings (with and without Triton's warp specialisation) on ragged Llama-sized shapes."""
+def test_gpu_tma_mainloop(m, kind, flatten):
+    """bf16 TMA tilings (flattened and nested tile loop) on ragged Llama-sized shapes."""
     dtype = torch.bfloat16
     n, k = 1320, 8192
-    gen = torch.Generator().manual_seed(m + ws)
+    gen = torch.Generator().manual_seed(m + flatten)
     a = _randn((m, k), dtype, gen)
     w = make_weight(kind, n, k, dtype, gen, blocks=4)
-    for cfg in ((128, 128, 64, 8, 8, 4, True, ws), (128, 256, 64, 8, 8, 3, True, ws)):
+    for cfg in ((128, 128, 64, 8, 8, 4, True, flatten), (128, 256, 64, 8, 8, 3, True, flatten)):
         out = run_and_check(a, w, name=f"{kind} C[{m},{n}] K={k} {cfg}", config=cfg)
         assert_close(out, gemm.matmul_reference(a, w), dtype=dtype, name="vs cuBLAS")
 

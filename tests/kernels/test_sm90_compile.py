@@ -49,7 +49,7 @@ def _qkv_constexprs(timeline: bool, tma: bool) -> dict:
     consts = {"WORLD": 4, "WORLD_P2": 4, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_SMS": 132,
               "EVEN_K": True, "INPUT_PRECISION": "tf32", "EPOCH_AHEAD": 1, "SEND_READY": True, "PRODUCE": True,
               "WAIT": True, "USE_FLAGS": True, "SPIN_LIMIT": 1 << 24, "TIMELINE": timeline, "TMA": tma,
-              "WARP_SPECIALIZE": False}
+              "FLATTEN": not tma}
     if not tma:
         consts.update(x_desc=None, w_desc=None)  # what the launcher passes without TMA
     return consts

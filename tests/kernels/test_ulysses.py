@@ -204,10 +204,13 @@ def test_qkv_tma_loads(kind, schedule, monkeypatch):
     real = u.tma_descriptors
     monkeypatch.setattr(u, "tma_descriptors", lambda *a: made.append(a[2:]) or real(*a))
     world = qkv_world(W, m, blk, torch.float16)
-    cfg = GemmConfig(32, 32, 32, group_m=2, num_stages=1, tma=True)
-    recvs = qkv_all_to_all_emulated(world, xs, ws, schedule=schedule, config=cfg)
-    check_qkv(world, xs, ws, recvs, dtype=torch.float16)
-    assert len(made) == W and set(made) == {(32, 32, 32)}, "every produce launch takes the TMA path"
+    for flatten in (True, False):  # consecutive calls on one world: epochs 1 and 2
+        cfg = GemmConfig(32, 32, 32, group_m=2, num_stages=1, tma=True, flatten=flatten)
+        recvs = qkv_all_to_all_emulated(world, xs, ws, schedule=schedule, config=cfg)
+        check_qkv(world, xs, ws, recvs, dtype=torch.float16)
+        for buf in world.buffers:  # re-poison: the second call must write every element again
+            buf.fill_(0xFF)
+    assert len(made) == 2 * W and set(made) == {(32, 32, 32)}, "every produce launch takes the TMA path"
 
 
 def test_qkv_consecutive_calls_reuse_one_buffer_and_advance_epochs():
@@ -763,16 +766,16 @@ def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws_flag", [False, True], ids=["tma", "tma-ws"])
+@pytest.mark.parametrize("flatten", [True, False], ids=["flat", "nested"])
 @pytest.mark.parametrize("m", [13, 1024])
-def test_gpu_qkv_tma_matches_fp64(gpu_world, gpu_ws, m, ws_flag):
-    """The TMA mainloop (optionally warp-specialised) on the shift-style column-view weight."""
+def test_gpu_qkv_tma_matches_fp64(gpu_world, gpu_ws, m, flatten):
+    """The TMA mainloop (flattened or nested tile loop) on the shift-style column-view weight."""
     errors = []
-    x, w = _gpu_qkv_operands(gpu_ws, m, salt=31 * m + ws_flag)
+    x, w = _gpu_qkv_operands(gpu_ws, m, salt=31 * m + flatten)
     assert tma_compatible(x, w)
     gpu_ws.qkv.table.buffer.fill_(0xFF)
-    for cfg in (GemmConfig(128, 128, 64, 8, 8, 4, tma=True, warp_specialize=ws_flag),
-                GemmConfig(128, 256, 64, 8, 8, 3, tma=True, warp_specialize=ws_flag)):
+    for cfg in (GemmConfig(128, 128, 64, 8, 8, 4, tma=True, flatten=flatten),
+                GemmConfig(128, 256, 64, 8, 8, 3, tma=True, flatten=flatten)):
         got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, config=cfg)
         torch.cuda.synchronize()
         if got.isnan().any():
