@@ -150,6 +150,7 @@ def bench_case(case, tokens, args, dtype, peak, bandwidth, l2_bytes, gemm, devic
         dtype=dtype,
         num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
         interpret=False,
+        tma=gemm.tma_compatible(*sets[0]),  # what matmul's launcher picks for these operands
     )
     return {
         "m": m,

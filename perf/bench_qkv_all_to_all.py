@@ -65,8 +65,7 @@ MODELS = {
 }
 DEFAULT_TOKENS = ",".join(str(2**i) for i in range(3, 15))  # 8 .. 16384
 SETS = 2
-# --sweep-configs: tilings tried for the fused kernel (block_m, block_n, block_k, num_warps, num_stages),
-# each within Hopper's 227 KiB of shared memory in bf16.
+# --sweep-configs: tilings tried for the fused kernel, each within Hopper's 227 KiB of shared memory in bf16:
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA loads, nested tile/K loops instead of one flattened loop)
 SWEEP_CONFIGS = ((128, 128, 64, 4, 5, 0, 0), (128, 128, 64, 8, 4, 0, 0), (128, 256, 64, 8, 3, 0, 0),
                  (256, 128, 64, 8, 3, 0, 0), (64, 256, 64, 4, 4, 0, 0), (64, 128, 128, 4, 4, 0, 0),
@@ -159,7 +158,7 @@ def bench_case(model, m, W, group, ws, timer, ceil) -> dict:
     }
     floor = max(terms.values())
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = u._qkv_config(m, n, d, blk, torch.bfloat16, num_sms)
+    cfg = u._qkv_config(m, n, d, blk, torch.bfloat16, num_sms, tma_ok=True)  # contiguous x and w
     routed = "fused" if u.use_fused(m, u.QKV_FUSED_TOKEN_RANGES) else "plain"
     return {
         "case": f"{model}.sp{W}",
@@ -217,13 +216,14 @@ def main(argv=None) -> int:
         for model in models:
             for m in tokens:
                 dm = dims(model, W)
-                default = u._qkv_config(m, W * dm["blk"], dm["d"], dm["blk"], torch.bfloat16, num_sms)
+                default = u._qkv_config(m, W * dm["blk"], dm["d"], dm["blk"], torch.bfloat16, num_sms, tma_ok=True)
                 row = sweep_configs(model, m, W, ws, timer)
                 if rank == 0:
                     best = min(row, key=lambda r: r[1])
                     cells = "  ".join(f"{name} {ms * 1e3:6.1f}" for name, ms in row)
                     print(f"{model} m={m:5d} (default {default.block_m}x{default.block_n}x{default.block_k} "
-                          f"w{default.num_warps} s{default.num_stages}) us: {cells}  | best {best[0]}", flush=True)
+                          f"w{default.num_warps} s{default.num_stages}{' tma' if default.tma else ''}"
+                          f"{'' if default.flatten else ' nested'}) us: {cells}  | best {best[0]}", flush=True)
         _bench.finish_distributed()
         return 0
     ceil = _bench.measure_link_ceilings(timer, group)

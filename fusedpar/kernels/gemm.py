@@ -196,6 +196,7 @@ def pick_config(
     out_dtype: torch.dtype | None = None,
     num_sms: int,
     interpret: bool,
+    tma: bool = False,
 ) -> GemmConfig:
     """Block sizes for C[m, n] = A[m, k] @ W[n, k]^T (A, W of `dtype`; C of `out_dtype`).
 
@@ -214,17 +215,33 @@ def pick_config(
         form one wave of >= 60% of the SMs; else 128x128x64 (4 warps, 5 stages) when that gives
         >= 0.6 x #SMs tiles; else 64x128x128 (4 warps, 4 stages). fp32 output never takes
         128x256 (its epilogue tile alone is 128 KiB).
-    Narrow-N shapes at 512-2048 rows (the qkv GEMM) still trail cuBLAS (0.7-0.8x): closing that
-    needs split-K / stream-K or TMA loads, not a different tile.
+    Narrow-N shapes at 512-2048 rows (the qkv GEMM) trail cuBLAS (0.7-0.8x) with these tilings.
+    tma=True (16-bit operands that `tma_compatible` accepts; callers that launch this file's kernel):
+    m > 64 takes TMA loads and, per shape, the best score of three tiles, score = wave fill (tiles /
+    (waves * #SMs)) times the tile's own efficiency: 128x256x64 (8 warps, 4 stages) 1.0, 128x128x64
+    (4 warps, 5 stages) 0.97, 64x128x128 (4 warps, 4 stages) 0.82 - fitted to the TMA sweep of GPU
+    run 53 (perf/tune_gemm.py --tma-only, perf/results/gemm_tune_tma.json), where this pick is
+    within 3% of the best of 14 TMA tilings on all 24 shape x 1024-4096-row cases but one (8%)
+    and takes e.g. the Qwen3-32B qkv GEMM at 1024 rows from 0.71x to 0.94x cuBLAS.
     fp32 inputs halve BLOCK_K so the operand buffers keep the same byte size.
     """
     if interpret:
-        return GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1)
+        return GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=tma)
     in_bytes = torch.empty((), dtype=dtype).element_size()
     out_bytes = torch.empty((), dtype=out_dtype or dtype).element_size()
 
     def tiles(block_m: int, block_n: int) -> int:
         return triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+
+    def wave_fill(t: int) -> float:
+        return t / (triton.cdiv(t, num_sms) * num_sms)
+
+    if tma and m > 64 and in_bytes == 2:
+        choices = [(0.97, GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=5, tma=True)),
+                   (0.82, GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4, tma=True))]
+        if out_bytes <= 2:  # fp32 out: the 128x256 epilogue tile alone is 128 KiB
+            choices.insert(0, (1.0, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True)))
+        return max(choices, key=lambda c: c[0] * wave_fill(tiles(c[1].block_m, c[1].block_n)))[1]
 
     def max_stages(bm: int, bn: int, bk: int, cap: int = 5) -> int:
         per_stage = (bm + bn) * bk * max(2, in_bytes)
@@ -340,7 +357,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
     else:
         index = a.device.index if a.device.index is not None else torch.cuda.current_device()
         num_sms = _device_num_sms(index)
-    cfg = config or pick_config(m, n, k, dtype=a.dtype, out_dtype=out.dtype, num_sms=num_sms, interpret=_INTERPRETED)
+    cfg = config or pick_config(m, n, k, dtype=a.dtype, out_dtype=out.dtype, num_sms=num_sms, interpret=_INTERPRETED,
+                                tma=not _INTERPRETED and tma_compatible(a, w))
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = (min(num_sms, num_tiles),)
     use_tma = cfg.tma and tma_compatible(a, w)

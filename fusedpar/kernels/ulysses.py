@@ -533,12 +533,19 @@ def qkv_recv_view(peers, tokens: int, blk: int, dtype: torch.dtype) -> torch.Ten
     return table.view(dtype, n * blk).view(n, blk)
 
 
-def _qkv_config(m: int, n_total: int, k: int, blk: int, dtype: torch.dtype, num_sms: int) -> GemmConfig:
-    # The GEMM's own tiling. perf/bench_qkv_all_to_all.py --sweep-configs (4x H200, GPU run 50):
-    # at 512-4096 rows of both the Llama-70B and the Qwen3-32B shape it is within 5% of the best of
-    # six tilings (the spread between the top few is run-to-run noise), so its remaining gap to
-    # cuBLAS (~0.9x at 1024 rows) is not a tile choice.
-    cfg = pick_config(m, n_total, k, dtype=dtype, num_sms=num_sms, interpret=_INTERPRETED)
+def _qkv_config(m: int, n_total: int, k: int, blk: int, dtype: torch.dtype, num_sms: int,
+                tma_ok: bool = False) -> GemmConfig:
+    # The GEMM's own tiling. perf/bench_qkv_all_to_all.py --sweep-configs (4x H200, GPU runs 50, 52
+    # and 53; the Llama-70B and Qwen3-32B base shapes, N = 10240): at up to ~6 waves of 128x128
+    # tiles (1024 rows per rank: a 4096-token prefill at SP=4) the TMA-fed 128x128x64 tiling with
+    # nested tile/K loops is the fastest of 17 (Llama 288 vs 304 us, Qwen 207 vs 234 us at 1024
+    # rows); above that TMA loads lose 2-7% to pointer loads here (unlike the plain GEMM), so the
+    # plain GEMM's pointer-load pick stays, within 5% of the best of the sweep.
+    if tma_ok and not _INTERPRETED and torch.empty((), dtype=dtype).element_size() == 2 \
+            and m > 64 and triton.cdiv(m, 128) * triton.cdiv(n_total, 128) <= 6 * num_sms:
+        cfg = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True, flatten=False)
+    else:
+        cfg = pick_config(m, n_total, k, dtype=dtype, num_sms=num_sms, interpret=_INTERPRETED)
     # N tiles never straddle a block: a 256-wide tile would waste half its MMA on blocks that are
     # odd multiples of 128 (e.g. hd=128 with q + 2 kv odd).
     while cfg.block_n > 32 and blk % cfg.block_n and blk % (cfg.block_n // 2) == 0:
@@ -606,7 +613,7 @@ def launch_qkv_all_to_all(
     _check_int32("qkv_all_to_all", x=x, w=w)
     W = table.world_size
     num_sms = sm_count(x.device, _INTERPRETED)
-    cfg = config or _qkv_config(m, W * blk, k, blk, x.dtype, num_sms)
+    cfg = config or _qkv_config(m, W * blk, k, blk, x.dtype, num_sms, tma_ok=tma_compatible(x, w))
     if produce:
         tiles = triton.cdiv(m, cfg.block_m) * W * triton.cdiv(blk, cfg.block_n)
         grid = max(1, min(num_sms, tiles))
