@@ -174,6 +174,44 @@ def bench_case(case, tokens, args, dtype, peak, bandwidth, l2_bytes, gemm, devic
     }
 
 
+def diagnose_tma(args, dtype, l2_bytes, gemm, device) -> None:
+    """Why a TMA tiling can time slower here than in perf/tune_gemm.py: GPU time of the pointer-load
+    and the TMA pick on this bench's operand sets (a separate weight per set, so weights are cold)
+    and on one shared weight (tune_gemm's setup), and the host us per launch of each (printed)."""
+    import time
+
+    print(f"{'case':<18}{'tokens':>7}  {'path':<8}{'cold w ms':>10}{'shared w ms':>12}{'host us':>9}  config")
+    for model in args.shapes.split(","):
+        for case in layer_cases(model):
+            if case.gemm not in set(args.gemms.split(",")):
+                continue
+            for m in (int(t) for t in args.tokens.split(",") if t):
+                n, k = case.n, case.k
+                set_bytes = (m * k + n * k + m * n) * torch.empty((), dtype=dtype).element_size()
+                n_sets = min(8, max(2, math.ceil(3 * l2_bytes / set_bytes)))
+                cold = [(torch.randn((m, k), device=device, dtype=dtype), make_weight(case, dtype, args.weight, device),
+                         torch.empty((m, n), device=device, dtype=dtype)) for _ in range(n_sets)]
+                shared = [(a, cold[0][1], o) for a, _, o in cold]
+                sms = torch.cuda.get_device_properties(device).multi_processor_count
+                for path, tma in (("pointer", False), ("tma", True)):
+                    cfg = gemm.pick_config(m, n, k, dtype=dtype, num_sms=sms, interpret=False, tma=tma)
+
+                    def call(a, w, o, c=cfg):
+                        gemm._launch(a, w, o, config=c)
+
+                    cold_ms = time_ms(call, cold, args.iters, args.warmup)
+                    shared_ms = time_ms(call, shared, args.iters, args.warmup)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for i in range(20):
+                        call(*cold[i % n_sets])
+                    host_us = (time.perf_counter() - t0) / 20 * 1e6
+                    torch.cuda.synchronize()
+                    print(f"{case.name:<18}{m:>7}  {path:<8}{cold_ms:>10.4f}{shared_ms:>12.4f}{host_us:>9.1f}  "
+                          f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}", flush=True)
+                del cold, shared
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="llama70b,qwen32b", help=f"comma list of {sorted(MODELS)}")
@@ -183,6 +221,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--weight", choices=("view", "contiguous"), default="view")
+    p.add_argument("--diagnose-tma", action="store_true",
+                   help="instead of the benchmark: pointer vs TMA tiling, cold vs shared weight, host us per launch")
     p.add_argument("--out", default="perf/results/gemm.json")
     args = p.parse_args(argv)
     unknown = set(args.shapes.split(",")) - set(MODELS)
@@ -211,6 +251,9 @@ def main(argv=None) -> int:
     tokens_list = [int(t) for t in args.tokens.split(",") if t]
     gemms = set(args.gemms.split(","))
 
+    if args.diagnose_tma:
+        diagnose_tma(args, dtype, l2_bytes, gemm, device)
+        return 0
     peak, bandwidth = measure_ceilings(dtype, max(args.iters, 20), device)
     print(
         f"{gpu}: cuBLAS {args.dtype} 8192^3 {peak / 1e12:.0f} TFLOP/s, "
