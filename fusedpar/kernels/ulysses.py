@@ -87,6 +87,7 @@ perf/bench_all_to_all_o_proj.py so the library is never slower than the plain pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -533,16 +534,18 @@ def qkv_recv_view(peers, tokens: int, blk: int, dtype: torch.dtype) -> torch.Ten
     return table.view(dtype, n * blk).view(n, blk)
 
 
+@functools.lru_cache(maxsize=1024)  # per launch; a cached tiling costs no host time (see gemm.pick_config)
 def _qkv_config(m: int, n_total: int, k: int, blk: int, dtype: torch.dtype, num_sms: int,
                 tma_ok: bool = False) -> GemmConfig:
     # The GEMM's own tiling. perf/bench_qkv_all_to_all.py --sweep-configs (4x H200, GPU runs 50, 52
-    # and 53; the Llama-70B and Qwen3-32B base shapes, N = 10240): at up to ~6 waves of 128x128
-    # tiles (1024 rows per rank: a 4096-token prefill at SP=4) the TMA-fed 128x128x64 tiling with
-    # nested tile/K loops is the fastest of 17 (Llama 288 vs 304 us, Qwen 207 vs 234 us at 1024
-    # rows); above that TMA loads lose 2-7% to pointer loads here (unlike the plain GEMM), so the
-    # plain GEMM's pointer-load pick stays, within 5% of the best of the sweep.
-    if tma_ok and not _INTERPRETED and torch.empty((), dtype=dtype).element_size() == 2 \
-            and m > 64 and triton.cdiv(m, 128) * triton.cdiv(n_total, 128) <= 6 * num_sms:
+    # 53 and 54; the Llama-70B and Qwen3-32B base shapes, N = 10240): at 3-6 waves of 128x128 tiles
+    # (1024 rows per rank: a 4096-token prefill at SP=4) the TMA-fed 128x128x64 tiling with nested
+    # tile/K loops is the fastest of 17 (Llama 288-293 vs 303-308 us, Qwen 204-212 vs 214-235 us
+    # in three runs); at 2048-4096 rows TMA loads lose 2-7% to pointer loads here (unlike the plain
+    # GEMM), and at 256-512 rows the Qwen shape lost up to 2x, so elsewhere the plain GEMM's
+    # pointer-load pick stays (within 5% of the best of the sweep).
+    tiles = triton.cdiv(m, 128) * triton.cdiv(n_total, 128)
+    if tma_ok and not _INTERPRETED and dtype.itemsize == 2 and 3 * num_sms < tiles <= 6 * num_sms:
         cfg = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True, flatten=False)
     else:
         cfg = pick_config(m, n_total, k, dtype=dtype, num_sms=num_sms, interpret=_INTERPRETED)
