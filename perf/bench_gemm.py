@@ -39,7 +39,8 @@ import _bench  # setup, timing and records shared by the benchmarks
 
 TP = 4  # per-rank shapes of a TP=4 layer; the shift view is block SHIFT_BLOCK of TP blocks
 SHIFT_BLOCK = 1  # not 0, so the view really starts at an offset
-SLEEP_CYCLES = 200_000  # ~0.1 ms GPU spin ahead of each timed call: longer than a launch
+SLEEP_CYCLES = 1_000_000  # ~0.5 ms GPU spin ahead of each timed call: longer than a launch (~0.1 ms of host
+# time per launch on the lent hosts at times, GPU runs 54-55, which a 0.1 ms spin let into the timings)
 BASELINE = "cuBLAS torch.nn.functional.linear"
 
 MODELS = {
