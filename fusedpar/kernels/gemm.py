@@ -68,6 +68,26 @@ def _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, stride_ak, stride_wk, stride_wn,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """K step `ki` of the persistent GEMMs by pointer loads: the A tile [rows offs_am, BLOCK_K] and the
+    B = W^T tile [BLOCK_K, cols offs_wn] (W read in place through its strides). Past K both are zero,
+    so the tail adds nothing; offs_am / offs_wn must already be clamped to valid rows. Inlined by
+    Triton, so the software pipeliner sees the loads in the caller's loop."""
+    offs_k = ki * BLOCK_K + offs_k_base
+    a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
+    b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        k_left = K - ki * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k_base[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
+    return a, b
+
+
+@triton.jit
 def _persistent_matmul_kernel(
     a_ptr,
     w_ptr,
@@ -142,17 +162,8 @@ def _persistent_matmul_kernel(
                 a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
                 b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
             else:
-                offs_k = ki * BLOCK_K + offs_k_base
-                a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
-                b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs)
-                else:
-                    # Zero-fill past K on both operands so the tail contributes nothing.
-                    k_left = K - ki * BLOCK_K
-                    a = tl.load(a_ptrs, mask=offs_k_base[None, :] < k_left, other=0.0)
-                    b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
+                a, b = _load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, stride_ak,
+                                    stride_wk, stride_wn, BLOCK_K, EVEN_K)
             accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
 
         tile_id_c += NUM_SMS

@@ -140,7 +140,7 @@ from fusedpar.kernels._sync import (
     wait_flags,
 )
 from fusedpar.kernels.allreduce import all_reduce, sum_over_group_
-from fusedpar.kernels.gemm import GemmConfig, _tile_coords, pick_config
+from fusedpar.kernels.gemm import GemmConfig, _load_k_tile, _tile_coords, pick_config
 
 __all__ = [
     "GPU_SPIN_LIMIT",
@@ -299,17 +299,8 @@ def _gemm_all_reduce_kernel(
             offs_wn = tl.where(offs_wn < N, offs_wn, 0)
             accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(k_per):
-                ki = k_first + kk
-                offs_k = ki * BLOCK_K + offs_k_base
-                a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
-                b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs)
-                else:
-                    k_left = K - ki * BLOCK_K
-                    a = tl.load(a_ptrs, mask=offs_k_base[None, :] < k_left, other=0.0)
-                    b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
+                a, b = _load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, k_first + kk, K, stride_am,
+                                    stride_ak, stride_wk, stride_wn, BLOCK_K, EVEN_K)
                 accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
 
             unit_c += NUM_SMS

@@ -111,7 +111,14 @@ from fusedpar.kernels._sync import (
     sm_count,
     wait_flags,
 )
-from fusedpar.kernels.gemm import GemmConfig, _tile_coords, pick_config, tma_compatible, tma_descriptors
+from fusedpar.kernels.gemm import (
+    GemmConfig,
+    _load_k_tile,
+    _tile_coords,
+    pick_config,
+    tma_compatible,
+    tma_descriptors,
+)
 
 __all__ = [
     "GPU_SPIN_LIMIT",
@@ -264,16 +271,8 @@ def _qkv_all_to_all_kernel(
                     a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
                     b = w_desc.load([blk_id * BLK + (pid_n % tiles_per_block) * BLOCK_N, ki * BLOCK_K]).T
                 else:
-                    offs_k = ki * BLOCK_K + offs_k_base
-                    a_ptrs = x_ptr + (offs_am[:, None] * stride_xm + offs_k[None, :] * stride_xk)
-                    b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
-                    if EVEN_K:
-                        a = tl.load(a_ptrs)
-                        b = tl.load(b_ptrs)
-                    else:
-                        k_left = K - ki * BLOCK_K
-                        a = tl.load(a_ptrs, mask=offs_k_base[None, :] < k_left, other=0.0)
-                        b = tl.load(b_ptrs, mask=offs_k_base[:, None] < k_left, other=0.0)
+                    a, b = _load_k_tile(x_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_xm, stride_xk,
+                                        stride_wk, stride_wn, BLOCK_K, EVEN_K)
                 accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
 
             tile_id_c += NUM_SMS
