@@ -539,10 +539,10 @@ def _qkv_config(m: int, n_total: int, k: int, blk: int, dtype: torch.dtype, num_
     # The GEMM's own tiling. perf/bench_qkv_all_to_all.py --sweep-configs (4x H200, GPU runs 50, 52
     # 53 and 54; the Llama-70B and Qwen3-32B base shapes, N = 10240): at 3-6 waves of 128x128 tiles
     # (1024 rows per rank: a 4096-token prefill at SP=4) the TMA-fed 128x128x64 tiling with nested
-    # tile/K loops is the fastest of 17 (Llama 288-293 vs 303-308 us, Qwen 204-212 vs 214-235 us
-    # in three runs); at 2048-4096 rows TMA loads lose 2-7% to pointer loads here (unlike the plain
-    # GEMM), and at 256-512 rows the Qwen shape lost up to 2x, so elsewhere the plain GEMM's
-    # pointer-load pick stays (within 5% of the best of the sweep).
+    # tile/K loops beat the pointer-load pick in all three runs (Llama 287-293 vs 303-308 us, Qwen
+    # 204-212 vs 214-235 us). At 2048-4096 rows the runs disagree (the best nested TMA tiling from
+    # 6% slower to 11% faster than the pointer pick), and at 256-512 rows TMA was up to 2x slower on
+    # the Qwen shape, so elsewhere the plain GEMM's pointer-load pick stays.
     tiles = triton.cdiv(m, 128) * triton.cdiv(n_total, 128)
     if tma_ok and not _INTERPRETED and dtype.itemsize == 2 and 3 * num_sms < tiles <= 6 * num_sms:
         cfg = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True, flatten=False)
