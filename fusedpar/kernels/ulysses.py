@@ -541,7 +541,7 @@ def _qkv_config(m: int, n_total: int, k: int, blk: int, dtype: torch.dtype, num_
     # (1024 rows per rank: a 4096-token prefill at SP=4) the TMA-fed 128x128x64 tiling with nested
     # tile/K loops beat the pointer-load pick in all three runs (Llama 287-293 vs 303-308 us, Qwen
     # 204-212 vs 214-235 us). At 2048-4096 rows the runs disagree (the best nested TMA tiling from
-    # 6% slower to 11% faster than the pointer pick), and at 256-512 rows TMA was up to 2x slower on
+    # 5% slower to 11% faster than the pointer pick), and at 256-512 rows TMA was up to 2x slower on
     # the Qwen shape, so elsewhere the plain GEMM's pointer-load pick stays.
     tiles = triton.cdiv(m, 128) * triton.cdiv(n_total, 128)
     if tma_ok and not _INTERPRETED and dtype.itemsize == 2 and 3 * num_sms < tiles <= 6 * num_sms:
