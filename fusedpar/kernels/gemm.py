@@ -128,7 +128,8 @@ def _persistent_matmul_kernel(
     in K (stride 1) with 16-byte aligned bases and row strides (`tma_compatible`).
     FLATTEN: fuse the tile loop and the K loop into one loop for the software pipeliner (the
     next tile's loads are in flight during this tile's epilogue); False keeps them nested, which
-    with TMA loads measured faster at 1024-4096 rows (perf/results/gpu_run_h200x4_run53.log).
+    with TMA loads was the qkv kernel's fastest tiling at 1024 rows per rank (GPU runs 52-54); the
+    plain GEMM's picks stay flattened (its TMA sweep, run 53, rarely ranked nested first).
     (Triton's Hopper warp specialisation is not offered: with 4 warps it failed to build the qkv
     kernel, GPU run 52, and with 8 it leaves the loop unpartitioned.)
     """
