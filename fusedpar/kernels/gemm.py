@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config", "tma_compatible", "tma_descriptors"]
 
@@ -339,8 +340,6 @@ def tma_descriptors(a: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int
     """Host-side TMA descriptors of a [M, K] (tiles [block_m, block_k]) and w [N, K] (tiles
     [block_n, block_k]); reads past either edge return zeros. Host-side (kernel arguments) rather
     than built in the kernel, which would need a global Triton scratch allocator."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     return (TensorDescriptor(a, list(a.shape), list(a.stride()), [block_m, block_k]),
             TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k]))
 
@@ -374,11 +373,12 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
     else:
         index = a.device.index if a.device.index is not None else torch.cuda.current_device()
         num_sms = _device_num_sms(index)
+    tma_ok = tma_compatible(a, w)
     cfg = config or pick_config(m, n, k, dtype=a.dtype, out_dtype=out.dtype, num_sms=num_sms, interpret=_INTERPRETED,
-                                tma=not _INTERPRETED and tma_compatible(a, w))
+                                tma=tma_ok and not _INTERPRETED)
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = (min(num_sms, num_tiles),)
-    use_tma = cfg.tma and tma_compatible(a, w)
+    use_tma = cfg.tma and tma_ok
     a_desc, w_desc = tma_descriptors(a, w, cfg.block_m, cfg.block_n, cfg.block_k) if use_tma else (None, None)
     # Triton launches on the current CUDA device; make it the tensors' device.
     guard = torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext()

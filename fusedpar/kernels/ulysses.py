@@ -615,7 +615,8 @@ def launch_qkv_all_to_all(
     _check_int32("qkv_all_to_all", x=x, w=w)
     W = table.world_size
     num_sms = sm_count(x.device, _INTERPRETED)
-    cfg = config or _qkv_config(m, W * blk, k, blk, x.dtype, num_sms, tma_ok=tma_compatible(x, w))
+    tma_ok = tma_compatible(x, w)
+    cfg = config or _qkv_config(m, W * blk, k, blk, x.dtype, num_sms, tma_ok=tma_ok)
     if produce:
         tiles = triton.cdiv(m, cfg.block_m) * W * triton.cdiv(blk, cfg.block_n)
         grid = max(1, min(num_sms, tiles))
@@ -625,7 +626,7 @@ def launch_qkv_all_to_all(
         if not produce:
             raise ValueError("launch_qkv_all_to_all: a timeline times the produce phase; this launch has none")
         _check_timeline(timeline, grid, x.device)
-    use_tma = produce and cfg.tma and tma_compatible(x, w)
+    use_tma = produce and cfg.tma and tma_ok
     x_desc, w_desc = tma_descriptors(x, w, cfg.block_m, cfg.block_n, cfg.block_k) if use_tma else (None, None)
     with device_guard(x.device):
         return _qkv_all_to_all_kernel[(grid,)](
