@@ -205,6 +205,90 @@ def test_tma_compatible_names_the_rules():
     assert not gemm.tma_compatible(torch.zeros((8, 4), dtype=torch.float16, device=DEVICE))  # 8-byte rows
 
 
+# ---- stream-K ----------------------------------------------------------------------------------
+# 32x32x32 tiles on the interpreter's 4 "SMs"; every shape leaves tiles that do not fill whole waves.
+SK_SHAPES = [
+    (65, 72, 96),  # 9 tiles: the first 5 split by K (a partial wave plus one full), then 4 whole tiles
+    (20, 40, 200),  # 2 tiles of 7 K steps: every program's range crosses a tile boundary
+    (20, 20, 296),  # 1 tile of 10 K steps: 4 contributors to one tile
+    (37, 70, 72),  # 6 tiles of 3 K steps (K % 32 != 0), 18 K steps over 4 programs
+]
+SK_OPERANDS = [("contiguous", True), ("col_view", True), ("col_view", False), ("transposed", False)]  # (kind, tma)
+
+
+def _spy_stream_k(monkeypatch) -> list:
+    """Records every stream-K launch (the launcher fetches its workspace only for one)."""
+    used = []
+    real = gemm._stream_k_workspace
+
+    def spying(device):
+        ws = real(device)
+        used.append(ws)
+        return ws
+
+    monkeypatch.setattr(gemm, "_stream_k_workspace", spying)
+    return used
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize(("kind", "tma"), SK_OPERANDS, ids=lambda v: str(v))
+@pytest.mark.parametrize(("m", "n", "k"), SK_SHAPES)
+def test_stream_k(m, n, k, kind, tma, dtype, monkeypatch):
+    """Stream-K launches (partial tiles summed by the last contributor) on consecutive calls with
+    fresh inputs; the partial buffer is poisoned between them, so a partial read before (or without)
+    being written this call fails, and every lock word is back to zero after each call."""
+    if HAS_CUDA:
+        pytest.skip("interpreter check of the stream-K schedule; test_gpu_stream_k covers the GPU")
+    gen = torch.Generator().manual_seed(m * 3 + n * 5 + k)
+    w = make_weight(kind, n, k, dtype, gen)
+    assert gemm.tma_compatible(_randn((m, k), dtype, gen), w) or not tma  # tma=False: pointer loads
+    used = _spy_stream_k(monkeypatch)
+    cfg = (32, 32, 32, 2, 4, 1, tma, True, True)
+    tiles = -(-m // 32) * -(-n // 32)
+    assert gemm.stream_k_tiles(tiles, gemm._INTERPRETER_NUM_SMS) > 0
+    for call in range(2):
+        if used:
+            used[-1].partials.fill_(float("nan"))
+        a = _randn((m, k), dtype, gen)
+        run_and_check(a, w, name=f"stream-K {kind} tma={tma} C[{m},{n}] K={k} call {call}", config=cfg)
+        assert len(used) == call + 1, "the stream-K path did not run"
+        assert not used[-1].locks.any(), "a lock word was left non-zero"
+
+
+def test_stream_k_tiles_split():
+    assert gemm.stream_k_tiles(80, 132) == 80  # under one wave: all tiles split by K
+    assert gemm.stream_k_tiles(160, 132) == 160  # under two waves: all
+    assert gemm.stream_k_tiles(320, 132) == 320 - 132  # one whole wave runs whole tiles
+    assert gemm.stream_k_tiles(264, 132) == 0  # whole waves: nothing to balance
+    assert gemm.stream_k_tiles(9, 4) == 5
+
+
+def test_stream_k_with_fewer_k_steps_than_programs_runs_whole_tiles(monkeypatch):
+    """1 tile of 2 K steps on 4 programs would leave empty ranges: the launcher runs whole tiles."""
+    gen = torch.Generator().manual_seed(5)
+    a = _randn((20, 64), torch.float16, gen)
+    w = make_weight("contiguous", 20, 64, torch.float16, gen)
+    used = _spy_stream_k(monkeypatch)
+    cfg = (32, 32, 32, 2, 4, 1, True, True, True) if not HAS_CUDA else (128, 256, 64, 8, 8, 4, True, True, True)
+    run_and_check(a, w, name="stream-K fallback", config=cfg)
+    assert used == []
+
+
+def test_stream_k_is_picked_for_narrow_gemms_only():
+    """pick_config takes stream-K where whole tiles fill the machine poorly and K is long (the TP qkv
+    GEMMs at 1024-2048 rows), only for callers that can run it, never for a full-wave shape."""
+    def pick(m, n, k, **kw):
+        return gemm.pick_config(m, n, k, dtype=torch.bfloat16, num_sms=132, interpret=False, tma=True, **kw)
+
+    assert pick(1024, 2560, 8192, stream_k=True).stream_k
+    assert pick(2048, 2560, 5120, stream_k=True).stream_k
+    assert not pick(1024, 2560, 8192).stream_k  # the caller cannot run stream-K
+    assert not pick(16384, 14336, 8192, stream_k=True).stream_k  # 7 waves of 128x256 tiles, 99% full
+    assert not pick(1024, 2560, 512, stream_k=True).stream_k  # K too short to split
+    assert not gemm.pick_config(1024, 2560, 8192, dtype=torch.bfloat16, num_sms=132, interpret=True,
+                                stream_k=True).stream_k
+
+
 def test_empty_dims():
     gen = torch.Generator().manual_seed(0)
     a = _randn((0, 16), torch.float32, gen)
@@ -378,6 +462,65 @@ def test_gpu_tma_mainloop(m, kind, flatten):
     for cfg in ((128, 128, 64, 8, 8, 4, True, flatten), (128, 256, 64, 8, 8, 3, True, flatten)):
         out = run_and_check(a, w, name=f"{kind} C[{m},{n}] K={k} {cfg}", config=cfg)
         assert_close(out, gemm.matmul_reference(a, w), dtype=dtype, name="vs cuBLAS")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cfg", ((128, 256, 64, 8, 8, 4, True, True, True), (128, 128, 64, 8, 8, 5, True, True, True),
+                                 (128, 256, 64, 8, 8, 3, False, True, True)), ids=("256-tma", "128-tma", "256-ptr"))
+@pytest.mark.parametrize(("m", "n", "kind"),
+                         ((1024, 2560, "row_view"), (1000, 1320, "col_view"), (300, 5120, "col_view")))
+def test_gpu_stream_k(m, n, kind, cfg):
+    """bf16 stream-K on the TP qkv shape (80 tiles of 128x256 on 132 SMs) and ragged ones; two calls with
+    fresh inputs and the partial buffer poisoned between them; lock words back to zero after each."""
+    dtype, k = torch.bfloat16, 8192
+    gen = torch.Generator().manual_seed(m + n)
+    w = make_weight(kind, n, k, dtype, gen, blocks=4)
+    ws = gemm._stream_k_workspace(torch.device(DEVICE))
+    for call in range(2):
+        ws.partials.fill_(float("nan"))
+        a = _randn((m, k), dtype, gen)
+        out = run_and_check(a, w, name=f"stream-K {kind} C[{m},{n}] {cfg} call {call}", config=cfg)
+        assert_close(out, gemm.matmul_reference(a, w), dtype=dtype, name="vs cuBLAS")
+        assert ws.partials.numel() > 0 and not ws.locks.any(), "stream-K did not run, or left a lock word set"
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_stream_k_on_two_streams_and_in_a_graph():
+    """Stream-K launches on two streams at once use separate lock words (both right), and a captured
+    launch replays right with new inputs."""
+    dtype, m, n, k = torch.bfloat16, 1024, 2560, 8192
+    gen = torch.Generator().manual_seed(3)
+    cfg = gemm.pick_config(m, n, k, dtype=dtype, num_sms=torch.cuda.get_device_properties(DEVICE).multi_processor_count,
+                           interpret=False, tma=True, stream_k=True)
+    assert cfg.stream_k
+    pairs = [(_randn((m, k), dtype, gen), make_weight("row_view", n, k, dtype, gen, blocks=4)) for _ in range(2)]
+    outs = [poison_(torch.empty((m, n), dtype=dtype, device=DEVICE)) for _ in range(2)]
+    streams = [torch.cuda.Stream(DEVICE) for _ in range(2)]
+    for (a, w), out, stream in zip(pairs, outs, streams, strict=True):
+        gemm.matmul(a, w, out=out)  # compile and allocate each stream's workspace before the race
+        stream.wait_stream(torch.cuda.current_stream(DEVICE))
+    torch.cuda.synchronize()
+    for _ in range(5):
+        for (a, w), out, stream in zip(pairs, outs, streams, strict=True):
+            with torch.cuda.stream(stream):
+                gemm.matmul(a, w, out=out)
+    torch.cuda.synchronize()
+    for (a, w), out in zip(pairs, outs, strict=True):
+        assert_close(out, reference(a, w), dtype=dtype, name="two streams")
+
+    a, w = pairs[0]
+    out = torch.empty((m, n), dtype=dtype, device=DEVICE)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm.matmul(a, w, out=out)
+    for _ in range(2):
+        a.copy_(_randn((m, k), dtype, gen))
+        poison_(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, reference(a, w), dtype=dtype, name="stream-K graph replay")
 
 
 @pytest.mark.gpu
