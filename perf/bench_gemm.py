@@ -152,7 +152,7 @@ def bench_case(case, tokens, args, dtype, peak, bandwidth, l2_bytes, gemm, devic
         num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
         interpret=False,
         tma=gemm.tma_compatible(*sets[0]),  # what matmul's launcher picks for these operands
-        stream_k=True,
+        split_tail=True,
     )
     return {
         "m": m,
@@ -214,16 +214,19 @@ def diagnose_tma(args, dtype, l2_bytes, gemm, device) -> None:
                 del cold, shared
 
 
-STREAM_K_CANDIDATES = {  # (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, flatten, stream_k)
-    "sk 128x256 w8 s4": (128, 256, 64, 8, 8, 4, True, True, True),
-    "sk 128x128 w8 s5": (128, 128, 64, 8, 8, 5, True, True, True),
-    "sk 128x128 w4 s5": (128, 128, 64, 8, 4, 5, True, True, True),
+SPLIT_CANDIDATES = {  # (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, flatten, split_k)
+    "128x256 split 2": (128, 256, 64, 8, 8, 4, True, True, 2),
+    "128x256 split 3": (128, 256, 64, 8, 8, 4, True, True, 3),
+    "128x256 split 4": (128, 256, 64, 8, 8, 4, True, True, 4),
+    "128x128 split 2": (128, 128, 64, 8, 4, 5, True, True, 2),
+    "128x128 split 4": (128, 128, 64, 8, 4, 5, True, True, 4),
 }
 
 
-def diagnose_stream_k(args, dtype, l2_bytes, gemm, device) -> None:
-    """Stream-K tilings vs the best whole-tile TMA pick and cuBLAS, GPU ms on this bench's operand sets
-    (printed; the ratio column is cuBLAS ms / ms, as the benchmark's speedup). Behind pick_config's rule."""
+def diagnose_split_k(args, dtype, l2_bytes, gemm, device) -> None:
+    """Split-K tails (the tiles past the last whole wave cut by K) vs the whole-tile TMA pick and cuBLAS,
+    GPU ms on this bench's operand sets (printed; the ratio column is cuBLAS ms / ms, as the benchmark's
+    speedup; "<- pick" marks what matmul launches). The data behind pick_config's time model."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     print(f"{'case':<18}{'tokens':>7}  {'path':<18}{'ms':>9}{'vs cuBLAS':>10}  tiles  config")
     for model in args.shapes.split(","):
@@ -239,9 +242,12 @@ def diagnose_stream_k(args, dtype, l2_bytes, gemm, device) -> None:
                 ref = gemm.matmul_reference(*sets[0][:2]).float()
                 base_ms = time_ms(lambda a, w, o: gemm.matmul_reference(a, w), sets, args.iters, args.warmup)
                 whole = gemm.pick_config(m, n, k, dtype=dtype, num_sms=sms, interpret=False, tma=True)
-                picked = gemm.pick_config(m, n, k, dtype=dtype, num_sms=sms, interpret=False, tma=True, stream_k=True)
+                picked = gemm.pick_config(m, n, k, dtype=dtype, num_sms=sms, interpret=False, tma=True,
+                                          split_tail=True)
                 rows = [("cuBLAS", None, base_ms), ("whole-tile pick", whole, None)]
-                rows += [(name, gemm.GemmConfig(*c), None) for name, c in STREAM_K_CANDIDATES.items()]
+                rows += [(name, gemm.GemmConfig(*c), None) for name, c in SPLIT_CANDIDATES.items()]
+                if picked != whole and picked not in [r[1] for r in rows]:
+                    rows.append(("split pick", picked, None))
                 for name, cfg, ms in rows:
                     if cfg is not None:
                         def call(a, w, o, c=cfg):
@@ -255,7 +261,7 @@ def diagnose_stream_k(args, dtype, l2_bytes, gemm, device) -> None:
                     tiles = "" if cfg is None else triton_cdiv(m, cfg.block_m) * triton_cdiv(n, cfg.block_n)
                     mark = " <- pick" if cfg is not None and cfg == picked else ""
                     desc = "" if cfg is None else (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
-                                                   f"s{cfg.num_stages} sk={cfg.stream_k}{mark}")
+                                                   f"s{cfg.num_stages} split={cfg.split_k}{mark}")
                     print(f"{case.name:<18}{m:>7}  {name:<18}{ms:>9.4f}{base_ms / ms:>10.3f}  {tiles!s:>5}  {desc}",
                           flush=True)
                 del sets
@@ -276,8 +282,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight", choices=("view", "contiguous"), default="view")
     p.add_argument("--diagnose-tma", action="store_true",
                    help="instead of the benchmark: pointer vs TMA tiling, cold vs shared weight, host us per launch")
-    p.add_argument("--diagnose-stream-k", action="store_true",
-                   help="instead of the benchmark: stream-K tilings vs the whole-tile pick and cuBLAS (printed)")
+    p.add_argument("--diagnose-split-k", action="store_true",
+                   help="instead of the benchmark: split-K tail tilings vs the whole-tile pick and cuBLAS (printed)")
     p.add_argument("--out", default="perf/results/gemm.json")
     args = p.parse_args(argv)
     unknown = set(args.shapes.split(",")) - set(MODELS)
@@ -309,8 +315,8 @@ def main(argv=None) -> int:
     if args.diagnose_tma:
         diagnose_tma(args, dtype, l2_bytes, gemm, device)
         return 0
-    if args.diagnose_stream_k:
-        diagnose_stream_k(args, dtype, l2_bytes, gemm, device)
+    if args.diagnose_split_k:
+        diagnose_split_k(args, dtype, l2_bytes, gemm, device)
         return 0
     peak, bandwidth = measure_ceilings(dtype, max(args.iters, 20), device)
     print(

@@ -205,88 +205,83 @@ def test_tma_compatible_names_the_rules():
     assert not gemm.tma_compatible(torch.zeros((8, 4), dtype=torch.float16, device=DEVICE))  # 8-byte rows
 
 
-# ---- stream-K ----------------------------------------------------------------------------------
-# 32x32x32 tiles on the interpreter's 4 "SMs"; every shape leaves tiles that do not fill whole waves.
-SK_SHAPES = [
-    (65, 72, 96),  # 9 tiles: the first 5 split by K (a partial wave plus one full), then 4 whole tiles
-    (20, 40, 200),  # 2 tiles of 7 K steps: every program's range crosses a tile boundary
-    (20, 20, 296),  # 1 tile of 10 K steps: 4 contributors to one tile
-    (37, 70, 72),  # 6 tiles of 3 K steps (K % 32 != 0), 18 K steps over 4 programs
+# ---- split-K tail --------------------------------------------------------------------------------
+# 32x32x32 tiles on the interpreter's 4 "SMs"; every shape leaves tiles past the last whole wave.
+SPLIT_SHAPES = [
+    (65, 72, 96),  # 9 tiles: 2 whole waves, then 1 tail tile of 3 K steps
+    (20, 40, 200),  # 2 tiles, both tail, 7 K steps each
+    (20, 20, 296),  # 1 tile of 10 K steps (K % 32 != 0)
+    (37, 70, 72),  # 6 tiles: 1 whole wave, 2 tail tiles of 3 K steps (K % 32 != 0)
 ]
-SK_OPERANDS = [("contiguous", True), ("col_view", True), ("col_view", False), ("transposed", False)]  # (kind, tma)
+SPLIT_OPERANDS = [("contiguous", True), ("col_view", True), ("col_view", False), ("transposed", False)]  # (kind, tma)
 
 
-def _spy_stream_k(monkeypatch) -> list:
-    """Records every stream-K launch (the launcher fetches its workspace only for one)."""
+def _spy_split(monkeypatch) -> list:
+    """Records every split-K tail launch's partial buffer, pre-filled with NaN (a partial read before it
+    was written this call would poison the result)."""
     used = []
-    real = gemm._stream_k_workspace
 
-    def spying(device):
-        ws = real(device)
-        used.append(ws)
-        return ws
+    def poisoned(numel, device):
+        buf = torch.full((numel,), float("nan"), dtype=torch.float32, device=device)
+        used.append(buf)
+        return buf
 
-    monkeypatch.setattr(gemm, "_stream_k_workspace", spying)
+    monkeypatch.setattr(gemm, "_split_partials", poisoned)
     return used
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
-@pytest.mark.parametrize(("kind", "tma"), SK_OPERANDS, ids=lambda v: str(v))
-@pytest.mark.parametrize(("m", "n", "k"), SK_SHAPES)
-def test_stream_k(m, n, k, kind, tma, dtype, monkeypatch):
-    """Stream-K launches (partial tiles summed by the last contributor) on consecutive calls with
-    fresh inputs; the partial buffer is poisoned between them, so a partial read before (or without)
-    being written this call fails, and every lock word is back to zero after each call."""
+@pytest.mark.parametrize(("kind", "tma"), SPLIT_OPERANDS, ids=lambda v: str(v))
+@pytest.mark.parametrize(("m", "n", "k"), SPLIT_SHAPES)
+def test_split_k_tail(m, n, k, kind, tma, dtype, monkeypatch):
+    """The tail tiles cut into 2 and 3 K chunks (partials summed by the last chunk to arrive), on two
+    calls with fresh inputs; every lock word is back to zero after each call."""
     if HAS_CUDA:
-        pytest.skip("interpreter check of the stream-K schedule; test_gpu_stream_k covers the GPU")
+        pytest.skip("interpreter check of the split-K schedule; test_gpu_split_k_tail covers the GPU")
     gen = torch.Generator().manual_seed(m * 3 + n * 5 + k)
     w = make_weight(kind, n, k, dtype, gen)
-    assert gemm.tma_compatible(_randn((m, k), dtype, gen), w) or not tma  # tma=False: pointer loads
-    used = _spy_stream_k(monkeypatch)
-    cfg = (32, 32, 32, 2, 4, 1, tma, True, True)
+    used = _spy_split(monkeypatch)
     tiles = -(-m // 32) * -(-n // 32)
-    assert gemm.stream_k_tiles(tiles, gemm._INTERPRETER_NUM_SMS) > 0
-    for call in range(2):
-        if used:
-            used[-1].partials.fill_(float("nan"))
+    tail = gemm.split_tail_tiles(tiles, gemm._INTERPRETER_NUM_SMS)
+    assert tail > 0
+    for call, splits in enumerate((2, 3)):
         a = _randn((m, k), dtype, gen)
-        run_and_check(a, w, name=f"stream-K {kind} tma={tma} C[{m},{n}] K={k} call {call}", config=cfg)
-        assert len(used) == call + 1, "the stream-K path did not run"
-        assert not used[-1].locks.any(), "a lock word was left non-zero"
+        assert gemm.tma_compatible(a, w) or not tma  # tma=False: pointer loads
+        cfg = (32, 32, 32, 2, 4, 1, tma, True, splits)
+        run_and_check(a, w, name=f"split-K {splits} {kind} tma={tma} C[{m},{n}] K={k}", config=cfg)
+        assert len(used) == call + 1 and used[-1].numel() == tail * splits * 32 * 32, "the split-K tail did not run"
+        assert not gemm._split_locks(a.device).words.any(), "a lock word was left non-zero"
 
 
-def test_stream_k_tiles_split():
-    assert gemm.stream_k_tiles(80, 132) == 80  # under one wave: all tiles split by K
-    assert gemm.stream_k_tiles(160, 132) == 160  # under two waves: all
-    assert gemm.stream_k_tiles(320, 132) == 320 - 132  # one whole wave runs whole tiles
-    assert gemm.stream_k_tiles(264, 132) == 0  # whole waves: nothing to balance
-    assert gemm.stream_k_tiles(9, 4) == 5
-
-
-def test_stream_k_with_fewer_k_steps_than_programs_runs_whole_tiles(monkeypatch):
-    """1 tile of 2 K steps on 4 programs would leave empty ranges: the launcher runs whole tiles."""
+def test_split_k_clamps_to_the_k_steps(monkeypatch):
+    """More splits asked than K steps (3): the launcher cuts 3 chunks, none empty."""
     gen = torch.Generator().manual_seed(5)
-    a = _randn((20, 64), torch.float16, gen)
-    w = make_weight("contiguous", 20, 64, torch.float16, gen)
-    used = _spy_stream_k(monkeypatch)
-    cfg = (32, 32, 32, 2, 4, 1, True, True, True) if not HAS_CUDA else (128, 256, 64, 8, 8, 4, True, True, True)
-    run_and_check(a, w, name="stream-K fallback", config=cfg)
-    assert used == []
+    a = _randn((65, 96), torch.float16, gen)
+    w = make_weight("contiguous", 72, 96, torch.float16, gen)
+    used = _spy_split(monkeypatch)
+    cfg = (32, 32, 32, 2, 4, 1, True, True, 8) if not HAS_CUDA else (128, 256, 64, 8, 8, 4, True, True, 8)
+    run_and_check(a, w, name="split-K clamped", config=cfg)
+    if not HAS_CUDA:
+        assert [u.numel() for u in used] == [1 * 3 * 32 * 32]
 
 
-def test_stream_k_is_picked_for_narrow_gemms_only():
-    """pick_config takes stream-K where whole tiles fill the machine poorly and K is long (the TP qkv
-    GEMMs at 1024-2048 rows), only for callers that can run it, never for a full-wave shape."""
+def test_split_tail_tiles():
+    assert gemm.split_tail_tiles(80, 132) == 80  # under one wave: every tile is tail
+    assert gemm.split_tail_tiles(320, 132) == 56
+    assert gemm.split_tail_tiles(264, 132) == 0  # whole waves: nothing to balance
+
+
+def test_split_k_is_picked_for_partial_waves_only():
+    """pick_config cuts the tail by K where its time model gains (the TP qkv GEMMs at 1024-2048 rows), only
+    for callers that can run it, never on whole waves or on the interpreter."""
     def pick(m, n, k, **kw):
         return gemm.pick_config(m, n, k, dtype=torch.bfloat16, num_sms=132, interpret=False, tma=True, **kw)
 
-    assert pick(1024, 2560, 8192, stream_k=True).stream_k
-    assert pick(2048, 2560, 5120, stream_k=True).stream_k
-    assert not pick(1024, 2560, 8192).stream_k  # the caller cannot run stream-K
-    assert not pick(16384, 14336, 8192, stream_k=True).stream_k  # 7 waves of 128x256 tiles, 99% full
-    assert not pick(1024, 2560, 512, stream_k=True).stream_k  # K too short to split
-    assert not gemm.pick_config(1024, 2560, 8192, dtype=torch.bfloat16, num_sms=132, interpret=True,
-                                stream_k=True).stream_k
+    assert pick(1024, 2560, 8192, split_tail=True).split_k > 1
+    assert pick(1024, 2560, 8192).split_k == 1  # the caller cannot run a split-K tail
+    assert pick(3072, 2816, 8192, split_tail=True) == pick(3072, 2816, 8192)  # 264 tiles of 128x256: 2 waves
+    assert gemm.pick_config(1024, 2560, 8192, dtype=torch.bfloat16, num_sms=132, interpret=True,
+                            split_tail=True).split_k == 1
 
 
 def test_empty_dims():
@@ -466,41 +461,42 @@ def test_gpu_tma_mainloop(m, kind, flatten):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("cfg", ((128, 256, 64, 8, 8, 4, True, True, True), (128, 128, 64, 8, 8, 5, True, True, True),
-                                 (128, 256, 64, 8, 8, 3, False, True, True)), ids=("256-tma", "128-tma", "256-ptr"))
+@pytest.mark.parametrize("cfg", ((128, 256, 64, 8, 8, 4, True, True, 3), (128, 128, 64, 8, 4, 5, True, True, 4),
+                                 (128, 256, 64, 8, 8, 3, False, True, 2)), ids=("256-tma-3", "128-tma-4", "256-ptr-2"))
 @pytest.mark.parametrize(("m", "n", "kind"),
                          ((1024, 2560, "row_view"), (1000, 1320, "col_view"), (300, 5120, "col_view")))
-def test_gpu_stream_k(m, n, kind, cfg):
-    """bf16 stream-K on the TP qkv shape (80 tiles of 128x256 on 132 SMs) and ragged ones; two calls with
-    fresh inputs and the partial buffer poisoned between them; lock words back to zero after each."""
+def test_gpu_split_k_tail(m, n, kind, cfg, monkeypatch):
+    """bf16 split-K tails on the TP qkv shape (80 tiles of 128x256 on 132 SMs) and ragged ones; two calls
+    with fresh inputs and NaN-filled partial buffers; lock words back to zero after each."""
     dtype, k = torch.bfloat16, 8192
     gen = torch.Generator().manual_seed(m + n)
     w = make_weight(kind, n, k, dtype, gen, blocks=4)
-    ws = gemm._stream_k_workspace(torch.device(DEVICE))
+    used = _spy_split(monkeypatch)
     for call in range(2):
-        ws.partials.fill_(float("nan"))
         a = _randn((m, k), dtype, gen)
-        out = run_and_check(a, w, name=f"stream-K {kind} C[{m},{n}] {cfg} call {call}", config=cfg)
+        out = run_and_check(a, w, name=f"split-K {kind} C[{m},{n}] {cfg} call {call}", config=cfg)
         assert_close(out, gemm.matmul_reference(a, w), dtype=dtype, name="vs cuBLAS")
-        assert ws.partials.numel() > 0 and not ws.locks.any(), "stream-K did not run, or left a lock word set"
+        assert len(used) == call + 1, "the split-K tail did not run"
+        assert not gemm._split_locks(a.device).words.any(), "a lock word was left non-zero"
 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_stream_k_on_two_streams_and_in_a_graph():
-    """Stream-K launches on two streams at once use separate lock words (both right), and a captured
-    launch replays right with new inputs."""
+def test_gpu_split_k_on_two_streams_and_in_a_graph():
+    """Split-K tails on two streams at once use separate lock words (both right), and a captured launch
+    replays right with new inputs."""
     dtype, m, n, k = torch.bfloat16, 1024, 2560, 8192
     gen = torch.Generator().manual_seed(3)
     cfg = gemm.pick_config(m, n, k, dtype=dtype, num_sms=torch.cuda.get_device_properties(DEVICE).multi_processor_count,
-                           interpret=False, tma=True, stream_k=True)
-    assert cfg.stream_k
+                           interpret=False, tma=True, split_tail=True)
+    assert cfg.split_k > 1
     pairs = [(_randn((m, k), dtype, gen), make_weight("row_view", n, k, dtype, gen, blocks=4)) for _ in range(2)]
     outs = [poison_(torch.empty((m, n), dtype=dtype, device=DEVICE)) for _ in range(2)]
     streams = [torch.cuda.Stream(DEVICE) for _ in range(2)]
     for (a, w), out, stream in zip(pairs, outs, streams, strict=True):
-        gemm.matmul(a, w, out=out)  # compile and allocate each stream's workspace before the race
         stream.wait_stream(torch.cuda.current_stream(DEVICE))
+        with torch.cuda.stream(stream):
+            gemm.matmul(a, w, out=out)  # compile, and make each stream's lock words before the race
     torch.cuda.synchronize()
     for _ in range(5):
         for (a, w), out, stream in zip(pairs, outs, streams, strict=True):
@@ -520,7 +516,7 @@ def test_gpu_stream_k_on_two_streams_and_in_a_graph():
         poison_(out)
         graph.replay()
         torch.cuda.synchronize()
-        assert_close(out, reference(a, w), dtype=dtype, name="stream-K graph replay")
+        assert_close(out, reference(a, w), dtype=dtype, name="split-K graph replay")
 
 
 @pytest.mark.gpu
