@@ -152,7 +152,6 @@ def bench_case(case, tokens, args, dtype, peak, bandwidth, l2_bytes, gemm, devic
         num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
         interpret=False,
         tma=gemm.tma_compatible(*sets[0]),  # what matmul's launcher picks for these operands
-        split_tail=True,
     )
     return {
         "m": m,
@@ -214,63 +213,6 @@ def diagnose_tma(args, dtype, l2_bytes, gemm, device) -> None:
                 del cold, shared
 
 
-SPLIT_CANDIDATES = {  # (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, flatten, split_k)
-    "128x256 split 2": (128, 256, 64, 8, 8, 4, True, True, 2),
-    "128x256 split 3": (128, 256, 64, 8, 8, 4, True, True, 3),
-    "128x256 split 4": (128, 256, 64, 8, 8, 4, True, True, 4),
-    "128x128 split 2": (128, 128, 64, 8, 4, 5, True, True, 2),
-    "128x128 split 4": (128, 128, 64, 8, 4, 5, True, True, 4),
-}
-
-
-def diagnose_split_k(args, dtype, l2_bytes, gemm, device) -> None:
-    """Split-K tails (the tiles past the last whole wave cut by K) vs the whole-tile TMA pick and cuBLAS,
-    GPU ms on this bench's operand sets (printed; the ratio column is cuBLAS ms / ms, as the benchmark's
-    speedup; "<- pick" marks what matmul launches). The data behind pick_config's time model."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    print(f"{'case':<18}{'tokens':>7}  {'path':<18}{'ms':>9}{'vs cuBLAS':>10}  tiles  config")
-    for model in args.shapes.split(","):
-        for case in layer_cases(model):
-            if case.gemm not in set(args.gemms.split(",")):
-                continue
-            for m in (int(t) for t in args.tokens.split(",") if t):
-                n, k = case.n, case.k
-                set_bytes = (m * k + n * k + m * n) * torch.empty((), dtype=dtype).element_size()
-                n_sets = min(8, max(2, math.ceil(3 * l2_bytes / set_bytes)))
-                sets = [(torch.randn((m, k), device=device, dtype=dtype), make_weight(case, dtype, args.weight, device),
-                         torch.empty((m, n), device=device, dtype=dtype)) for _ in range(n_sets)]
-                ref = gemm.matmul_reference(*sets[0][:2]).float()
-                base_ms = time_ms(lambda a, w, o: gemm.matmul_reference(a, w), sets, args.iters, args.warmup)
-                whole = gemm.pick_config(m, n, k, dtype=dtype, num_sms=sms, interpret=False, tma=True)
-                picked = gemm.pick_config(m, n, k, dtype=dtype, num_sms=sms, interpret=False, tma=True,
-                                          split_tail=True)
-                rows = [("cuBLAS", None, base_ms), ("whole-tile pick", whole, None)]
-                rows += [(name, gemm.GemmConfig(*c), None) for name, c in SPLIT_CANDIDATES.items()]
-                if picked != whole and picked not in [r[1] for r in rows]:
-                    rows.append(("split pick", picked, None))
-                for name, cfg, ms in rows:
-                    if cfg is not None:
-                        def call(a, w, o, c=cfg):
-                            gemm._launch(a, w, o, config=c)
-
-                        call(*sets[0])
-                        err = (sets[0][2].float() - ref).abs().max().item() / (ref.abs().max().item() or 1.0)
-                        if err > 2e-2:
-                            raise AssertionError(f"{case.name} m={m} {name}: max rel diff {err:.3g} vs cuBLAS")
-                        ms = time_ms(call, sets, args.iters, args.warmup)
-                    tiles = "" if cfg is None else triton_cdiv(m, cfg.block_m) * triton_cdiv(n, cfg.block_n)
-                    mark = " <- pick" if cfg is not None and cfg == picked else ""
-                    desc = "" if cfg is None else (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
-                                                   f"s{cfg.num_stages} split={cfg.split_k}{mark}")
-                    print(f"{case.name:<18}{m:>7}  {name:<18}{ms:>9.4f}{base_ms / ms:>10.3f}  {tiles!s:>5}  {desc}",
-                          flush=True)
-                del sets
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="llama70b,qwen32b", help=f"comma list of {sorted(MODELS)}")
@@ -282,8 +224,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight", choices=("view", "contiguous"), default="view")
     p.add_argument("--diagnose-tma", action="store_true",
                    help="instead of the benchmark: pointer vs TMA tiling, cold vs shared weight, host us per launch")
-    p.add_argument("--diagnose-split-k", action="store_true",
-                   help="instead of the benchmark: split-K tail tilings vs the whole-tile pick and cuBLAS (printed)")
     p.add_argument("--out", default="perf/results/gemm.json")
     args = p.parse_args(argv)
     unknown = set(args.shapes.split(",")) - set(MODELS)
@@ -314,9 +254,6 @@ def main(argv=None) -> int:
 
     if args.diagnose_tma:
         diagnose_tma(args, dtype, l2_bytes, gemm, device)
-        return 0
-    if args.diagnose_split_k:
-        diagnose_split_k(args, dtype, l2_bytes, gemm, device)
         return 0
     peak, bandwidth = measure_ceilings(dtype, max(args.iters, 20), device)
     print(

@@ -2,9 +2,7 @@
 # GPU tests and benchmarks in one device call. Installs nothing.
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo profile host_cost
-#                                              tune_gemm qkv_sweep gemm_split
-#                                              (default: all but the last five: diagnoses)
-# gemm_split: bench_gemm.py --diagnose-split-k (split-K tails vs whole tiles vs cuBLAS; SPLIT_ARGS, SPLIT_TIMEOUT).
+#                                              (default: all but profile and host_cost)
 # MODEL_ARGS / LAYER_ARGS / ATTN_ARGS / GAR_ARGS / PROFILE_ARGS pass extra arguments to perf/model_bench.py /
 # perf/bench_layer.py / perf/bench_attention.py / perf/bench_gemm_all_reduce.py / perf/profile_layer.py (e.g.
 # MODEL_ARGS="--layers 4" for a smoke run); MODEL_TIMEOUT / LAYER_TIMEOUT / ATTN_TIMEOUT / GAR_TIMEOUT /
@@ -71,7 +69,6 @@ for item in "${ITEMS[@]}"; do
     attention) run timeout "${ATTN_TIMEOUT:-240}" python3 perf/bench_attention.py ${ATTN_ARGS:-} --out "$RES/attention.json" ;;
     qkv_all_to_all) run timeout 120 "${TRUN[@]}" perf/bench_qkv_all_to_all.py --out "$RES/qkv_all_to_all.json" ;;
     # tiling sweeps behind the heuristics (printed tables; tune_gemm also writes its JSON)
-    gemm_split) run timeout "${SPLIT_TIMEOUT:-300}" python3 perf/bench_gemm.py --diagnose-split-k ${SPLIT_ARGS:-} ;;
     tune_gemm) run timeout "${TUNE_TIMEOUT:-300}" python3 perf/tune_gemm.py ${TUNE_ARGS:-} --out "$RES/gemm_tune.json" ;;
     qkv_sweep) run timeout "${SWEEP_TIMEOUT:-200}" "${TRUN[@]}" perf/bench_qkv_all_to_all.py --sweep-configs \
                  ${SWEEP_ARGS:---tokens 512,1024,2048,4096} ;;

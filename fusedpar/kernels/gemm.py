@@ -47,13 +47,6 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _SMEM_BYTES = 227 * 1024  # Hopper: dynamic shared memory per CTA
 
-# pick_config's time model, in K steps of a tile: each tile (or split-K chunk) adds _TILE_OVERHEAD_STEPS
-# (pipeline fill, epilogue store), each split-K chunk another _PARTIAL_OVERHEAD_STEPS (fp32 partial store,
-# and its share of the last chunk's partial loads). At most _MAX_K_SPLITS chunks per tile.
-_TILE_OVERHEAD_STEPS = 2
-_PARTIAL_OVERHEAD_STEPS = 4
-_MAX_K_SPLITS = 8
-
 # Interpreter: a few "SMs" so the persistent loop runs several tiles per program even on the
 # small shapes the CPU tests use.
 _INTERPRETER_NUM_SMS = 4
@@ -96,78 +89,12 @@ def _load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, 
 
 
 @triton.jit
-def _split_k_tail(a_ptr, w_ptr, c_ptr, a_desc, w_desc, ws_ptr, locks_ptr, first_tile, num_tiles, k_splits, M, N, K,
-                  stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn, num_pid_in_group, num_pid_m,
-                  k_tiles,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  NUM_SMS: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr):
-    """The split-K tail: tiles [first_tile, num_tiles), each cut into k_splits K ranges ("units").
-
-    Unit u is chunk s = u % k_splits of tail tile u // k_splits, K steps [s * k_tiles // k_splits,
-    (s + 1) * k_tiles // k_splits); program p runs units p, p + NUM_SMS, ... as the whole-tile loop runs
-    tiles, so the units of one wave start together and read the same few K slabs (L2 reuse; a stream-K
-    split, where each program starts at its own K offset, made every call read the operands from HBM
-    once per tile: GPU run 58). The chunks of a tile meet by "last arrival": a chunk stores its fp32
-    partial into slot u of ws and counts itself in at the tile's lock word (release); the chunk that finds
-    the other k_splits - 1 counted (acquire) adds their partials to its accumulator, stores C and zeroes
-    the lock word for the next launch. Nobody waits, so there is no co-residency requirement (and the
-    interpreter, which runs programs one after another, gets the same result); a chunk that arrives when
-    every other one is in skips its own partial store. Needs k_splits <= k_tiles (no empty chunk).
-    """
-    pid = tl.program_id(axis=0)
-    units = (num_tiles - first_tile) * k_splits
-    offs_k_base = tl.arange(0, BLOCK_K)
-    ws_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    for u in range(pid, units, NUM_SMS):
-        tail = u // k_splits
-        chunk = u - tail * k_splits
-        tile_id = first_tile + tail
-        k_lo = chunk * k_tiles // k_splits
-        k_hi = (chunk + 1) * k_tiles // k_splits
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
-        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_am = tl.where(offs_cm < M, offs_cm, 0)
-        offs_wn = tl.where(offs_cn < N, offs_cn, 0)
-        accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_lo, k_hi):
-            if TMA:
-                a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-                b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
-            else:
-                a, b = _load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, stride_ak,
-                                    stride_wk, stride_wn, BLOCK_K, EVEN_K)
-            accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
-
-        others = k_splits - 1
-        arrived = tl.atomic_add(locks_ptr + tail, 0, sem="acquire", scope="gpu")
-        if arrived < others:
-            tl.store(ws_ptr + u * (BLOCK_M * BLOCK_N) + ws_offs, accumulator)
-            tl.debug_barrier()  # every thread's partial store is ordered before the release below
-            arrived = tl.atomic_add(locks_ptr + tail, 1, sem="acq_rel", scope="gpu")
-        if arrived == others:
-            tl.debug_barrier()  # every thread's partial loads are ordered after the acquire
-            for j in range(tail * k_splits, tail * k_splits + k_splits):
-                if j != u:
-                    # .cg: straight from L2, never a stale L1 line
-                    accumulator += tl.load(ws_ptr + j * (BLOCK_M * BLOCK_N) + ws_offs, cache_modifier=".cg")
-            tl.atomic_xchg(locks_ptr + tail, 0, sem="relaxed", scope="gpu")
-            c_ptrs = c_ptr + (offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn)
-            c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
-            tl.store(c_ptrs, accumulator.to(c_ptr.dtype.element_ty), mask=c_mask)
-
-
-@triton.jit
 def _persistent_matmul_kernel(
     a_ptr,
     w_ptr,
     c_ptr,
     a_desc,  # TMA descriptors of a [M, K] and w [N, K] (block [BLOCK_M|BLOCK_N, BLOCK_K]); None unless TMA
     w_desc,
-    ws_ptr,  # split-K tail: fp32 partial tiles [tail_tiles * k_splits, BLOCK_M * BLOCK_N], int32 locks [tail_tiles]
-    locks_ptr,
-    tail_tiles,  # split-K tail: the last tail_tiles tiles are cut into k_splits K ranges (0 without SPLIT_TAIL)
-    k_splits,
     M,
     N,
     K,
@@ -186,7 +113,6 @@ def _persistent_matmul_kernel(
     INPUT_PRECISION: tl.constexpr,
     TMA: tl.constexpr = False,
     FLATTEN: tl.constexpr = True,
-    SPLIT_TAIL: tl.constexpr = False,
 ):
     """C[M, N] = A[M, K] @ W[N, K]^T with fp32 accumulation; every operand arbitrarily strided.
 
@@ -207,9 +133,6 @@ def _persistent_matmul_kernel(
     plain GEMM's picks stay flattened (its TMA sweep, run 53, rarely ranked nested first).
     (Triton's Hopper warp specialisation is not offered: with 4 warps it failed to build the qkv
     kernel, GPU run 52, and with 8 it leaves the loop unpartitioned.)
-    SPLIT_TAIL: the tiles past the last whole wave (the last tail_tiles ones) are cut by K into k_splits
-    chunks that run as a wave of their own (`_split_k_tail`), so a partial last wave (a narrow N at
-    1024-2048 rows: 80-160 tiles of 128x256 on 132 SMs) keeps every SM busy.
     """
     start_pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -221,14 +144,11 @@ def _persistent_matmul_kernel(
     # A second tile counter for the epilogue, as in Triton's persistent-matmul tutorial, which
     # works around a pipelining bug (seen on Blackwell) with a value used both by the loads and
     # by the epilogue of the flattened loop: the epilogue recomputes its tile coordinates.
-    whole_tiles = num_tiles
-    if SPLIT_TAIL:
-        whole_tiles = num_tiles - tail_tiles
     tile_id_c = start_pid - NUM_SMS
 
     offs_k_base = tl.arange(0, BLOCK_K)
 
-    for tile_id in tl.range(start_pid, whole_tiles, NUM_SMS, flatten=FLATTEN):
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
         offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_wn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -256,11 +176,6 @@ def _persistent_matmul_kernel(
         c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
         tl.store(c_ptrs, accumulator.to(c_ptr.dtype.element_ty), mask=c_mask)
 
-    if SPLIT_TAIL:
-        _split_k_tail(a_ptr, w_ptr, c_ptr, a_desc, w_desc, ws_ptr, locks_ptr, whole_tiles, num_tiles, k_splits, M, N,
-                      K, stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn, num_pid_in_group, num_pid_m,
-                      k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, EVEN_K, INPUT_PRECISION, TMA)
-
 
 # Triton decides interpreter vs compiler when @triton.jit runs (triton/runtime/jit.py reads
 # knobs.runtime.interpret there), so what matters is the kind of object the decorator returned.
@@ -279,7 +194,6 @@ class GemmConfig:
     num_stages: int = 3
     tma: bool = False  # TMA tile loads (only where tma_compatible holds; else the launcher uses pointers)
     flatten: bool = True  # one fused tile x K loop (see the kernel's FLATTEN)
-    split_k: int = 1  # K chunks per tile of the tiles past the last whole wave (see the kernel's SPLIT_TAIL)
 
 
 def _next_pow2(x: int) -> int:
@@ -299,7 +213,6 @@ def pick_config(
     num_sms: int,
     interpret: bool,
     tma: bool = False,
-    split_tail: bool = False,
 ) -> GemmConfig:
     """Block sizes for C[m, n] = A[m, k] @ W[n, k]^T (A, W of `dtype`; C of `out_dtype`).
 
@@ -319,6 +232,16 @@ def pick_config(
         >= 0.6 x #SMs tiles; else 64x128x128 (4 warps, 4 stages). fp32 output never takes
         128x256 (its epilogue tile alone is 128 KiB).
     Narrow-N shapes at 512-2048 rows (the qkv GEMM) trail cuBLAS (0.7-0.8x) with these tilings.
+    Cutting K so that such shapes fill all SMs was built and measured slower, so it is not offered
+    (GPU runs 58-59, perf/results/gpu_run_h200x4_run58.log / run59.log, commits 0ded2bf / 12143da,
+    reverted): stream-K (each SM an equal run of K steps across tile boundaries, partials summed by the
+    last contributor) 0.43-0.62x cuBLAS where whole tiles give 0.70-0.81x - every SM starts at its own K
+    offset, so the operands no longer stay in L2 between the tiles that share them (its 100 us at Llama
+    qkv x 1024 rows is the time to read every tile's operands from HBM); a lockstep split-K of the tiles
+    past the last whole wave kept the L2 reuse but lost more to the fp32 partial stores and sums than
+    the fuller waves gained (Llama qkv x 1024 rows, 2 chunks per tile, the same K steps per SM as whole
+    tiles: 111 us vs 82 us; at best 0.03-0.05 above whole tiles, at Llama qkv x 1024-2048 and Qwen
+    down x 1024 rows, all still below 0.90x).
     tma=True (16-bit operands that `tma_compatible` accepts; callers that launch this file's kernel):
     m > 64 takes TMA loads and, per shape, the best score of three tiles, score = wave fill (tiles /
     (waves * #SMs)) times the tile's own efficiency: 128x256x64 (8 warps, 4 stages) 1.0, 128x128x64
@@ -346,16 +269,7 @@ def pick_config(
                    (0.82, GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4, tma=True))]
         if out_bytes <= 2:  # fp32 out: the 128x256 epilogue tile alone is 128 KiB
             choices.insert(0, (1.0, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True)))
-        if not split_tail:
-            return max(choices, key=lambda c: c[0] * wave_fill(tiles(c[1].block_m, c[1].block_n)))[1]
-        # The least modelled time (K steps x work per step / tile efficiency) over tiles and K splits;
-        # on ties the earlier (bigger tile, fewer splits).
-        timed = [(_modelled_steps(tiles(c.block_m, c.block_n), triton.cdiv(k, c.block_k), s_, num_sms)
-                  * c.block_m * c.block_n * c.block_k / eff, dataclasses.replace(c, split_k=s_))
-                 for eff, c in choices for s_ in range(1, _MAX_K_SPLITS + 1)
-                 if s_ == 1 or (s_ <= triton.cdiv(k, c.block_k) and split_tail_tiles(tiles(c.block_m, c.block_n),
-                                                                                      num_sms))]
-        return min(timed, key=lambda t: t[0])[1]
+        return max(choices, key=lambda c: c[0] * wave_fill(tiles(c[1].block_m, c[1].block_n)))[1]
 
     def max_stages(bm: int, bn: int, bk: int, cap: int = 5) -> int:
         per_stage = (bm + bn) * bk * max(2, in_bytes)
@@ -379,22 +293,6 @@ def pick_config(
     if in_bytes == 4:
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
     return cfg
-
-
-def _modelled_steps(num_tiles: int, k_tiles: int, k_splits: int, num_sms: int) -> float:
-    """pick_config's time model: K steps of the busiest SM for num_tiles tiles of k_tiles steps each, the
-    tiles past the last whole wave cut into k_splits chunks (1: none)."""
-    per_tile = k_tiles + _TILE_OVERHEAD_STEPS
-    if k_splits == 1:
-        return triton.cdiv(num_tiles, num_sms) * per_tile
-    tail = split_tail_tiles(num_tiles, num_sms)
-    per_chunk = k_tiles / k_splits + _TILE_OVERHEAD_STEPS + _PARTIAL_OVERHEAD_STEPS
-    return (num_tiles - tail) // num_sms * per_tile + triton.cdiv(tail * k_splits, num_sms) * per_chunk
-
-
-def split_tail_tiles(num_tiles: int, num_sms: int) -> int:
-    """The tiles past the last whole wave (the ones a split-K tail cuts by K): num_tiles % num_sms."""
-    return num_tiles % num_sms
 
 
 @functools.cache
@@ -456,38 +354,6 @@ def tma_descriptors(a: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int
             TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k]))
 
 
-class _SplitLocks:
-    """The lock words of split-K tails on one (device, stream): one int32 per tail tile, kept between
-    launches (a per-call allocation would need a zero-fill launch). Every launch leaves them zero again,
-    and launches on one stream run in order; one set per stream, so launches on two streams at once
-    never share a word."""
-
-    def __init__(self) -> None:
-        self.words = torch.empty(0, dtype=torch.int32)
-
-    def get(self, count: int, device: torch.device) -> torch.Tensor:
-        if self.words.numel() < count or self.words.device != device:
-            self.words = torch.zeros(count, dtype=torch.int32, device=device)
-        return self.words
-
-
-_SPLIT_LOCKS: dict[tuple[str, int | None, int], _SplitLocks] = {}
-
-
-def _split_partials(numel: int, device: torch.device) -> torch.Tensor:
-    """The fp32 partial tiles of one split-K tail launch: from the caching allocator (stream-ordered, so
-    reused by the next launch on the stream and free for other work in between); never read unwritten."""
-    return torch.empty(numel, dtype=torch.float32, device=device)
-
-
-def _split_locks(device: torch.device) -> _SplitLocks:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    if key not in _SPLIT_LOCKS:
-        _SPLIT_LOCKS[key] = _SplitLocks()
-    return _SPLIT_LOCKS[key]
-
-
 def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
     """Check the arguments and run the kernel into `out` (allocated by the caller); `config` overrides the
     block-size heuristic (tests use it to exercise other tilings)."""
@@ -519,17 +385,9 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
         num_sms = _device_num_sms(index)
     tma_ok = tma_compatible(a, w)
     cfg = config or pick_config(m, n, k, dtype=a.dtype, out_dtype=out.dtype, num_sms=num_sms, interpret=_INTERPRETED,
-                                tma=tma_ok and not _INTERPRETED, split_tail=True)
+                                tma=tma_ok and not _INTERPRETED)
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    k_splits = min(cfg.split_k, triton.cdiv(k, cfg.block_k))  # no empty K chunk
-    tail_tiles = split_tail_tiles(num_tiles, num_sms) if k_splits > 1 else 0
-    if tail_tiles:
-        partials = _split_partials(tail_tiles * k_splits * cfg.block_m * cfg.block_n, a.device)
-        locks = _split_locks(a.device).get(num_sms, a.device)
-        grid = (num_sms,)  # the tail's chunks fill more than the tail tiles' programs
-    else:
-        partials = locks = None
-        grid = (min(num_sms, num_tiles),)
+    grid = (min(num_sms, num_tiles),)
     use_tma = cfg.tma and tma_ok
     a_desc, w_desc = tma_descriptors(a, w, cfg.block_m, cfg.block_n, cfg.block_k) if use_tma else (None, None)
     # Triton launches on the current CUDA device; make it the tensors' device.
@@ -541,10 +399,6 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
             out,
             a_desc,
             w_desc,
-            partials,
-            locks,
-            tail_tiles,
-            k_splits,
             m,
             n,
             k,
@@ -563,7 +417,6 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
             INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             TMA=use_tma,
             FLATTEN=cfg.flatten,
-            SPLIT_TAIL=tail_tiles > 0,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

@@ -849,11 +849,10 @@ def test_gpu_kernel_pipelines_and_uses_system_scope_flags(gpu_world, gpu_workspa
     torch.cuda.synchronize()
     ttgir, ptx = handle.asm["ttgir"], handle.asm["ptx"]
     cfg = gar.default_config("two_shot", 2048, 8192, 2048, torch.bfloat16, torch.bfloat16, 132, interpret=False).gemm
-    plain = gemm._persistent_matmul_kernel.warmup(  # the pointer-load whole-tile build, as the fused loop
-        x, w, out, a_desc=None, w_desc=None, ws_ptr=None, locks_ptr=None, tail_tiles=0, k_splits=1, M=2048, N=8192,
-        K=2048, stride_am=x.stride(0), stride_ak=x.stride(1), stride_wn=w.stride(0), stride_wk=w.stride(1),
-        stride_cm=out.stride(0), stride_cn=out.stride(1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+    plain = gemm._persistent_matmul_kernel.warmup(  # the pointer-load build, as the fused loop
+        x, w, out, a_desc=None, w_desc=None, M=2048, N=8192, K=2048, stride_am=x.stride(0), stride_ak=x.stride(1),
+        stride_wn=w.stride(0), stride_wk=w.stride(1), stride_cm=out.stride(0), stride_cn=out.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_SMS=torch.cuda.get_device_properties(0).multi_processor_count, EVEN_K=True, INPUT_PRECISION="tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,),
     )

@@ -86,30 +86,25 @@ _GEMM_COMPILE = textwrap.dedent(
     names = list(fn.arg_names)
     out = []
     seen = set()
-    for m, n, k, split_tail in json.loads(sys.argv[1]):
-        cfg = gemm.pick_config(m, n, k, dtype=torch.bfloat16, num_sms=132, interpret=False, tma=True,
-                               split_tail=split_tail)
-        cfg = cfg.__class__(**{**vars(cfg), "split_k": min(cfg.split_k, 2)})  # the build is the same for any split
+    for m, n, k in json.loads(sys.argv[1]):
+        cfg = gemm.pick_config(m, n, k, dtype=torch.bfloat16, num_sms=132, interpret=False, tma=True)
         if cfg in seen:
             continue
         seen.add(cfg)
         types = {"a_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-                 "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32", "ws_ptr": "*fp32", "locks_ptr": "*i32",
-                 "tail_tiles": "i32", "k_splits": "i32", "a_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
+                 "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32",
+                 "a_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
                  "w_desc": f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>"}
         consts = {"stride_ak": 1, "stride_wk": 1, "stride_cn": 1, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "NUM_SMS": 132, "EVEN_K": True,
-                  "INPUT_PRECISION": "tf32", "TMA": cfg.tma, "FLATTEN": cfg.flatten, "SPLIT_TAIL": cfg.split_k > 1}
-        if cfg.split_k == 1:
-            consts.update(ws_ptr=None, locks_ptr=None)  # what the launcher passes without a split-K tail
+                  "INPUT_PRECISION": "tf32", "TMA": cfg.tma, "FLATTEN": cfg.flatten}
         sig = {n_: "constexpr" if n_ in consts else types[n_] for n_ in names}
         # what the launcher's specialisation sees: 16-byte aligned pointers and dims divisible by 16
-        attrs = {(names.index(n_),): [["tt.divisibility", 16]] for n_ in types
-                 if (n_.endswith("ptr") or n_ in "MNK") and n_ not in consts}
+        attrs = {(names.index(n_),): [["tt.divisibility", 16]] for n_ in types if n_.endswith("ptr") or n_ in "MNK"}
         src = ASTSource(fn, sig, constexprs={(names.index(n_),): v for n_, v in consts.items()}, attrs=attrs)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        out.append({"config": repr(cfg), "split": cfg.split_k > 1, "shared": kern.metadata.shared,
+        out.append({"config": repr(cfg), "shared": kern.metadata.shared,
                     "tma_loads": kern.asm["ptx"].count("cp.async.bulk.tensor")})
     print(json.dumps(out))
     """
@@ -117,20 +112,17 @@ _GEMM_COMPILE = textwrap.dedent(
 
 
 def test_gemm_tma_picks_build_for_sm90_within_shared_memory(tmp_path):
-    """Every TMA tiling pick_config returns on the Llama-70B / Qwen3-32B TP=4 shapes, with and without
-    a split-K tail, builds for sm_90 with TMA loads and fits Hopper's 227 KiB of shared memory (a launch would
-    fail otherwise)."""
+    """Every TMA tiling pick_config returns on the Llama-70B / Qwen3-32B TP=4 shapes builds for sm_90
+    with TMA loads and fits Hopper's 227 KiB of shared memory (a launch would fail otherwise)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    shapes = [(m, n, k, split_tail) for m in (1024, 2048, 4096, 16384) for split_tail in (False, True)
+    shapes = [(m, n, k) for m in (1024, 2048, 4096, 16384)
               for n, k in ((2560, 8192), (8192, 2048), (14336, 8192), (8192, 7168), (2560, 5120), (5120, 6400))]
     run = subprocess.run([sys.executable, "-c", _GEMM_COMPILE, json.dumps(shapes)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
     built = json.loads(run.stdout.strip().splitlines()[-1])
-    # 128x256, 128x128 and 64x128 whole-tile tilings, and split-K tails, occur on these shapes
-    assert len(built) >= 5 and {b["config"].split("block_n=")[1].split(",")[0] for b in built if b["split"]} \
-        == {"128", "256"}, built
+    assert len(built) == 3, built  # 128x256, 128x128 and 64x128 tilings all occur on these shapes
     for b in built:
         assert b["tma_loads"] > 0 and b["shared"] <= 227 * 1024, b
