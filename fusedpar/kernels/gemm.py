@@ -234,14 +234,16 @@ def pick_config(
     Narrow-N shapes at 512-2048 rows (the qkv GEMM) trail cuBLAS (0.7-0.8x) with these tilings.
     Cutting K so that such shapes fill all SMs was built and measured slower, so it is not offered
     (GPU runs 58-59, perf/results/gpu_run_h200x4_run58.log / run59.log, commits 0ded2bf / 12143da,
-    reverted): stream-K (each SM an equal run of K steps across tile boundaries, partials summed by the
-    last contributor) 0.43-0.62x cuBLAS where whole tiles give 0.70-0.81x - every SM starts at its own K
-    offset, so the operands no longer stay in L2 between the tiles that share them (its 100 us at Llama
-    qkv x 1024 rows is the time to read every tile's operands from HBM); a lockstep split-K of the tiles
-    past the last whole wave kept the L2 reuse but lost more to the fp32 partial stores and sums than
-    the fuller waves gained (Llama qkv x 1024 rows, 2 chunks per tile, the same K steps per SM as whole
-    tiles: 111 us vs 82 us; at best 0.03-0.05 above whole tiles, at Llama qkv x 1024-2048 and Qwen
-    down x 1024 rows, all still below 0.90x).
+    reverted). Stream-K (each SM an equal run of K steps across tile boundaries, partials summed by
+    the last contributor): best stream-K tiling 0.60-0.69x cuBLAS on the six shapes below 0.90x at
+    1024-2048 rows, where whole tiles give 0.70-0.85x. Likely cause: every SM starts at its own K
+    offset, so the operands shared between tiles no longer meet in L2 (Llama qkv x 1024 rows took
+    101 us, about what the 480 MB of its 80 tiles' operands take at HBM speed). A lockstep split-K of
+    the tiles past the last whole wave keeps the SMs in step, but its partial round trip (fp32 stores,
+    the last chunk's loads and sums) cost more than the fuller waves gained (Llama qkv x 1024 rows, 2
+    chunks per tile, the same K steps per SM as whole tiles: 111 us vs 82 us); best split per case
+    0.03-0.05 above whole tiles at Llama qkv x 1024-2048 and Qwen down x 1024 rows, equal or worse
+    elsewhere, all below 0.90x.
     tma=True (16-bit operands that `tma_compatible` accepts; callers that launch this file's kernel):
     m > 64 takes TMA loads and, per shape, the best score of three tiles, score = wave fill (tiles /
     (waves * #SMs)) times the tile's own efficiency: 128x256x64 (8 warps, 4 stages) 1.0, 128x128x64
