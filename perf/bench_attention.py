@@ -23,7 +23,8 @@ call on each operand set in turn (SDPA; the fused full path; the fused attention
 one replay still rotates the operands through L2 and amortises the replay's own launch. ms per
 call = median replay time (CUDA events after a GPU spin, warm-up replays first, --iters replays)
 / calls per replay. A capture that fails is recorded as the eager record's graph_error and the
-graph record is left out. Sweep records are eager only (keeps the sweep fast).
+graph record is left out. Decode sweep tilings get graph records too (the sweep's decode choice is
+made on them); prefill sweep records are eager.
 
 Protocol (DESIGN.md section 9, as perf/bench_gemm.py): CUDA events around each call after a GPU
 spin, warm-up first (includes Triton compilation), median of --iters, inputs and caches rotate
@@ -33,8 +34,8 @@ a 1 GiB device copy, both measured in this run. FLOPs = 4 * Hq * d * (causal que
 bytes = the minimum traffic (prefill: qkv read + out write + k/v write; decode: the K/V read).
 
 --sweep (default on, time-capped by --sweep-budget-s) also times explicit tilings (AttentionConfig,
-incl. prerotate_q) on prefill 1x4096 and 4x1024 and on decode 8x4096 (the layer benchmark's decode
-case) and 64x4096, to tune pick_config on the GPU. Sweep records ("sweep": true) are measured like
+incl. prerotate_q) on prefill 1x4096, 4x1024 and 4x256 and on decode 1x4096, 8x4096 (the layer
+benchmark's decode case) and 64x4096, to tune pick_config on the GPU. Sweep records ("sweep": true) are measured like
 the others: fused_ms is the full path the layer runs (RoPE on q/k + KV-cache write + attention)
 with that tiling, fused_attention_only_ms the attention alone with it (write_kv=False, no RoPE).
 Both matter: the attention-only time hid the cost of the in-kernel q norm/RoPE prologue (0.23 vs
@@ -200,9 +201,9 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
     fused_ms = time_ms(run_fused, [(s,) for s in sets], args.iters, args.warmup)
 
     # Decode runs inside a CUDA graph in the layer stack, where eager timing mostly measures host
-    # launch cost. Sweep tilings skip it: three captures per tiling would slow the sweep down.
+    # launch cost: every decode record (sweep tilings too) is also timed captured.
     graph_times: dict[str, float | str] = {}
-    if kind == "decode" and config is None:
+    if kind == "decode":
         try:
             # The fused calls pass max_query_len / max_kv_len (PagedInputs.kwargs): no host sync in
             # capture. write_kv rewrites the same slot with the same k/v on every replay (idempotent).
@@ -257,18 +258,24 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
     }
 
 
-# Prefill tilings: (block_m, block_n, warps, stages, prerotate_q); the first is pick_config's choice,
-# the second the same tile with q normed/roped inside the attention kernel (the previous default).
+# Prefill tilings: (block_m, block_n, warps, stages, prerotate_q); the first two are pick_config's
+# choices before session 12 (3 / 4 stages). The K/V addresses come from a block-table load in the
+# same loop iteration, and Triton 3.6's pipeliner gives such indirect loads about (stages - 2) // 2
+# prefetch buffers (sm_90 builds: 3-4 stages -> K/V waited for at the top of every iteration, no
+# overlap at all; 5-6 -> one tile ahead; 8 -> two), hence the deeper candidates.
 PREFILL_SWEEP = (
-    (128, 64, 8, 3, True), (128, 64, 8, 3, False), (128, 32, 4, 4, True), (128, 64, 4, 3, True),
-    (128, 128, 8, 2, True), (64, 64, 4, 3, True), (128, 64, 8, 4, True), (64, 32, 4, 4, True),
+    (128, 64, 8, 3, True), (128, 32, 4, 4, True), (128, 64, 8, 5, True), (128, 64, 8, 6, True),
+    (128, 32, 4, 6, True), (128, 32, 4, 8, True), (128, 64, 4, 6, True), (64, 64, 4, 6, True),
 )
-PREFILL_SWEEP_SHAPES = ([4096], [1024] * 4)
+PREFILL_SWEEP_SHAPES = ([4096], [1024] * 4, [256] * 4)
 # Decode tilings, block_m 16: (block_n, warps, stages, num_splits). 8 x 4096 is the layer
-# benchmark's decode case; 64 x 4096 keeps its earlier sweep (perf/results/attention.json).
+# benchmark's decode case. The first of each is the pre-session-12 pick (4 stages: no prefetch).
 DECODE_SWEEP = {
-    8: ((64, 4, 4, 16), (64, 4, 4, 8), (64, 4, 4, 4), (128, 4, 3, 8), (32, 4, 4, 16), (64, 4, 3, 32), (128, 4, 2, 4)),
-    64: ((64, 4, 3, 1), (64, 4, 3, 2), (64, 4, 4, 4), (128, 4, 2, 2), (32, 4, 4, 2)),
+    1: ((64, 4, 4, 17), (64, 4, 6, 17), (64, 4, 8, 17), (64, 4, 8, 8), (32, 4, 8, 32), (64, 4, 10, 17)),
+    8: ((64, 4, 4, 17), (64, 4, 6, 16), (64, 4, 8, 16), (64, 4, 6, 8), (64, 4, 8, 8), (64, 4, 8, 4),
+        (32, 4, 8, 16), (32, 4, 8, 32), (128, 4, 6, 8), (64, 4, 10, 8), (64, 4, 8, 32), (64, 8, 8, 16)),
+    64: ((64, 4, 4, 4), (64, 4, 6, 4), (64, 4, 8, 4), (64, 4, 8, 2), (64, 4, 6, 2), (32, 4, 8, 4),
+         (128, 4, 6, 2)),
 }
 
 
@@ -298,9 +305,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median taken)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
-    # Sized for the whole sweep (28 tilings, each compiling its kernels and timing SDPA, attention-only
-    # and the full path: ~90 s expected) with headroom; the cap only guards against a slow machine.
-    p.add_argument("--sweep-budget-s", type=float, default=120.0, help="stop sweeping after this many seconds")
+    # Sized for the whole sweep (49 tilings, each compiling its kernels and timing SDPA, attention-only
+    # and the full path, decode ones also in graphs: ~200 s expected) with headroom; the cap only
+    # guards against a slow machine.
+    p.add_argument("--sweep-budget-s", type=float, default=300.0, help="stop sweeping after this many seconds")
     p.add_argument("--out", default="perf/results/attention.json")
     args = p.parse_args(argv)
     if args.iters < 20:
@@ -379,7 +387,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             continue
         graph_record = None
-        if kind == "decode" and cfg is None:
+        if kind == "decode":
             record["timing"] = "eager"
             if "graph_error" not in record:
                 base_g, fused_g, attn_g = (record["baseline_graph_ms"], record["fused_graph_ms"],

@@ -18,11 +18,18 @@ batches of calls so its queue never fills and blocks the host), median over --it
     capturing?        torch.cuda.is_current_stream_capturing()
 Prints per path the median us per call on rank 0 and the max over ranks. A diagnosis tool: no
 records, nothing asserted.
+
+--profile NAME[,NAME...] also runs cProfile over --profile-calls calls of each named path on rank 0
+(every rank makes the calls: the fused paths are collective) and prints its top functions by own
+time and by cumulative time: where the host time of that path goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -44,6 +51,8 @@ def main() -> int:
     p.add_argument("--k", type=int, default=2048, help="input features per rank (Llama-70B o-projection at TP=4)")
     p.add_argument("--calls", type=int, default=20, help="calls per timed batch")
     p.add_argument("--iters", type=int, default=30, help="timed batches (median)")
+    p.add_argument("--profile", default="", help="comma-separated path names to profile with cProfile (rank 0)")
+    p.add_argument("--profile-calls", type=int, default=400, help="calls per profiled path")
     args = p.parse_args()
     if not _bench.torchrun_available():
         print("host_cost: needs CUDA GPUs and a torchrun launch; nothing to do")
@@ -101,6 +110,24 @@ def main() -> int:
               f"(median of {args.iters} batches of {args.calls})")
         for name, mine, worst in rows:
             print(f"  {name:<14} rank 0 {mine:8.1f}   max over ranks {worst:8.1f}")
+    for name in filter(None, args.profile.split(",")):
+        fn = paths[name]
+        torch.cuda.synchronize()
+        dist.barrier()
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(args.profile_calls):
+            fn()
+            if i % args.calls == args.calls - 1:
+                torch.cuda.synchronize()  # keep the GPU queue short, as in the timing above
+        prof.disable()
+        torch.cuda.synchronize()
+        if rank == 0:
+            for order in ("tottime", "cumulative"):
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(28)
+                print(f"== cProfile of {args.profile_calls} calls of {name!r}, by {order}")
+                print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
     _bench.exit_without_teardown(0)
     return 0
 
