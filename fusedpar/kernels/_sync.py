@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from fusedpar.collectives.symmetric import ALIGN_BYTES, COUNTER_EPOCH, COUNTER_RETIRED, COUNTER_STATUS
+from fusedpar.kernels._host import next_pow2 as next_pow2  # re-exported: the launchers import it from here
 from fusedpar.kernels.gemm import _INTERPRETER_NUM_SMS, _device_num_sms
 
 # Counter indices as Triton constexprs: a @jit function may only read constexpr globals.
@@ -140,11 +141,6 @@ def retire_system(counters_ptr, epoch, nprog):
 
 
 # ================================================================================= host side
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (1 for n <= 1): tl.arange needs power-of-two lengths."""
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def esize(dtype: torch.dtype) -> int:

@@ -45,6 +45,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from fusedpar.collectives.symmetric import EmulatedWorld, PeerTable, as_peer_table
+from fusedpar.kernels._host import cdiv
 from fusedpar.kernels._sync import (
     check_emulated_rank,
     flags_of,
@@ -239,7 +240,7 @@ def _launch(
     if n == 0:
         return None
     cfg = config or _default_config()
-    grid = min(triton.cdiv(n, cfg.block), cfg.max_blocks, max_blocks)
+    grid = min(cdiv(n, cfg.block), cfg.max_blocks, max_blocks)
     return _one_shot_all_reduce_kernel[(grid,)](
         x.contiguous(),
         out,

@@ -92,6 +92,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from fusedpar.kernels._host import cdiv, next_pow2
+
 if TYPE_CHECKING:  # annotations only: kernels must not import fusedpar.layers at runtime
     from fusedpar.layers.decoder import StepState
     from fusedpar.layers.kv_cache import PagedKVCache
@@ -586,10 +588,6 @@ class AttentionConfig:
     prerotate_q: bool = False
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def pick_config(
     *,
     head_dim: int,
@@ -647,11 +645,11 @@ def pick_config(
     big = head_dim > 128 or dtype == torch.float32
     if interpret:
         block_m, block_n, warps, stages = (16 if max_query_len == 1 else 32), 16, 4, 1
-        block_m = max(block_m, _next_pow2(group))
+        block_m = max(block_m, next_pow2(group))
     elif max_query_len == 1:
-        block_m, block_n, warps, stages = max(16, _next_pow2(group)), (32 if big else 64), 4, (3 if big else 4)
+        block_m, block_n, warps, stages = max(16, next_pow2(group)), (32 if big else 64), 4, (3 if big else 4)
     else:
-        block_m = max(64 if big else 128, _next_pow2(group))
+        block_m = max(64 if big else 128, next_pow2(group))
         if big:
             block_n, warps, stages = 32, 4, 2
         elif max_query_len > 1024:
@@ -666,7 +664,7 @@ def pick_config(
         # Nearest whole number of waves of ~4 CTAs per SM (a rounded-up count can leave a
         # mostly idle last wave: 128 programs x 3 splits on 132 SMs is 1.45 waves).
         want = max(1, round(4 * num_sms / programs))
-        by_len = triton.cdiv(max(max_kv_len, 1), (1 if interpret else 4) * block_n)
+        by_len = cdiv(max(max_kv_len, 1), (1 if interpret else 4) * block_n)
         splits = max(1, min(want, by_len, _MAX_SPLITS))
     # Interpreter too: CPU tests of prefill batches then run the pre-rotated path the GPU runs.
     return AttentionConfig(block_m, block_n, block_q, warps, stages, splits, prerotate_q=max_query_len > 1)
@@ -887,8 +885,8 @@ def _launch(
     splits = cfg.num_splits
     split_len = 0
     if splits > 1:
-        split_len = triton.cdiv(triton.cdiv(max(max_kv_len, 1), splits), cfg.block_n) * cfg.block_n
-        splits = triton.cdiv(max(max_kv_len, 1), split_len)  # no split that is empty for every sequence
+        split_len = cdiv(cdiv(max(max_kv_len, 1), splits), cfg.block_n) * cfg.block_n
+        splits = cdiv(max(max_kv_len, 1), split_len)  # no split that is empty for every sequence
     if splits > 1:
         part_acc = torch.empty((splits, num_tokens, num_q_heads, hd), dtype=torch.float32, device=qkv.device)
         part_m = torch.empty((splits, num_tokens, num_q_heads), dtype=torch.float32, device=qkv.device)
@@ -909,7 +907,7 @@ def _launch(
         q_src, attn_rope, attn_q_norm = qkv, rope_mode, q_norm is not None
     # The write kernel holds one [heads_p2, hd] fp32 tile (plus its rotated copy, cos and sin):
     # one warp for a few heads, more so that a wide q tile (16 x 128) does not spill.
-    tile = max(_next_pow2(nkv) if write_kv else 0, _next_pow2(num_q_heads) if prerotate else 0) * hd
+    tile = max(next_pow2(nkv) if write_kv else 0, next_pow2(num_q_heads) if prerotate else 0) * hd
     write_warps = 1 if tile <= 256 else 4 if tile <= 4096 else 8
 
     guard = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
@@ -919,7 +917,7 @@ def _launch(
                 qkv, slots if write_kv else cu_seqlens_q, positions_arg, inv_freq, cos_arg, sin_arg,
                 q_norm_arg, k_norm if k_norm is not None else qkv, k_cache, v_cache, q_src,
                 qkv.stride(0), q_src.stride(0), blk_stride, tok_stride, head_stride, stride_rope, eps,
-                NQ=num_q_heads, NQ_P2=_next_pow2(num_q_heads), NKV=nkv, NKV_P2=_next_pow2(nkv), HD=hd, PAGE=page,
+                NQ=num_q_heads, NQ_P2=next_pow2(num_q_heads), NKV=nkv, NKV_P2=next_pow2(nkv), HD=hd, PAGE=page,
                 HAS_Q_NORM=q_norm is not None, HAS_K_NORM=k_norm is not None, ROPE=rope_mode,
                 WRITE_KV=write_kv and not fused_write, WRITE_Q=prerotate,
                 num_warps=write_warps,
@@ -941,7 +939,7 @@ def _launch(
         if splits > 1:
             _combine_kernel[(num_tokens, num_q_heads)](
                 part_acc, part_m, part_l, out, out.stride(0), num_tokens, splits,
-                NQ=num_q_heads, HD=hd, SPLITS_P2=_next_pow2(splits), num_warps=1 if hd <= 64 else 2,
+                NQ=num_q_heads, HD=hd, SPLITS_P2=next_pow2(splits), num_warps=1 if hd <= 64 else 2,
             )
     return out
 

@@ -41,6 +41,8 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fusedpar.kernels._host import cdiv, next_pow2
+
 __all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config", "tma_compatible", "tma_descriptors"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -196,10 +198,6 @@ class GemmConfig:
     flatten: bool = True  # one fused tile x K loop (see the kernel's FLATTEN)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 # Every launch asks for its tiling: cached, since a Python heuristic run per call cost 28-48 us of host
 # time (this CPU), as much as the launch itself; arguments are ints, dtypes and bools.
 @functools.lru_cache(maxsize=4096)
@@ -261,10 +259,10 @@ def pick_config(
     out_bytes = (out_dtype or dtype).itemsize
 
     def tiles(block_m: int, block_n: int) -> int:
-        return triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        return cdiv(m, block_m) * cdiv(n, block_n)
 
     def wave_fill(t: int) -> float:
-        return t / (triton.cdiv(t, num_sms) * num_sms)
+        return t / (cdiv(t, num_sms) * num_sms)
 
     if tma and m > 64 and in_bytes == 2:
         choices = [(0.97, GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=5, tma=True)),
@@ -278,14 +276,14 @@ def pick_config(
         return max(2, min(cap, (_SMEM_BYTES - bm * bn * out_bytes) // per_stage))
 
     if m <= 64:
-        block_m = max(16, _next_pow2(m))
-        block_n = next((bn for bn in (128, 64) if triton.cdiv(n, bn) >= 0.6 * num_sms), 32)
+        block_m = max(16, next_pow2(m))
+        block_n = next((bn for bn in (128, 64) if cdiv(n, bn) >= 0.6 * num_sms), 32)
         block_k = 256 if (m <= 16 and block_n <= 64) else 128
         cfg = GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=4,
                          num_stages=max_stages(block_m, block_n, block_k))
     else:
         t256 = tiles(128, 256)
-        wave_fill = t256 / (triton.cdiv(t256, num_sms) * num_sms)
+        wave_fill = t256 / (cdiv(t256, num_sms) * num_sms)
         if out_bytes <= 2 and (wave_fill >= 0.84 or 0.6 * num_sms <= t256 <= num_sms):
             cfg = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
         elif tiles(128, 128) >= 0.6 * num_sms:
@@ -388,7 +386,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
     tma_ok = tma_compatible(a, w)
     cfg = config or pick_config(m, n, k, dtype=a.dtype, out_dtype=out.dtype, num_sms=num_sms, interpret=_INTERPRETED,
                                 tma=tma_ok and not _INTERPRETED)
-    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    num_tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     grid = (min(num_sms, num_tiles),)
     use_tma = cfg.tma and tma_ok
     a_desc, w_desc = tma_descriptors(a, w, cfg.block_m, cfg.block_n, cfg.block_k) if use_tma else (None, None)

@@ -122,6 +122,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from fusedpar.collectives.symmetric import EmulatedWorld, PeerTable, _align, as_peer_table
+from fusedpar.kernels._host import cdiv
 from fusedpar.kernels._sync import (
     check_emulated_rank,
     device_guard,
@@ -516,7 +517,7 @@ def _decode_split(n: int, k: int, elem: int, gcfg: GemmConfig, num_sms: int) -> 
     """(tiling, split_k) that gives the most SMs a share of the weight: the unsplit tiling's
     cdiv(n, block_n) units, or 128-column tiles x s K ranges (units <= num_sms, >= _SPLIT_MIN_K of K
     per range); ties keep no split."""
-    best = (triton.cdiv(n, gcfg.block_n), gcfg, 1)
+    best = (cdiv(n, gcfg.block_n), gcfg, 1)
     bn, bk, warps, stages = _SPLIT_TILE
     bm = gcfg.block_m
     stages = min(stages, (_SMEM_BYTES - bm * bn * elem) // ((bm + bn) * bk * elem))
@@ -524,8 +525,8 @@ def _decode_split(n: int, k: int, elem: int, gcfg: GemmConfig, num_sms: int) -> 
         return gcfg, 1
     wide = GemmConfig(bm, bn, bk, gcfg.group_m, warps, stages)
     for split in range(2, 17):
-        units = triton.cdiv(n, bn) * split
-        if units > num_sms or triton.cdiv(k, split) < _SPLIT_MIN_K:
+        units = cdiv(n, bn) * split
+        if units > num_sms or cdiv(k, split) < _SPLIT_MIN_K:
             break
         if units > best[0]:
             best = (units, wide, split)
@@ -535,12 +536,12 @@ def _decode_split(n: int, k: int, elem: int, gcfg: GemmConfig, num_sms: int) -> 
 def _layout(path: str, rows: int, n: int, world: int, cfg: FusedConfig, psize: int, osize: int):
     """(tiles, own_cap, result_off, slot bytes needed, flag rows needed) of one launch over `rows` rows."""
     g = cfg.gemm
-    tiles = triton.cdiv(rows, g.block_m) * triton.cdiv(n, g.block_n)
+    tiles = cdiv(rows, g.block_m) * cdiv(n, g.block_n)
     tile = g.block_m * g.block_n
     if path == "one_shot":
         units = tiles * cfg.split_k
         return tiles, 0, 0, world * units * tile * psize, min(cfg.num_sms, units)
-    own_cap = triton.cdiv(tiles, world)
+    own_cap = cdiv(tiles, world)
     result_off = _align(world * own_cap * tile * psize)
     return tiles, own_cap, result_off, result_off + tiles * tile * osize, cfg.num_sms + own_cap
 
@@ -629,7 +630,7 @@ def _plan_cached(path, m, n, k, dtype, world, slot, max_blocks, num_sms, partial
         return (None, f"one_shot: {why}") if why else (FusedPlan(path, cfg, pdt, ((0, m),), slot), "")
     # two_shot: the largest chunk (in tile rows) that fits, by bisection; then balanced chunks so
     # the last one is not a sliver.
-    tile_rows = triton.cdiv(m, bm)
+    tile_rows = cdiv(m, bm)
     lo, hi = 0, tile_rows
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -639,12 +640,12 @@ def _plan_cached(path, m, n, k, dtype, world, slot, max_blocks, num_sms, partial
             lo = mid
     if lo == 0:
         return None, f"two_shot: {size_problem(min(m, bm))}"
-    n_chunks = triton.cdiv(tile_rows, lo)
-    per = triton.cdiv(tile_rows, n_chunks) * bm
+    n_chunks = cdiv(tile_rows, lo)
+    per = cdiv(tile_rows, n_chunks) * bm
     chunks = tuple((m0, min(per, m - m0)) for m0 in range(0, m, per))
     # Every rank must own a tile of every launch (the double-buffering argument).
     smallest = min(rows for _, rows in chunks)
-    tiles = triton.cdiv(smallest, bm) * triton.cdiv(n, cfg.gemm.block_n)
+    tiles = cdiv(smallest, bm) * cdiv(n, cfg.gemm.block_n)
     if tiles < world:
         return None, f"two_shot: a chunk of {smallest} rows has {tiles} tiles < world size {world}"
     return FusedPlan(path, cfg, pdt, chunks, slot), ""
@@ -729,7 +730,7 @@ def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pl
             BLOCK_K=g.block_k,
             GROUP_M=g.group_m,
             NUM_SMS=cfg.num_sms,
-            EVEN_K=k % g.block_k == 0 and triton.cdiv(k, g.block_k) % split == 0,  # every range's steps full
+            EVEN_K=k % g.block_k == 0 and cdiv(k, g.block_k) % split == 0,  # every range's steps full
             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             PARTIAL_FP32=plan.partial_dtype == torch.float32 and x.dtype != torch.float32,
             COMM_ROWS=cfg.comm_rows,
@@ -752,6 +753,9 @@ def _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan: 
               reduce: bool = True, copy: bool = True, use_flags: bool = True, spin_limit: int | None = None,
               residual: torch.Tensor | None = None):
     """The chosen phases (default all: the GPU path) of every chunk, one launch per chunk. Returns the last handle."""
+    if len(plan.chunks) == 1 and plan.chunks[0] == (0, x.shape[0]):  # the decode case: no row views to build
+        return _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan, gemm=gemm,
+                             reduce=reduce, copy=copy, use_flags=use_flags, spin_limit=spin_limit, residual=residual)
     handle = None
     for m0, rows in plan.chunks:
         handle = _launch_chunk(x.narrow(0, m0, rows), w, out.narrow(0, m0, rows), buffer_ptrs, signal_ptrs,

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedpar.kernels._host import next_pow2
+
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 65536
 
@@ -68,7 +70,7 @@ def _launch(x, delta, w, eps, s, y):
     n_rows, n_cols = x.shape
     if n_rows == 0:
         return
-    block = triton.next_power_of_2(n_cols)
+    block = next_pow2(n_cols)
     warps = 1 if block <= 512 else 4 if block <= 4096 else 8
     d = delta if delta is not None else x
     sv = s if s is not None else y

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from fusedpar.kernels._host import cdiv, next_pow2
+
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -83,8 +85,8 @@ def silu_mul(gu: torch.Tensor, block: int, out: torch.Tensor | None = None) -> t
                          f"columns, got {tuple(act.shape)} {act.dtype} {act.device} strides {act.stride()}")
     if gu.shape[0] == 0 or k == 0:
         return act
-    tile = min(1024, triton.next_power_of_2(k))
-    _silu_mul_kernel[(gu.shape[0], triton.cdiv(k, tile))](
+    tile = min(1024, next_pow2(k))
+    _silu_mul_kernel[(gu.shape[0], cdiv(k, tile))](
         gu, act, k, block, gu.stride(0), gu.stride(1), act.stride(0), BLOCK=tile, num_warps=4 if tile >= 512 else 1,
     )
     return act

@@ -98,6 +98,7 @@ from triton.language.extra.cuda import globaltimer
 from triton.runtime.jit import JITFunction
 
 from fusedpar.collectives.symmetric import NUM_COUNTERS, EmulatedWorld, PeerTable, as_peer_table
+from fusedpar.kernels._host import cdiv
 from fusedpar.kernels._sync import (
     check_emulated_rank,
     device_guard,
@@ -543,7 +544,7 @@ def _qkv_config(m: int, n_total: int, k: int, blk: int, dtype: torch.dtype, num_
     # 204-212 vs 214-235 us). At 2048-4096 rows the runs disagree (the best nested TMA tiling from
     # 5% slower to 11% faster than the pointer pick), and at 256-512 rows TMA was up to 2x slower on
     # the Qwen shape, so elsewhere the plain GEMM's pointer-load pick stays.
-    tiles = triton.cdiv(m, 128) * triton.cdiv(n_total, 128)
+    tiles = cdiv(m, 128) * cdiv(n_total, 128)
     if tma_ok and not _INTERPRETED and dtype.itemsize == 2 and 3 * num_sms < tiles <= 6 * num_sms:
         cfg = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True, flatten=False)
     else:
@@ -618,7 +619,7 @@ def launch_qkv_all_to_all(
     tma_ok = tma_compatible(x, w)
     cfg = config or _qkv_config(m, W * blk, k, blk, x.dtype, num_sms, tma_ok=tma_ok)
     if produce:
-        tiles = triton.cdiv(m, cfg.block_m) * W * triton.cdiv(blk, cfg.block_n)
+        tiles = cdiv(m, cfg.block_m) * W * cdiv(blk, cfg.block_n)
         grid = max(1, min(num_sms, tiles))
     else:
         grid = 1
@@ -787,10 +788,10 @@ def _o_launch_shape(m: int, n: int, C: int, W: int, dtype, out_dtype, table: Pee
     gemm = cfg.gemm or pick_config(
         m, n, W * C, dtype=dtype, out_dtype=out_dtype, num_sms=num_sms, interpret=_INTERPRETED
     )
-    m_tiles = triton.cdiv(m, gemm.block_m)
+    m_tiles = cdiv(m, gemm.block_m)
     bands_cap = max(1, min(cfg.max_bands, table.max_blocks - 1))
-    band_rows = gemm.block_m * triton.cdiv(m_tiles, bands_cap)
-    num_bands = triton.cdiv(m, band_rows)
+    band_rows = gemm.block_m * cdiv(m_tiles, bands_cap)
+    num_bands = cdiv(m, band_rows)
     comm = max(1, min(cfg.comm_programs, num_sms - 1)) if W > 1 else 0
     return gemm, band_rows, num_bands, comm
 
@@ -827,7 +828,7 @@ def launch_all_to_all_o_proj(
     cfg = config or (_INTERPRETER_O_CONFIG if _INTERPRETED else OProjConfig())
     gcfg, band_rows, num_bands, comm = _o_launch_shape(m, n, C, W, attn.dtype, out.dtype, table, cfg, num_sms)
     comm = comm if push else 0
-    tiles = triton.cdiv(m, gcfg.block_m) * triton.cdiv(n, gcfg.block_n)
+    tiles = cdiv(m, gcfg.block_m) * cdiv(n, gcfg.block_n)
     grid = comm + (min(num_sms - comm, tiles) if gemm else 0)
     grid = max(grid, 1)  # a READY-only launch
     stage = table.view(attn.dtype, W * m * C)
