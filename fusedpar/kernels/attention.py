@@ -637,8 +637,8 @@ def pick_config(
     1 / 8 / 64 x 4096 in CUDA graphs 0.0151 / 0.0225 / 0.0822 ms with the picks above vs
     0.0155-0.0182 / 0.0228-0.0259 / 0.0843-0.1037 ms with 64-key tiles and 6-10 stages (more
     shared memory per program, fewer resident programs, which were already hiding the latency
-    between them); prefill 4 x 1024
-    0.104 vs 0.108 ms with 5 stages but 4 x 256 0.0243 vs 0.0237 ms, a wash. Best single decode
+    between them); prefill 4 x 1024 0.104 vs 0.108 ms with 5 stages but 4 x 256 0.0243 vs
+    0.0237 ms, a wash. Best single decode
     tilings differed by batch (1 seq: 32 keys x 8 stages x 32 splits 0.0145 ms; 8 seqs: 128 keys
     x 6 stages x 8 splits 0.0216 ms), each ~4% better than the pick, in one run: not adopted.
     """
