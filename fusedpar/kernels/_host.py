@@ -15,4 +15,4 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1): tl.arange needs power-of-two lengths."""
-    return 1 << max(0, (n - 1).bit_length())
+    return 1 << max(0, n - 1).bit_length()
