@@ -120,12 +120,14 @@ def measure_ceilings(dtype: torch.dtype, iters: int, device) -> tuple[float, flo
     return peak, bandwidth
 
 
+def rotation_sets(m: int, n: int, k: int, dtype: torch.dtype, l2_bytes: int) -> int:
+    """Operand sets (A, W, C of one GEMM) so that one rotation is 3x the L2 size (2..8 sets)."""
+    return min(8, max(2, math.ceil(3 * l2_bytes / ((m * k + n * k + m * n) * dtype.itemsize))))
+
+
 def bench_case(case, tokens, args, dtype, peak, bandwidth, l2_bytes, gemm, device) -> dict:
     m, n, k = tokens, case.n, case.k
-    elem = torch.empty((), dtype=dtype).element_size()
-    set_bytes = (m * k + n * k + m * n) * elem
-    # Enough operand sets that one rotation is 3x the L2 size (2..8 sets).
-    n_sets = min(8, max(2, math.ceil(3 * l2_bytes / set_bytes)))
+    n_sets = rotation_sets(m, n, k, dtype, l2_bytes)
     sets = [
         (torch.randn((m, k), device=device, dtype=dtype), make_weight(case, dtype, args.weight, device))
         for _ in range(n_sets)
@@ -142,7 +144,7 @@ def bench_case(case, tokens, args, dtype, peak, bandwidth, l2_bytes, gemm, devic
 
     flops = 2 * m * n * k
     floor_compute_ms = flops / peak * 1e3
-    floor_memory_ms = set_bytes / bandwidth * 1e3
+    floor_memory_ms = (m * k + n * k + m * n) * dtype.itemsize / bandwidth * 1e3
     floor_ms = max(floor_compute_ms, floor_memory_ms)
     cfg = gemm.pick_config(
         m,
@@ -188,8 +190,7 @@ def diagnose_tma(args, dtype, l2_bytes, gemm, device) -> None:
                 continue
             for m in (int(t) for t in args.tokens.split(",") if t):
                 n, k = case.n, case.k
-                set_bytes = (m * k + n * k + m * n) * torch.empty((), dtype=dtype).element_size()
-                n_sets = min(8, max(2, math.ceil(3 * l2_bytes / set_bytes)))
+                n_sets = rotation_sets(m, n, k, dtype, l2_bytes)
                 cold = [(torch.randn((m, k), device=device, dtype=dtype), make_weight(case, dtype, args.weight, device),
                          torch.empty((m, n), device=device, dtype=dtype)) for _ in range(n_sets)]
                 shared = [(a, cold[0][1], o) for a, _, o in cold]

@@ -283,8 +283,7 @@ def pick_config(
                          num_stages=max_stages(block_m, block_n, block_k))
     else:
         t256 = tiles(128, 256)
-        wave_fill = t256 / (cdiv(t256, num_sms) * num_sms)
-        if out_bytes <= 2 and (wave_fill >= 0.84 or 0.6 * num_sms <= t256 <= num_sms):
+        if out_bytes <= 2 and (wave_fill(t256) >= 0.84 or 0.6 * num_sms <= t256 <= num_sms):
             cfg = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
         elif tiles(128, 128) >= 0.6 * num_sms:
             cfg = GemmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=max_stages(128, 128, 64))
