@@ -258,42 +258,47 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
     }
 
 
-# Prefill tilings: (block_m, block_n, warps, stages, prerotate_q); the first two are pick_config's
-# choices before session 12 (3 / 4 stages). The K/V addresses come from a block-table load in the
-# same loop iteration, and Triton 3.6's pipeliner gives such indirect loads about (stages - 2) // 2
-# prefetch buffers (sm_90 builds: 3-4 stages -> K/V waited for at the top of every iteration, no
-# overlap at all; 5-6 -> one tile ahead; 8 -> two), hence the deeper candidates.
+# Prefill tilings: (block_m, block_n, warps, stages, prerotate_q, page_prefetch). The first two are
+# pick_config's choices before GPU run 69 (3 / 4 stages, no page prefetch; the 32-key tile was its
+# choice for sequences over 1024 tokens), the third its choice since. Without page_prefetch the K/V
+# addresses come from a block-table load in the same loop iteration, and Triton 3.6's pipeliner
+# gives such indirect loads about (stages - 2) // 2 tiles of lookahead (run 61 measured 5-8 stages:
+# not faster); with it the entries are loaded a tile ahead and stages - 1 tiles are in flight.
 PREFILL_SWEEP = (
-    (128, 64, 8, 3, True), (128, 32, 4, 4, True), (128, 64, 8, 5, True), (128, 64, 8, 6, True),
-    (128, 32, 4, 6, True), (128, 32, 4, 8, True), (128, 64, 4, 6, True), (64, 64, 4, 6, True),
+    (128, 64, 8, 3, True, False), (128, 32, 4, 4, True, False), (128, 64, 8, 3, True, True),
+    (128, 64, 8, 4, True, True),
 )
-PREFILL_SWEEP_SHAPES = ([4096], [1024] * 4, [256] * 4)
-# Decode tilings, block_m 16: (block_n, warps, stages, num_splits). 8 x 4096 is the layer
-# benchmark's decode case. The first of each is the pre-session-12 pick (4 stages: no prefetch).
+PREFILL_SWEEP_SHAPES = ([16384], [4096] * 4, [256] * 4, [128] * 4)
+# Decode tilings, block_m 16: (block_n, warps, stages, num_splits, page_prefetch). 8 x 4096 is the
+# layer benchmark's decode case. The first of each is the pick before run 69 (_attend_tiles, 4
+# stages, splits >= 4 tiles long), the second pick_config's choice since (page prefetch, 2 stages,
+# ~4 programs per SM).
 DECODE_SWEEP = {
-    1: ((64, 4, 4, 17), (64, 4, 6, 17), (64, 4, 8, 17), (64, 4, 8, 8), (32, 4, 8, 32), (64, 4, 10, 17)),
-    8: ((64, 4, 4, 17), (64, 4, 6, 16), (64, 4, 8, 16), (64, 4, 6, 8), (64, 4, 8, 8), (64, 4, 8, 4),
-        (32, 4, 8, 16), (32, 4, 8, 32), (128, 4, 6, 8), (64, 4, 10, 8), (64, 4, 8, 32), (64, 8, 8, 16)),
-    64: ((64, 4, 4, 4), (64, 4, 6, 4), (64, 4, 8, 4), (64, 4, 8, 2), (64, 4, 6, 2), (32, 4, 8, 4),
-         (128, 4, 6, 2)),
+    1: ((64, 4, 4, 17, False), (64, 4, 2, 64, True), (32, 4, 3, 64, True), (64, 4, 1, 64, True)),
+    8: ((64, 4, 4, 17, False), (64, 4, 2, 33, True), (64, 4, 2, 16, True), (64, 4, 3, 16, True),
+        (64, 4, 3, 32, True)),
+    16: ((64, 4, 4, 16, False), (64, 4, 2, 16, True), (64, 4, 2, 8, True), (64, 4, 3, 8, True)),
+    64: ((64, 4, 4, 4, False), (64, 4, 2, 4, True), (64, 4, 2, 2, True), (64, 4, 3, 2, True), (64, 4, 4, 2, True)),
 }
 
 
-def sweep_cases() -> list[tuple]:
-    """(kind, seq_lens, context, case name, AttentionConfig) of every sweep record, in run order."""
+def sweep_cases(kinds: tuple[str, ...] = ("prefill", "decode")) -> list[tuple]:
+    """(kind, seq_lens, context, case name, AttentionConfig) of every sweep record of `kinds`, in run order."""
     from fusedpar.kernels.attention import AttentionConfig
 
     g = NQ // NKV
     cases = []
-    for seq_lens in PREFILL_SWEEP_SHAPES:
+    for seq_lens in PREFILL_SWEEP_SHAPES if "prefill" in kinds else ():
         name = f"prefill {len(seq_lens)}x{seq_lens[0]} sweep"
-        for bm, bn, w, s, pre in PREFILL_SWEEP:
-            cases.append(("prefill", seq_lens, 0, name, AttentionConfig(bm, bn, bm // g, w, s, prerotate_q=pre)))
-    for b, tilings in DECODE_SWEEP.items():
+        for bm, bn, w, s, pre, prefetch in PREFILL_SWEEP:
+            cfg = AttentionConfig(bm, bn, bm // g, w, s, prerotate_q=pre, page_prefetch=prefetch)
+            cases.append(("prefill", seq_lens, 0, name, cfg))
+    for b, tilings in DECODE_SWEEP.items() if "decode" in kinds else ():
         name = f"decode {b}x{DECODE_CONTEXT} sweep"
-        for bn, w, s, splits in tilings:
+        for bn, w, s, splits, loop in tilings:
             # prerotate_q off as pick_config has it for decode (one token per program: tiny prologue).
-            cases.append(("decode", [1] * b, DECODE_CONTEXT, name, AttentionConfig(16, bn, 1, w, s, splits)))
+            cfg = AttentionConfig(16, bn, 1, w, s, splits, page_prefetch=loop)
+            cases.append(("decode", [1] * b, DECODE_CONTEXT, name, cfg))
     return cases
 
 
@@ -305,6 +310,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median taken)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--sweep-kinds", default="prefill,decode",
+                   help="which sweeps to run: prefill, decode or both (comma-separated)")
     # Sized for the whole sweep (49 tilings, each compiling its kernels and timing SDPA, attention-only
     # and the full path, decode ones also in graphs: ~200 s expected) with headroom; the cap only
     # guards against a slow machine.
@@ -325,7 +332,8 @@ def print_row(record: dict) -> None:
         f"{record['fused_ms']:>10.4f}{record['fused_attention_only_ms']:>10.4f}{record['speedup']:>9.2f}"
         f"{record['roofline_pct']:>6.1f}%  "
         f"m{c['block_m']} n{c['block_n']} q{c['block_q']} w{c['num_warps']} s{c['num_stages']} "
-        f"splits{c['num_splits']} prerotate_q={c.get('prerotate_q', False)}{warn}"
+        f"splits{c['num_splits']} prerotate_q={c.get('prerotate_q', False)}"
+        f"{' page_prefetch' if c.get('page_prefetch') else ''}{warn}"
     )
 
 
@@ -365,7 +373,11 @@ def main(argv=None) -> int:
     for b in (int(x) for x in args.decode_batch.split(",") if x):
         cases.append(("decode", [1] * b, DECODE_CONTEXT, f"decode {b}x{DECODE_CONTEXT}", None))
     if args.sweep:
-        cases += sweep_cases()
+        kinds = tuple(k for k in args.sweep_kinds.split(",") if k)
+        unknown = set(kinds) - {"prefill", "decode"}
+        if unknown:
+            raise SystemExit(f"bench_attention: --sweep-kinds takes prefill and/or decode, got {sorted(unknown)}")
+        cases += sweep_cases(kinds)
 
     records, sweep_start = [], None
     for kind, seq_lens, context, name, cfg in cases:

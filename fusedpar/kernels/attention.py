@@ -61,7 +61,11 @@ Kernels (three layers, DESIGN.md section 1: @triton.jit kernel -> launcher -> re
                          it come from the cache as usual (one launch fewer per decode step).
                          K/V are gathered from the paged cache through the block table, in
                          BLOCK_N-key tiles: an unmasked loop over tiles wholly below the causal
-                         diagonal, then a masked loop over the rest. Online softmax in base 2.
+                         diagonal, then a masked loop over the rest (a pure decode launch: one
+                         masked loop, _attend_decode_tiles). With AttentionConfig.page_prefetch
+                         (pick_config's choice) each tile's block-table entries are loaded a tile
+                         ahead, so the pipeliner can keep K/V tiles in flight. Online softmax in
+                         base 2.
                          Split-KV (flash decoding): with few (tile, kv head) programs the key
                          range is cut into `num_splits` chunks whose partial (max, sum, acc) go to
                          fp32 scratch and are merged by
@@ -305,6 +309,7 @@ def _attend_tiles(
     end,
     p_row,
     kv_len,
+    bt_keys,
     stride_blk,
     stride_tok,
     qk_scale,
@@ -313,6 +318,7 @@ def _attend_tiles(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Online-softmax update over key tiles [start, end) (multiples of BLOCK_N) of one sequence.
 
@@ -321,14 +327,29 @@ def _attend_tiles(
     (no load or score masks); MASKED=True masks keys u > p_row (causal) and u >= kv_len (never
     load past the sequence: those slots may hold anything, NaN included).
     Scores stay in fp32 and in base 2 (qk_scale = softmax scale * log2(e)).
+    PREFETCH: each tile's block-table entries are loaded one iteration ahead (the first before the
+    loop, bounded by the table width bt_keys), so the K/V addresses of a tile do not wait on a
+    load of the same iteration and the pipeliner can keep num_stages - 1 tiles in flight (without
+    it, Triton 3.6 overlaps such indirect loads about (num_stages - 2) // 2 tiles ahead).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HD)
+    if PREFETCH:
+        first = start + offs_n
+        page_next = tl.load(bt_row_ptr + first // PAGE, mask=first < bt_keys, other=0)
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k_pos = start_n + offs_n
         if MASKED:
             k_ok = k_pos < kv_len
+        if PREFETCH:
+            page = page_next
+            nxt = k_pos + BLOCK_N
+            # Bound by kv_len like the K/V load mask, not by `end`: a masked tile can run past
+            # `end` (keys causally hidden from every row, but still loaded: they need real pages,
+            # or a V row of NaN garbage would poison p * v even where p = 0).
+            page_next = tl.load(bt_row_ptr + nxt // PAGE, mask=nxt < kv_len, other=0)
+        elif MASKED:
             page = tl.load(bt_row_ptr + k_pos // PAGE, mask=k_ok, other=0)
         else:
             page = tl.load(bt_row_ptr + k_pos // PAGE)
@@ -348,6 +369,63 @@ def _attend_tiles(
         # Masked V loads use other=0, not garbage: p = 0 there, but 0 * NaN would poison the row.
         v = tl.load(v_cache_ptr + kv_ptrs, mask=k_ok[:, None], other=0.0) if MASKED else tl.load(v_cache_ptr + kv_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_decode_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row_ptr,
+    head_off,
+    start,
+    end,
+    bt_keys,
+    stride_blk,
+    stride_tok,
+    qk_scale,
+    HD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """_attend_tiles for a one-token query: keys [start, end) of one sequence, all visible (the
+    causal bound of the single row is the key count), so one masked loop (mask: key < end).
+
+    Shaped for latency, not throughput: a decode program owns a few key tiles, and with
+    _attend_tiles' order each tile is a chain of three dependent memory round trips (block-table
+    entries -> K -> V after the score dot) that nothing else hides. Here the first tile's
+    block-table entries are loaded before the loop (bounded by the table width bt_keys, not by the
+    sequence length, so the load does not wait for context_lens either), the next tile's entries
+    are loaded while the current tile computes, and V is loaded together with K: one round trip
+    per tile. Entries past the sequence are read but only feed masked (never issued) K/V loads.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HD)
+    k_pos = start + offs_n
+    page = tl.load(bt_row_ptr + k_pos // PAGE, mask=k_pos < bt_keys, other=0)
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k_pos = start_n + offs_n
+        k_ok = k_pos < end
+        key_off = page.to(tl.int64) * stride_blk + (k_pos % PAGE) * stride_tok + head_off
+        kv_ptrs = key_off[:, None] + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=k_ok[:, None], other=0.0)  # other=0: p * NaN would poison
+        nxt = k_pos + BLOCK_N
+        page = tl.load(bt_row_ptr + nxt // PAGE, mask=nxt < end, other=0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -415,6 +493,7 @@ def _attention_kernel(
     num_tokens,
     num_tiles,
     split_len,
+    bt_keys,  # block_tables.shape[1] * PAGE: the keys the table can address
     qk_scale,
     eps,
     NQ: tl.constexpr,
@@ -431,6 +510,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr,
     WRITE_NEW_KV: tl.constexpr,  # ONE_TOKEN_PER_SEQ only: the launch's cache write happens here
     HAS_K_NORM: tl.constexpr,
+    PAGE_PREFETCH: tl.constexpr,  # block-table entries a tile ahead; ONE_TOKEN_PER_SEQ: _attend_decode_tiles
 ):
     """Program (tile, kv head j, split): BLOCK_Q tokens x the G q heads of kv head j.
 
@@ -449,16 +529,20 @@ def _attention_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     if ONE_TOKEN_PER_SEQ:
+        # num_tokens == num_seqs and every sequence has >= 1 token: cu_seqlens is 0, 1, .., so
+        # sequence s is token s. Not loading it takes a dependent round trip off the q load.
         seq = tile
-        first_tile = tile
+        q_start = tile
+        q_len = 1
+        q_local = 0
     else:
         seq = _find_seq(cu_seqlens_ptr, num_seqs, tile, BLOCK_Q)
         first_tile = tl.load(cu_seqlens_ptr + seq) // BLOCK_Q + seq
-    q_start = tl.load(cu_seqlens_ptr + seq)
-    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    q_local = (tile - first_tile) * BLOCK_Q
-    if q_local >= q_len:
-        return
+        q_start = tl.load(cu_seqlens_ptr + seq)
+        q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+        q_local = (tile - first_tile) * BLOCK_Q
+        if q_local >= q_len:
+            return
     ctx = tl.load(context_lens_ptr + seq)
     kv_len = ctx + q_len
 
@@ -502,14 +586,21 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_M, HD], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kvh * stride_head
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, lo, mid, p_row, kv_cached,
-        stride_blk, stride_tok, qk_scale, HD, PAGE, BLOCK_N, False, DOT_PRECISION,
-    )
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, mid, hi_cache, p_row, kv_cached,
-        stride_blk, stride_tok, qk_scale, HD, PAGE, BLOCK_N, True, DOT_PRECISION,
-    )
+    if PAGE_PREFETCH and ONE_TOKEN_PER_SEQ:
+        # One query token at position ctx (or kv_len - 1): every key below hi_cache is visible.
+        acc, l_i, m_i = _attend_decode_tiles(
+            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, lo, hi_cache, bt_keys,
+            stride_blk, stride_tok, qk_scale, HD, PAGE, BLOCK_N, DOT_PRECISION,
+        )
+    else:
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, lo, mid, p_row, kv_cached, bt_keys,
+            stride_blk, stride_tok, qk_scale, HD, PAGE, BLOCK_N, False, DOT_PRECISION, PAGE_PREFETCH,
+        )
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, mid, hi_cache, p_row, kv_cached, bt_keys,
+            stride_blk, stride_tok, qk_scale, HD, PAGE, BLOCK_N, True, DOT_PRECISION, PAGE_PREFETCH,
+        )
     if WRITE_NEW_KV:  # noqa: SIM102 (a compile-time branch around a runtime one: Triton cannot `and` them)
         if (lo <= ctx) & (ctx < hi):
             acc, l_i, m_i = _write_and_attend_new_key(
@@ -577,6 +668,9 @@ class AttentionConfig:
     rope(norm_q(q)) once per token into a [num_tokens, nq hd] scratch (cache dtype) and the
     attention kernel reads that instead of transforming q itself (the same rounding: see the
     module docstring); ignored without RoPE and q norm.
+    page_prefetch: load each K/V tile's block-table entries one tile ahead, which lets Triton's
+    pipeliner keep num_stages - 1 K/V tiles in flight per program; a pure decode launch then also
+    runs one masked loop (_attend_decode_tiles) instead of the unmasked + masked pair.
     """
 
     block_m: int
@@ -586,6 +680,7 @@ class AttentionConfig:
     num_stages: int = 2
     num_splits: int = 1
     prerotate_q: bool = False
+    page_prefetch: bool = False
 
 
 def pick_config(
@@ -601,21 +696,29 @@ def pick_config(
     interpret: bool,
 ) -> AttentionConfig:
     """Tiling for one launch. GPU choices: measured on one H200 with perf/bench_attention.py's sweep
-    (perf/results/attention.json, hd 128, 16 q / 2 kv heads, bf16) where marked, else reasoned.
+    (hd 128, 16 q / 2 kv heads, bf16, 16-token pages, full path = q/k RoPE + cache write +
+    attention, SDPA flash without RoPE or cache write as the reference) where marked, else reasoned.
+
+    page_prefetch is on everywhere: each K/V tile's block-table entries are loaded one tile ahead,
+    which is what lets Triton's pipeliner prefetch K/V at all. Without it the K/V addresses come
+    from a block-table load in the same iteration and Triton 3.6 gives them about
+    (num_stages - 2) // 2 tiles of lookahead (sm_90 builds: none at 3-4 stages; deeper stages were
+    measured in GPU run 61 and were not faster). Same run, same GPU, old pick vs this one (GPU
+    runs 69 on nvidia-h200 and 70 on nvidia-h200-x4, perf/results/attention.json): prefill
+    1 x 4096 0.210 -> 0.197 ms, 4 x 1024 0.107 -> 0.095, 1 x 16384 2.854 -> 2.511, 4 x 4096
+    0.836 -> 0.764, 4 x 256 and 4 x 128 ties; decode in CUDA graphs 1 / 8 / 16 / 64 x 4096
+    0.0145 / 0.0219 / 0.0359 / 0.0817 -> 0.0108 / 0.0202 / 0.0332 / 0.0790 ms.
 
     Decode (max_query_len == 1): block_q = 1, block_m = max(16, next_pow2(G)): one token's G
       heads (tl.dot needs M >= 16, so G < 16 wastes rows, but decode is bound by the K/V bytes,
-      which are read once per kv head). block_n 64, 4 warps, 4 stages (measured: 64 x 4096
-      decode 0.076 ms with 4 stages and 4 splits vs 0.087 ms with 3 stages and 2 splits).
-    Prefill/mixed: block_m 128 (hd <= 128) with block_q = 128 // G tokens, prerotate_q on, and
-      for sequences longer than 1024 tokens block_n 32 / 4 warps / 4 stages, else block_n 64 /
-      8 warps / 3 stages. Measured on one H200 (perf/results/attention.json, full path = q/k RoPE
-      + cache write + attention, 16 q / 2 kv heads, hd 128, bf16, SDPA flash without RoPE or cache
-      write as the reference): 1 x 4096 tokens 0.221 vs 0.251 ms (the 8-warp tile), 4 x 4096 0.886
-      vs 0.994 ms, 1 x 16384 2.907 vs 3.158 ms; but 1 x 1024 0.054 vs 0.044 ms and 4 x 1024 a tie
-      (0.121 vs 0.119). The previous default (8-warp tile, q normed/roped inside the attention
-      kernel) took 0.369 ms at 1 x 4096 (SDPA 0.318). hd 256 or fp32 inputs: block_m 64, block_n
-      32, 4 warps, 2 stages to stay inside 227 KiB of shared memory.
+      which are read once per kv head). block_n 64, 4 warps, 2 stages (one K/V tile in flight
+      beyond the current one; 39 KiB of shared memory, so several programs per SM; run 69 at
+      8 x 4096: 5 stages 0.0298 ms, 3 stages 0.0200, 2 stages 0.0194).
+    Prefill/mixed: block_m 128 (hd <= 128) with block_q = 128 // G tokens, block_n 64, 8 warps,
+      3 stages, prerotate_q on (with the page prefetch it beats the 32-key / 4-warp tile that was
+      the choice for sequences over 1024 tokens: 1 x 16384 2.511 vs 2.854 ms, run 70). hd 256 or
+      fp32 inputs: block_m 64, block_n 32, 4 warps, 2 stages to stay inside 227 KiB of shared
+      memory.
       prerotate_q: the in-kernel q prologue cost 0.12-0.13 ms at 4096 tokens although the write
       kernel is ~8 us: its extra live registers slow the whole main loop. Pre-rotating q in the
       write kernel costs one [T, nq hd] write + read (2 x 16 MiB at 4096 tokens, ~7 us at H200
@@ -624,38 +727,21 @@ def pick_config(
       per program (tiny), so an extra q round trip through memory and its launch work would be
       pure cost.
     Split-KV when every sequence fits in one q tile (decode-like) and the (sequence, kv head)
-      programs cannot fill the GPU: enough splits for ~4 programs per SM (measured best at
-      batch 64), each split at least 4 key tiles long (1 in the interpreter, so CPU tests
-      split), at most 64.
+      programs cannot fill the GPU: enough splits for ~4 programs per SM, at most one per key tile
+      and at most 64. With the K/V prefetch a split of a single tile is fine (run 70, 1 x 4096:
+      64 one-tile splits 0.0108 ms vs 17 four-tile splits without prefetch 0.0145 ms; 8 x 4096:
+      33 two-tile splits 0.0202, 16 four-tile splits 0.0222); before it splits were >= 4 tiles.
     Interpreter: small tiles (16/32 rows, 16 keys) so CPU tests cover many tiles and splits.
-
-    num_stages does not mean K/V prefetch depth here. The K/V addresses come from a block-table
-    load in the same loop iteration, and Triton 3.6's pipeliner gives such indirect loads about
-    (stages - 2) // 2 tiles of lookahead (sm_90 builds: 3-4 stages wait for the current tile's
-    K/V at the top of every iteration, 5-6 stages keep one tile in flight, 8 two). Deeper
-    pipelines were measured (GPU run 61, bench_attention's sweep) and are not better: decode
-    1 / 8 / 64 x 4096 in CUDA graphs 0.0151 / 0.0225 / 0.0822 ms with the picks above vs
-    0.0155-0.0182 / 0.0228-0.0259 / 0.0843-0.1037 ms with 64-key tiles and 6-10 stages (more
-    shared memory per program, fewer resident programs, which were already hiding the latency
-    between them); prefill 4 x 1024 0.104 vs 0.108 ms with 5 stages but 4 x 256 0.0243 vs
-    0.0237 ms, a wash. Best single decode
-    tilings differed by batch (1 seq: 32 keys x 8 stages x 32 splits 0.0145 ms; 8 seqs: 128 keys
-    x 6 stages x 8 splits 0.0216 ms), each ~4% better than the pick, in one run: not adopted.
     """
     big = head_dim > 128 or dtype == torch.float32
     if interpret:
         block_m, block_n, warps, stages = (16 if max_query_len == 1 else 32), 16, 4, 1
         block_m = max(block_m, next_pow2(group))
     elif max_query_len == 1:
-        block_m, block_n, warps, stages = max(16, next_pow2(group)), (32 if big else 64), 4, (3 if big else 4)
+        block_m, block_n, warps, stages = max(16, next_pow2(group)), (32 if big else 64), 4, (3 if big else 2)
     else:
         block_m = max(64 if big else 128, next_pow2(group))
-        if big:
-            block_n, warps, stages = 32, 4, 2
-        elif max_query_len > 1024:
-            block_n, warps, stages = 32, 4, 4
-        else:
-            block_n, warps, stages = 64, 8, 3
+        block_n, warps, stages = (32, 4, 2) if big else (64, 8, 3)
     block_q = 1 if max_query_len == 1 else max(1, block_m // group)
 
     splits = 1
@@ -664,10 +750,10 @@ def pick_config(
         # Nearest whole number of waves of ~4 CTAs per SM (a rounded-up count can leave a
         # mostly idle last wave: 128 programs x 3 splits on 132 SMs is 1.45 waves).
         want = max(1, round(4 * num_sms / programs))
-        by_len = cdiv(max(max_kv_len, 1), (1 if interpret else 4) * block_n)
-        splits = max(1, min(want, by_len, _MAX_SPLITS))
+        splits = max(1, min(want, cdiv(max(max_kv_len, 1), block_n), _MAX_SPLITS))
     # Interpreter too: CPU tests of prefill batches then run the pre-rotated path the GPU runs.
-    return AttentionConfig(block_m, block_n, block_q, warps, stages, splits, prerotate_q=max_query_len > 1)
+    return AttentionConfig(block_m, block_n, block_q, warps, stages, splits, prerotate_q=max_query_len > 1,
+                           page_prefetch=True)
 
 
 @functools.cache
@@ -928,12 +1014,13 @@ def _launch(
             part_acc, part_m, part_l,
             slots if fused_write else cu_seqlens_q, k_norm if k_norm is not None else qkv,
             q_src.stride(0), out.stride(0), blk_stride, tok_stride, head_stride, block_tables.stride(0), stride_rope,
-            num_seqs, num_tokens, num_tiles, split_len, scale * _LOG2E, eps,
+            num_seqs, num_tokens, num_tiles, split_len, block_tables.shape[1] * page, scale * _LOG2E, eps,
             NQ=num_q_heads, G=group, HD=hd, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_Q=block_q, ONE_TOKEN_PER_SEQ=one_token_per_seq, HAS_Q_NORM=attn_q_norm,
             ROPE=attn_rope, SPLIT=splits > 1,
             DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
             WRITE_NEW_KV=fused_write, HAS_K_NORM=k_norm is not None,
+            PAGE_PREFETCH=cfg.page_prefetch,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:

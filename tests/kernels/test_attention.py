@@ -281,8 +281,14 @@ def test_decode_scattered_cache(nq, nkv, page, dtype):
         AttentionConfig(32, 32, 1, num_splits=7),  # more splits than key tiles: empty splits
         AttentionConfig(16, 16, 4, num_splits=2),  # prefill tiles + split (mixed batch)
         AttentionConfig(64, 16, 16, num_splits=1),  # big q tiles: block_q * G < block_m rows
+        # The decode loop (_attend_decode_tiles): whole range, combine, empty splits; and a mixed
+        # batch, where the flag must be ignored (prefill rows need the causal loops).
+        AttentionConfig(16, 16, 1, num_splits=1, page_prefetch=True),
+        AttentionConfig(16, 16, 1, num_splits=3, page_prefetch=True),
+        AttentionConfig(32, 32, 1, num_splits=7, page_prefetch=True),
+        AttentionConfig(16, 16, 4, num_splits=2, page_prefetch=True),
     ],
-    ids=lambda c: f"m{c.block_m}n{c.block_n}q{c.block_q}s{c.num_splits}",
+    ids=lambda c: f"m{c.block_m}n{c.block_n}q{c.block_q}s{c.num_splits}{'-page_prefetch' if c.page_prefetch else ''}",
 )
 def test_explicit_tilings_and_splits(config):
     if HAS_CUDA:
@@ -291,12 +297,14 @@ def test_explicit_tilings_and_splits(config):
     run_case(Case(seqs, 8, 2, 16, page=8, dtype=torch.float16, pad_rows=1, seed=config.num_splits), config=config)
 
 
-def test_underestimated_max_kv_len_is_still_correct():
+@pytest.mark.parametrize("page_prefetch", [False, True], ids=["attend_tiles", "page_prefetch"])
+def test_underestimated_max_kv_len_is_still_correct(page_prefetch):
     """max_kv_len only shapes the split-KV schedule: the last split runs to each sequence's end."""
     if HAS_CUDA:
         pytest.skip("explicit tilings are an interpreter check of the schedule")
     r = Run(Case([(1, 70), (1, 33), (1, 5)], 4, 2, 16, page=4, dtype=torch.float32, seed=10))
-    out = r.launch(config=AttentionConfig(16, 16, 1, num_splits=3), max_kv_len=20, max_query_len=1)
+    cfg = AttentionConfig(16, 16, 1, num_splits=3, page_prefetch=page_prefetch)
+    out = r.launch(config=cfg, max_kv_len=20, max_query_len=1)
     r.check(out)
 
 
@@ -374,9 +382,10 @@ def spies(monkeypatch):
     return write, attend
 
 
+@pytest.mark.parametrize("page_prefetch", [False, True], ids=["attend_tiles", "page_prefetch"])
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize(("qk_norm", "rope", "splits"), [(True, "theta", 3), (False, "tables", 1), (True, None, 7)])
-def test_decode_writes_the_new_kv_inside_the_attention_launch(qk_norm, rope, splits, dtype, spies):
+def test_decode_writes_the_new_kv_inside_the_attention_launch(qk_norm, rope, splits, dtype, page_prefetch, spies):
     """Pure decode batch: no write kernel; the attention program whose key range holds the new position
     stores the normed/roped k and raw v and attends to them from registers. Output and cache match the
     oracle for 1, 3 (combine) and 7 (more splits than key tiles: empty splits) key ranges."""
@@ -385,25 +394,28 @@ def test_decode_writes_the_new_kv_inside_the_attention_launch(qk_norm, rope, spl
     write, attend = spies
     seqs = [(1, 50), (1, 17), (1, 0), (1, 31)]  # context 0: the new key is the only key
     r = Run(Case(seqs, 8, 2, 16, page=8, dtype=dtype, qk_norm=qk_norm, rope=rope, pad_rows=1, seed=splits))
-    out = r.launch(config=AttentionConfig(16, 16, 1, num_splits=splits))
+    out = r.launch(config=AttentionConfig(16, 16, 1, num_splits=splits, page_prefetch=page_prefetch))
     r.check(out)
     assert write.calls == [], "decode must not launch the write kernel"
     assert attend.calls[-1]["WRITE_NEW_KV"] and attend.calls[-1]["HAS_K_NORM"] == qk_norm
+    assert attend.calls[-1]["PAGE_PREFETCH"] is page_prefetch
     # A prefill row in the batch (or write_kv=False) keeps the write kernel.
     r2 = Run(Case([(1, 50), (3, 17)], 8, 2, 16, page=8, dtype=dtype, seed=1))
     r2.check(r2.launch(config=AttentionConfig(16, 16, 4, num_splits=2)))
     assert len(write.calls) == 1 and not attend.calls[-1]["WRITE_NEW_KV"]
 
 
-def test_decode_above_the_fused_write_limit_keeps_the_write_kernel(spies):
-    """More than FUSED_WRITE_MAX_SEQS decode sequences: the separate write kernel (measured faster there)."""
+@pytest.mark.parametrize("page_prefetch", [False, True], ids=["attend_tiles", "page_prefetch"])
+def test_decode_above_the_fused_write_limit_keeps_the_write_kernel(page_prefetch, spies):
+    """More than FUSED_WRITE_MAX_SEQS decode sequences: the separate write kernel (measured faster there).
+    The attention launch then reads the new key from the cache (the decode loop's range includes it)."""
     if HAS_CUDA:
         pytest.skip("explicit tilings are an interpreter check of the schedule")
     write, attend = spies
     n = attention.FUSED_WRITE_MAX_SEQS
     for seqs, fused in ((n, True), (n + 1, False)):
         r = Run(Case([(1, 3 + 5 * i) for i in range(seqs)], 4, 2, 16, page=4, dtype=torch.float32, seed=seqs))
-        r.check(r.launch(config=AttentionConfig(16, 16, 1, num_splits=2)))
+        r.check(r.launch(config=AttentionConfig(16, 16, 1, num_splits=2, page_prefetch=page_prefetch)))
         assert attend.calls[-1]["WRITE_NEW_KV"] is fused and (len(write.calls) == 1) is not fused
         write.calls.clear()
 
@@ -459,6 +471,30 @@ def test_prerotated_q_is_bit_identical_to_in_kernel_q(qk_norm, rope, dtype, spie
         results.append((out.clone(), r.k_cache.clone(), r.v_cache.clone()))
     for name, a, b in zip(("out", "k_cache", "v_cache"), *results, strict=True):
         assert torch.equal(_bits(a), _bits(b)), f"{name}: prerotated q differs from the in-kernel q path"
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("page", [4, 16, 5])
+def test_page_prefetch_is_bit_identical_to_the_plain_loops(page, dtype, spies):
+    """AttentionConfig.page_prefetch only moves the block-table loads a tile earlier: a varlen prefill
+    batch with cached contexts and a decode row (unmasked and masked loops, tiles spanning several pages
+    or part of one, a page size that does not divide the tile) matches the oracle and equals the plain
+    loops bit for bit. Unused table entries point at a NaN block, so reading one for a live key fails;
+    (23, 6)'s second q tile has a masked range of two key tiles, the second partly past the tile's last
+    position (loaded, then causally masked: its pages must still be real)."""
+    if HAS_CUDA:
+        pytest.skip("explicit tilings are an interpreter check of the schedule")
+    _, attend = spies
+    case = Case([(9, 0), (1, 21), (13, 7), (6, 33), (23, 6)], 8, 2, 16, page=page, dtype=dtype, qk_norm=True,
+                pad_rows=2, seed=13 + page)
+    outs = []
+    for prefetch in (False, True):
+        r = Run(case)
+        out = r.launch(config=_prefill_config(4, True, page_prefetch=prefetch, num_splits=1))
+        r.check(out, name=f"page_prefetch={prefetch}")
+        assert attend.calls[-1]["PAGE_PREFETCH"] is prefetch
+        outs.append(_bits(out.clone()))
+    assert torch.equal(outs[0], outs[1]), "page_prefetch changed the result bits"
 
 
 def test_pick_config_prerotates_prefill_only():
