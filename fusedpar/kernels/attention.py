@@ -296,6 +296,17 @@ def _find_seq(cu_seqlens_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(s, l_i, m_i, qk_scale):
+    """Online softmax in base 2 over one tile of fp32 scores s [M, N] (masked entries -inf):
+    returns (p, alpha, l, m): probabilities against the new running max m, the factor alpha that
+    rescales what was accumulated under the old max, and the new running sum l."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
 def _attend_tiles(
     acc,
     l_i,
@@ -361,38 +372,18 @@ def _attend_tiles(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             s = tl.where((k_pos[None, :] <= p_row[:, None]) & k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_i = _softmax_step(s, l_i, m_i, qk_scale)
         acc = acc * alpha[:, None]
         # Masked V loads use other=0, not garbage: p = 0 there, but 0 * NaN would poison the row.
         v = tl.load(v_cache_ptr + kv_ptrs, mask=k_ok[:, None], other=0.0) if MASKED else tl.load(v_cache_ptr + kv_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
 def _attend_decode_tiles(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_cache_ptr,
-    v_cache_ptr,
-    bt_row_ptr,
-    head_off,
-    start,
-    end,
-    bt_keys,
-    stride_blk,
-    stride_tok,
-    qk_scale,
-    HD: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, head_off, start, end, bt_keys, stride_blk, stride_tok,
+    qk_scale, HD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """_attend_tiles for a one-token query: keys [start, end) of one sequence, all visible (the
     causal bound of the single row is the key count), so one masked loop (mask: key < end).
@@ -421,12 +412,8 @@ def _attend_decode_tiles(
         page = tl.load(bt_row_ptr + nxt // PAGE, mask=nxt < end, other=0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s = tl.where(k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_i = _softmax_step(s, l_i, m_i, qk_scale)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
     return acc, l_i, m_i
 
 
