@@ -657,7 +657,8 @@ class AttentionConfig:
     module docstring); ignored without RoPE and q norm.
     page_prefetch: load each K/V tile's block-table entries one tile ahead, which lets Triton's
     pipeliner keep num_stages - 1 K/V tiles in flight per program; a pure decode launch then also
-    runs one masked loop (_attend_decode_tiles) instead of the unmasked + masked pair.
+    runs one masked loop (_attend_decode_tiles) instead of the unmasked + masked pair. On by default
+    (an explicit tiling gets the fast loops too); False keeps the plain loops, for A/B measurements.
     """
 
     block_m: int
@@ -667,7 +668,7 @@ class AttentionConfig:
     num_stages: int = 2
     num_splits: int = 1
     prerotate_q: bool = False
-    page_prefetch: bool = False
+    page_prefetch: bool = True
 
 
 def pick_config(
@@ -739,8 +740,7 @@ def pick_config(
         want = max(1, round(4 * num_sms / programs))
         splits = max(1, min(want, cdiv(max(max_kv_len, 1), block_n), _MAX_SPLITS))
     # Interpreter too: CPU tests of prefill batches then run the pre-rotated path the GPU runs.
-    return AttentionConfig(block_m, block_n, block_q, warps, stages, splits, prerotate_q=max_query_len > 1,
-                           page_prefetch=True)
+    return AttentionConfig(block_m, block_n, block_q, warps, stages, splits, prerotate_q=max_query_len > 1)
 
 
 @functools.cache

@@ -281,14 +281,13 @@ def test_decode_scattered_cache(nq, nkv, page, dtype):
         AttentionConfig(32, 32, 1, num_splits=7),  # more splits than key tiles: empty splits
         AttentionConfig(16, 16, 4, num_splits=2),  # prefill tiles + split (mixed batch)
         AttentionConfig(64, 16, 16, num_splits=1),  # big q tiles: block_q * G < block_m rows
-        # The decode loop (_attend_decode_tiles): whole range, combine, empty splits; and a mixed
-        # batch, where the flag must be ignored (prefill rows need the causal loops).
-        AttentionConfig(16, 16, 1, num_splits=1, page_prefetch=True),
-        AttentionConfig(16, 16, 1, num_splits=3, page_prefetch=True),
-        AttentionConfig(32, 32, 1, num_splits=7, page_prefetch=True),
-        AttentionConfig(16, 16, 4, num_splits=2, page_prefetch=True),
+        # The same without page_prefetch (the plain loops, kept for A/B measurements).
+        AttentionConfig(16, 16, 1, num_splits=1, page_prefetch=False),
+        AttentionConfig(16, 16, 1, num_splits=3, page_prefetch=False),
+        AttentionConfig(32, 32, 1, num_splits=7, page_prefetch=False),
+        AttentionConfig(16, 16, 4, num_splits=2, page_prefetch=False),
     ],
-    ids=lambda c: f"m{c.block_m}n{c.block_n}q{c.block_q}s{c.num_splits}{'-page_prefetch' if c.page_prefetch else ''}",
+    ids=lambda c: f"m{c.block_m}n{c.block_n}q{c.block_q}s{c.num_splits}{'' if c.page_prefetch else '-plain_loops'}",
 )
 def test_explicit_tilings_and_splits(config):
     if HAS_CUDA:
