@@ -312,7 +312,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--sweep-kinds", default="prefill,decode",
                    help="which sweeps to run: prefill, decode or both (comma-separated)")
-    # Sized for the whole sweep (49 tilings, each compiling its kernels and timing SDPA, attention-only
+    # Sized for the whole sweep (34 tilings, each compiling its kernels and timing SDPA, attention-only
     # and the full path, decode ones also in graphs: ~200 s expected) with headroom; the cap only
     # guards against a slow machine.
     p.add_argument("--sweep-budget-s", type=float, default=300.0, help="stop sweeping after this many seconds")
