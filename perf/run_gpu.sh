@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one device call. Installs nothing.
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
-#                                              qkv_all_to_all all_to_all_o_proj layer model demo profile host_cost norm_linear
+#                                              qkv_all_to_all all_to_all_o_proj layer model demo profile host_cost
 #                                              tune_gemm qkv_sweep pdl_probe
 #                                              (default: all but profile, host_cost, the sweeps and pdl_probe)
 # MODEL_ARGS / LAYER_ARGS / ATTN_ARGS / GAR_ARGS / PROFILE_ARGS pass extra arguments to perf/model_bench.py /
@@ -67,7 +67,6 @@ for item in "${ITEMS[@]}"; do
     one_shot) run timeout 120 "${TRUN[@]}" perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json" ;;
     gemm_all_reduce) run timeout "${GAR_TIMEOUT:-150}" "${TRUN[@]}" perf/bench_gemm_all_reduce.py ${GAR_ARGS:-} \
                        --out "$RES/gemm_all_reduce.json" ;;
-    norm_linear) run timeout "${NL_TIMEOUT:-240}" python3 perf/bench_norm_linear.py ${NL_ARGS:-} --out "$RES/norm_linear.json" ;;
     attention) run timeout "${ATTN_TIMEOUT:-240}" python3 perf/bench_attention.py ${ATTN_ARGS:-} --out "$RES/attention.json" ;;
     qkv_all_to_all) run timeout 120 "${TRUN[@]}" perf/bench_qkv_all_to_all.py --out "$RES/qkv_all_to_all.json" ;;
     # tiling sweeps behind the heuristics (printed tables; tune_gemm also writes its JSON)

@@ -19,7 +19,21 @@ A q/k/v bias is the own block's bias rows: added to recv (out of place) in base 
 GEMM in shift mode. Scaled RoPE reaches the attention as cos/sin tables instead of rope_theta.
 
 Plain GEMMs with nothing to fuse (gate_up, shift-mode qkv) stay on cuBLAS: our Triton GEMM
-would only match it. Every fused op routes itself to its plain fallback by size (and when a
+would only match it. Two ways of fusing something into them in decode steps were built and
+measured (commit 9aef8bd, reverted; one H200, CUDA graphs, weights streamed from HBM; logs
+perf/results/gpu_run_h200_run76-80.log, records perf/results/norm_linear.json):
+  - The RMSNorm folded into the GEMM (the per-row rsqrt scales the fp32 accumulator, x * g feeds
+    the MMA, the sum of squares rides in the K loop) with split-K and a last-arriving reduce:
+    at 1 / 8 rows the best swept tiling (up to 60 per shape) ties the Triton RMSNorm + cuBLAS pair on
+    qkv (Llama-70B 17.3 vs 17.1 us, Qwen3-32B 13.1 vs 12.8) and loses on gate_up (69.4 vs 62.0,
+    44.5 vs 37.7); the split-K Triton GEMM without the norm also only ties cuBLAS split-K + its
+    reduce on qkv (17.1 vs 17.0, 13.0 vs 12.9). The x / g operand work in a weight-streaming loop
+    costs what the saved launch gains.
+  - The o-projection weight bulk-prefetched into L2 (cp.async.bulk.prefetch.L2) while decode
+    attention runs: the GEMM reads a just-read weight only ~2 us faster (Qwen3-32B o, 1 row: 6.7
+    vs 8.9 us cuBLAS), and the prefetch launch costs more than that on a side stream (+0.4 to
+    +4.5 us per step) or the main stream (+3.1 to +5.5 us).
+Every fused op routes itself to its plain fallback by size (and when a
 step does not fit its workspace), deciding from shapes alone so every rank agrees.
 
 Collective: every rank builds FusedKernels with the same arguments, in the same order.
