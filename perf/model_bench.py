@@ -24,7 +24,9 @@ Workloads (each mode, same token ids):
   TTFT        one --prompt-token prompt on an empty cache: prefill + the first greedy token
               (median of --iters, max over ranks)
   TPOT        batch 1: after that prompt, --decode-steps greedy decode steps; wall time per step
-              (the host waits for each token, as a serving loop does)
+              (the host waits for each token, as a serving loop does); also the GPU time of the
+              batch-1 decode graph alone (decode_graph_replay_ms in all_modes: the layer stack
+              without the step's staging, lm_head and token sync; None for eager modes)
   throughput  --requests requests of --request-prompt prompt / --request-output output tokens:
               prompts prefilled whole, packed into steps of <= --max-batch-tokens tokens, then
               every request decodes together; (prompt + output tokens) / wall time (after one
@@ -149,6 +151,22 @@ def measure_tpot(engine: Engine, prompt: torch.Tensor, steps: int, warmup: int) 
     dt = (time.perf_counter() - t0) / steps * 1e3
     engine.cache.free(sid)
     return _bench.max_over_ranks(dt), out
+
+
+def graph_replay_ms(engine: Engine, iters: int = 20) -> float | None:
+    """GPU ms of one replay of the batch-1 decode graph (the whole layer stack of a TPOT step)
+    alone, max over ranks; TPOT minus this is the step's host work, lm_head and token sync."""
+    graphs = engine.stack.graphs
+    if graphs is None or 1 not in graphs.sizes:
+        return None  # this mode decodes eagerly
+    sync_barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graphs.replay_last(1)
+    end.record()
+    end.synchronize()
+    return _bench.max_over_ranks(start.elapsed_time(end) / iters)
 
 
 def schedule_prefill(num_requests: int, prompt_len: int, max_batch_tokens: int) -> list[list[int]]:
@@ -308,7 +326,10 @@ def main() -> int:
         log(f"{label}: TTFT {r['ttft_ms']:.1f} ms")
         r["tpot_ms"], toks = measure_tpot(eng, prompt, args.decode_steps, warmup=3)
         firsts[label] = [first, *toks[:8]]
-        log(f"{label}: TPOT {r['tpot_ms']:.3f} ms")
+        r["decode_graph_replay_ms"] = graph_replay_ms(eng)
+        replay = r["decode_graph_replay_ms"]
+        log(f"{label}: TPOT {r['tpot_ms']:.3f} ms" + ("" if replay is None else
+                                                      f" (the batch-1 decode graph alone: {replay:.3f} ms per replay)"))
         # warm-up: the same prefill steps and a decode step (Triton compiles per launch shape)
         measure_throughput(eng, prompts, 2, args.max_batch_tokens)
         tps, secs, steps = measure_throughput(eng, prompts, args.request_output, args.max_batch_tokens)

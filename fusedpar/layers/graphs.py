@@ -202,6 +202,14 @@ class DecodeGraphs:
             return None
         return next(s for s in self.sizes if s >= n)
 
+    def replay_last(self, size: int) -> None:
+        """Replay the graph of `size` on its current static inputs: the last step staged for it
+        again (it rewrites that step's own cache slots with the same values). For benchmarks that
+        split a step's time into the graph's GPU time and the rest."""
+        if size not in self._steps:
+            raise ValueError(f"no decode graph of size {size} (captured sizes {self.sizes})")
+        self._steps[size].graph.replay()
+
     def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Replay the decode step of `batch` (size_for(batch) must not be None) on hidden [n, d];
         returns [n, d], a view of the graph's static output, valid until the next replay."""
