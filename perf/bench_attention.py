@@ -269,6 +269,14 @@ PREFILL_SWEEP = (
     (128, 64, 8, 4, True, True),
 )
 PREFILL_SWEEP_SHAPES = ([16384], [4096] * 4, [256] * 4, [128] * 4)
+# --short-prefill-sweep: batches of short sequences, where the full path (write kernel + attention)
+# trails SDPA; adds q pre-rotation off (q norm/RoPE in the attention prologue: one pass less) and
+# 64-row q tiles (twice the programs for a few hundred tokens).
+SHORT_PREFILL_SWEEP_SHAPES = ([128] * 4, [256] * 4, [512] * 4, [1024] * 4)
+SHORT_PREFILL_SWEEP = (
+    (128, 64, 8, 3, True, True), (128, 64, 8, 3, False, True), (64, 64, 4, 3, True, True),
+    (64, 64, 4, 3, False, True), (64, 32, 4, 3, False, True),
+)
 # Decode tilings, block_m 16: (block_n, warps, stages, num_splits, page_prefetch). 8 x 4096 is the
 # layer benchmark's decode case. The first of each is the pick before run 69 (_attend_tiles, 4
 # stages, splits >= 4 tiles long), the second pick_config's choice since (page prefetch, 2 stages,
@@ -282,15 +290,16 @@ DECODE_SWEEP = {
 }
 
 
-def sweep_cases(kinds: tuple[str, ...] = ("prefill", "decode")) -> list[tuple]:
+def sweep_cases(kinds: tuple[str, ...] = ("prefill", "decode"), prefill_shapes=PREFILL_SWEEP_SHAPES,
+                prefill_tilings=PREFILL_SWEEP) -> list[tuple]:
     """(kind, seq_lens, context, case name, AttentionConfig) of every sweep record of `kinds`, in run order."""
     from fusedpar.kernels.attention import AttentionConfig
 
     g = NQ // NKV
     cases = []
-    for seq_lens in PREFILL_SWEEP_SHAPES if "prefill" in kinds else ():
+    for seq_lens in prefill_shapes if "prefill" in kinds else ():
         name = f"prefill {len(seq_lens)}x{seq_lens[0]} sweep"
-        for bm, bn, w, s, pre, prefetch in PREFILL_SWEEP:
+        for bm, bn, w, s, pre, prefetch in prefill_tilings:
             cfg = AttentionConfig(bm, bn, bm // g, w, s, prerotate_q=pre, page_prefetch=prefetch)
             cases.append(("prefill", seq_lens, 0, name, cfg))
     for b, tilings in DECODE_SWEEP.items() if "decode" in kinds else ():
@@ -315,6 +324,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # Sized for the whole sweep (34 tilings, each compiling its kernels and timing SDPA, attention-only
     # and the full path, decode ones also in graphs: ~200 s expected) with headroom; the cap only
     # guards against a slow machine.
+    p.add_argument("--short-prefill-sweep", action="store_true",
+                   help="prefill sweep over batches of 128-1024-token sequences with q pre-rotation on/off and "
+                        "64-row q tiles instead of the default sweep shapes and tilings")
     p.add_argument("--sweep-budget-s", type=float, default=300.0, help="stop sweeping after this many seconds")
     p.add_argument("--out", default="perf/results/attention.json")
     args = p.parse_args(argv)
@@ -377,7 +389,10 @@ def main(argv=None) -> int:
         unknown = set(kinds) - {"prefill", "decode"}
         if unknown:
             raise SystemExit(f"bench_attention: --sweep-kinds takes prefill and/or decode, got {sorted(unknown)}")
-        cases += sweep_cases(kinds)
+        if args.short_prefill_sweep:
+            cases += sweep_cases(kinds, SHORT_PREFILL_SWEEP_SHAPES, SHORT_PREFILL_SWEEP)
+        else:
+            cases += sweep_cases(kinds)
 
     records, sweep_start = [], None
     for kind, seq_lens, context, name, cfg in cases:

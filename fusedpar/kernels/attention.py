@@ -166,6 +166,48 @@ def _rope_cos_sin(rope_rows, row_mask, positions_ptr, inv_freq_ptr, cos_ptr, sin
 
 
 @triton.jit
+def _load_rot(row_ptrs, row_mask, HD: tl.constexpr, ROPE: tl.constexpr):
+    """R head vectors (row_ptrs[r] -> element 0 of a contiguous [HD] vector) as fp32 [R, HD], and,
+    for RoPE, the same vectors with their halves swapped (x[(d + HD/2) % HD]: rotate-half's partner,
+    loaded a second time through permuted offsets, an L1 hit, instead of shuffling registers);
+    without RoPE the second is the first. Masked rows are zeros."""
+    HALF: tl.constexpr = HD // 2
+    offs_d = tl.arange(0, HD)
+    x = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    if ROPE != 0:
+        offs_rot = (offs_d + HALF) % HD
+        xr = tl.load(row_ptrs[:, None] + offs_rot[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    else:
+        xr = x
+    return x, xr
+
+
+@triton.jit
+def _norm_rope_values(x, xr, c, s, w_ptr, eps, HD: tl.constexpr, HAS_NORM: tl.constexpr, ROPE: tl.constexpr):
+    """rope(norm(x)) as fp32 [R, HD] from _load_rot's (x, xr).
+
+    c, s: _rope_cos_sin of the rows' tokens, [R, HD] or [1, HD] (one token's angles shared by
+    all its heads: the write kernel evaluates them once per token, not once per head; the
+    values are the same, so are the results). Unused without ROPE. RMSNorm's row scale is
+    shared by x and xr; the weight is applied per column.
+    """
+    HALF: tl.constexpr = HD // 2
+    offs_d = tl.arange(0, HD)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)
+        w = tl.load(w_ptr + offs_d).to(tl.float32)
+        x = x * rstd[:, None] * w[None, :]
+    if ROPE != 0:
+        offs_rot = (offs_d + HALF) % HD
+        if HAS_NORM:
+            wr = tl.load(w_ptr + offs_rot).to(tl.float32)
+            xr = xr * rstd[:, None] * wr[None, :]
+        sign = tl.where(offs_d < HALF, -1.0, 1.0)
+        x = x * c + sign[None, :] * xr * s
+    return x
+
+
+@triton.jit
 def _norm_rope(
     row_ptrs,
     row_mask,
@@ -178,31 +220,9 @@ def _norm_rope(
     ROPE: tl.constexpr,
 ):
     """Load R head vectors (row_ptrs[r] -> element 0 of a contiguous [HD] vector) and return
-    rope(norm(x)) as fp32 [R, HD]; masked rows are zeros.
-
-    c, s: _rope_cos_sin of the rows' tokens, [R, HD] or [1, HD] (one token's angles shared by
-    all its heads: the write kernel evaluates them once per token, not once per head; the
-    values are the same, so are the results). Unused without ROPE.
-    Rotate-half needs x[(d + HD/2) % HD] next to x[d]: it is loaded a second time through permuted
-    column offsets (an L1 hit) instead of shuffling registers. RMSNorm's row scale is shared by
-    both loads; the weight is applied per column.
-    """
-    HALF: tl.constexpr = HD // 2
-    offs_d = tl.arange(0, HD)
-    x = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)
-        w = tl.load(w_ptr + offs_d).to(tl.float32)
-        x = x * rstd[:, None] * w[None, :]
-    if ROPE != 0:
-        offs_rot = (offs_d + HALF) % HD
-        xr = tl.load(row_ptrs[:, None] + offs_rot[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-        if HAS_NORM:
-            wr = tl.load(w_ptr + offs_rot).to(tl.float32)
-            xr = xr * rstd[:, None] * wr[None, :]
-        sign = tl.where(offs_d < HALF, -1.0, 1.0)
-        x = x * c + sign[None, :] * xr * s
-    return x
+    rope(norm(x)) as fp32 [R, HD]; masked rows are zeros (_load_rot, then _norm_rope_values)."""
+    x, xr = _load_rot(row_ptrs, row_mask, HD, ROPE)
+    return _norm_rope_values(x, xr, c, s, w_ptr, eps, HD, HAS_NORM, ROPE)
 
 
 @triton.jit
@@ -247,29 +267,37 @@ def _write_kv_kernel(
     Each head group is one [N_P2, HD] tile. A negative slot means "not a real token" (a CUDA-graph
     padding row): its k/v are not written (q still is: a cheap, harmless row of scratch). Padding
     rows >= num_tokens have no program.
+    Every load is issued before any of it is used and the slot test is a store mask, not a branch:
+    a program is a few independent loads, arithmetic and stores, one memory round trip instead of
+    a chain (slot -> k/v, then q), which is what a short prefill's launch of a few hundred
+    programs waits for.
     """
     t = tl.program_id(0)
     offs_d = tl.arange(0, HD)
     row = qkv_ptr + t.to(tl.int64) * stride_qkv
-    # One token per program: its cos/sin row once, shared by the k and q heads (evaluating them
-    # per head element was most of this kernel's time: 2 x (NQ + NKV) x HD transcendentals).
     one = tl.arange(0, 1)
-    c, s = _rope_cos_sin(one + t, one < 1, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, HD, ROPE)
     if WRITE_KV:
         slot = tl.load(slots_ptr + t).to(tl.int64)
-        if slot >= 0:
-            offs_h = tl.arange(0, NKV_P2)
-            h_mask = offs_h < NKV
-            k = _norm_rope(row + (NQ + offs_h) * HD, h_mask, c, s, k_norm_ptr, eps, HD, HAS_K_NORM, ROPE)
-            dst = (slot // PAGE) * stride_blk + (slot % PAGE) * stride_tok
-            dst_ptrs = dst + offs_h[:, None] * stride_head + offs_d[None, :]
-            tl.store(k_cache_ptr + dst_ptrs, k.to(k_cache_ptr.dtype.element_ty), mask=h_mask[:, None])
-            v = tl.load(row + (NQ + NKV + offs_h)[:, None] * HD + offs_d[None, :], mask=h_mask[:, None])
-            tl.store(v_cache_ptr + dst_ptrs, v.to(v_cache_ptr.dtype.element_ty), mask=h_mask[:, None])
+        offs_h = tl.arange(0, NKV_P2)
+        h_mask = offs_h < NKV
+        k, kr = _load_rot(row + (NQ + offs_h) * HD, h_mask, HD, ROPE)
+        v = tl.load(row + (NQ + NKV + offs_h)[:, None] * HD + offs_d[None, :], mask=h_mask[:, None])
     if WRITE_Q:
         offs_q = tl.arange(0, NQ_P2)
         q_mask = offs_q < NQ
-        q = _norm_rope(row + offs_q * HD, q_mask, c, s, q_norm_ptr, eps, HD, HAS_Q_NORM, ROPE)
+        q, qr = _load_rot(row + offs_q * HD, q_mask, HD, ROPE)
+    # One token per program: its cos/sin row once, shared by the k and q heads (evaluating them
+    # per head element was most of this kernel's time: 2 x (NQ + NKV) x HD transcendentals).
+    c, s = _rope_cos_sin(one + t, one < 1, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, HD, ROPE)
+    if WRITE_KV:
+        k = _norm_rope_values(k, kr, c, s, k_norm_ptr, eps, HD, HAS_K_NORM, ROPE)
+        kv_mask = (h_mask & (slot >= 0))[:, None]
+        dst = (slot // PAGE) * stride_blk + (slot % PAGE) * stride_tok
+        dst_ptrs = dst + offs_h[:, None] * stride_head + offs_d[None, :]
+        tl.store(k_cache_ptr + dst_ptrs, k.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(v_cache_ptr + dst_ptrs, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    if WRITE_Q:
+        q = _norm_rope_values(q, qr, c, s, q_norm_ptr, eps, HD, HAS_Q_NORM, ROPE)
         q_ptrs = q_out_ptr + t.to(tl.int64) * stride_qout + offs_q[:, None] * HD + offs_d[None, :]
         tl.store(q_ptrs, q.to(k_cache_ptr.dtype.element_ty), mask=q_mask[:, None])
 
