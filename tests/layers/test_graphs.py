@@ -120,6 +120,7 @@ def _gpu_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_reduce="n
         e_oracle, e_eager = rel_error(y_graph, want), rel_error(y_graph, y_eager)
         if not (e_oracle < REL_TOL[dtype] and e_eager < REL_TOL[dtype]):
             errors.append(f"{label}: vs oracle {e_oracle:.3g}, vs eager {e_eager:.3g}")
+        return y_graph
 
     step(StepBatch(tuple(lengths), tuple(lengths.values()), (0,) * 6), "prefill")
     before = stack.graph_steps
@@ -130,11 +131,23 @@ def _gpu_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_reduce="n
             lengths[s] += 1
     expect_graph = len(plan)  # every decode step so far fits a graph (contexts < max_context)
     while lengths[3] + 1 <= MAX_CONTEXT:
-        step(StepBatch((3,), (1,), (lengths[3],)), "decode 3 up to the graph limit")
+        last_graph_y = step(StepBatch((3,), (1,), (lengths[3],)), "decode 3 up to the graph limit")
         lengths[3] += 1
         expect_graph += 1
     step(StepBatch((3,), (1,), (lengths[3],)), "decode past max_context (eager)")
     lengths[3] += 1
+    # replay_last (model_bench's graph-only timing): the size-1 graph re-runs its last staged step
+    # (seq 3's last graph step; the eager step after it wrote a later position, which it never reads)
+    graphs._steps[1].out.fill_(float("nan"))
+    graphs.replay_last(1)
+    e_replay = rel_error(graphs._steps[1].out[:1], last_graph_y)
+    if not e_replay < REL_TOL[dtype]:
+        errors.append(f"replay_last(1) vs the step it repeats: {e_replay:.3g}")
+    try:
+        graphs.replay_last(3)
+        errors.append("replay_last(3) ran although no graph of size 3 was captured")
+    except ValueError:
+        pass
     if stack.graph_steps - before != expect_graph:
         errors.append(f"graph steps {stack.graph_steps - before}, expected {expect_graph}")
     for li in range(layers):
