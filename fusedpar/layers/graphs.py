@@ -136,6 +136,8 @@ class DecodeGraphs:
             cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))
         self.scratch_block = cache.block_tables[SCRATCH_SEQ_ID][0]
         self._cache_ptr = cache.k.data_ptr()
+        self._cache_generation = cache.generation
+        self._fused = stack.fused  # the workspaces the graphs were captured on (kept alive with them)
         self.pool = torch.cuda.graph_pool_handle()
         self._steps: dict[int, _StaticStep] = {}
         dev = stack.ctx.device
@@ -208,7 +210,18 @@ class DecodeGraphs:
         split a step's time into the graph's GPU time and the rest."""
         if size not in self._steps:
             raise ValueError(f"no decode graph of size {size} (captured sizes {self.sizes})")
+        self._check_live()
         self._steps[size].graph.replay()
+
+    def _check_live(self) -> None:
+        """Raise where a replay would touch memory the graphs no longer own: the cache was grown
+        (new k/v tensors) or the stack switched to other fused kernels (other workspaces)."""
+        if self.cache.generation != self._cache_generation or self.cache.k.data_ptr() != self._cache_ptr:
+            raise RuntimeError("the KV cache was grown after the decode graphs were captured: they still point at "
+                               "the old tensors; capture new DecodeGraphs")
+        if self.stack.fused is not self._fused:
+            raise RuntimeError("the stack's fused kernels changed (enable_fused) after the decode graphs were "
+                               "captured: capture new DecodeGraphs")
 
     def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Replay the decode step of `batch` (size_for(batch) must not be None) on hidden [n, d];
@@ -226,9 +239,7 @@ class DecodeGraphs:
         if size is None:
             raise ValueError(f"no decode graph for {len(batch.seq_ids)} sequences / {batch.num_tokens} tokens "
                              f"(captured sizes {self.sizes}, max context {self.max_context})")
-        if self.cache.k.data_ptr() != self._cache_ptr:
-            raise RuntimeError("the KV cache was grown after the decode graphs were captured: they still point at "
-                               "the old tensors; capture new DecodeGraphs")
+        self._check_live()
         n, d = len(batch.seq_ids), self.stack.cfg.hidden_size
         if hidden.shape != (n, d):
             raise ValueError(f"hidden must be [{n}, {d}], got {tuple(hidden.shape)}")

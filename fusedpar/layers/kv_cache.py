@@ -43,6 +43,7 @@ class PagedKVCache:
         self.lengths: dict[int, int] = {}
         self._table_tensors: dict[int, torch.Tensor] = {}  # block_table() cache, rebuilt on growth
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self.generation = 0  # bumped by every grow(): holders of k/v views (CUDA graphs) compare it
 
     @property
     def free_blocks(self) -> int:
@@ -77,6 +78,7 @@ class PagedKVCache:
         # _free is popped from its end: the new blocks go in front of the old free ones
         self._free = list(range(num_blocks - 1, old - 1, -1)) + self._free
         self.num_blocks = num_blocks
+        self.generation += 1
 
     def seq_len(self, seq_id: int) -> int:
         return self.lengths.get(seq_id, 0)
@@ -88,20 +90,24 @@ class PagedKVCache:
 
         Checks that each sequence's cached length is the batch's context length: a mismatch
         means the caller lost track of a sequence, which would otherwise corrupt attention.
+        All checks run before anything changes: a step that raises (mismatch, out of blocks)
+        leaves the cache as it was, so the caller can grow the pool or fix the batch and retry.
         """
         bs = self.block_size
+        for sid, c in zip(batch.seq_ids, batch.context_lens, strict=True):
+            if self.seq_len(sid) != c:
+                raise ValueError(f"sequence {sid}: cache holds {self.seq_len(sid)} tokens, step says context {c}")
+        need_total = self.blocks_needed(batch)
+        if need_total > len(self._free):
+            raise RuntimeError(
+                f"KV cache out of blocks: the step needs {need_total} more, {len(self._free)} free of "
+                f"{self.num_blocks} (block_size {bs}); grow() the cache or split the step"
+            )
         touched: list[int] = []  # the blocks the new tokens land in, sequence after sequence
         offset: list[int] = []  # per sequence: index into `touched` of its block 0 (may be negative)
         for sid, q, c in zip(batch.seq_ids, batch.query_lens, batch.context_lens, strict=True):
-            if self.seq_len(sid) != c:
-                raise ValueError(f"sequence {sid}: cache holds {self.seq_len(sid)} tokens, step says context {c}")
             table = self.block_tables.setdefault(sid, [])
             need = -(-(c + q) // bs) - len(table)
-            if need > len(self._free):
-                raise RuntimeError(
-                    f"KV cache out of blocks: sequence {sid} needs {need} more, {len(self._free)} free "
-                    f"of {self.num_blocks} (block_size {bs})"
-                )
             table.extend(self._free.pop() for _ in range(need))
             offset.append(len(touched) - c // bs)
             touched.extend(table[c // bs:(c + q - 1) // bs + 1])

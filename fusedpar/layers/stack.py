@@ -19,6 +19,7 @@ from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState, rope_t
 from fusedpar.layers.fused import FusedKernels
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import ShiftPolicy, StepBatch, padded_token_count
+from fusedpar.layouts import check_mode
 
 
 class ShiftParallelStack(nn.Module):
@@ -38,7 +39,10 @@ class ShiftParallelStack(nn.Module):
         """Switch the layers to the Triton path (CUDA only); steps up to max_tokens fit the
         symmetric workspaces (larger ones fall back per op). fuse_comm=False keeps the Triton
         attention but plain cuBLAS + NCCL communication (a baseline; plain_all_reduce="symm_mem"
-        reduces decode-sized shift steps with torch's one-shot instead). Collective: every rank."""
+        reduces decode-sized shift steps with torch's one-shot instead). Collective: every rank.
+        Decode graphs captured before belong to the old kernels' workspaces: they are dropped
+        (capture_decode_graphs again)."""
+        self.graphs = None
         self.fused = FusedKernels(self.ctx, self.cfg, max_tokens=max_tokens,
                                   dtype=self.layers[0].w.base["qkv"].dtype, fuse_comm=fuse_comm,
                                   plain_all_reduce=plain_all_reduce)
@@ -78,8 +82,13 @@ class ShiftParallelStack(nn.Module):
                             dtype=dtype, device=self.ctx.device)
 
     def plan(self, batch: StepBatch, cache: PagedKVCache, mode: str | None = None) -> StepState:
-        """Pick the mode (policy, unless forced) and reserve cache slots for the step's tokens."""
-        mode = mode or self.policy.mode(batch.num_tokens, self.ctx.sp.size)
+        """Pick the mode (policy, unless forced) and reserve cache slots for the step's tokens.
+
+        Everything that can reject the step is checked before the cache reserves anything, so a
+        rejected step leaves the cache as it was."""
+        mode = check_mode(mode) if mode is not None else self.policy.mode(batch.num_tokens, self.ctx.sp.size)
+        if cache.kv_heads != self.layers[0].kv_heads:
+            raise ValueError(f"cache holds kv heads {cache.kv_heads}, this rank computes {self.layers[0].kv_heads}")
         padded = padded_token_count(batch.num_tokens, self.ctx.sp.size) if mode == "base" else batch.num_tokens
         slots = cache.begin_step(batch)
         positions = batch.positions(self.ctx.device)

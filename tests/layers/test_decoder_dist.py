@@ -163,3 +163,42 @@ def test_reference_row_parallel_rounds_once_like_the_unsharded_gemm(dtype):
     # the naive sum of half partials is measurably worse (the check above can fail)
     naive = run_distributed(_row_parallel_half, 4, dtype, naive=True)[0][0]
     assert ((naive.float() - want.float()).abs() / tol).max() > 1.0
+
+
+def _rejected_steps(rank, world):
+    from fusedpar.collectives import ParallelContext
+    from fusedpar.layers import PagedKVCache, ShiftParallelStack, StepBatch, random_decoder_weights
+    from fusedpar.layouts import ParallelLayout
+
+    cfg = DecoderConfig(hidden_size=32, num_q_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=32)
+    ctx = ParallelContext(ParallelLayout(world, sp=2, tp=1))
+    stack = ShiftParallelStack.from_full_weights(cfg, ctx, [random_decoder_weights(cfg, seed=0)])
+    cache = stack.make_cache(block_size=4, num_blocks=8)
+    batch, x = StepBatch((7,), (5,), (0,)), torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    errors = []
+    try:
+        stack(x, batch, cache, mode="Base")
+        errors.append("mode 'Base' was accepted")
+    except ValueError as e:
+        if "mode must be one of" not in str(e):
+            errors.append(f"mode 'Base': {e}")
+    other = PagedKVCache(num_layers=1, kv_heads=(99,), head_dim=8, block_size=4, num_blocks=8, dtype=torch.float32)
+    try:
+        stack(x, batch, other)
+        errors.append("a cache of other kv heads was accepted")
+    except ValueError as e:
+        if "cache holds kv heads (99,)" not in str(e):
+            errors.append(f"wrong cache: {e}")
+    if cache.lengths or cache.block_tables or other.lengths or other.block_tables:
+        errors.append(f"a rejected step reserved cache room: {cache.lengths} {other.lengths}")
+    y = stack(x, batch, cache)  # the same step, retried with valid arguments, runs
+    if y.shape != (5, 32) or cache.lengths != {7: 5}:
+        errors.append(f"retry: output {tuple(y.shape)}, lengths {cache.lengths}")
+    return errors
+
+
+def test_rejected_step_reserves_nothing_in_the_cache():
+    """A bad mode or a cache of other kv heads raises before the cache reserves any room, so the
+    caller can retry the step (found by review: it used to advance the cache, then raise)."""
+    for rank_errors in run_distributed(_rejected_steps, 2):
+        assert not rank_errors, rank_errors

@@ -114,3 +114,61 @@ def test_cache_grow_keeps_blocks_tables_and_values():
         cache.grow(5)
     cache.begin_step(StepBatch((10,), (4,), (0,)))
     assert cache.block_tables[10] == [5] and cache.free_blocks == 0
+
+
+def _snapshot(cache):
+    return ({k: list(v) for k, v in cache.block_tables.items()}, dict(cache.lengths), cache.free_blocks)
+
+
+def test_rejected_step_leaves_the_cache_unchanged_and_can_be_retried():
+    cache = _cache(num_blocks=3)  # block_size 4
+    cache.begin_step(StepBatch((5,), (3,), (0,)))
+    before = _snapshot(cache)
+    # sequence 1 would fit, sequence 2 is out of blocks: nothing may be reserved for 1 either
+    too_big = StepBatch((1, 2), (4, 9), (0, 0))
+    with pytest.raises(RuntimeError, match=r"out of blocks: the step needs 4 more, 2 free of 3"):
+        cache.begin_step(too_big)
+    assert _snapshot(cache) == before
+    # a context mismatch late in the batch: the sequences before it are untouched too
+    with pytest.raises(ValueError, match="sequence 5: cache holds 3 tokens, step says context 2"):
+        cache.begin_step(StepBatch((1, 5), (4, 1), (0, 2)))
+    assert _snapshot(cache) == before
+    cache.grow(5)
+    slots = cache.begin_step(too_big)  # the same step, retried after growing the pool
+    assert slots.numel() == 13 and cache.lengths == {5: 3, 1: 4, 2: 9}
+
+
+def test_cache_generation_counts_growth():
+    cache = _cache(num_blocks=2)
+    assert cache.generation == 0
+    cache.grow(2)  # no-op
+    assert cache.generation == 0
+    cache.grow(4)
+    assert cache.generation == 1
+
+
+def test_decode_graphs_refuse_replay_after_growth_or_new_fused_kernels():
+    """DecodeGraphs._check_live (the graph replay itself needs CUDA: a stand-in graph counts replays)."""
+    from types import SimpleNamespace
+
+    from fusedpar.layers.graphs import DecodeGraphs
+
+    cache = _cache(num_blocks=2)
+    kernels = object()
+    replays = []
+    graphs = DecodeGraphs.__new__(DecodeGraphs)  # the state a capture leaves, without capturing
+    graphs.cache, graphs.sizes, graphs.stack = cache, (1,), SimpleNamespace(fused=kernels)
+    graphs._cache_ptr, graphs._cache_generation, graphs._fused = cache.k.data_ptr(), cache.generation, kernels
+    graphs._steps = {1: SimpleNamespace(graph=SimpleNamespace(replay=lambda: replays.append(1)))}
+    graphs.replay_last(1)
+    assert replays == [1]
+    with pytest.raises(ValueError, match="no decode graph of size 2"):
+        graphs.replay_last(2)
+    graphs.stack.fused = object()  # enable_fused again: other workspaces
+    with pytest.raises(RuntimeError, match="fused kernels changed"):
+        graphs.replay_last(1)
+    graphs.stack.fused = kernels
+    cache.grow(3)
+    with pytest.raises(RuntimeError, match="KV cache was grown"):
+        graphs.replay_last(1)
+    assert replays == [1]
