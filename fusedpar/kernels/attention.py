@@ -291,7 +291,9 @@ def _write_kv_kernel(
     c, s = _rope_cos_sin(one + t, one < 1, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, HD, ROPE)
     if WRITE_KV:
         k = _norm_rope_values(k, kr, c, s, k_norm_ptr, eps, HD, HAS_K_NORM, ROPE)
-        kv_mask = (h_mask & (slot >= 0))[:, None]
+        # the slot test as a [NKV_P2] tensor: Triton 3.9's interpreter rejects a store mask made
+        # from a vector & a scalar comparison ("mask has unsupported dtype")
+        kv_mask = (h_mask & (offs_h * 0 + slot >= 0))[:, None]
         dst = (slot // PAGE) * stride_blk + (slot % PAGE) * stride_tok
         dst_ptrs = dst + offs_h[:, None] * stride_head + offs_d[None, :]
         tl.store(k_cache_ptr + dst_ptrs, k.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
