@@ -210,7 +210,8 @@ def diagnose_tma(args, dtype, l2_bytes, gemm, device) -> None:
                     host_us = (time.perf_counter() - t0) / 20 * 1e6
                     torch.cuda.synchronize()
                     print(f"{case.name:<18}{m:>7}  {path:<8}{cold_ms:>10.4f}{shared_ms:>12.4f}{host_us:>9.1f}  "
-                          f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}", flush=True)
+                          f"{cfg.block_m}x{cfg.block_n}{f'+{cfg.block_n2}' if cfg.block_n2 else ''}x{cfg.block_k} "
+                          f"w{cfg.num_warps} s{cfg.num_stages}", flush=True)
                 del cold, shared
 
 
@@ -303,8 +304,9 @@ def main(argv=None) -> int:
                     f"{case.name:<18}{tokens:>7}{case.n:>7}{case.k:>7}{record['baseline_ms']:>11.4f}"
                     f"{record['fused_ms']:>10.4f}{record['speedup']:>9.2f}{record['roofline_pct']:>11.1f}%"
                     f"{record['baseline_roofline_pct']:>12.1f}%  {record['bound']:<7} "
-                    f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} w{cfg['num_warps']} "
-                    f"s{cfg['num_stages']}{warn}"
+                    f"{cfg['block_m']}x{cfg['block_n']}{'+' + str(cfg['block_n2']) if cfg.get('block_n2') else ''}"
+                    f"x{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}"
+                    f"{' tma' if cfg.get('tma') else ''}{'' if cfg.get('flatten', True) else ' nested'}{warn}"
                 )
                 torch.cuda.empty_cache()
 

@@ -50,6 +50,26 @@ def tma_candidates() -> list[gemm.GemmConfig]:
             for bm, bn, bk, w, s in base for flat in (True, False)]
 
 
+def split_candidates() -> list[gemm.GemmConfig]:
+    """TMA tilings whose tiles are two column blocks (gemm.py's BLOCK_N2): 160 = 128 + 32 and 320 = 256 + 64
+    columns divide N = 2560 and 5120 into nearly full waves of 132 SMs at 512-2048 rows (192 = 128 + 64
+    and 288 = 256 + 32 for comparison). Only the operand ring is checked against shared memory here:
+    TMA builds reuse it for the epilogue; a tiling that still does not fit fails to launch and is
+    recorded with its error."""
+    out = []
+    tiles = ((128, 128, 32), (128, 128, 64), (128, 256, 64), (128, 256, 32), (64, 256, 64))
+    for (bm, bn, n2), s, flat in itertools.product(tiles, (2, 3, 4, 5), (True, False)):
+        for w in ((4, 8) if bn == 128 else (8,) if bm == 128 else (4,)):
+            cfg = gemm.GemmConfig(bm, bn, 64, 8, w, s, tma=True, flatten=flat, block_n2=n2)
+            if s * (bm + bn + n2) * 64 * 2 <= SMEM_BYTES:
+                out.append(cfg)
+    # around pick_config's split tile: swizzle group, 8 warps (two warpgroups side by side in N)
+    for g, w, s in itertools.product((1, 4, 16), (4, 8), (3, 4)):
+        out.append(gemm.GemmConfig(64, 256, 64, g, w, s, tma=True, flatten=False, block_n2=64))
+    out += [gemm.GemmConfig(64, 256, 64, 8, 8, s, tma=True, flatten=False, block_n2=64) for s in (3, 4)]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="llama70b,qwen32b")
@@ -58,6 +78,8 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this many seconds")
     p.add_argument("--tma-only", action="store_true",
                    help="sweep only the TMA tilings (tma_candidates) against the default and cuBLAS")
+    p.add_argument("--split-only", action="store_true",
+                   help="sweep only the two-column-block TMA tilings (split_candidates)")
     p.add_argument("--out", default="perf/results/gemm_tune.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -80,9 +102,16 @@ def main() -> int:
                 outs = [torch.empty((m, n), device=dev, dtype=dtype) for _ in range(4)]
                 ref = torch.nn.functional.linear(*sets[0]).float()
                 cublas = bench_gemm.time_ms(torch.nn.functional.linear, sets, args.iters, 3)
-                default = gemm.pick_config(m, n, k, dtype=dtype, num_sms=sms, interpret=False)
+                # what matmul's launcher picks for these operands (TMA where the descriptors can work)
+                default = gemm.pick_config(m, n, k, dtype=dtype, num_sms=sms, interpret=False,
+                                           tma=gemm.tma_compatible(sets[0][0], w))
                 results = []
-                pool = tma_candidates() if args.tma_only else [*candidates(m), *tma_candidates()]
+                if args.split_only:
+                    pool = split_candidates()
+                elif args.tma_only:
+                    pool = tma_candidates()
+                else:
+                    pool = [*candidates(m), *tma_candidates(), *split_candidates()]
                 for cfg in [default, *pool]:
                     try:
                         gemm._launch(sets[0][0], w, outs[0], config=cfg)
@@ -106,7 +135,8 @@ def main() -> int:
                 b = best[0]
                 print(f"{case.name:16s} m={m:6d} cublas {cublas:.4f}  default {results[0][1]:.4f} "
                       f"({row['default_vs_cublas']:.2f}x)  best {best[1]:.4f} ({row['best_vs_cublas']:.2f}x) "
-                      f"{b.block_m}x{b.block_n}x{b.block_k} w{b.num_warps} s{b.num_stages}"
+                      f"{b.block_m}x{b.block_n}{f'+{b.block_n2}' if b.block_n2 else ''}x{b.block_k} "
+                      f"g{b.group_m} w{b.num_warps} s{b.num_stages}"
                       f"{' tma' if b.tma else ''}{'' if b.flatten else ' nested'}", flush=True)
                 del sets, outs, w
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

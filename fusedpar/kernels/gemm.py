@@ -43,7 +43,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedpar.kernels._host import cdiv, next_pow2
 
-__all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config", "tma_compatible", "tma_descriptors"]
+__all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config", "require_one_block", "tma_compatible",
+           "tma_descriptors"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -91,12 +92,24 @@ def _load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, 
 
 
 @triton.jit
+def _load_w_tile(w_ptr, offs_wn, offs_k_base, ki, K, stride_wk, stride_wn, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """K step `ki`'s B = W^T tile [BLOCK_K, cols offs_wn] alone (zero past K), as in _load_k_tile."""
+    offs_k = ki * BLOCK_K + offs_k_base
+    b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
+    if EVEN_K:
+        return tl.load(b_ptrs)
+    return tl.load(b_ptrs, mask=offs_k_base[:, None] < K - ki * BLOCK_K, other=0.0)
+
+
+@triton.jit
 def _persistent_matmul_kernel(
     a_ptr,
     w_ptr,
     c_ptr,
     a_desc,  # TMA descriptors of a [M, K] and w [N, K] (block [BLOCK_M|BLOCK_N, BLOCK_K]); None unless TMA
     w_desc,
+    w2_desc,  # TMA descriptor of w with block [BLOCK_N2, BLOCK_K]; None unless TMA and BLOCK_N2 > 0
     M,
     N,
     K,
@@ -115,6 +128,7 @@ def _persistent_matmul_kernel(
     INPUT_PRECISION: tl.constexpr,
     TMA: tl.constexpr = False,
     FLATTEN: tl.constexpr = True,
+    BLOCK_N2: tl.constexpr = 0,
 ):
     """C[M, N] = A[M, K] @ W[N, K]^T with fp32 accumulation; every operand arbitrarily strided.
 
@@ -133,12 +147,18 @@ def _persistent_matmul_kernel(
     next tile's loads are in flight during this tile's epilogue); False keeps them nested, which
     with TMA loads was the qkv kernel's fastest tiling at 1024 rows per rank (GPU runs 52-54); the
     plain GEMM's picks stay flattened (its TMA sweep, run 53, rarely ranked nested first).
+    BLOCK_N2: a second, narrower column block per tile, so one tile is BLOCK_M x (BLOCK_N + BLOCK_N2)
+    with two accumulators (Triton blocks are powers of two; 128 + 32 = 160 columns is not). Its point
+    is wave quantisation: N = 2560 (Llama-70B / Qwen3-32B qkv at TP=4) and 5120 cut into 160-wide
+    tiles give 128 or 256 tiles of 128 rows at 1024-2048 rows, ~97% of 132 SMs, where 256-wide tiles
+    fill 61% (80 / 160 tiles) and 128-wide ones 61-81% of two waves. 0 = one block.
     (Triton's Hopper warp specialisation is not offered: with 4 warps it failed to build the qkv
     kernel, GPU run 52, and with 8 it leaves the loop unpartitioned.)
     """
     start_pid = tl.program_id(axis=0)
+    TILE_N: tl.constexpr = BLOCK_N + BLOCK_N2
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = tl.cdiv(N, TILE_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
     num_pid_in_group = GROUP_M * num_pid_n
@@ -153,30 +173,45 @@ def _persistent_matmul_kernel(
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
         offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_wn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_wn = pid_n * TILE_N + tl.arange(0, BLOCK_N)
         # Ragged M/N edges: clamp out-of-range rows/columns to index 0 (always valid memory)
         # instead of masking them, so the K-loop loads carry at most a K mask; the extra
         # results land in rows/columns of the accumulator that the store masks off.
         offs_am = tl.where(offs_am < M, offs_am, 0)
         offs_wn = tl.where(offs_wn < N, offs_wn, 0)
-
         accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if BLOCK_N2 > 0:
+            offs_wn2 = pid_n * TILE_N + BLOCK_N + tl.arange(0, BLOCK_N2)
+            offs_wn2 = tl.where(offs_wn2 < N, offs_wn2, 0)
+            accumulator2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
+
         for ki in range(k_tiles):
             if TMA:
                 a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-                b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
+                b = w_desc.load([pid_n * TILE_N, ki * BLOCK_K]).T
+                if BLOCK_N2 > 0:
+                    b2 = w2_desc.load([pid_n * TILE_N + BLOCK_N, ki * BLOCK_K]).T
             else:
                 a, b = _load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, stride_ak,
                                     stride_wk, stride_wn, BLOCK_K, EVEN_K)
+                if BLOCK_N2 > 0:
+                    b2 = _load_w_tile(w_ptr, offs_wn2, offs_k_base, ki, K, stride_wk, stride_wn, BLOCK_K, EVEN_K)
             accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+            if BLOCK_N2 > 0:
+                accumulator2 = tl.dot(a, b2, accumulator2, input_precision=INPUT_PRECISION)
 
         tile_id_c += NUM_SMS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
         offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_cn = pid_n * TILE_N + tl.arange(0, BLOCK_N)
         c_ptrs = c_ptr + (offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn)
         c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
         tl.store(c_ptrs, accumulator.to(c_ptr.dtype.element_ty), mask=c_mask)
+        if BLOCK_N2 > 0:
+            offs_cn2 = pid_n * TILE_N + BLOCK_N + tl.arange(0, BLOCK_N2)
+            c2_ptrs = c_ptr + (offs_cm[:, None] * stride_cm + offs_cn2[None, :] * stride_cn)
+            c2_mask = (offs_cm[:, None] < M) & (offs_cn2[None, :] < N)
+            tl.store(c2_ptrs, accumulator2.to(c_ptr.dtype.element_ty), mask=c2_mask)
 
 
 # Triton decides interpreter vs compiler when @triton.jit runs (triton/runtime/jit.py reads
@@ -196,6 +231,21 @@ class GemmConfig:
     num_stages: int = 3
     tma: bool = False  # TMA tile loads (only where tma_compatible holds; else the launcher uses pointers)
     flatten: bool = True  # one fused tile x K loop (see the kernel's FLATTEN)
+    block_n2: int = 0  # a second column block per tile: tiles are block_m x (block_n + block_n2)
+
+    @property
+    def tile_n(self) -> int:
+        return self.block_n + self.block_n2
+
+
+def require_one_block(cfg: GemmConfig, op: str) -> None:
+    """Raise unless `cfg` tiles with one column block: split tiles (block_n2) are the plain GEMM's
+    alone; the fused kernels' epilogues address BLOCK_N-wide tiles."""
+    if cfg.block_n2:
+        raise ValueError(
+            f"{op}: GemmConfig block_n2={cfg.block_n2} (tiles of block_n + block_n2 columns) is supported by "
+            f"fusedpar.matmul only; pass block_n2=0"
+        )
 
 
 # Every launch asks for its tiling: cached, since a Python heuristic run per call cost 28-48 us of host
@@ -243,14 +293,28 @@ def pick_config(
     0.03-0.05 above whole tiles at Llama qkv x 1024-2048 and Qwen down x 1024 rows, equal or worse
     elsewhere, all below 0.90x.
     tma=True (16-bit operands that `tma_compatible` accepts; callers that launch this file's kernel):
-    m > 64 takes TMA loads and, per shape, the best score of three tiles, score = wave fill (tiles /
+    m > 64 takes TMA loads and, per shape, the best score of four tiles, score = wave fill (tiles /
     (waves * #SMs)) times the tile's own efficiency: 128x256x64 (8 warps, 4 stages) 1.0, 128x128x64
     (4 warps, 5 stages) 0.97, 64x128x128 (4 warps, 4 stages) 0.82 - fitted to the TMA sweep of GPU
     run 53 (perf/tune_gemm.py --tma-only, perf/results/gemm_tune_tma.json): on 22 of its 24 shape x
     1024-4096-row cases this pick is within 3% of the best of 14 TMA tilings (the other two,
     Llama-70B qkv and down at 1024 rows, fell outside the sweep's recorded top five). The sweep
-    over all sizes (run 57, perf/results/gemm.json) puts the Triton GEMM at >= 0.90x cuBLAS on 34
-    of the 40 cases at >= 1024 rows (27 before TMA).
+    over all sizes (run 57) put the Triton GEMM at >= 0.90x cuBLAS on 34 of the 40 cases at >= 1024
+    rows (27 before TMA); with the split tile below, 39 of 40 (run 94, perf/results/gemm.json; the
+    40th, Qwen o x 1024 rows, 0.896x there and 0.906x in run 92).
+    The fourth TMA tile is split (BLOCK_N2): 64 x (256 + 64) (4 warps, 4 stages, nested loop), score
+    0.91. 320 columns cut N = 2560 (Llama-70B / Qwen3-32B qkv at TP=4) and N = 5120 (Qwen o, down)
+    into nearly full waves where power-of-two tiles leave 40% of the SMs idle: GPU run 91
+    (perf/tune_gemm.py --split-only, perf/results/gemm_tune_split.json; the pick before it -> this
+    tile, same run) measured Llama qkv x 1024 / 2048 rows 74.3 -> 59.7 / 142.1 -> 120.5 us (cuBLAS
+    58.7 / 112.1), Qwen qkv 48.3 -> 40.4 / 88.3 -> 78.1, Qwen o x 512 / 1024 23.6 -> 19.7 / 38.3 ->
+    35.7, Qwen down x 512 / 1024 59.3 -> 49.9 / 110.4 -> 99.8. Where both fill their waves (N = 5120
+    x 2048 rows) 128x128 is 5-6% faster, which the 0.91 encodes. The narrow second block matters:
+    128 x (128 + 32) ran at ~70% of a 256-wide tile's rate (its 32-column MMAs re-read the A tile
+    from shared memory for few FLOPs; run 89).
+    With N and K both >= 4096 the split tile takes GROUP_M = 16 (all 16 tile rows of 1024 rows in one
+    swizzle group): Qwen down x 1024 rows 101.2 -> 98.1 us, gate_up 199.2 -> 193.5 (run 93); on
+    Qwen qkv (N 2560) and o (K 2048) it was 1-2% slower, so they keep 8.
     fp32 inputs halve BLOCK_K so the operand buffers keep the same byte size.
     """
     if interpret:
@@ -269,7 +333,12 @@ def pick_config(
                    (0.82, GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=4, tma=True))]
         if out_bytes <= 2:  # fp32 out: the 128x256 epilogue tile alone is 128 KiB
             choices.insert(0, (1.0, GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4, tma=True)))
-        return max(choices, key=lambda c: c[0] * wave_fill(tiles(c[1].block_m, c[1].block_n)))[1]
+            choices.append((0.91, GemmConfig(64, 256, 64, group_m=8, num_warps=4, num_stages=4, tma=True,
+                                             flatten=False, block_n2=64)))
+        best = max(choices, key=lambda c: c[0] * wave_fill(tiles(c[1].block_m, c[1].tile_n)))[1]
+        if best.block_n2 and n >= 4096 and k >= 4096:
+            best = dataclasses.replace(best, group_m=16)  # see the docstring: wide, deep split-tile GEMMs
+        return best
 
     def max_stages(bm: int, bn: int, bk: int, cap: int = 5) -> int:
         per_stage = (bm + bn) * bk * max(2, in_bytes)
@@ -385,10 +454,13 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
     tma_ok = tma_compatible(a, w)
     cfg = config or pick_config(m, n, k, dtype=a.dtype, out_dtype=out.dtype, num_sms=num_sms, interpret=_INTERPRETED,
                                 tma=tma_ok and not _INTERPRETED)
-    num_tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    num_tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.tile_n)
     grid = (min(num_sms, num_tiles),)
     use_tma = cfg.tma and tma_ok
     a_desc, w_desc = tma_descriptors(a, w, cfg.block_m, cfg.block_n, cfg.block_k) if use_tma else (None, None)
+    w2_desc = None
+    if use_tma and cfg.block_n2:
+        w2_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n2, cfg.block_k])
     # Triton launches on the current CUDA device; make it the tensors' device.
     guard = torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext()
     with guard:
@@ -398,6 +470,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
             out,
             a_desc,
             w_desc,
+            w2_desc,
             m,
             n,
             k,
@@ -416,6 +489,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
             INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             TMA=use_tma,
             FLATTEN=cfg.flatten,
+            BLOCK_N2=cfg.block_n2,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

@@ -141,7 +141,7 @@ from fusedpar.kernels._sync import (
     wait_flags,
 )
 from fusedpar.kernels.allreduce import all_reduce, sum_over_group_
-from fusedpar.kernels.gemm import GemmConfig, _load_k_tile, _tile_coords, pick_config
+from fusedpar.kernels.gemm import GemmConfig, _load_k_tile, _tile_coords, pick_config, require_one_block
 
 __all__ = [
     "GPU_SPIN_LIMIT",
@@ -536,6 +536,7 @@ def _decode_split(n: int, k: int, elem: int, gcfg: GemmConfig, num_sms: int) -> 
 def _layout(path: str, rows: int, n: int, world: int, cfg: FusedConfig, psize: int, osize: int):
     """(tiles, own_cap, result_off, slot bytes needed, flag rows needed) of one launch over `rows` rows."""
     g = cfg.gemm
+    require_one_block(g, "gemm_all_reduce")
     tiles = cdiv(rows, g.block_m) * cdiv(n, g.block_n)
     tile = g.block_m * g.block_n
     if path == "one_shot":

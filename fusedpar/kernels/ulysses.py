@@ -117,6 +117,7 @@ from fusedpar.kernels.gemm import (
     _load_k_tile,
     _tile_coords,
     pick_config,
+    require_one_block,
     tma_compatible,
     tma_descriptors,
 )
@@ -618,6 +619,7 @@ def launch_qkv_all_to_all(
     num_sms = sm_count(x.device, _INTERPRETED)
     tma_ok = tma_compatible(x, w)
     cfg = config or _qkv_config(m, W * blk, k, blk, x.dtype, num_sms, tma_ok=tma_ok)
+    require_one_block(cfg, "qkv_all_to_all")
     if produce:
         tiles = cdiv(m, cfg.block_m) * W * cdiv(blk, cfg.block_n)
         grid = max(1, min(num_sms, tiles))
@@ -788,6 +790,7 @@ def _o_launch_shape(m: int, n: int, C: int, W: int, dtype, out_dtype, table: Pee
     gemm = cfg.gemm or pick_config(
         m, n, W * C, dtype=dtype, out_dtype=out_dtype, num_sms=num_sms, interpret=_INTERPRETED
     )
+    require_one_block(gemm, "all_to_all_o_proj")
     m_tiles = cdiv(m, gemm.block_m)
     bands_cap = max(1, min(cfg.max_bands, table.max_blocks - 1))
     band_rows = gemm.block_m * cdiv(m_tiles, bands_cap)
@@ -904,6 +907,7 @@ def _gemm_cfg(block_m, block_n, block_k, group_m, num_warps, num_stages, tma=0, 
 def _gemm_meta(cfg: GemmConfig | None) -> tuple[int, ...]:
     if cfg is None:
         return (0,) * 8
+    require_one_block(cfg, "fusedpar.kernels.ulysses")  # the 8 ints below have no block_n2
     return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages,
             int(cfg.tma), int(cfg.flatten))
 

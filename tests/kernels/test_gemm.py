@@ -9,6 +9,7 @@ the kernel never writes fails.
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 
 import pytest
@@ -137,6 +138,9 @@ def test_transposed_output_and_fp32_out_from_fp16():
         (32, 16, 64, 3, 4, 1),  # GROUP_M=3: last swizzle group ragged; K=80 not a multiple of 64
         (64, 32, 16, 8, 4, 1),  # GROUP_M larger than the number of tile rows; K multiple of 16
         (16, 32, 32, 3, 4, 1, False, False),  # nested tile and K loops (FLATTEN off), pointer loads
+        (32, 32, 32, 2, 4, 1, False, True, 16),  # 48-wide tiles (two column blocks): N=72 ends inside block 2
+        (16, 16, 16, 3, 4, 1, False, True, 16),  # 32-wide split tiles, N=72 ends inside block 1 of tile 3
+        (32, 16, 64, 1, 4, 1, False, False, 16),  # split tiles, nested loops, K=80 ragged against 64
     ],
     ids=lambda c: "x".join(map(str, c[:3])) + f"-g{c[3]}",
 )
@@ -179,7 +183,10 @@ def test_tma_loads(m, n, k, kind, dtype, monkeypatch):
     for flatten in (True, False):  # one fused tile x K loop, or the nested loops
         cfg = (32, 32, 32, 2, 4, 1, True, flatten) if not HAS_CUDA else (64, 128, 64, 8, 4, 3, True, flatten)
         run_and_check(a, w, name=f"tma {kind} C[{m},{n}] K={k} flatten={flatten}", config=cfg)
-    assert made == [tuple(cfg[:3])] * 2, "the TMA path did not run"
+    # two column blocks per tile (the second through its own descriptor), 48 columns on the interpreter
+    cfg2 = (32, 32, 32, 2, 4, 1, True, True, 16) if not HAS_CUDA else (128, 128, 64, 8, 8, 4, True, True, 32)
+    run_and_check(a, w, name=f"tma split tile {kind} C[{m},{n}] K={k}", config=cfg2)
+    assert made == [tuple(cfg[:3])] * 2 + [tuple(cfg2[:3])], "the TMA path did not run"
 
 
 def test_tma_config_falls_back_where_descriptors_cannot_work(monkeypatch):
@@ -333,13 +340,17 @@ def test_gpu_configs_fit_hopper_shared_memory(m, dtype, out_dtype):
     power of two, and the operand ring buffers plus the epilogue tile fit in 227 KiB."""
     in_bytes = torch.empty((), dtype=dtype).element_size()
     out_bytes = torch.empty((), dtype=out_dtype or dtype).element_size()
-    for n, k in ((2560, 8192), (8192, 2048), (14336, 8192), (8192, 7168), (24, 40)):
-        cfg = gemm.pick_config(m, n, k, dtype=dtype, out_dtype=out_dtype, num_sms=132, interpret=False)
-        for block in (cfg.block_m, cfg.block_n, cfg.block_k):
+    for (n, k), tma in itertools.product(((2560, 8192), (8192, 2048), (14336, 8192), (8192, 7168), (5120, 6400),
+                                          (24, 40)), (False, True)):
+        cfg = gemm.pick_config(m, n, k, dtype=dtype, out_dtype=out_dtype, num_sms=132, interpret=False, tma=tma)
+        for block in (cfg.block_m, cfg.block_n, cfg.block_k, *([cfg.block_n2] if cfg.block_n2 else [])):
             assert block >= 16 and block & (block - 1) == 0, cfg
-        operands = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * in_bytes
-        epilogue = cfg.block_m * cfg.block_n * out_bytes
-        assert operands + epilogue <= 227 * 1024, (cfg, operands, epilogue)
+        operands = cfg.num_stages * (cfg.block_m + cfg.tile_n) * cfg.block_k * in_bytes
+        epilogue = cfg.block_m * cfg.tile_n * out_bytes
+        # TMA builds share the epilogue's buffer with the ring (128x256x64, 4 stages: 224 KiB
+        # compiled, more than this sum): test_sm90_compile checks their real shared memory.
+        assert cfg.tma or operands + epilogue <= 227 * 1024, (cfg, operands, epilogue)
+        assert cfg.block_n2 == 0 or (tma and cfg.tma), cfg  # split tiles only with TMA loads
 
 
 # ---- GPU only ---------------------------------------------------------------------------------
@@ -369,13 +380,15 @@ def test_gpu_llama_shapes(m, kind, dtype):
 @pytest.mark.parametrize("kind", ("contiguous", "row_view", "col_view"))
 @pytest.mark.parametrize("m", (200, 1000))
 def test_gpu_tma_mainloop(m, kind, flatten):
-    """bf16 TMA tilings (flattened and nested tile loop) on ragged Llama-sized shapes."""
+    """bf16 TMA tilings (flattened and nested tile loop, one or two column blocks per tile) on ragged
+    Llama-sized shapes."""
     dtype = torch.bfloat16
     n, k = 1320, 8192
     gen = torch.Generator().manual_seed(m + flatten)
     a = _randn((m, k), dtype, gen)
     w = make_weight(kind, n, k, dtype, gen, blocks=4)
-    for cfg in ((128, 128, 64, 8, 8, 4, True, flatten), (128, 256, 64, 8, 8, 3, True, flatten)):
+    for cfg in ((128, 128, 64, 8, 8, 4, True, flatten), (128, 256, 64, 8, 8, 3, True, flatten),
+                (64, 256, 64, 8, 4, 4, True, flatten, 64)):  # split tiles: 320 columns, N ends inside block 2
         out = run_and_check(a, w, name=f"{kind} C[{m},{n}] K={k} {cfg}", config=cfg)
         assert_close(out, gemm.matmul_reference(a, w), dtype=dtype, name="vs cuBLAS")
 

@@ -312,6 +312,15 @@ def _k_ranges(k: int, block_k: int, split: int) -> list[tuple[int, int]]:
 
 # (m, n, k, split) against 32x32x32 tiles and 4 interpreter "SMs" (units wrap around the programs):
 # K = 40 has 2 K steps, so split 3 leaves an empty third range; M = 33 has two tile rows.
+def test_split_tile_gemm_config_is_refused():
+    # GemmConfig.block_n2 (split tiles) is fusedpar.matmul's alone; the fused epilogue would drop it.
+    cfg = FusedConfig(GemmConfig(32, 32, 32, 8, 4, 1, block_n2=16), num_sms=4, comm_rows=8)
+    world = _world(2, 4 << 20, 64)
+    xs, ws = _inputs(2, 7, 72, 64, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="block_n2=16"):
+        gemm_all_reduce_emulated(world, xs, ws, path="two_shot", config=cfg)
+
+
 SPLIT_CASES = [(1, 100, 40, 3), (7, 130, 96, 2), (33, 72, 64, 3), (16, 200, 160, 4)]
 
 
@@ -850,7 +859,8 @@ def test_gpu_kernel_pipelines_and_uses_system_scope_flags(gpu_world, gpu_workspa
     ttgir, ptx = handle.asm["ttgir"], handle.asm["ptx"]
     cfg = gar.default_config("two_shot", 2048, 8192, 2048, torch.bfloat16, torch.bfloat16, 132, interpret=False).gemm
     plain = gemm._persistent_matmul_kernel.warmup(  # the pointer-load build, as the fused loop
-        x, w, out, a_desc=None, w_desc=None, M=2048, N=8192, K=2048, stride_am=x.stride(0), stride_ak=x.stride(1),
+        x, w, out, a_desc=None, w_desc=None, w2_desc=None, M=2048, N=8192, K=2048, stride_am=x.stride(0),
+        stride_ak=x.stride(1),
         stride_wn=w.stride(0), stride_wk=w.stride(1), stride_cm=out.stride(0), stride_cn=out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_SMS=torch.cuda.get_device_properties(0).multi_processor_count, EVEN_K=True, INPUT_PRECISION="tf32",

@@ -94,10 +94,12 @@ _GEMM_COMPILE = textwrap.dedent(
         types = {"a_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                  "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32",
                  "a_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
-                 "w_desc": f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>"}
+                 "w_desc": f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>",
+                 "w2_desc": f"tensordesc<bf16[{max(cfg.block_n2, 16)}, {cfg.block_k}]>"}
         consts = {"stride_ak": 1, "stride_wk": 1, "stride_cn": 1, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "NUM_SMS": 132, "EVEN_K": True,
-                  "INPUT_PRECISION": "tf32", "TMA": cfg.tma, "FLATTEN": cfg.flatten}
+                  "INPUT_PRECISION": "tf32", "TMA": cfg.tma, "FLATTEN": cfg.flatten,
+                  "BLOCK_N2": cfg.block_n2}
         sig = {n_: "constexpr" if n_ in consts else types[n_] for n_ in names}
         # what the launcher's specialisation sees: 16-byte aligned pointers and dims divisible by 16
         attrs = {(names.index(n_),): [["tt.divisibility", 16]] for n_ in types if n_.endswith("ptr") or n_ in "MNK"}
@@ -123,6 +125,8 @@ def test_gemm_tma_picks_build_for_sm90_within_shared_memory(tmp_path):
                          text=True, timeout=600)
     assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
     built = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(built) == 3, built  # 128x256, 128x128 and 64x128 tilings all occur on these shapes
+    # 128x256, 128x128 and the split 64x(256+64) tilings (with two swizzle groups) occur on these shapes
+    assert len(built) == 4, built
+    assert any("block_n2=64" in b["config"] for b in built), built
     for b in built:
         assert b["tma_loads"] > 0 and b["shared"] <= 227 * 1024, b

@@ -189,6 +189,21 @@ def test_qkv_explicit_small_tiles_many_programs():
     check_qkv(world, xs, ws, recvs, dtype=torch.float32)
 
 
+def test_split_tile_configs_are_refused_by_the_fused_ops():
+    # Split tiles (GemmConfig.block_n2) are the plain GEMM's alone; the fused epilogues address
+    # block_n-wide tiles, so a split config must fail loudly, not drop its second block.
+    W, m, d, blk = 2, 13, 40, 40
+    xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=5, kind="col_view")
+    world = qkv_world(W, m, blk, torch.float32)
+    split = GemmConfig(16, 16, 16, group_m=3, num_stages=1, block_n2=16)
+    with pytest.raises(ValueError, match="block_n2=16"):
+        qkv_all_to_all_emulated(world, xs, ws, config=split)
+    cfg = OProjConfig(gemm=split, comm_programs=1, copy_rows=4, copy_cols=8)
+    attns, wo = o_inputs(W, 40, 16, 16, torch.float32, seed=22)
+    with pytest.raises(ValueError, match="block_n2=16"):
+        all_to_all_o_proj_emulated(o_world(W, 40, 16, torch.float32), attns, wo, config=cfg)
+
+
 @pytest.mark.parametrize("schedule", ["phased", "staggered"])
 @pytest.mark.parametrize("kind", ["contiguous", "row_view", "col_view"])
 def test_qkv_tma_loads(kind, schedule, monkeypatch):
