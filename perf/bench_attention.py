@@ -12,6 +12,10 @@ Shapes: per-rank heads of a Llama-3-70B layer at P=4 (16 q / 2 kv heads, head_di
                      cache write); that is the stock baseline a paged kernel has to meet.
 Both columns are also reported for the fused kernel without RoPE/cache write
 (`fused_attention_only_ms`: write_kv=False, no RoPE), the like-for-like attention time.
+The full path's like-for-like baseline (`baseline_full_ms`, `speedup_full`; default tilings only) is
+the same steps in stock ops: RoPE on q/k (torch.compile'd), the new k/v stored into the paged cache
+(index_copy_), then the SDPA call above (decode: the new token appended to SDPA's contiguous cache).
+Its output is checked against the fused full path's (`max_rel_diff_full_vs_stock`).
 
 Decode graph records ("case": "decode Bx4096 graph", "timing": "cuda graph"; the eager record of
 the same shape carries "timing": "eager"). In the layer stack a decode step runs as one CUDA-graph
@@ -130,6 +134,76 @@ class PagedInputs:
         return q, k, v
 
 
+def _rope_stock(qkv, cos_sin, positions):
+    """HF rotate-half RoPE on the q and k of packed qkv rows (fp32 math, cos/sin gathered from a table
+    by position, as vLLM's rotary embedding does). Returns roped q [T, NQ, d], roped k and v [T, NKV, d]."""
+    t = qkv.shape[0]
+    q = qkv[:, : NQ * HD].view(t, NQ, HD)
+    k = qkv[:, NQ * HD : (NQ + NKV) * HD].view(t, NKV, HD)
+    v = qkv[:, (NQ + NKV) * HD :].view(t, NKV, HD)
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rope(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rope(q), rope(k), v
+
+
+# torch.compile'd RoPE (Inductor fuses it into one kernel): the best stock form of that step;
+# compiled lazily on first use, so importing this file compiles nothing. The cache write stays
+# eager: with it inside the compiled function the stock step cost 0.35 ms at decode 64 x 4096 (GPU
+# run 89), about one copy of the whole 134 MB cache, which an in-place write into a functionalised
+# input would explain.
+_rope_compiled = None
+
+
+def stock_full(s, cos_sin, contiguous_kv, causal: bool):
+    """Stock full path of one PagedInputs set: RoPE (compiled) + paged cache write (two index_copy_)
+    + SDPA flash. Prefill attends over the new tokens (no context); decode appends the new token's
+    k/v to a contiguous [B, NKV, ctx + 1, d] cache (`contiguous_kv`, last position) and attends over it."""
+    global _rope_compiled
+    if _rope_compiled is None:
+        _rope_compiled = torch.compile(_rope_stock, fullgraph=True)
+    q, k, v = _rope_compiled(s.qkv, cos_sin, s.positions)
+    s.k_cache.view(-1, NKV, HD).index_copy_(0, s.slots, k)
+    s.v_cache.view(-1, NKV, HD).index_copy_(0, s.slots, v)
+    b, L = len(s.seq_lens), s.seq_lens[0]
+    q = q.view(b, L, NQ, HD).transpose(1, 2)
+    if causal:
+        k, v = k.view(b, L, NKV, HD).transpose(1, 2), v.view(b, L, NKV, HD).transpose(1, 2)
+    else:
+        kc, vc = contiguous_kv
+        kc[:, :, -1:].copy_(k.view(b, L, NKV, HD).transpose(1, 2))
+        vc[:, :, -1:].copy_(v.view(b, L, NKV, HD).transpose(1, 2))
+        k, v = kc, vc
+    return sdpa(q, k, v, causal)
+
+
+def stock_full_baseline(probe, sets, sdpa_sets, sdpa_in, cos_sin, causal, args, time_ms) -> dict:
+    """Time stock_full over the rotation sets (eager) after checking that it gives the fused full
+    path's output on the probe set (both apply RoPE and write the cache)."""
+    from fusedpar.kernels import attention
+
+    fused_out = attention.paged_attention(probe.qkv, **probe.kwargs(rope=True, write_kv=True)).clone()
+    stock_out = stock_full(probe, cos_sin, sdpa_in[1:], causal).transpose(1, 2).reshape(fused_out.shape)
+    diff = ((stock_out.float() - fused_out.float()).abs().max() / stock_out.float().abs().max()).item()
+    for s, t in zip(sets, sdpa_sets, strict=True):
+        s.sdpa_kv = t[1:]  # each set's own contiguous decode cache (unused by prefill)
+    full_ms = time_ms(lambda s: stock_full(s, cos_sin, s.sdpa_kv, causal), [(s,) for s in sets],
+                      args.iters, args.warmup)
+    return {"baseline_full": "RoPE(q, k) + paged KV-cache write (torch.compile'd) + " + BASELINE,
+            "baseline_full_ms": full_ms, "max_rel_diff_full_vs_stock": diff}
+
+
+def rope_table(max_pos: int, device) -> torch.Tensor:
+    """fp32 [max_pos, d] = cat(cos, sin) of HF RoPE angles pos * theta^(-2i/d), i < d/2."""
+    inv_freq = ROPE_THETA ** (-torch.arange(0, HD, 2, dtype=torch.float64) / HD)
+    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).float().to(device)
+
+
 def sdpa(q, k, v, causal: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -196,9 +270,19 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
         attention.paged_attention(s.qkv, **s.kwargs(rope=rope, write_kv=write_kv), config=config)
 
     baseline_ms = time_ms(lambda qq, kk, vv: sdpa(qq, kk, vv, causal), sdpa_sets, args.iters, args.warmup)
+    # The like-for-like baseline of the full path: the same RoPE + cache write done by stock ops.
+    cos_sin = rope_table(context + max(seq_lens), device)
+    full = {}
+    if config is None:
+        try:
+            full = stock_full_baseline(probe, sets, sdpa_sets, sdpa_in, cos_sin, causal, args, time_ms)
+        except Exception as exc:  # the stock baseline is extra: its failure must not lose the record
+            full = {"baseline_full_error": f"{type(exc).__name__}: {exc}"[:2000]}
     attn_only_ms = time_ms(lambda s: run_fused(s, False, False), [(s,) for s in sets], args.iters, args.warmup)
     # The full path for sweep records too: a tiling is only as good as the layer's call with it.
     fused_ms = time_ms(run_fused, [(s,) for s in sets], args.iters, args.warmup)
+    if "baseline_full_ms" in full:
+        full["speedup_full"] = full["baseline_full_ms"] / fused_ms
 
     # Decode runs inside a CUDA graph in the layer stack, where eager timing mostly measures host
     # launch cost: every decode record (sweep tilings too) is also timed captured.
@@ -214,6 +298,13 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
             )
             graph_times = {"baseline_graph_ms": base_g, "fused_graph_ms": fused_g,
                            "fused_attention_only_graph_ms": attn_g, "speedup_graph": base_g / fused_g}
+            if "baseline_full_ms" in full:
+                try:
+                    full_g = captured_ms([functools.partial(stock_full, s, cos_sin, s.sdpa_kv, causal) for s in sets],
+                                         args.iters, args.warmup)
+                    graph_times |= {"baseline_full_graph_ms": full_g, "speedup_full_graph": full_g / fused_g}
+                except Exception as exc:
+                    graph_times["baseline_full_graph_error"] = f"{type(exc).__name__}: {exc}"[:2000]
         except Exception as exc:
             # The eager timings above stand on their own: keep them, record why the graph failed.
             graph_times = {"graph_error": f"{type(exc).__name__}: {exc}"[:2000]}
@@ -254,6 +345,7 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
         "fused_includes": "RoPE(q, k) + KV-cache write + attention"
         + (" with the record's triton_config (sweep)" if config is not None else ""),
         "operand_sets": n_sets,
+        **full,
         **graph_times,
     }
 
@@ -339,13 +431,16 @@ def print_row(record: dict) -> None:
     """One table line of a measured record (the header is printed in main)."""
     c = record["triton_config"]
     warn = "" if record["max_rel_diff_vs_baseline"] < 2e-2 else "  WARNING: results differ"
+    full = f" | vs stock RoPE+write+SDPA {record['speedup_full']:.2f}x" if "speedup_full" in record else ""
+    if record.get("max_rel_diff_full_vs_stock", 0.0) >= 2e-2:
+        full += "  WARNING: stock full path differs"
     print(
         f"{record['bench']:<18}{record['case']:<26}{record['tokens']:>7}{record['baseline_ms']:>10.4f}"
         f"{record['fused_ms']:>10.4f}{record['fused_attention_only_ms']:>10.4f}{record['speedup']:>9.2f}"
         f"{record['roofline_pct']:>6.1f}%  "
         f"m{c['block_m']} n{c['block_n']} q{c['block_q']} w{c['num_warps']} s{c['num_stages']} "
         f"splits{c['num_splits']} prerotate_q={c.get('prerotate_q', False)}"
-        f"{' page_prefetch' if c.get('page_prefetch') else ''}{warn}"
+        f"{' page_prefetch' if c.get('page_prefetch') else ''}{warn}{full}"
     )
 
 
@@ -431,6 +526,9 @@ def main(argv=None) -> int:
                     "baseline_roofline_pct": 100 * record["floor_ms"] / base_g,
                     "timing": "cuda graph",
                 }
+                if "baseline_full_graph_ms" in record:  # the stock full path, captured likewise
+                    graph_record |= {"baseline_full_ms": record["baseline_full_graph_ms"],
+                                     "speedup_full": record["speedup_full_graph"]}
         records.append(record)
         print_row(record)
         if "graph_error" in record:
