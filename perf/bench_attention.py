@@ -28,7 +28,11 @@ one replay still rotates the operands through L2 and amortises the replay's own 
 call = median replay time (CUDA events after a GPU spin, warm-up replays first, --iters replays)
 / calls per replay. A capture that fails is recorded as the eager record's graph_error and the
 graph record is left out. Decode sweep tilings get graph records too (the sweep's decode choice is
-made on them); prefill sweep records are eager.
+made on them); prefill sweep records are eager. Prefill shapes with pick_config's tiling also get
+graph records ("prefill BxL graph"): the GPU time of both sides without the host's launch gaps, which
+the eager figure of a two-launch fused path (write kernel, attention) against SDPA's one launch
+includes at a few hundred tokens. In a layer a prefill's launches queue behind its GEMMs, so there
+the GPU time is what counts; both records are kept.
 
 Protocol (DESIGN.md section 9, as perf/bench_gemm.py): CUDA events around each call after a GPU
 spin, warm-up first (includes Triton compilation), median of --iters, inputs and caches rotate
@@ -285,9 +289,10 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
         full["speedup_full"] = full["baseline_full_ms"] / fused_ms
 
     # Decode runs inside a CUDA graph in the layer stack, where eager timing mostly measures host
-    # launch cost: every decode record (sweep tilings too) is also timed captured.
+    # launch cost: every decode record (sweep tilings too) is also timed captured; so is every
+    # default-tiling prefill record (GPU time without launch gaps; module docstring).
     graph_times: dict[str, float | str] = {}
-    if kind == "decode":
+    if kind == "decode" or config is None:
         try:
             # The fused calls pass max_query_len / max_kv_len (PagedInputs.kwargs): no host sync in
             # capture. write_kv rewrites the same slot with the same k/v on every replay (idempotent).
@@ -509,7 +514,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             continue
         graph_record = None
-        if kind == "decode":
+        if kind == "decode" or cfg is None:
             record["timing"] = "eager"
             if "graph_error" not in record:
                 base_g, fused_g, attn_g = (record["baseline_graph_ms"], record["fused_graph_ms"],
