@@ -23,7 +23,9 @@ tokens 0, 1, 2, ...: exactly what generate passes (position_ids = cumsum(attenti
 A plain forward without position_ids gives a left-padded row positions p, p+1, ... in HF; RoPE
 attention depends only on position differences, so a constant shift per row changes nothing.
 Position ids that are not consecutive within a row, or that jump between calls (right padding
-followed by more tokens), would change the result and raise NotImplementedError.
+followed by more tokens), would change the result and raise NotImplementedError. A sliding-window
+model's window counts attention_mask columns, not real tokens: a row whose real tokens span more
+columns than the window (masked columns between them) raises ValueError.
 
 Generation state. `past_key_values` returned by the model is a `ShiftParallelCache` (a
 transformers `Cache` subclass holding only bookkeeping: row -> sequence id, cached real tokens,
@@ -31,7 +33,13 @@ columns seen). The k/v tensors live in one core PagedKVCache per parallelized mo
 rank's kv heads only, shared by both modes, grown by doubling with PagedKVCache.grow before a
 step that does not fit). A call without past_key_values (or with an empty HF cache, as generate
 passes first) starts new sequences and frees the previous live ones; a call with use_cache=False
-uses temporary sequences freed before it returns. Only the most recent cache can be continued.
+uses temporary sequences freed before it returns. Only the most recent cache can be continued,
+and copies of it: `copy.deepcopy(cache)` (HF's prompt-reuse recipe) forks its sequences (new
+sequences holding a copy of its k/v), freed when the copy is garbage-collected or the next call
+starts new sequences. generate(cache_implementation=...) runs on the paged cache as well (a
+static HF cache would also make generate build 4D masks); "quantized" is refused (it changes the
+numerics). The paged cache is created and grown outside inference mode, so a model first run
+under torch.inference_mode() keeps working outside it.
 
 Numerics. Every model runs on the core ShiftParallelDecoderLayer: q/k/v bias (Qwen2) and a
 non-default RoPE table (llama3, linear, yarn: the HF rotary module's inv_freq and
@@ -42,6 +50,7 @@ overrides the choice); fp32 and CPU use the reference path.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -88,7 +97,8 @@ class ShiftParallelCache(Cache):
     seq_ids[i]: fusedpar sequence of batch row i; cached[i]: its real tokens in the cache;
     width: columns seen so far (what HF calls the cache's sequence length: attention masks of
     later calls are this wide plus the new tokens); offsets[i]: HF position minus fusedpar
-    position of row i (constant for a valid row, see the module docstring).
+    position of row i (constant for a valid row, see the module docstring); first_col[i]: the
+    column of row i's first real token (sliding-window models only: their window counts columns).
     """
 
     def __init__(self, runtime: _Runtime, seq_ids: list[int]):
@@ -97,8 +107,14 @@ class ShiftParallelCache(Cache):
         self.seq_ids = list(seq_ids)
         self.cached = [0] * len(seq_ids)
         self.offsets: list[int | None] = [None] * len(seq_ids)
+        self.first_col: list[int | None] = [None] * len(seq_ids)
         self.width = 0
         self.released = False
+
+    def __deepcopy__(self, memo):
+        """copy.deepcopy(past_key_values), as HF's prompt-reuse recipe does: a fork (new sequences
+        holding a copy of this cache's k/v); this cache stays as it is and can be continued too."""
+        return self._runtime.fork(self)
 
     def __repr__(self) -> str:
         return (f"ShiftParallelCache(rows={len(self.seq_ids)}, width={self.width}, cached={self.cached}, "
@@ -163,35 +179,82 @@ class _Runtime:
         self.spec, self.ctx, self.stack, self.block_size = spec, ctx, stack, block_size
         self.kv: PagedKVCache | None = None
         self.active: ShiftParallelCache | None = None
+        self.forks: weakref.WeakSet[ShiftParallelCache] = weakref.WeakSet()  # deepcopies still alive
         self._next_seq = 0
 
-    def new_state(self, rows: int, keep: bool) -> ShiftParallelCache:
-        if keep and self.active is not None:
-            self.active.release()
+    def _take_ids(self, rows: int) -> list[int]:
         ids = list(range(self._next_seq, self._next_seq + rows))
         self._next_seq += rows
-        state = ShiftParallelCache(self, ids)
+        return ids
+
+    def new_state(self, rows: int, keep: bool) -> ShiftParallelCache:
+        if keep:
+            for state in [self.active, *self.forks]:
+                if state is not None:
+                    state.release()
+        state = ShiftParallelCache(self, self._take_ids(rows))
         if keep:
             self.active = state
         return state
 
     def release(self, state: ShiftParallelCache) -> None:
-        if self.kv is not None:
-            for sid in state.seq_ids:
-                self.kv.free(sid)
+        self._free(state.seq_ids)
         state.released = True
         if self.active is state:
             self.active = None
 
+    def _free(self, seq_ids: list[int]) -> None:
+        if self.kv is not None:
+            for sid in seq_ids:
+                self.kv.free(sid)  # idempotent; ids are never reused
+
+    def fork(self, state: ShiftParallelCache) -> ShiftParallelCache:
+        """A new cache with new sequences holding a copy of `state`'s k/v and bookkeeping.
+
+        Freed like a live cache (by the next call that starts new sequences) or when the copy
+        is garbage-collected (HF's recipe deep-copies a prompt cache per request)."""
+        if state.released:
+            raise ValueError("cannot copy a released past_key_values (a later call without past_key_values "
+                             "started new sequences)")
+        forked = ShiftParallelCache(self, self._take_ids(len(state.seq_ids)))
+        forked.cached, forked.offsets, forked.first_col = list(state.cached), list(state.offsets), list(state.first_col)
+        forked.width = state.width
+        rows = [i for i, n in enumerate(state.cached) if n]
+        if rows:
+            # the copies' slots for positions 0..n-1 (reserved like a prefill), filled from the originals'
+            batch = StepBatch(tuple(forked.seq_ids[i] for i in rows), tuple(state.cached[i] for i in rows),
+                              (0,) * len(rows))
+            self._reserve(batch)
+            kv, bs = self.kv, self.block_size
+            src = []
+            for i in rows:
+                pos = torch.arange(state.cached[i])
+                src.append(kv.block_table(state.seq_ids[i]).long()[pos // bs] * bs + pos % bs)
+            src = torch.cat(src).to(kv.k.device)
+            dst = kv.begin_step(batch)
+            for t in (kv.k, kv.v):
+                flat = t.view(t.shape[0], -1, *t.shape[3:])  # [layers, blocks * block_size, kv heads, hd]
+                flat[:, dst] = flat[:, src]
+        self.forks.add(forked)
+        weakref.finalize(forked, self._free, list(forked.seq_ids))
+        return forked
+
+    def _reserve(self, batch: StepBatch) -> None:
+        """Create / grow the paged cache so that `batch` fits. Outside inference mode: a cache created
+        under torch.inference_mode() would hold inference tensors, which later calls outside it
+        could not write (in-place writes to normal tensors are fine inside inference mode)."""
+        with torch.inference_mode(False):
+            if self.kv is None:
+                tokens = sum(q + c for q, c in zip(batch.query_lens, batch.context_lens, strict=True))
+                # room for the first step twice over; doubled below when a step does not fit
+                blocks = max(16, 2 * (-(-tokens // self.block_size) + len(batch.seq_ids)))
+                self.kv = self.stack.make_cache(block_size=self.block_size, num_blocks=blocks)
+            need, kv = self.kv.blocks_needed(batch), self.kv
+            if need > kv.free_blocks:  # HF calls come unplanned: grow (same decision on every rank)
+                kv.grow(max(2 * kv.num_blocks, kv.num_blocks - kv.free_blocks + need))
+
     def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        if self.kv is None:
-            tokens = sum(q + c for q, c in zip(batch.query_lens, batch.context_lens, strict=True))
-            # room for the first step twice over; doubled below when a step does not fit
-            blocks = max(16, 2 * (-(-tokens // self.block_size) + len(batch.seq_ids)))
-            self.kv = self.stack.make_cache(block_size=self.block_size, num_blocks=blocks)
-        need, kv = self.kv.blocks_needed(batch), self.kv
-        if need > kv.free_blocks:  # HF calls come unplanned: grow (same decision on every rank)
-            kv.grow(max(2 * kv.num_blocks, kv.num_blocks - kv.free_blocks + need))
+        self._reserve(batch)
         return self.stack(hidden, batch, self.kv)
 
 
@@ -264,6 +327,19 @@ class ShiftParallelCausalLMMixin:
         out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=None if temporary else state)
         return out.to_tuple() if return_dict is False else out
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate(cache_implementation=...): the paged cache replaces any HF cache (a static one would
+        also make generate turn the 2D mask into 4D masks, which this forward cannot read padding from),
+        so generate runs as with the default cache; a quantized cache changes the logits, which the
+        paged cache does not reproduce. generation_config is generate's per-call copy."""
+        impl = getattr(generation_config, "cache_implementation", None)
+        if impl == "quantized":
+            raise NotImplementedError("fusedpar.integrations.hf: cache_implementation='quantized' is not supported "
+                                      "(the sharded paged cache keeps k/v in the model's dtype)")
+        if impl is not None:
+            generation_config.cache_implementation = None
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
 
 def _resolve_state(rt: _Runtime, past, rows: int, keep: bool) -> ShiftParallelCache:
     if isinstance(past, ShiftParallelCache):
@@ -310,7 +386,9 @@ def _check_positions(state: ShiftParallelCache, pos: torch.Tensor, new: torch.Te
         if offsets[i] is not None and offsets[i] != lo[i]:
             raise NotImplementedError(
                 f"row {i}: its positions shift by {lo[i] - offsets[i]} against its cached tokens (padding between "
-                "real tokens, e.g. right padding followed by more tokens); such a row cannot be matched"
+                "real tokens, e.g. right padding followed by more tokens, or a left-padded prompt cached without "
+                "position_ids and continued by generate, which numbers real tokens from 0); such a row cannot be "
+                "matched"
             )
         offsets[i] = lo[i]
     return offsets
@@ -343,15 +421,31 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
             raise NotImplementedError(f"position_ids of shape {tuple(position_ids.shape)} (expected [batch, {s}])")
         pos = pos.expand(b, s)
     offsets = _check_positions(state, pos, new, q_lens)
-    limit = rt.spec.max_seq_len
+    limit, window = rt.spec.max_seq_len, rt.spec.sliding_window
     if limit is not None:
         for i in range(b):
             if state.cached[i] + q_lens[i] > limit:
                 raise ValueError(
                     f"row {i} would hold {state.cached[i] + q_lens[i]} tokens, over max_seq_len={limit}"
-                    + (f" (sliding_window={rt.spec.sliding_window}: longer sequences would leave the window)"
-                       if rt.spec.sliding_window is not None else "")
+                    + (f" (sliding_window={window}: longer sequences would leave the window)"
+                       if window is not None else "")
                 )
+    # HF's sliding window counts attention_mask columns (key column > query column - window), not
+    # real tokens: a row with masked columns between its real tokens leaves the window sooner.
+    first_col = list(state.first_col)
+    for i in range(b) if window is not None else ():
+        if not q_lens[i]:
+            continue
+        real_cols = new[i].nonzero().flatten()
+        if first_col[i] is None:
+            first_col[i] = past + int(real_cols[0])
+        span = past + int(real_cols[-1]) - first_col[i] + 1
+        if span > window:
+            raise ValueError(
+                f"row {i}: its {state.cached[i] + q_lens[i]} real tokens span {span} attention_mask columns "
+                f"(masked columns between them), over sliding_window={window}: the model's window counts "
+                f"columns, and fusedpar's full attention equals it only while a row spans at most {window}"
+            )
 
     rows = [i for i in range(b) if q_lens[i]]
     out = torch.zeros_like(embeds)
@@ -363,7 +457,7 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
         out[mask] = hidden.to(out.dtype)
     for i in rows:
         state.cached[i] += q_lens[i]
-    state.offsets = offsets
+    state.offsets, state.first_col = offsets, first_col
     state.width = past + s
     return out
 
