@@ -519,6 +519,13 @@ def fused_decision(spec: HFModelSpec, device: torch.device, fused: bool | None) 
     return True
 
 
+def check_shift_threshold(shift_threshold) -> None:
+    """ShiftPolicy's check (None or an int >= 0), bools excluded: True would quietly mean threshold 1."""
+    if isinstance(shift_threshold, bool):
+        raise ValueError(f"shift threshold must be an int >= 0 or None, got {shift_threshold!r}")
+    ShiftPolicy(shift_threshold)
+
+
 def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Iterable, *, device: torch.device,
              shift_threshold: int | None, block_size: int, fused: bool | None = False, fused_max_tokens: int = 4096):
     """Build the stack from per-layer ShardedDecoderWeights, attach it, swap classes.
@@ -579,7 +586,7 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
     if isinstance(getattr(model, "_fusedpar", None), _Runtime):
         raise UnsupportedModelError("fusedpar.integrations.hf: this model is already parallelized")
     spec = inspect_model(model, layout, max_seq_len=max_seq_len)
-    ShiftPolicy(shift_threshold)  # validate before any collective
+    check_shift_threshold(shift_threshold)  # before any collective
     if any(p.device.type == "meta" for p in model.parameters()):
         raise UnsupportedModelError("fusedpar.integrations.hf: the model has meta-device weights; "
                                     "use fusedpar.integrations.hf.load_parallel for checkpoints")

@@ -1,6 +1,9 @@
 """`load_parallel(path, layout)`: load a big local safetensors checkpoint straight into shards.
 
-The model is built on the meta device (no memory), checked like `parallelize` checks it, and
+The model is built on the meta device (no memory), checked like `parallelize` checks it, the
+checkpoint's tensor names are checked against what the config builds (a missing tensor, or one
+the config has no place for, fails naming it before any tensor data is read; only what
+from_pretrained itself ignores, such as old per-layer rotary_emb.inv_freq, is skipped), and
 then only what this rank keeps is read from disk:
 - embeddings, the final norm and lm_head (replicated) are read whole;
 - every decoder layer's q/k/v/o/gate/up/down weights are read through `safe_open(...).get_slice`
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -28,11 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedpar.layers import ShardedDecoderWeights, ShiftPolicy
+from fusedpar.layers import ShardedDecoderWeights, weight_shapes
 from fusedpar.layers.weights import REPLICATED
 from fusedpar.layouts import WEIGHT_NAMES, ParallelLayout
 
-from .adapter import assemble, fused_decision
+from .adapter import assemble, check_shift_threshold, fused_decision
 from .spec import HFModelSpec, UnsupportedModelError, inspect_model, rotary_tables
 
 __all__ = ["CheckpointReader", "load_parallel"]
@@ -60,6 +64,9 @@ class CheckpointReader:
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             self.weight_map = dict(json.loads(index.read_text())["weight_map"])
+            absent = sorted(f for f in set(self.weight_map.values()) if not (self.path / f).is_file())
+            if absent:  # now, not after the files before it were read
+                raise FileNotFoundError(f"{self.path}: {index.name} names files that are not there: {absent}")
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if len(files) != 1:
@@ -175,13 +182,68 @@ def _load_replicated(model, reader: CheckpointReader, spec: HFModelSpec, dtype, 
         raise UnsupportedModelError(f"fusedpar.integrations.hf loader: do not know how to materialise {left}")
 
 
+# Checkpoint tensors from_pretrained drops without a word, as it does (modeling_utils
+# _adjust_missing_and_unexpected_keys): per-layer RoPE tables of old checkpoints, once-persistent
+# position ids; plus the model class's own _keys_to_ignore_on_load_unexpected.
+_IGNORED_UNEXPECTED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
+
+
+def _few(names: list[str], n: int = 8) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+def _check_keys(reader: CheckpointReader, model, spec: HFModelSpec) -> None:
+    """The checkpoint's tensor names against what the config builds, before any tensor is read.
+
+    Missing tensors fail here rather than after the layers before them were read. Unexpected ones
+    fail too (from_pretrained would only warn): a tensor the config has no place for, such as a
+    bias the config does not enable or a layer beyond num_hidden_layers, means the checkpoint is
+    another model than the config describes, and loading without it would run that other model.
+    """
+    required = {n for n, _ in model.named_parameters(remove_duplicate=False) if not n.startswith("model.layers.")}
+    optional = set()
+    if spec.tied_embeddings:  # lm_head is the embedding, whether or not the file holds a copy
+        required.discard("lm_head.weight")
+        optional.add("lm_head.weight")
+    shapes = weight_shapes(spec.decoder)
+    required |= {f"model.layers.{i}.{LAYER_PARAMS[n]}" for i in range(spec.num_layers) for n in shapes}
+    patterns = [*_IGNORED_UNEXPECTED, *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    ignored = re.compile("|".join(f"({p})" for p in patterns))
+    present = set(reader.weight_map)
+    missing = sorted(required - present)
+    unexpected = sorted(k for k in present - required - optional if not ignored.search(k))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the config needs are missing: {_few(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensor(s) the config has no place for: {_few(unexpected)} (a bias "
+                        f"the config does not enable, layers beyond num_hidden_layers={spec.num_layers}, another "
+                        "architecture's names?); loading without them would run a different model")
+    if problems:
+        raise ValueError(f"{reader.path} does not match its config.json ({spec.architecture}, {spec.num_layers} "
+                         "layers): " + "; ".join(problems))
+
+
+def _resolve_dtype(dtype, config) -> torch.dtype:
+    """dtype as from_pretrained takes it: a torch.dtype, its name ("bfloat16", "torch.float16"), or
+    None / "auto" for the config's dtype (float32 when the config names none)."""
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        named = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(named, torch.dtype):
+            raise ValueError(f"dtype={dtype!r} names no torch dtype (pass e.g. torch.bfloat16, 'bfloat16' or 'auto')")
+        dtype = named
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, its name or 'auto', got {type(dtype).__name__} {dtype!r}")
+    return dtype
+
+
 def _layer_shards(reader: CheckpointReader, spec: HFModelSpec, layout: ParallelLayout, rank: int, dtype, device,
                   progress: _Progress):
     """Yield ShardedDecoderWeights per layer (q/k/v bias rows included), reading only this rank's segments."""
     cfg = spec.decoder
     shard_map = layout.weight_shards(cfg.dims)
-    from fusedpar.layers import weight_shapes
-
     shapes = weight_shapes(cfg)
     for i in range(spec.num_layers):
         prefix = f"model.layers.{i}."
@@ -225,7 +287,8 @@ def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: tor
     """Build a parallelized causal LM from a local HF checkpoint directory, reading only this rank's shards.
 
     Call on every rank of an initialised process group (world size = layout.world_size).
-    dtype: weights' dtype (default: the config's dtype, else float32). device: default CUDA
+    dtype: weights' dtype, a torch.dtype or its name (default / "auto": the config's dtype, else
+    float32); checkpoint tensors are converted to it. device: default CUDA
     current device under NCCL, else CPU. shift_threshold / max_seq_len / block_size / fused /
     fused_max_tokens: as for `parallelize`. progress: show a progress bar on global rank 0. No network: `path` must be a
     local directory with config.json and safetensors files. Returns the same kind of model as
@@ -236,13 +299,13 @@ def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: tor
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a local checkpoint directory")
+    if not (path / "config.json").is_file():  # AutoConfig would say "should have a model_type key"
+        raise FileNotFoundError(f"{path} has no config.json (a transformers checkpoint directory holds config.json "
+                                "and safetensors files)")
     if not dist.is_initialized():
         raise RuntimeError("load_parallel needs torch.distributed initialised (init_process_group) on every rank")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+    dtype = _resolve_dtype(dtype, config)
     device = torch.device(device) if device is not None else _default_device()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -251,12 +314,16 @@ def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: tor
 
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     spec = inspect_model(model, layout, max_seq_len=max_seq_len)
-    ShiftPolicy(shift_threshold)  # validate before reading anything
+    check_shift_threshold(shift_threshold)  # validate before reading anything
     fused_decision(spec, device, fused)
+    world = dist.get_world_size()
+    if world != layout.world_size:  # ParallelContext checks it too, but only after the embeddings were read
+        raise ValueError(f"layout.world_size={layout.world_size} but torch.distributed world size is {world}")
     rank = dist.get_rank()
     bar = _Progress(spec.num_layers, progress and rank == 0, f"fusedpar: loading {path.name} shards (rank 0)")
     try:
         with CheckpointReader(path) as reader:
+            _check_keys(reader, model, spec)
             _load_replicated(model, reader, spec, dtype, device)
             model = assemble(model, spec, layout, _layer_shards(reader, spec, layout, rank, dtype, device, bar),
                              device=device, shift_threshold=shift_threshold, block_size=block_size,

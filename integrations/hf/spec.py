@@ -26,6 +26,7 @@ from fusedpar.layouts import ParallelLayout
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CONFIG_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps")
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
@@ -120,6 +121,9 @@ def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = No
     raises (naming the window) before a sequence would grow past the limit, so nothing is
     silently wrong; MistralConfig's default window (4096) thus needs no argument.
     """
+    if not isinstance(layout, ParallelLayout):
+        raise TypeError(f"fusedpar.integrations.hf: layout must be a fusedpar.ParallelLayout, got "
+                        f"{type(layout).__name__} {layout!r}")
     problems: list[str] = []
     config = getattr(model, "config", None)
     name = type(model).__name__
@@ -150,10 +154,16 @@ def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = No
     if act not in ("silu", "swish"):
         problems.append(f"hidden_act={act!r} (only SwiGLU with silu)")
 
+    # Llama-style config fields; other families (LayerNorm models such as OLMo, Cohere, StarCoder2)
+    # lack some, which must not end in an AttributeError before the problems found so far are named
+    absent = [f for f in _CONFIG_FIELDS if getattr(config, f, None) is None]
+    if absent:
+        problems.append(f"a config without {', '.join(absent)} (not a Llama-style RMSNorm decoder)")
+        _raise(name, problems)
     hidden = config.hidden_size
     h = config.num_attention_heads
     h_kv = getattr(config, "num_key_value_heads", None) or h
-    attn0 = layers[0].self_attn
+    attn0 = getattr(layers[0], "self_attn", None)  # absent on e.g. Qwen3-Next's linear-attention layers
     head_dim = getattr(attn0, "head_dim", None) or getattr(config, "head_dim", None) or hidden // h
     intermediate = config.intermediate_size
 
