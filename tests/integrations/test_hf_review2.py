@@ -195,25 +195,20 @@ def test_loader_ignores_old_per_layer_rope_tables(results):
         assert res["err"] < REL_TOL and res["equal_to_parallelize"], res
 
 
-def test_loader_missing_tensor_refused_before_reading(results):
-    for res in _case(results, "missing"):
-        assert res["type"] == "ValueError", res
-        assert "model.layers.1.mlp.up_proj.weight" in res["message"] and "missing" in res["message"], res
-        assert res["bytes_read"] == 0, f"read {res['bytes_read']} bytes before noticing the missing tensor"
-
-
-def test_loader_missing_shard_file_refused_before_reading(results):
-    for res in _case(results, "missing_file"):
-        assert res["type"] == "FileNotFoundError", res
-        assert "names files that are not there" in res["message"] and "-of-" in res["message"], res
-        assert res["bytes_read"] == 0, f"read {res['bytes_read']} bytes before noticing the missing file"
-
-
-def test_loader_world_size_mismatch_refused_before_reading(results):
-    for res in _case(results, "world_mismatch"):
-        assert res["type"] == "ValueError", res
-        assert "layout.world_size=4" in res["message"] and "world size is 2" in res["message"], res
-        assert res["bytes_read"] == 0, f"read {res['bytes_read']} bytes before checking the world size"
+@pytest.mark.parametrize(
+    ("case", "exc", "fragments"),
+    [
+        ("missing", "ValueError", ("model.layers.1.mlp.up_proj.weight", "missing")),  # a tensor the config needs
+        ("missing_file", "FileNotFoundError", ("names files that are not there", "-of-")),  # a shard the index names
+        ("world_mismatch", "ValueError", ("layout.world_size=4", "world size is 2")),
+    ],
+)
+def test_loader_refuses_before_reading(results, case, exc, fragments):
+    """A checkpoint or layout the loader cannot use fails naming the problem before any tensor data is read."""
+    for res in _case(results, case):
+        assert res["type"] == exc, res
+        assert all(f in res["message"] for f in fragments), res
+        assert res["bytes_read"] == 0, f"{case}: read {res['bytes_read']} bytes before noticing"
 
 
 def test_loader_without_config_json(results):
