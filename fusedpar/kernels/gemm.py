@@ -148,10 +148,10 @@ def _persistent_matmul_kernel(
     with TMA loads was the qkv kernel's fastest tiling at 1024 rows per rank (GPU runs 52-54); the
     plain GEMM's picks stay flattened (its TMA sweep, run 53, rarely ranked nested first).
     BLOCK_N2: a second, narrower column block per tile, so one tile is BLOCK_M x (BLOCK_N + BLOCK_N2)
-    with two accumulators (Triton blocks are powers of two; 128 + 32 = 160 columns is not). Its point
-    is wave quantisation: N = 2560 (Llama-70B / Qwen3-32B qkv at TP=4) and 5120 cut into 160-wide
-    tiles give 128 or 256 tiles of 128 rows at 1024-2048 rows, ~97% of 132 SMs, where 256-wide tiles
-    fill 61% (80 / 160 tiles) and 128-wide ones 61-81% of two waves. 0 = one block.
+    with two accumulators (Triton blocks are powers of two; 256 + 64 = 320 columns is not). Its point
+    is wave quantisation: N = 2560 (Llama-70B / Qwen3-32B qkv at TP=4) and 5120 cut into 320-wide
+    tiles of 64 rows give 128 or 256 tiles at 1024-2048 rows (~97% of 132 SMs), where 128 x 256
+    tiles fill 61% (80 / 160 tiles). 0 = one block (pick_config says when it picks two).
     (Triton's Hopper warp specialisation is not offered: with 4 warps it failed to build the qkv
     kernel, GPU run 52, and with 8 it leaves the loop unpartitioned.)
     """
