@@ -6,8 +6,11 @@
 Modes on P GPUs, all with the same Triton paged attention (so only the communication differs):
   plain TP      sp=1, tp=P: cuBLAS GEMMs + NCCL all-reduces
   plain SP      sp=P: cuBLAS + NCCL all-to-all (Ulysses) + NCCL
-  fused base    sp=P (or SP=P/--base-tp x TP=--base-tp): qkv_all_to_all, all_to_all_o_proj,
-                gemm_all_reduce (each routed by size)
+  fused base    sp=P (or SP=P/--base-tp x TP=--base-tp): qkv_all_to_all, attention storing its rows
+                into the owners' o staging (the return all-to-all), cuBLAS o GEMM, gemm_all_reduce
+  fused base o-a2a   the same stack with o_scatter=False (prefill sizes; --no-o-scatter-ab skips it):
+                attention into a local buffer, then all_to_all_o_proj (routed by size): the A/B of
+                the return all-to-all's two plans, records layer_base with case "... o-a2a"
   fused shift   sp=P layout run in shift mode (TP=P over zero-copy views), fused reductions
   fused policy  the ShiftPolicy's choice at that size (--threshold)
 Steps: tokens <= 64 -> decode: that many sequences, one new token each, against --context cached
@@ -138,6 +141,8 @@ def main() -> int:
                         "E.g. 2 on 8 GPUs: base (SP=4, TP=2) <-> shift TP=8; plain TP / plain SP stay TP=P / SP=P")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="skip the CUDA-graph decode runs (plain TP with NCCL / symm_mem one-shot, fused shift)")
+    p.add_argument("--no-o-scatter-ab", dest="o_scatter_ab", action="store_false",
+                   help="skip the fused base stack with o_scatter=False (the previous return all-to-all plan)")
     p.add_argument("--out", default="perf/results/layer.json")
     args = p.parse_args()
     if not _bench.torchrun_available():
@@ -160,15 +165,17 @@ def main() -> int:
     decode_sizes = tuple(t for t in tokens if t <= 64)
     max_context = args.context + 2 * iters_total + 8
 
-    def build(sp: int, tp: int, fuse_comm: bool, weights: dict[str, torch.Tensor], plain_all_reduce="nccl"):
+    def build(sp: int, tp: int, fuse_comm: bool, weights: dict[str, torch.Tensor], plain_all_reduce="nccl",
+              o_scatter=True, graphs_ok=True):
         ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
         stack = ShiftParallelStack.from_full_weights(cfg, ctx, [weights], ShiftPolicy(args.threshold))
-        stack.enable_fused(max_tokens=max_tokens, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce)
+        stack.enable_fused(max_tokens=max_tokens, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce,
+                           o_scatter=o_scatter)
         need = max(max([t for t in tokens if t > 64], default=1),
                    max(decode_sizes, default=1) * (max_context + 16))
         cache = stack.make_cache(block_size=16, num_blocks=2 * need // 16 + 64, dtype=dtype)
         graphs = None
-        if decode_sizes and args.graphs and (sp == 1 or max(decode_sizes) <= args.threshold):
+        if graphs_ok and decode_sizes and args.graphs and (sp == 1 or max(decode_sizes) <= args.threshold):
             graphs = stack.capture_decode_graphs(cache, max_context=max_context, sizes=decode_sizes)
             stack.graphs = None  # attached only for the graph runs
         return stack, cache, graphs
@@ -177,6 +184,9 @@ def main() -> int:
               "fused": build(world // args.base_tp, args.base_tp, True, full)}
     if args.graphs and decode_sizes:
         stacks["plain TP symm_mem"] = build(1, world, False, full, "symm_mem")
+    if args.o_scatter_ab and any(t > 64 for t in tokens):
+        stacks["fused o-a2a"] = build(world // args.base_tp, args.base_tp, True, full, o_scatter=False,
+                                      graphs_ok=False)
     del full
     torch.cuda.empty_cache()
     peak, hbm = bench_gemm.measure_ceilings(dtype, 10, dev)
@@ -199,6 +209,8 @@ def main() -> int:
         x = torch.randn((n, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
         results[n], diffs[n], outs = {}, {}, {}
         todo = [(label, key, mode, False) for label, key, mode in runs]
+        if n > 64 and "fused o-a2a" in stacks:
+            todo.insert(3, ("fused base o-a2a", "fused o-a2a", "base", False))
         if n <= 64 and args.graphs:
             todo += [(label, key, "shift", True) for label, key in graph_runs if key in stacks]
         for label, key, mode, use_graph in todo:
@@ -236,7 +248,10 @@ def main() -> int:
                 results[n][f"{label} layer"], results[n][f"{label} layer pipelined"] = layer_time_ms(
                     stack, cache, x, n, mode, args.iters, args.warmup)
         if n > 64:  # fused vs plain on the same input (prefill: fresh cache state, comparable)
-            for label, ref in (("fused base", "plain SP"), ("fused shift", "plain TP"), ("fused policy", "plain SP")):
+            for label, ref in (("fused base", "plain SP"), ("fused shift", "plain TP"), ("fused policy", "plain SP"),
+                               ("fused base o-a2a", "plain SP")):
+                if label not in outs:
+                    continue
                 d = (outs[label] - outs[ref]).abs().max() / outs[ref].abs().max()
                 diffs[n][label] = d.item()
         if rank == 0:
@@ -264,6 +279,12 @@ def main() -> int:
                     ("layer_plain_sp", "plain SP layer", "plain TP layer (cuBLAS + NCCL, Triton attention)",
                      r["plain TP layer"], "layer"),
                 ]
+                if "fused base o-a2a layer" in r:  # the A/B of the return all-to-all's plans
+                    runs_here += [
+                        ("layer_base", f"fused base o-a2a{kind}", f"plain TP{kind} (cuBLAS + NCCL, Triton attention)",
+                         r[f"plain TP{kind}"], f"{kind.strip() or 'eager'} o-a2a")
+                        for kind in ("", " layer", " layer pipelined")
+                    ]
                 pipe = f"plain TP layer pipelined ({PIPELINED_CALLS} calls back to back, per call)"
                 runs_here += [
                     ("layer_base", "fused base layer pipelined", pipe, r["plain TP layer pipelined"],

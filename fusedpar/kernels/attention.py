@@ -21,6 +21,11 @@ Layouts
     out  [rows, nq hd]: row t = token t, heads in rank order (what the return all-to-all sends).
          Rows < num_tokens hold the attention output; rows >= num_tokens are zero-filled (the
          reference pads the output with zeros before the return exchange).
+    scatter  (ScatterOut, base mode) instead of out: output row t is stored in its owner SP rank's
+         o staging buffer, [m, W * nq hd] per rank, at row t % m and this rank's column block: the
+         return all-to-all done by the output stores (NVLink peer stores on a GPU). The receiver
+         zero-fills its padding rows and waits for every peer's arrival flag before reading
+         (fusedpar.kernels.ulysses.scattered_o_proj).
     k_cache, v_cache  [num_blocks, block_size, nkv, hd] (one layer of PagedKVCache; any strides
          with a contiguous hd). Token t is stored at slot = block * block_size + offset.
     block_tables [num_seqs, max_blocks] int32: block_tables[s, i] = physical block holding
@@ -106,6 +111,7 @@ if TYPE_CHECKING:  # annotations only: kernels must not import fusedpar.layers a
 __all__ = [
     "AttentionConfig",
     "AttentionMetadata",
+    "ScatterOut",
     "attention_step",
     "check_kv_index",
     "paged_attention",
@@ -481,6 +487,23 @@ def _write_and_attend_new_key(
 
 
 @triton.jit
+def _out_rows(out_ptr, out_peers_ptr, token, row_ok, stride_out, rows_per_rank, out_col0, SCATTER: tl.constexpr):
+    """Address of output row `token` (a scalar or a vector of rows; rows with row_ok False are
+    never stored, so their address may be anything).
+
+    Local: out + token * stride_out. SCATTER (ScatterOut): row t belongs to rank g = t // rows_per_rank
+    and lands in g's buffer (base address out_peers[g], in out_ptr's dtype) at row t - g * rows_per_rank,
+    columns from out_col0: the layout the o-projection reads after the return all-to-all.
+    """
+    if SCATTER:
+        dst = token // rows_per_rank
+        base = tl.load(out_peers_ptr + dst, mask=row_ok, other=0).to(tl.pointer_type(out_ptr.dtype.element_ty))
+        return base + ((token - dst * rows_per_rank).to(tl.int64) * stride_out + out_col0)
+    else:
+        return out_ptr + token.to(tl.int64) * stride_out
+
+
+@triton.jit
 def _attention_kernel(
     qkv_ptr,
     out_ptr,
@@ -499,6 +522,7 @@ def _attention_kernel(
     part_l_ptr,
     slots_ptr,  # WRITE_NEW_KV: the new tokens' cache slots
     k_norm_ptr,  # WRITE_NEW_KV with HAS_K_NORM
+    out_peers_ptr,  # SCATTER: int64 [W] base addresses of the destination ranks' buffers
     stride_qkv,
     stride_out,
     stride_blk,
@@ -511,6 +535,8 @@ def _attention_kernel(
     num_tiles,
     split_len,
     bt_keys,  # block_tables.shape[1] * PAGE: the keys the table can address
+    rows_per_rank,  # SCATTER: output row t goes to rank t // rows_per_rank
+    out_col0,  # SCATTER: first destination column of this rank's heads
     qk_scale,
     eps,
     NQ: tl.constexpr,
@@ -528,6 +554,7 @@ def _attention_kernel(
     WRITE_NEW_KV: tl.constexpr,  # ONE_TOKEN_PER_SEQ only: the launch's cache write happens here
     HAS_K_NORM: tl.constexpr,
     PAGE_PREFETCH: tl.constexpr,  # block-table entries a tile ahead; ONE_TOKEN_PER_SEQ: _attend_decode_tiles
+    SCATTER: tl.constexpr,  # store output rows into the owner ranks' buffers (_out_rows)
 ):
     """Program (tile, kv head j, split): BLOCK_Q tokens x the G q heads of kv head j.
 
@@ -635,7 +662,8 @@ def _attention_kernel(
     else:
         # Every valid row sees key 0, so l_i > 0 there; the guard only keeps dead rows finite.
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        out_ptrs = out_ptr + token.to(tl.int64)[:, None] * stride_out + (head * HD)[:, None] + offs_d[None, :]
+        rows = _out_rows(out_ptr, out_peers_ptr, token, row_ok, stride_out, rows_per_rank, out_col0, SCATTER)
+        out_ptrs = rows[:, None] + (head * HD)[:, None] + offs_d[None, :]
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -645,12 +673,16 @@ def _combine_kernel(
     part_m_ptr,
     part_l_ptr,
     out_ptr,
+    out_peers_ptr,
     stride_out,
     num_tokens,
     num_splits,
+    rows_per_rank,
+    out_col0,
     NQ: tl.constexpr,
     HD: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
     """Program (token t, q head h): out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
     M = max_s m_s (splits that saw no key carry m = -1e38, l = 0, acc = 0: weight 0)."""
@@ -665,7 +697,8 @@ def _combine_kernel(
     w = tl.exp2(m - tl.max(m, 0))
     acc = tl.load(part_acc_ptr + part[:, None] * HD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     o = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_out + h * HD + offs_d, o.to(out_ptr.dtype.element_ty))
+    row = _out_rows(out_ptr, out_peers_ptr, t, t < num_tokens, stride_out, rows_per_rank, out_col0, SCATTER)
+    tl.store(row + h * HD + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 # Triton decides interpreter vs compiler when @triton.jit runs (see gemm.py).
@@ -907,9 +940,60 @@ def _check_args(
             raise ValueError(f"{fn}: out columns must be contiguous (stride(1) == 1), got strides {out.stride()}")
 
 
+@dataclass(frozen=True)
+class ScatterOut:
+    """Where paged_attention stores its output instead of a local `out`: the Ulysses return
+    all-to-all done by the attention's own stores (NVLink peer stores on a GPU).
+
+    Output row t (token t of the step; base-mode rows are in source-rank order, as the receive
+    buffer of the first all-to-all holds them) belongs to rank g = t // rows_per_rank and is stored
+    in rank g's buffer, base address peer_ptrs[g], at row t - g * rows_per_rank, columns
+    col_offset + [0, nq * hd), rows local.stride(0) elements apart. With rows_per_rank = m,
+    local = [m, W * C] and col_offset = s * C on SP rank s (C = nq * hd), rank g's buffer receives
+    exactly head_to_seq_all_to_all(out) of the whole SP group: the o-projection's A operand.
+    Rows >= num_tokens are not stored: the receiver zero-fills its padding rows.
+    peer_ptrs: contiguous int64 [W] on the kernel's device (a PeerTable's buffer_ptrs).
+    local: THIS rank's destination [m, W * C] (the memory the peers store into), qkv's dtype; it
+      names the destination for torch.compile and gives the row stride.
+    The receiver reads `local` only after every peer's launch completed: fusedpar.kernels.ulysses
+    (scattered_o_proj) publishes and waits for the arrival flags.
+    """
+
+    peer_ptrs: torch.Tensor
+    local: torch.Tensor
+    rows_per_rank: int
+    col_offset: int
+
+
+def _check_scatter(qkv: torch.Tensor, scatter: ScatterOut, num_tokens: int, width: int) -> None:
+    fn = "fusedpar.paged_attention"
+    ptrs, local, m = scatter.peer_ptrs, scatter.local, scatter.rows_per_rank
+    if ptrs.dtype != torch.int64 or ptrs.dim() != 1 or not ptrs.is_contiguous() or ptrs.device != qkv.device:
+        raise ValueError(
+            f"{fn}: scatter.peer_ptrs must be a contiguous int64 [W] tensor on {qkv.device}, got "
+            f"{ptrs.dtype} {tuple(ptrs.shape)} on {ptrs.device}"
+        )
+    if local.dim() != 2 or local.dtype != qkv.dtype or local.device != qkv.device or local.stride(1) != 1:
+        raise ValueError(
+            f"{fn}: scatter.local must be a [m, W * C] {qkv.dtype} tensor on {qkv.device} with contiguous "
+            f"columns, got {local.dtype} {tuple(local.shape)} strides {local.stride()} on {local.device}"
+        )
+    W = ptrs.numel()
+    if m < 1 or local.shape[0] != m or num_tokens > W * m:
+        raise ValueError(
+            f"{fn}: scatter needs rows_per_rank m >= 1 with num_tokens <= W * m and local [m, ...]: got m={m}, "
+            f"W={W}, num_tokens={num_tokens}, local {tuple(local.shape)}"
+        )
+    if not 0 <= scatter.col_offset <= local.shape[1] - width:
+        raise ValueError(
+            f"{fn}: scatter columns [{scatter.col_offset}, {scatter.col_offset + width}) do not fit the "
+            f"destination's {local.shape[1]} columns"
+        )
+
+
 def _launch(
     qkv: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
@@ -931,13 +1015,19 @@ def _launch(
     rope_theta: float,
     write_kv: bool,
     config: AttentionConfig | None = None,
-) -> torch.Tensor:
+    scatter: ScatterOut | None = None,
+) -> torch.Tensor | None:
     """Check, write the new k/v into the cache (and, with cfg.prerotate_q and RoPE or a q norm, the
-    transformed q into a scratch), run attention into `out`, zero `out`'s padding rows."""
+    transformed q into a scratch), run attention into `out`, zero `out`'s padding rows; or, with
+    `scatter` (out None), store the real rows into the owner ranks' buffers and return None."""
     _check_args(
         qkv, out, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions,
         q_norm, k_norm, rope_cos, rope_sin, num_tokens, num_q_heads, rope_theta, write_kv,
     )
+    if (out is None) == (scatter is None):
+        raise ValueError("fusedpar.paged_attention: pass exactly one of out and scatter")
+    if scatter is not None:
+        _check_scatter(qkv, scatter, num_tokens, num_q_heads * k_cache.shape[3])
     if qkv.device.type == "cpu" and not _INTERPRETED:
         raise RuntimeError(
             "fusedpar.paged_attention got CPU tensors but its Triton kernels were compiled for a GPU: set "
@@ -945,10 +1035,16 @@ def _launch(
         )
     if qkv.device.type not in ("cpu", "cuda"):
         raise ValueError(f"fusedpar.paged_attention supports CUDA (and CPU under TRITON_INTERPRET=1), got {qkv.device}")
-    if num_tokens < qkv.shape[0]:
+    if out is not None and num_tokens < qkv.shape[0]:
         out[num_tokens:].zero_()  # padding rows: zeros, as the reference sends them
     if num_tokens == 0:
         return out
+    if scatter is not None:
+        # The kernels store through out_ptr's element type and row stride: local carries both.
+        out_arg, out_peers = scatter.local, scatter.peer_ptrs
+        rows_per_rank, col0 = scatter.rows_per_rank, scatter.col_offset
+    else:
+        out_arg, out_peers, rows_per_rank, col0 = out, cu_seqlens_q, 1, 0  # out_peers unused
 
     _, page, nkv, hd = k_cache.shape
     group = num_q_heads // nkv
@@ -1026,24 +1122,26 @@ def _launch(
                 num_warps=write_warps,
             )
         _attention_kernel[(num_tiles, nkv, splits)](
-            q_src, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+            q_src, out_arg, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
             positions_arg, inv_freq, cos_arg, sin_arg, q_norm_arg,
             part_acc, part_m, part_l,
-            slots if fused_write else cu_seqlens_q, k_norm if k_norm is not None else qkv,
-            q_src.stride(0), out.stride(0), blk_stride, tok_stride, head_stride, block_tables.stride(0), stride_rope,
-            num_seqs, num_tokens, num_tiles, split_len, block_tables.shape[1] * page, scale * _LOG2E, eps,
+            slots if fused_write else cu_seqlens_q, k_norm if k_norm is not None else qkv, out_peers,
+            q_src.stride(0), out_arg.stride(0), blk_stride, tok_stride, head_stride, block_tables.stride(0),
+            stride_rope, num_seqs, num_tokens, num_tiles, split_len, block_tables.shape[1] * page, rows_per_rank,
+            col0, scale * _LOG2E, eps,
             NQ=num_q_heads, G=group, HD=hd, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_Q=block_q, ONE_TOKEN_PER_SEQ=one_token_per_seq, HAS_Q_NORM=attn_q_norm,
             ROPE=attn_rope, SPLIT=splits > 1,
             DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
             WRITE_NEW_KV=fused_write, HAS_K_NORM=k_norm is not None,
-            PAGE_PREFETCH=cfg.page_prefetch,
+            PAGE_PREFETCH=cfg.page_prefetch, SCATTER=scatter is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
             _combine_kernel[(num_tokens, num_q_heads)](
-                part_acc, part_m, part_l, out, out.stride(0), num_tokens, splits,
-                NQ=num_q_heads, HD=hd, SPLITS_P2=next_pow2(splits), num_warps=1 if hd <= 64 else 2,
+                part_acc, part_m, part_l, out_arg, out_peers, out_arg.stride(0), num_tokens, splits, rows_per_rank,
+                col0, NQ=num_q_heads, HD=hd, SPLITS_P2=next_pow2(splits), SCATTER=scatter is not None,
+                num_warps=1 if hd <= 64 else 2,
             )
     return out
 
@@ -1142,6 +1240,57 @@ def _paged_attention_fake(
     return qkv.new_empty((qkv.shape[0], num_q_heads * k_cache.shape[3]))
 
 
+@torch.library.custom_op("fusedpar::paged_attention_scatter", mutates_args=("local", "k_cache", "v_cache"))
+def _paged_attention_scatter_op(
+    qkv: torch.Tensor,
+    local: torch.Tensor,
+    peer_ptrs: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slots: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    rope_cos: torch.Tensor | None,
+    rope_sin: torch.Tensor | None,
+    num_tokens: int,
+    num_q_heads: int,
+    max_query_len: int,
+    max_kv_len: int,
+    scale: float,
+    eps: float,
+    rope_theta: float,
+    write_kv: bool,
+    rows_per_rank: int,
+    col_offset: int,
+) -> None:
+    """paged_attention storing into the owner ranks' buffers (ScatterOut); `local` is this rank's
+    destination, declared mutated because the peers' launches store into it."""
+    _launch(
+        qkv, None, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions, q_norm,
+        k_norm, rope_cos, rope_sin, num_tokens=num_tokens, num_q_heads=num_q_heads,
+        max_query_len=max_query_len, max_kv_len=max_kv_len, scale=scale, eps=eps, rope_theta=rope_theta,
+        write_kv=write_kv, scatter=ScatterOut(peer_ptrs, local, rows_per_rank, col_offset),
+    )
+
+
+@_paged_attention_scatter_op.register_fake
+def _paged_attention_scatter_fake(
+    qkv, local, peer_ptrs, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions, q_norm,
+    k_norm, rope_cos, rope_sin, num_tokens, num_q_heads, max_query_len, max_kv_len, scale, eps, rope_theta,
+    write_kv, rows_per_rank, col_offset,
+) -> None:
+    _check_args(
+        qkv, None, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, slots, positions, q_norm,
+        k_norm, rope_cos, rope_sin, num_tokens, num_q_heads, rope_theta, write_kv,
+    )
+    _check_scatter(qkv, ScatterOut(peer_ptrs, local, rows_per_rank, col_offset), num_tokens,
+                   num_q_heads * k_cache.shape[3])
+
+
 # ---- public API ---------------------------------------------------------------------------------
 
 
@@ -1169,7 +1318,8 @@ def paged_attention(
     write_kv: bool = True,
     out: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
-) -> torch.Tensor:
+    scatter: ScatterOut | None = None,
+) -> torch.Tensor | None:
     """Causal varlen/paged GQA attention of one step, reading the all-to-all layout in place.
 
     qkv [rows, (nq + 2 nkv) hd] (fp16/bf16/fp32; rows >= num_tokens, padding rows never read).
@@ -1189,6 +1339,9 @@ def paged_attention(
     scale: softmax scale, default hd ** -0.5. out: optional [rows, nq hd] destination (any row
       stride, contiguous columns). config: explicit tiling (tests/tuning).
     Returns out: rows < num_tokens = attention output, rows >= num_tokens = 0.
+    scatter: a ScatterOut instead of out: every real row is stored straight into its owner rank's
+      buffer (the return all-to-all); returns None. Its readers wait for the peers' arrival flags
+      (fusedpar.kernels.ulysses.scattered_o_proj).
     Under torch.compile it goes through torch.ops.fusedpar.paged_attention[_out] (one opaque node
     with a fake impl; not with an explicit config); eager calls launch the kernels directly.
     """
@@ -1216,9 +1369,17 @@ def paged_attention(
         # Eager (and CUDA-graph capture, which records kernels, not ops): launch directly. The
         # custom-op dispatcher costs ~20 us of host time per call, as much as a decode step's
         # attention on the GPU (the other fused ops do the same; see gemm_all_reduce._call_fused).
-        if out is None:
+        if out is None and scatter is None:
             out = torch.empty((qkv.shape[0], num_q_heads * hd), dtype=qkv.dtype, device=qkv.device)
-        return _launch(qkv, out, k_cache, v_cache, *args, **kwargs, config=config)
+        return _launch(qkv, out, k_cache, v_cache, *args, **kwargs, config=config, scatter=scatter)
+    if scatter is not None:
+        if out is not None:
+            raise ValueError("fusedpar.paged_attention: pass exactly one of out and scatter")
+        torch.ops.fusedpar.paged_attention_scatter(
+            qkv, scatter.local, scatter.peer_ptrs, k_cache, v_cache, *args, **kwargs,
+            rows_per_rank=scatter.rows_per_rank, col_offset=scatter.col_offset,
+        )
+        return None
     if out is None:
         return torch.ops.fusedpar.paged_attention(qkv, k_cache, v_cache, *args, **kwargs)
     torch.ops.fusedpar.paged_attention_out(qkv, out, k_cache, v_cache, *args, **kwargs)
@@ -1323,7 +1484,8 @@ def attention_step(
     kv_index: torch.Tensor | Sequence[int] | None = None,
     metadata: AttentionMetadata | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
+    scatter: ScatterOut | None = None,
+) -> torch.Tensor | None:
     """Drop-in for ShiftParallelDecoderLayer._attention on the Triton kernels.
 
     qkv [rows, (nq + 2 nkv) hd] with rows = step.num_tokens (or the padded count: rows past
@@ -1335,6 +1497,7 @@ def attention_step(
     metadata: AttentionMetadata.from_step(step.batch, cache), ideally built once per step and shared
     by all layers; built here when None (host work + one small host->device copy per call).
     Works identically for base-mode and shift-mode inputs: nothing here depends on the mode.
+    scatter: store the rows into their owner ranks' buffers instead (see paged_attention); returns None.
     """
     nkv, hd = cache.k.shape[3], cache.k.shape[4]
     if qkv.dim() != 2 or qkv.shape[1] % hd or qkv.shape[1] // hd <= 2 * nkv:
@@ -1366,4 +1529,5 @@ def attention_step(
         eps=eps,
         rope_theta=rope_theta,
         out=out,
+        scatter=scatter,
     )

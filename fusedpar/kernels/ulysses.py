@@ -29,9 +29,15 @@ all_to_all_o_proj(attn [W*m, C], w_o [N, W*C]) -> out [m, N]
     remote lines are not cached in the reader's L2. Pushing moves each byte over the link
     exactly once, as large coalesced posted writes, and the GEMM then reads local HBM at full
     speed. The push stays hidden behind the GEMM except for the first wave's wait on its bands
-    (bands are pushed in row order, the order in which the GEMM consumes them). The attention
-    kernel (DESIGN.md item 2) can later write its output tiles directly into the same staging
-    layout and set the same flags; the comm programs then disappear.
+    (bands are pushed in row order, the order in which the GEMM consumes them).
+
+scattered_o_proj(w_o, peers) -> out [m, N]: the same result when the attention did the exchange
+    paged_attention(..., scatter=o_scatter_target(peers, m, C, dtype)) stores attention output row
+    t straight into rank t // m's staging, [m, W*C] = exactly head_to_seq_all_to_all's result,
+    columns s*C.. (fusedpar/kernels/attention.py, ScatterOut): NVLink stores spread over the
+    attention's run, no copy kernel, no NCCL call. Then one tiny arrival-barrier launch (publish
+    DONE after the attention completed, wait for every peer's) and a plain cuBLAS GEMM on the
+    staging. The decoder layer's base mode uses this (FusedKernels o_scatter=True).
 
 Protocol (epoch-valued flags, fusedpar/collectives/symmetric.py; each op owns its PeerTable;
 primitives: fusedpar/kernels/_sync.py)
@@ -50,6 +56,13 @@ of them, and its release of DONE to every peer is cumulative over them. o_proj: 
 (band, destination) item, so the item's program releases the flag itself.
 Consumer side: RMW atomics (add 0) with acquire semantics at system scope until every word is
 >= e (">=": a fast peer may already be one launch ahead), then a CTA barrier, then reads.
+
+scattered_o_proj's table use: DONE only (row 1, epoch e = counters[EPOCH] + 1 of its arrival
+launch). No READY: a peer's attention stores into this rank's staging only after receiving this
+rank's qkv share of the same step, which this rank sent after (stream order) its previous GEMM on
+the staging finished - the step's first all-to-all is the handshake. It shares the o workspace's
+table with all_to_all_o_proj: epochs keep rising across both ops' launches, so a flag one op left
+never satisfies the other's wait.
 
 Buffer reuse without double buffering: a writer stores into peer g's buffer for launch e only
 after acquiring g's READY >= e, which g released at the start of its launch e, after (stream
@@ -100,6 +113,7 @@ from triton.runtime.jit import JITFunction
 from fusedpar.collectives.symmetric import NUM_COUNTERS, EmulatedWorld, PeerTable, as_peer_table
 from fusedpar.kernels._host import cdiv
 from fusedpar.kernels._sync import (
+    EPOCH,
     check_emulated_rank,
     device_guard,
     esize,
@@ -112,6 +126,7 @@ from fusedpar.kernels._sync import (
     sm_count,
     wait_flags,
 )
+from fusedpar.kernels.attention import ScatterOut
 from fusedpar.kernels.gemm import (
     GemmConfig,
     _load_k_tile,
@@ -133,12 +148,15 @@ __all__ = [
     "launch_all_to_all_o_proj",
     "launch_qkv_all_to_all",
     "o_proj_workspace_bytes",
+    "o_scatter_target",
     "qkv_all_to_all",
     "qkv_all_to_all_emulated",
     "qkv_all_to_all_wait",
     "qkv_recv_view",
     "qkv_timeline_summary",
     "qkv_workspace_bytes",
+    "scattered_o_proj",
+    "scattered_o_proj_emulated",
     "use_fused",
 ]
 
@@ -1078,6 +1096,123 @@ def qkv_all_to_all_wait(peers, *, use_flags: bool = True, spin_limit: int | None
                  spin_limit=spin_limit)
 
 
+# ==================================================== the return all-to-all in the attention's stores
+
+
+@triton.jit
+def _o_arrival_kernel(
+    signal_ptrs,
+    counters_ptr,
+    rank,
+    WORLD: tl.constexpr,
+    WORLD_P2: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    WAIT: tl.constexpr,
+    SPIN_LIMIT: tl.constexpr,
+):
+    """One program: the arrival barrier of scattered_o_proj (epoch e = counters[EPOCH] + 1).
+
+    PUBLISH: release e (system scope) into word [ARRIVED * W + rank] of every rank: this rank's
+    attention launch, earlier on the stream, has completed, so all its stores into the peers'
+    staging buffers are performed. WAIT: acquire every peer's word >= e, then counters[EPOCH] = e;
+    kernels after this one on the stream may read the staging buffer.
+    """
+    peers = tl.arange(0, WORLD_P2)
+    mask = peers < WORLD
+    e = launch_epoch(counters_ptr, 1)
+    if PUBLISH:
+        publish(signal_ptrs, _DONE_ROW * WORLD + rank, e, mask)
+    if WAIT:
+        wait_flags(flags_of(signal_ptrs, rank) + _DONE_ROW * WORLD + peers, mask, e, counters_ptr, SPIN_LIMIT)
+        tl.atomic_xchg(counters_ptr + EPOCH, e, sem="relaxed", scope="gpu")
+
+
+def o_scatter_target(peers, tokens: int, c: int, dtype: torch.dtype) -> ScatterOut:
+    """The ScatterOut that makes paged_attention do this SP rank's share of the return all-to-all.
+
+    tokens: m, rows per rank of the padded step; c: C = q * hd, this rank's attention columns.
+    Every rank's staging buffer is [m, W * C] of dtype at the start of its data buffer (the memory
+    all_to_all_o_proj stages in, o_proj_workspace_bytes); rank s stores its output row t into
+    rank t // m's buffer, row t % m, columns [s * C, (s + 1) * C).
+    """
+    table = as_peer_table(peers)
+    W = table.world_size
+    need = o_proj_workspace_bytes(tokens, c, W, dtype)
+    if tokens < 1 or need > table.buffer_bytes:
+        raise ValueError(
+            f"o_scatter_target: {tokens} rows x {W} x {c} columns of {dtype} need {need} bytes, the workspace has "
+            f"{table.buffer_bytes} (and rows must be >= 1)"
+        )
+    local = table.view(dtype, tokens * W * c).view(tokens, W * c)
+    return ScatterOut(peer_ptrs=table.buffer_ptrs, local=local, rows_per_rank=tokens, col_offset=table.rank * c)
+
+
+def _launch_arrival(table: PeerTable, *, publish: bool = True, wait: bool = True,
+                    spin_limit: int | None = None) -> None:
+    W = table.world_size
+    with device_guard(table.device):
+        _o_arrival_kernel[(1,)](
+            table.signal_ptrs, table.counters, table.rank, WORLD=W, WORLD_P2=next_pow2(W), PUBLISH=publish,
+            WAIT=wait, SPIN_LIMIT=resolve_spin_limit(spin_limit, _INTERPRETED, GPU_SPIN_LIMIT), num_warps=1,
+        )
+
+
+@torch.library.custom_op("fusedpar::o_scatter_arrival", mutates_args=("local", "counters"))
+def _o_arrival_op(local: torch.Tensor, buffer: torch.Tensor, buffer_ptrs: torch.Tensor, signal_ptrs: torch.Tensor,
+                  counters: torch.Tensor, rank: int, world_size: int, max_blocks: int) -> None:
+    """The arrival barrier; `local` (the staging view) is what the peers' stores filled."""
+    _launch_arrival(_table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks))
+
+
+@_o_arrival_op.register_fake
+def _o_arrival_fake(local, buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks) -> None:
+    return None
+
+
+def scattered_o_proj(
+    w_o: torch.Tensor,
+    peers,
+    *,
+    tokens: int,
+    num_tokens: int,
+    c: int,
+    spin_limit: int | None = None,
+) -> torch.Tensor:
+    """out [m, N] = F.linear(head_to_seq_all_to_all(attn), w_o), where every SP rank's attention
+    already stored its rows into the owners' staging buffers (paged_attention(scatter=
+    o_scatter_target(peers, m, C, dtype))).
+
+    Zero-fills this rank's padding rows (step rows >= num_tokens, which no attention stores),
+    publishes its arrival and waits for every peer's (one tiny launch), then runs the plain cuBLAS
+    GEMM on the [m, W * C] staging view. The exchange costs no launch of its own: the attention's
+    epilogue stores are its transfers, spread over the attention's run.
+
+    Buffer reuse: a peer stores into this rank's staging only in base-mode attention, which runs
+    after the step's qkv exchange (fused or NCCL) has received this rank's share - sent by this
+    rank only after (stream order) its previous o-projection finished reading the staging. So
+    one buffer suffices without a READY handshake; a caller outside the decoder layer must keep
+    that order (a data exchange with every peer between two uses).
+    Collective: every SP rank calls it once per attention launch, same shapes, one stream.
+    """
+    table = as_peer_table(peers)
+    if w_o.device != table.device:
+        raise ValueError(f"scattered_o_proj: w_o is on {w_o.device}, the workspace on {table.device}")
+    W = table.world_size
+    if w_o.dim() != 2 or w_o.shape[1] != W * c:
+        raise ValueError(f"scattered_o_proj: w_o must be [N, W * C] = [N, {W * c}], got {tuple(w_o.shape)}")
+    if not 0 <= num_tokens <= W * tokens:
+        raise ValueError(f"scattered_o_proj: num_tokens={num_tokens} outside [0, W * m = {W * tokens}]")
+    local = o_scatter_target(table, tokens, c, w_o.dtype).local
+    first_pad = min(tokens, max(0, num_tokens - table.rank * tokens))
+    if first_pad < tokens:
+        local[first_pad:].zero_()  # rows of padding tokens: zeros, as the reference sends them
+    if torch.compiler.is_compiling():
+        torch.ops.fusedpar.o_scatter_arrival(local, *_table_args(table), *_table_meta(table))
+    else:
+        _launch_arrival(table, spin_limit=spin_limit)
+    return F.linear(local, w_o)
+
+
 # ================================================================================ public API
 
 
@@ -1212,6 +1347,27 @@ def all_to_all_o_proj(
 
 
 # ============================================================================ CPU emulation
+
+
+def scattered_o_proj_emulated(world: EmulatedWorld, ws: list[torch.Tensor], *, tokens: int, num_tokens: int,
+                              c: int) -> list[torch.Tensor]:
+    """scattered_o_proj on every rank of an EmulatedWorld, after every rank's scattering attention:
+    every rank's arrival publish, then every rank's wait + GEMM. Raises if a flag wait timed out."""
+    W = world.world_size
+    if len(ws) != W:
+        raise ValueError(f"scattered_o_proj_emulated: {len(ws)} weights for {W} ranks")
+    for r in range(W):
+        _launch_arrival(world[r], wait=False)
+    outs = []
+    for r in range(W):
+        t = world[r]
+        local = o_scatter_target(t, tokens, c, ws[r].dtype).local
+        first_pad = min(tokens, max(0, num_tokens - t.rank * tokens))
+        local[first_pad:].zero_()
+        _launch_arrival(t, publish=False)
+        outs.append(F.linear(local, ws[r]))
+    _emulated_check(world, "scattered_o_proj")
+    return outs
 
 
 def _emulated_check(world: EmulatedWorld, what: str) -> None:

@@ -22,9 +22,10 @@ fused path adds the rank's own block's bias (the shift view) to what it receives
 [n, head_dim] built once per step (StepState.rope_tables); plain RoPE passes rope_theta.
 
 `torch_fwd` is the reference implementation (and the CPU path); `fused_fwd` runs the same
-stages on the fused kernels (qkv GEMM + all-to-all, Triton paged attention, all-to-all + O
-GEMM, GEMM + all-reduce; fusedpar.layers.fused) without changing any layout. forward() takes
-the fused path when the layer was given FusedKernels and the input is on CUDA.
+stages on the fused kernels (qkv GEMM + all-to-all, Triton paged attention whose stores do the
+return all-to-all, O GEMM, GEMM + all-reduce; fusedpar.layers.fused) without changing any
+layout. forward() takes the fused path when the layer was given FusedKernels and the input is
+on CUDA.
 """
 
 from __future__ import annotations
@@ -166,24 +167,32 @@ class ShiftParallelDecoderLayer(nn.Module):
         # [n_pad, blk] in base (may be a view of the receive buffer), [n, blk] in shift; the bias
         # (if any) is this rank's own block's, added out of place
         qkv = fk.qkv(h, w["qkv"], mode, bias=self.w.shift.get("qkv_bias"))
-        attn = self._fused_attention(qkv, step, cache)
-        if fk.fuses_residual(rows, w["o"], mode):  # the o-projection's reduce epilogue adds x
-            x = fk.o_proj(attn, w["o"], mode, residual=x)
-            h = _norm(x, rep["post_norm"], cfg.rms_norm_eps)
-        else:  # residual add + post-attention norm in one pass (attention zero-fills padding rows)
-            x, h = _add_norm(x, fk.o_proj(attn, w["o"], mode), rep["post_norm"], cfg.rms_norm_eps)
+        target = fk.o_target(mode, rows)
+        if target is not None:  # base mode: the attention's stores are the return all-to-all
+            self._fused_attention(qkv, step, cache, scatter=target)
+            o = fk.o_proj_scattered(w["o"], rows, step.num_tokens)
+            x, h = _add_norm(x, o, rep["post_norm"], cfg.rms_norm_eps)
+        else:
+            attn = self._fused_attention(qkv, step, cache)
+            if fk.fuses_residual(rows, w["o"], mode):  # the o-projection's reduce epilogue adds x
+                x = fk.o_proj(attn, w["o"], mode, residual=x)
+                h = _norm(x, rep["post_norm"], cfg.rms_norm_eps)
+            else:  # residual add + post-attention norm in one pass (attention zero-fills padding rows)
+                x, h = _add_norm(x, fk.o_proj(attn, w["o"], mode), rep["post_norm"], cfg.rms_norm_eps)
         # SwiGLU of the [gate | up] blocks and the residual add ride on the down projection
         return fk.row_parallel(F.linear(h, w["gate_up"]), w["down"], mode, residual=x, swiglu_block=self.act_block)
 
-    def _fused_attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
-        """Triton paged attention of qkv [rows >= n, blk] -> [rows, q*hd] (padding rows zero)."""
+    def _fused_attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache, scatter=None
+                         ) -> torch.Tensor | None:
+        """Triton paged attention of qkv [rows >= n, blk] -> [rows, q*hd] (padding rows zero); with
+        scatter (a ScatterOut) the rows go to their owner ranks' staging instead (returns None)."""
         from fusedpar.kernels.attention import AttentionMetadata, attention_step, paged_attention
 
         cfg, rep = self.cfg, self.w.replicated
         if cfg.rope_is_default:
             return attention_step(qkv, step, cache, self.layer_idx, q_norm=rep.get("q_norm"),
                                   k_norm=rep.get("k_norm"), eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-                                  metadata=step.attn_metadata)
+                                  metadata=step.attn_metadata, scatter=scatter)
         # attention_step takes only rope_theta: the same call with the step's cos/sin tables
         cos, sin = step.rope_tables if step.rope_tables is not None else rope_tables(cfg, step.positions)
         md = step.attn_metadata
@@ -194,7 +203,7 @@ class ShiftParallelDecoderLayer(nn.Module):
             context_lens=md.context_lens, block_tables=md.block_tables, k_cache=cache.k[self.layer_idx],
             v_cache=cache.v[self.layer_idx], slots=step.slots, max_query_len=md.max_query_len,
             max_kv_len=md.max_kv_len, q_norm=rep.get("q_norm"), k_norm=rep.get("k_norm"), eps=cfg.rms_norm_eps,
-            rope_cos=cos, rope_sin=sin,
+            rope_cos=cos, rope_sin=sin, scatter=scatter,
         )
 
     # ---- reference path -----------------------------------------------------------------------

@@ -5,9 +5,17 @@ for steps of up to `max_tokens` tokens, and exposes the four stages the layer co
 
     base  (SP x TP)                                  shift (TP = P)
     qkv   qkv_all_to_all(h, W_qkv) -> recv [n_pad, blk]   F.linear(h, W_qkv view)
-    attn  attention_step(recv, ...) -> [n_pad, q*hd]      attention_step(...) -> [n, q*hd]
-    o     all_to_all_o_proj(attn, W_o) + TP all_reduce    gemm_all_reduce(attn, W_o view, shift) [+ x]
+    attn  attention_step(recv, scatter=o_target(rows))    attention_step(...) -> [n, q*hd]
+          stores each row in its owner's staging [m, SP*q*hd]
+    o     scattered_o_proj(W_o) + TP all_reduce           gemm_all_reduce(attn, W_o view, shift) [+ x]
     down  gemm_all_reduce(gate_up, W_down, TP) + x        gemm_all_reduce(gate_up, W_down view, shift) + x
+
+Base-mode return all-to-all (o_scatter=True, the default): the attention kernel stores its output
+rows straight into the owner SP ranks' staging buffers (NVLink stores spread over the attention's
+run, fusedpar.kernels.attention.ScatterOut), so the exchange costs one tiny arrival-barrier launch
+and the o-projection is a plain cuBLAS GEMM on the staging. o_scatter=False keeps the previous
+plan: attention into a local [n_pad, q*hd] buffer, then all_to_all_o_proj (fused push + GEMM up
+to 128 rows per rank, NCCL all-to-all + cuBLAS above). Both use the o workspace, on one table.
 
 The down projection takes the gate_up GEMM's output (SwiGLU by fusedpar.kernels.swiglu.silu_mul,
 one pass) and the residual stream, which the fused reduce epilogue adds (one-shot in decode
@@ -58,7 +66,8 @@ from fusedpar.layers.config import DecoderConfig
 
 class FusedKernels:
     def __init__(self, ctx: ParallelContext, cfg: DecoderConfig, *, max_tokens: int, dtype: torch.dtype,
-                 fuse_comm: bool = True, plain_all_reduce: str = "nccl", symm_mem_rows: int = 64):
+                 fuse_comm: bool = True, plain_all_reduce: str = "nccl", symm_mem_rows: int = 64,
+                 o_scatter: bool = True):
         from fusedpar.collectives.symmetric import SymmetricWorkspace
         from fusedpar.kernels import allreduce, gemm_all_reduce, ulysses
 
@@ -70,6 +79,8 @@ class FusedKernels:
         hd, sp, P = cfg.head_dim, layout.sp, layout.replica_size
         nq, nkv = place.q_heads_per_rank, place.kv_heads_per_rank
         self.blk = (nq + 2 * nkv) * hd
+        self.attn_width = nq * hd  # C: this rank's attention output columns
+        self.o_scatter = o_scatter
         m_max = -(-max_tokens // sp)
         num_sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
 
@@ -146,6 +157,30 @@ class FusedKernels:
                 out = seq_to_head_all_to_all(F.linear(h, w), self.ctx.sp)
             return out if bias is None else out + bias
         return F.linear(h, w, bias)
+
+    def o_target(self, mode: str, rows: int):
+        """The ScatterOut the base-mode attention stores through (rows = m, per SP rank), or None when
+        the step takes a local attention output (shift mode, SP = 1, no fused communication,
+        o_scatter=False, or a step larger than the o workspace)."""
+        from fusedpar.kernels.ulysses import o_proj_workspace_bytes, o_scatter_target
+
+        if not (self.o_scatter and mode == "base" and self.o_ws is not None and rows >= 1):
+            return None
+        sp = self.ctx.sp.size
+        if o_proj_workspace_bytes(rows, self.attn_width, sp, self.dtype) > self.o_ws.table.buffer_bytes:
+            return None
+        return o_scatter_target(self.o_ws, rows, self.attn_width, self.dtype)
+
+    def o_proj_scattered(self, w: torch.Tensor, rows: int, num_tokens: int) -> torch.Tensor:
+        """After attention stored through o_target(rows): the o-projection of the staged rows, summed
+        over TP: [rows, d]."""
+        from fusedpar.kernels.allreduce import all_reduce
+        from fusedpar.kernels.ulysses import scattered_o_proj
+
+        out = scattered_o_proj(w, self.o_ws, tokens=rows, num_tokens=num_tokens, c=self.attn_width)
+        if self.ctx.tp.size > 1:
+            out = all_reduce(out, self.ctx.tp, self.tp_allreduce_ws, inplace=True)
+        return out
 
     def o_proj(self, attn: torch.Tensor, w: torch.Tensor, mode: str, *, residual: torch.Tensor | None = None
                ) -> torch.Tensor:

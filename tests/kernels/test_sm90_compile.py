@@ -130,3 +130,76 @@ def test_gemm_tma_picks_build_for_sm90_within_shared_memory(tmp_path):
     assert any("block_n2=64" in b["config"] for b in built), built
     for b in built:
         assert b["tma_loads"] > 0 and b["shared"] <= 227 * 1024, b
+
+
+_ATTN_COMPILE = textwrap.dedent(
+    """
+    import json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fusedpar.kernels import attention, ulysses
+
+    def build(fn, types, consts, num_warps, num_stages=2):
+        names = list(fn.arg_names)
+        missing = [n for n in names if n not in consts and n not in types]
+        assert not missing, f"{fn.__name__}: no type given for {missing}"
+        sig = {n: "constexpr" if n in consts else types[n] for n in names}
+        src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                           "num_stages": num_stages})
+        loads = [line.split("ld.global")[1] for line in k.asm["ptx"].splitlines() if "ld.global" in line]
+        return {"cubin_bytes": len(k.asm["cubin"]), "shared": k.metadata.shared,
+                "i64_loads": sum(ld.split()[0].endswith(".b64") for ld in loads)}
+
+    scatter = json.loads(sys.argv[1])
+    ptr = {n: "*bf16" for n in ("qkv_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "inv_freq_ptr", "q_norm_ptr",
+                                "k_norm_ptr")}
+    ptr.update({n: "*fp32" for n in ("cos_ptr", "sin_ptr", "part_acc_ptr", "part_m_ptr", "part_l_ptr")})
+    ptr.update({n: "*i32" for n in ("block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr", "positions_ptr",
+                                    "slots_ptr")})
+    ptr["out_peers_ptr"] = "*i64"
+    ints = {n: "i32" for n in ("stride_qkv", "stride_out", "stride_blk", "stride_tok", "stride_head", "stride_bt",
+                               "stride_rope", "num_seqs", "num_tokens", "num_tiles", "split_len", "bt_keys",
+                               "rows_per_rank", "out_col0")}
+    ints.update(qk_scale="fp32", eps="fp32")
+    out = {}
+    # the base-mode prefill tiling (pick_config's for 16 q / 2 kv heads of 128) and a split decode
+    for name, consts, warps, stages in (
+        ("prefill", dict(NQ=16, G=8, HD=128, PAGE=16, BLOCK_M=128, BLOCK_N=64, BLOCK_Q=16, ONE_TOKEN_PER_SEQ=False,
+                         HAS_Q_NORM=False, ROPE=0, SPLIT=False, DOT_PRECISION="tf32", WRITE_NEW_KV=False,
+                         HAS_K_NORM=False, PAGE_PREFETCH=True), 8, 3),
+        ("decode_split", dict(NQ=16, G=8, HD=128, PAGE=16, BLOCK_M=16, BLOCK_N=64, BLOCK_Q=1, ONE_TOKEN_PER_SEQ=True,
+                              HAS_Q_NORM=True, ROPE=1, SPLIT=True, DOT_PRECISION="tf32", WRITE_NEW_KV=False,
+                              HAS_K_NORM=True, PAGE_PREFETCH=True), 4, 3),
+    ):
+        out[name] = build(attention._attention_kernel, {**ptr, **ints}, dict(consts, SCATTER=scatter), warps, stages)
+    combine_types = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16",
+                     "out_peers_ptr": "*i64", "stride_out": "i32", "num_tokens": "i32", "num_splits": "i32",
+                     "rows_per_rank": "i32", "out_col0": "i32"}
+    out["combine"] = build(attention._combine_kernel, combine_types,
+                           dict(NQ=16, HD=128, SPLITS_P2=8, SCATTER=scatter), 2)
+    out["arrival"] = build(ulysses._o_arrival_kernel, {"signal_ptrs": "*i64", "counters_ptr": "*i64", "rank": "i32"},
+                           dict(WORLD=4, WORLD_P2=4, PUBLISH=True, WAIT=True, SPIN_LIMIT=1 << 24), 1)
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("scatter", [False, True], ids=["local_out", "scatter"])
+def test_attention_kernels_build_for_sm90_in_bf16(tmp_path, scatter):
+    """The attention kernel (base-mode prefill tiling, split decode), the combine kernel and the o
+    arrival barrier build for sm_90; the scattering variant loads the destination table (int64 peer
+    addresses), the local one loads no 64-bit word at all, and both fit Hopper's shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _ATTN_COMPILE, json.dumps(scatter)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
+    built = json.loads(run.stdout.strip().splitlines()[-1])
+    for name, b in built.items():
+        assert b["cubin_bytes"] > 1000 and b["shared"] <= 227 * 1024, (name, b)
+    for name in ("prefill", "combine"):
+        assert (built[name]["i64_loads"] > 0) == scatter, (name, built[name])
+    assert built["decode_split"]["i64_loads"] == 0, built  # split programs store fp32 partials locally

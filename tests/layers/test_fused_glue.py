@@ -6,7 +6,9 @@ row_parallel takes the blocked gate_up output + swiglu_block and an optional res
 It checks the layer's own fused-path logic, which the GPU tests (test_fused_gpu.py) can only
 check under torchrun: the q/k/v bias added after the all-to-all and the scaled-RoPE cos/sin
 tables handed to the attention kernel, the SwiGLU block width handed to the down projection and
-both residual branches around the o projection, in base, shift and mixed steps against the fp64 oracle.
+both residual branches around the o projection, and base mode's two plans for the return
+all-to-all (a local attention output, or the attention storing its rows through a ScatterOut),
+in base, shift and mixed steps against the fp64 oracle.
 """
 
 import os
@@ -36,10 +38,14 @@ STEPS = [
 
 
 class PlainCollectiveOps:
-    """FusedKernels' three stages on the plain ops (works on gloo / CPU)."""
+    """FusedKernels' three stages on the plain ops (works on gloo / CPU); base mode takes a local
+    attention output (o_target None) and the o-projection does the return all-to-all."""
 
     def __init__(self, ctx, cfg):
         self.ctx, self.cfg = ctx, cfg
+
+    def o_target(self, mode, rows):
+        return None
 
     def qkv(self, h, w, mode, bias=None):
         if mode == "base" and self.ctx.sp.size > 1:
@@ -64,11 +70,42 @@ class PlainCollectiveOps:
         return mode == "shift"
 
 
-def _run(rank, world, cfg, sp, tp):
+class ScatteringOps(PlainCollectiveOps):
+    """The same with FusedKernels' default base-mode plan: the attention kernel stores its rows
+    through a ScatterOut and o_proj_scattered GEMMs the staged rows. Processes share no memory
+    here, so the attention stores every destination rank's share into a local part (NaN-poisoned:
+    a row it fails to store stays NaN) and o_proj_scattered ships each part to its rank over gloo,
+    then zero-fills the padding rows as fusedpar.kernels.ulysses.scattered_o_proj does."""
+
+    def o_target(self, mode, rows):
+        import torch
+
+        from fusedpar.kernels.attention import ScatterOut
+
+        if mode != "base" or self.ctx.sp.size == 1:
+            return None
+        W, s = self.ctx.sp.size, self.ctx.sp.rank
+        self.c = self.ctx.layout.head_placement(self.cfg.num_q_heads, self.cfg.num_kv_heads).q_heads_per_rank \
+            * self.cfg.head_dim
+        self.parts = torch.full((W, rows, W * self.c), float("nan"), dtype=torch.float32)
+        ptrs = torch.tensor([self.parts[g].data_ptr() for g in range(W)], dtype=torch.int64)
+        return ScatterOut(peer_ptrs=ptrs, local=self.parts[s], rows_per_rank=rows, col_offset=s * self.c)
+
+    def o_proj_scattered(self, w, rows, num_tokens):
+        import torch
+
+        W, s, c = self.ctx.sp.size, self.ctx.sp.rank, self.c
+        sent = torch.cat([self.parts[g][:, s * c:(s + 1) * c] for g in range(W)])  # row g*m + r -> rank g
+        staging = head_to_seq_all_to_all(sent, self.ctx.sp)
+        staging[min(rows, max(0, num_tokens - s * rows)):] = 0.0
+        return all_reduce_sum(F.linear(staging, w), self.ctx.tp)
+
+
+def _run(rank, world, cfg, sp, tp, ops=PlainCollectiveOps):
     from tests.conftest import _fix_interpreter_for_numpy_2_4
 
     _fix_interpreter_for_numpy_2_4()  # spawned ranks do not run conftest
-    return run_layer_scenario(rank, world, cfg, sp, tp, STEPS, fused_ops=PlainCollectiveOps).to_dict()
+    return run_layer_scenario(rank, world, cfg, sp, tp, STEPS, fused_ops=ops).to_dict()
 
 
 TABLE = tuple(500.0 ** (-2 * i / 16) / (1 + i) for i in range(8))
@@ -79,9 +116,10 @@ BASE_CFG = dict(hidden_size=32, num_q_heads=4, num_kv_heads=2, head_dim=16, inte
     dict(qkv_bias=True, rope_inv_freq=TABLE, rope_attention_scaling=0.8),  # Qwen2 bias + yarn-like RoPE
     dict(qk_norm=True),  # plain RoPE from rope_theta (attention_step), no bias
 ], ids=["bias_rope_table", "plain"])
-def test_fused_layer_path_matches_oracle(extra):
+@pytest.mark.parametrize("ops", [PlainCollectiveOps, ScatteringOps], ids=["local_attn_out", "scatter"])
+def test_fused_layer_path_matches_oracle(extra, ops):
     cfg = DecoderConfig(**BASE_CFG, **extra)
-    for r in run_distributed(_run, 2, cfg, 2, 1):
+    for r in run_distributed(_run, 2, cfg, 2, 1, ops):
         for i, (rec, step) in enumerate(zip(r["steps"], STEPS, strict=True)):
             assert rec["mode"] == step.mode
             assert rec["rel_error"] < REL_TOL, f"rank {r['rank']} step {i} ({rec['mode']}): {rec['rel_error']:.3g}"
