@@ -18,6 +18,9 @@ decoder stack differs:
   fusedpar      layout sp=P, ShiftPolicy(--threshold): base mode on the fused kernels above the
                 threshold, shift mode (TP=P over zero-copy views of the same weights) at or below
                 it, decode replaying CUDA graphs of the fused shift step
+  fusedpar o-a2a  (only when named in --modes) fusedpar with FusedKernels o_scatter=False: base-mode
+                attention into a local buffer, then all_to_all_o_proj, instead of the attention
+                storing its rows into the owners' o staging (the A/B of that change; all_modes only)
 plain SP and fusedpar share one copy of the SP=P weights; the two plain-TP variants share theirs.
 
 Workloads (each mode, same token ids):
@@ -250,7 +253,7 @@ def main() -> int:
     layouts = {"tp": ParallelLayout(world, sp=1, tp=world), "sp": ParallelLayout(world, sp=world, tp=1)}
     ctxs = {k: ParallelContext(v) for k, v in layouts.items()}
     need_tp = any(m.startswith("plain TP") for m in modes)
-    need_sp = any(m in ("plain SP", "fusedpar") for m in modes)
+    need_sp = any(m in ("plain SP", "fusedpar", "fusedpar o-a2a") for m in modes)
     shards: dict[str, list] = {"tp": [], "sp": []}
     for i in range(args.layers):
         full = full_weights(cfg, dev, dtype, seed=1000 + i)
@@ -269,11 +272,11 @@ def main() -> int:
     block = 16
     num_blocks = tokens_needed // block + args.requests + 64
 
-    def stack_of(key: str, policy, fuse_comm: bool, plain_all_reduce: str = "nccl"):
+    def stack_of(key: str, policy, fuse_comm: bool, plain_all_reduce: str = "nccl", o_scatter: bool = True):
         layers = [ShiftParallelDecoderLayer(cfg, ctxs[key], w, i) for i, w in enumerate(shards[key])]
         stack = ShiftParallelStack(cfg, ctxs[key], layers, policy)
         return stack.enable_fused(max_tokens=args.max_batch_tokens, fuse_comm=fuse_comm,
-                                  plain_all_reduce=plain_all_reduce)
+                                  plain_all_reduce=plain_all_reduce, o_scatter=o_scatter)
 
     caches = {}
 
@@ -296,15 +299,17 @@ def main() -> int:
         st = stack_of("sp", ShiftPolicy(0), False)
         stacks_any["sp"] = st
         engines["plain SP"] = Engine("plain SP", st, cache_of("sp"), model)
-    if "fusedpar" in modes:
+    for label, o_scatter in (("fusedpar", True), ("fusedpar o-a2a", False)):
+        if label not in modes:
+            continue
         if decode_batch > threshold:
             raise SystemExit(f"--requests {decode_batch} decodes above the threshold {threshold}: base-mode decode "
                              f"is not captured; raise --threshold")
-        st = stack_of("sp", ShiftPolicy(threshold), True)
+        st = stack_of("sp", ShiftPolicy(threshold), True, o_scatter=o_scatter)
         stacks_any["sp"] = st
-        engines["fusedpar"] = Engine("fusedpar", st, cache_of("sp"), model)
+        engines[label] = Engine(label, st, cache_of("sp"), model)
         st.capture_decode_graphs(cache_of("sp"), max_context=max_context, sizes=graph_sizes)
-        log(f"fusedpar: decode graphs captured for batch sizes {graph_sizes}")
+        log(f"{label}: decode graphs captured for batch sizes {graph_sizes}")
     log(f"memory: {torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB peak allocated on rank 0's GPU")
 
     peak, hbm = bench_gemm.measure_ceilings(dtype, 5, dev)

@@ -71,6 +71,11 @@ def main() -> int:
     p.add_argument("--host-profile", action="store_true",
                    help="with --layer-only: cProfile 20 layer calls on rank 0 and print the functions by own and "
                         "cumulative host time")
+    p.add_argument("--o-a2a", action="store_true",
+                   help="also profile the fused base layer with o_scatter=False (attention into a local buffer, "
+                        "then all_to_all_o_proj): the A/B of the base-mode return all-to-all's two plans")
+    p.add_argument("--no-decode", dest="decode_replays", action="store_false",
+                   help="skip the shift-mode decode replays (prefill profiles only)")
     p.add_argument("--out", default="perf/results/profile_layer.txt")
     args = p.parse_args()
     if args.qkv_timeline and not args.layer_only:
@@ -93,10 +98,11 @@ def main() -> int:
     cfg = DecoderConfig(**MODELS[args.model])
     full = full_weights(cfg, dev, dtype, seed=0)
 
-    def build(sp, tp, fuse_comm, plain_all_reduce="nccl"):
+    def build(sp, tp, fuse_comm, plain_all_reduce="nccl", o_scatter=True):
         ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
         stack = ShiftParallelStack.from_full_weights(cfg, ctx, [full], ShiftPolicy(1024))
-        stack.enable_fused(max_tokens=args.prefill, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce)
+        stack.enable_fused(max_tokens=args.prefill, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce,
+                           o_scatter=o_scatter)
         cache = stack.make_cache(block_size=16, num_blocks=(args.decode * (args.context + 64) + args.prefill) // 16
                                  + 64, dtype=dtype)
         return stack, cache
@@ -203,10 +209,13 @@ def main() -> int:
 
     x_pre = torch.randn((args.prefill, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
     sid = iter(range(10**9))
-    for label, sp, tp, fuse, mode in (("fused base prefill", world, 1, True, "base"),
-                                      ("plain SP prefill", world, 1, False, "base"),
-                                      ("plain TP prefill", 1, world, False, "shift")):
-        stack, cache = build(sp, tp, fuse)
+    prefill_runs = [("fused base prefill", world, 1, True, "base", True),
+                    ("plain SP prefill", world, 1, False, "base", True),
+                    ("plain TP prefill", 1, world, False, "shift", True)]
+    if args.o_a2a:
+        prefill_runs.insert(1, ("fused base prefill, o all-to-all plan", world, 1, True, "base", False))
+    for label, sp, tp, fuse, mode, o_scatter in prefill_runs:
+        stack, cache = build(sp, tp, fuse, o_scatter=o_scatter)
 
         def prefill(i, stack=stack, cache=cache, mode=mode):
             s = next(sid)
@@ -228,14 +237,15 @@ def main() -> int:
             layer_diagnostics(stack, lambda layer=stack.layers[0], x=x, step=step, cache=cache: layer(x, step, cache))
         else:
             report(f"{label} {args.prefill} tokens", prefill)
-        timeouts = stack.fused.spin_timeouts()
+        timeouts = stack.fused.spin_timeouts() if fuse else []
         if timeouts:  # a bounded flag wait gave up: that run's output (and timing) is not trustworthy
             print(f"rank {rank}: {label}: flag waits timed out on {timeouts}", flush=True)
         del stack, cache
     n = args.decode
     x_dec = torch.randn((n, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
-    for label, sp, tp, fuse, ar in (("fused shift decode replay", world, 1, True, "nccl"),
-                                    ("stock TP decode replay (symm_mem)", 1, world, False, "symm_mem")):
+    decode_runs = (("fused shift decode replay", world, 1, True, "nccl"),
+                   ("stock TP decode replay (symm_mem)", 1, world, False, "symm_mem"))
+    for label, sp, tp, fuse, ar in decode_runs if args.decode_replays else ():
         stack, cache = build(sp, tp, fuse, ar)
         graphs = stack.capture_decode_graphs(cache, max_context=args.context + 64, sizes=(n,))
         ids = tuple(next(sid) for _ in range(n))
