@@ -13,6 +13,15 @@ Paths, same inputs, same process:
     gemm_cublas  F.linear(a, w_o) on an [m, SP*C] operand: the GEMM alone
     gemm_triton  fusedpar.kernels.gemm.matmul on the same operand
 Target (issue 3): fused >= 1.15x baseline.
+--with-attention (m <= 4096) adds case "<model>.sp<W> +attention": the return exchange as the decoder
+layer does it since the o_scatter change, where the attention's own stores replace the all-to-all,
+so the attention kernel must be inside the timed region on both sides:
+    baseline     Triton paged attention into a local [SP*m, C] buffer, then the baseline above
+    fused        the same attention storing every row into its owner's staging (ScatterOut), then
+                 scattered_o_proj: arrival barrier + cuBLAS GEMM on the staging
+    attention_ms the local-output attention alone (what both sides share)
+The step: SP*m tokens of 4096-token prefill sequences (the last one shorter), this rank's q heads and
+max(1, 8 / SP) kv heads of 128, RoPE, a paged cache; each sample rewrites the same cache slots.
 
 Protocol and roofline as perf/bench_qkv_all_to_all.py: per sample a device barrier, a GPU spin,
 CUDA events around one call; warm-up first; median of --iters samples, max over ranks; 2 rotating
@@ -141,6 +150,80 @@ def bench_case(model, m, W, group, ws, timer, ceil, comm_programs: list[int]) ->
     }
 
 
+def bench_attention_case(model, m, W, group, ws, timer, ceil) -> dict:
+    """The o-projection's return exchange with the attention in front (see --with-attention)."""
+    from fusedpar.collectives import comm
+    from fusedpar.kernels import attention as at
+    from fusedpar.kernels import ulysses as u
+
+    dm = dims(model, W)
+    d, C, nq, hd = dm["d"], dm["C"], dm["q"], MODELS[model]["head_dim"]
+    nkv, n, page = max(1, 8 // W), W * m, 16
+    lens = [4096] * (n // 4096) + ([n % 4096] if n % 4096 else [])
+    gen = torch.Generator(device="cuda").manual_seed(7000 * dist.get_rank() + m)
+    qkv = torch.randn((n, (nq + 2 * nkv) * hd), generator=gen, device="cuda").to(torch.bfloat16)
+    w_o = (torch.randn((d, W * C), generator=gen, device="cuda") / (W * C) ** 0.5).to(torch.bfloat16)
+    blocks = [-(-q // page) for q in lens]
+    k_cache = torch.zeros((sum(blocks) + 1, page, nkv, hd), device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    tables = torch.zeros((len(lens), max(blocks)), dtype=torch.int32)
+    first = 0
+    for i, b in enumerate(blocks):
+        tables[i, :b] = torch.arange(first, first + b, dtype=torch.int32)
+        first += b
+    positions = torch.cat([torch.arange(q) for q in lens]).to("cuda")
+    slots = torch.cat([tables[i, torch.arange(q) // page].long() * page + torch.arange(q) % page
+                       for i, q in enumerate(lens)]).to("cuda")
+    kw = dict(num_tokens=n, num_q_heads=nq, k_cache=k_cache, v_cache=v_cache, slots=slots, positions=positions,
+              cu_seqlens_q=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                        device="cuda"),
+              context_lens=torch.zeros(len(lens), dtype=torch.int32, device="cuda"), block_tables=tables.cuda(),
+              max_query_len=max(lens), max_kv_len=max(lens), rope_theta=500000.0)
+    local = torch.empty((n, C), device="cuda", dtype=torch.bfloat16)
+    target = u.o_scatter_target(ws, m, C, torch.bfloat16)
+
+    def attention_only(i):
+        return at.paged_attention(qkv, out=local, **kw)
+
+    def baseline(i):
+        return F.linear(comm.head_to_seq_all_to_all(at.paged_attention(qkv, out=local, **kw), group), w_o)
+
+    def fused(i):
+        at.paged_attention(qkv, scatter=target, **kw)
+        return u.scattered_o_proj(w_o, ws, tokens=m, num_tokens=n, c=C)
+
+    ref = baseline(0)
+    ws.barrier()  # the staging is free: every rank is past its previous use (the layer's qkv exchange)
+    got = fused(0)
+    torch.cuda.synchronize()
+    u.check_status(ws)
+    rel = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+    del ref, got
+    res = {"baseline": timer(baseline), "fused": timer(fused), "attention": timer(attention_only)}
+    u.check_status(ws)
+    flops = 2 * m * d * W * C
+    return {
+        "case": f"{model}.sp{W} +attention",
+        "tokens": m,
+        "shape": {"m": m, "d": d, "C": C, "q_heads": nq, "kv_heads": nkv, "k": W * C, "seq_lens": lens},
+        "baseline": "Triton paged attention into a local buffer + NCCL all_to_all_single + unpack + cuBLAS F.linear",
+        "fused": "the same attention storing rows into the owners' staging (ScatterOut) + scattered_o_proj "
+                 "(arrival barrier + cuBLAS F.linear)",
+        "baseline_ms": res["baseline"],
+        "fused_ms": res["fused"],
+        "speedup": res["baseline"] / res["fused"],
+        "attention_ms": res["attention"],
+        "exchange_and_gemm_speedup": (res["baseline"] - res["attention"]) / (res["fused"] - res["attention"]),
+        "roofline_pct": 100 * (flops / ceil["peak_flops"] * 1e3 + res["attention"]) / res["fused"],
+        "floor_ms": flops / ceil["peak_flops"] * 1e3 + res["attention"],
+        "floor_terms_ms": {"compute_ms": flops / ceil["peak_flops"] * 1e3, "attention_ms": res["attention"]},
+        "bound": "compute",
+        "routed": "fused",
+        "routed_ms": res["fused"],
+        "max_rel_diff_vs_baseline": max_over_ranks(rel),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="llama70b,qwen32b")
@@ -148,6 +231,9 @@ def main(argv=None) -> int:
     p.add_argument("--comm-programs", default="8", help="comma list of OProjConfig.comm_programs to try")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--with-attention", action="store_true",
+                   help="also time the exchange the decoder layer uses: attention storing into the owners' "
+                        "staging + scattered_o_proj, vs attention + NCCL all-to-all + GEMM (m <= 4096)")
     p.add_argument("--out", default=f"perf/results/{BENCH}.json")
     args = p.parse_args(argv)
     if args.iters < 20:
@@ -182,6 +268,16 @@ def main(argv=None) -> int:
     )
     if rank == 0:
         _bench.print_fused_wins(records, "O_PROJ_FUSED_TOKEN_RANGES")
+    if args.with_attention:
+        for model in models:
+            for m in (t for t in tokens if t <= 4096):
+                r = {**common, **bench_attention_case(model, m, W, group, ws, timer, ceil)}
+                records.append(r)
+                if rank == 0:
+                    print(f"{r['case']:>22} m={m:6d}: attention + exchange + GEMM {r['baseline_ms']:.4f} -> "
+                          f"{r['fused_ms']:.4f} ms ({r['speedup']:.3f}x; attention alone {r['attention_ms']:.4f}, "
+                          f"exchange + GEMM {r['exchange_and_gemm_speedup']:.3f}x)", flush=True)
+    if rank == 0:
         _bench.write_records(records, args.out)
     _bench.finish_distributed()
     return 0
