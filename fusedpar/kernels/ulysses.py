@@ -1112,7 +1112,7 @@ def _o_arrival_kernel(
 ):
     """One program: the arrival barrier of scattered_o_proj (epoch e = counters[EPOCH] + 1).
 
-    PUBLISH: release e (system scope) into word [ARRIVED * W + rank] of every rank: this rank's
+    PUBLISH: release e (system scope) into word [DONE * W + rank] of every rank: this rank's
     attention launch, earlier on the stream, has completed, so all its stores into the peers'
     staging buffers are performed. WAIT: acquire every peer's word >= e, then counters[EPOCH] = e;
     kernels after this one on the stream may read the staging buffer.
@@ -1169,6 +1169,16 @@ def _o_arrival_fake(local, buffer, buffer_ptrs, signal_ptrs, counters, rank, wor
     return None
 
 
+def _zeroed_padding(table: PeerTable, tokens: int, num_tokens: int, c: int, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's [m, W * C] staging with its padding rows (step rows >= num_tokens, which no
+    attention stores) zero-filled, as the reference sends them."""
+    local = o_scatter_target(table, tokens, c, dtype).local
+    first_pad = min(tokens, max(0, num_tokens - table.rank * tokens))
+    if first_pad < tokens:
+        local[first_pad:].zero_()
+    return local
+
+
 def scattered_o_proj(
     w_o: torch.Tensor,
     peers,
@@ -1202,10 +1212,7 @@ def scattered_o_proj(
         raise ValueError(f"scattered_o_proj: w_o must be [N, W * C] = [N, {W * c}], got {tuple(w_o.shape)}")
     if not 0 <= num_tokens <= W * tokens:
         raise ValueError(f"scattered_o_proj: num_tokens={num_tokens} outside [0, W * m = {W * tokens}]")
-    local = o_scatter_target(table, tokens, c, w_o.dtype).local
-    first_pad = min(tokens, max(0, num_tokens - table.rank * tokens))
-    if first_pad < tokens:
-        local[first_pad:].zero_()  # rows of padding tokens: zeros, as the reference sends them
+    local = _zeroed_padding(table, tokens, num_tokens, c, w_o.dtype)
     if torch.compiler.is_compiling():
         torch.ops.fusedpar.o_scatter_arrival(local, *_table_args(table), *_table_meta(table))
     else:
@@ -1360,11 +1367,8 @@ def scattered_o_proj_emulated(world: EmulatedWorld, ws: list[torch.Tensor], *, t
         _launch_arrival(world[r], wait=False)
     outs = []
     for r in range(W):
-        t = world[r]
-        local = o_scatter_target(t, tokens, c, ws[r].dtype).local
-        first_pad = min(tokens, max(0, num_tokens - t.rank * tokens))
-        local[first_pad:].zero_()
-        _launch_arrival(t, publish=False)
+        local = _zeroed_padding(world[r], tokens, num_tokens, c, ws[r].dtype)
+        _launch_arrival(world[r], publish=False)
         outs.append(F.linear(local, ws[r]))
     _emulated_check(world, "scattered_o_proj")
     return outs
