@@ -48,6 +48,31 @@ def kernel_table(prof, steps: int) -> tuple[list[tuple[str, float, int]], float]
     return rows, sum(r[1] for r in rows)
 
 
+def idle_summary(prof, steps: int) -> dict:
+    """Where this rank's GPU sat idle inside the profiled window: the span from the first kernel's
+    start to the last one's end, the busy time (union of kernel intervals, so overlapping streams
+    count once) and the idle gaps summed per (kernel before, kernel after) pair; all per step."""
+    iv = sorted((e.time_range.start, e.time_range.end, e.name[:70]) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not iv:
+        return {"span_us": 0.0, "busy_us": 0.0, "gaps": []}
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    busy, run_start, run_end, last = 0.0, iv[0][0], iv[0][1], iv[0][2]
+    for start, end, name in iv[1:]:
+        if start > run_end:
+            g = gaps[(last, name)]
+            g[0] += start - run_end
+            g[1] += 1
+            busy += run_end - run_start
+            run_start = start
+        if end >= run_end:
+            run_end, last = end, name
+    busy += run_end - run_start
+    top = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:12]
+    return {"span_us": (run_end - iv[0][0]) / steps, "busy_us": busy / steps,
+            "gaps": [(a, b, us / steps, n / steps) for (a, b), (us, n) in top]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="qwen32b")
@@ -74,6 +99,9 @@ def main() -> int:
     p.add_argument("--o-a2a", action="store_true",
                    help="also profile the fused base layer with o_scatter=False (attention into a local buffer, "
                         "then all_to_all_o_proj): the A/B of the base-mode return all-to-all's two plans")
+    p.add_argument("--shift-prefill", action="store_true",
+                   help="also profile the fused stack's prefill in shift mode (TP over the zero-copy views), the "
+                        "mode the policy runs at or below its threshold")
     p.add_argument("--no-decode", dest="decode_replays", action="store_false",
                    help="skip the shift-mode decode replays (prefill profiles only)")
     p.add_argument("--out", default="perf/results/profile_layer.txt")
@@ -122,11 +150,23 @@ def main() -> int:
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / steps * 1e6
         rows, total = kernel_table(prof, steps)
+        idle = [None] * world
+        torch.distributed.all_gather_object(idle, idle_summary(prof, steps))
         if rank == 0:
+            mark = len(out_lines)
             out_lines.append(f"\n== {label}: kernel time {total:.0f} us per step, wall {wall:.0f} us per step")
             for name, us, n in rows[:25]:
                 out_lines.append(f"  {us:8.1f} us  {100 * us / total:5.1f}%  x{n:<3d} {name}")
-            print("\n".join(out_lines[-min(len(rows), 25) - 1:]), flush=True)
+            between = " (steps started on an idle GPU: the gaps between steps are host sync + barrier)" \
+                if args.aligned and "prefill" in label else ""
+            out_lines.append(f"   GPU idle per step, first kernel start to last kernel end{between}:")
+            for r, d in enumerate(idle):
+                out_lines.append(f"     rank {r}: span {d['span_us']:8.1f} us  busy {d['busy_us']:8.1f} us  "
+                                 f"idle {d['span_us'] - d['busy_us']:7.1f} us")
+            out_lines.append("   rank 0's largest idle gaps per step (us, gaps per step, kernel before -> after):")
+            for before, after, us, n in idle[0]["gaps"]:
+                out_lines.append(f"     {us:8.1f} us  x{n:<4.1f} {before[:50]} -> {after[:50]}")
+            print("\n".join(out_lines[mark:]), flush=True)
 
     def layer_diagnostics(stack, layer_call) -> None:
         """Per rank: host launch time vs GPU time of one layer call; fused qkv phases (--qkv-timeline)."""
@@ -214,6 +254,8 @@ def main() -> int:
                     ("plain TP prefill", 1, world, False, "shift", True)]
     if args.o_a2a:
         prefill_runs.insert(1, ("fused base prefill, o all-to-all plan", world, 1, True, "base", False))
+    if args.shift_prefill:
+        prefill_runs.insert(1, ("fused shift prefill", world, 1, True, "shift", True))
     for label, sp, tp, fuse, mode, o_scatter in prefill_runs:
         stack, cache = build(sp, tp, fuse, o_scatter=o_scatter)
 
