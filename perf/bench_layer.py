@@ -21,7 +21,10 @@ it), median of --iters, max over ranks. Decode sizes are also timed as CUDA-grap
 torch's symm_mem one-shot all-reduce, and fused shift; the layer_shift "decode graph" record
 compares fused shift with the faster plain-TP graph (the best stock decode, DESIGN.md 9); the
 "decode replay" record times the graph replay alone (inputs staged once: the layer's GPU time,
-which a 64-layer model pays per layer, while the host staging is paid once per step). Each fused mode's
+which a 64-layer model pays per layer, while the host staging is paid once per step); "decode replay
+pipelined" replays it 8 times back to back per sample (per replay): one replay after a barrier carries
+the ranks' start skew (the first all-reduce waits for the latest rank), which a model's graph of all
+its layers pays once per step, not per layer. Each fused mode's
 output is checked against plain SP / plain TP on the same input (max relative difference).
 Prefill sizes are also timed as the decoder layer alone (layer_time_ms: the step planned once, then
 only layer(x, step, cache) per sample; records case "<model> prefill layer"): what each layer of a
@@ -31,7 +34,9 @@ carries the slowest rank's host launch of the layer's first kernels (the first c
 for it); case "<model> prefill layer pipelined" times 8 calls back to back per sample (per call),
 as the layers of a deep model run with the host ahead of the GPU.
 Records: bench layer_base / layer_shift (speedup vs plain TP) and layer_shift_policy (vs the
-better of plain TP and plain SP), plus the plain modes' times; roofline_pct against
+better of plain TP and plain SP: for the eager step, and in the steady state, case "... layer
+pipelined (<mode>)" for prefill sizes and "... replay pipelined (shift)" for decode sizes),
+plus the plain modes' times; roofline_pct against
 max(GEMM FLOPs at the cuBLAS TFLOP/s, weight-shard bytes at the HBM bandwidth) measured here.
 """
 
@@ -79,26 +84,35 @@ def full_weights(cfg, device, dtype, seed: int) -> dict[str, torch.Tensor]:
 PIPELINED_CALLS = 8  # layer calls per sample of the "layer pipelined" records
 
 
-def step_time_ms(fn, iters: int, warmup: int) -> float:
+def step_time_ms(fn, iters: int, warmup: int, host: list | None = None) -> float:
+    """GPU time of fn (CUDA events around it, each sample started on an idle GPU after a barrier):
+    median over iters, max over ranks. host: if given, gets the same statistic of the host time
+    fn took to return (its launches), appended."""
+    import time
+
     import torch.distributed as dist
 
     for i in range(warmup):
         fn(i)
-    times = []
+    times, host_times = [], []
     for i in range(iters):
         torch.cuda.synchronize()
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         fn(warmup + i)
+        host_times.append((time.perf_counter() - t0) * 1e3)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    if host is not None:
+        host.append(_bench.max_over_ranks(statistics.median(host_times)))
     return _bench.max_over_ranks(statistics.median(times))
 
 
 def layer_time_ms(stack, cache, x: torch.Tensor, n: int, mode: str | None, iters: int, warmup: int,
-                  pipelined_calls: int = PIPELINED_CALLS) -> tuple[float, float]:
+                  pipelined_calls: int = PIPELINED_CALLS) -> tuple[float, float, float]:
     """Eager time of the decoder layer alone for a prefill of n tokens: the step is planned once
     (cache slots, attention metadata upload, base-mode row slice) and every sample runs only
     layer(x, step, cache), rewriting the same cache slots. A model pays this per layer; the
@@ -110,7 +124,10 @@ def layer_time_ms(stack, cache, x: torch.Tensor, n: int, mode: str | None, iters
     rank's host launch of the layer's first kernels is in it (every rank waits for it at the
     first collective); pipelined = `pipelined_calls` calls back to back in one sample, per call,
     which is how the layers of a deep model run (the host launches ahead of the GPU whenever a
-    layer's launch cost is below its GPU time, so that skew is paid once per step, not per layer)."""
+    layer's launch cost is below its GPU time, so that skew is paid once per step, not per layer).
+    Third: the host time to launch one call in the pipelined samples (max over ranks). Where it
+    reaches the pipelined GPU time the layer is host-bound: the GPU waits for the slowest rank's
+    Python, and the time says more about the lent machine's CPU than about the kernels."""
     from fusedpar.layers import StepBatch
 
     sid = -1 - n  # a sequence id of its own, freed below
@@ -123,9 +140,10 @@ def layer_time_ms(stack, cache, x: torch.Tensor, n: int, mode: str | None, iters
         for _ in range(pipelined_calls):
             layer(x, step, cache)
 
-    pipelined = step_time_ms(calls, iters, 1) / pipelined_calls
+    host: list[float] = []
+    pipelined = step_time_ms(calls, iters, 1, host) / pipelined_calls
     cache.free(sid)
-    return one, pipelined
+    return one, pipelined, host[0] / pipelined_calls
 
 
 def main() -> int:
@@ -197,17 +215,19 @@ def main() -> int:
         """Per GPU: GEMM work at the measured TFLOP/s, or reading the weight shard at HBM speed."""
         return max(2 * n * layer_params / world / peak, 2 * layer_params / world / hbm) * 1e3
 
+    policy = ShiftPolicy(args.threshold)
     runs = [("plain TP", "plain TP", None), ("plain SP", "plain SP", "base"), ("fused base", "fused", "base"),
             ("fused shift", "fused", "shift"), ("fused policy", "fused", None)]
     gen = torch.Generator(device=dev).manual_seed(1)
     results: dict[int, dict[str, float]] = {}
     diffs: dict[int, dict[str, float]] = {}
+    host_ms: dict[int, dict[str, float]] = {}  # per prefill size and mode: host launch ms per pipelined call
     sid = iter(range(10**9))
     graph_runs = [("plain TP graph", "plain TP"), ("plain TP graph symm_mem", "plain TP symm_mem"),
                   ("fused shift graph", "fused")]
     for n in tokens:
         x = torch.randn((n, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
-        results[n], diffs[n], outs = {}, {}, {}
+        results[n], diffs[n], outs, host_ms[n] = {}, {}, {}, {}
         todo = [(label, key, mode, False) for label, key, mode in runs]
         if n > 64 and "fused o-a2a" in stacks:
             todo.insert(3, ("fused base o-a2a", "fused o-a2a", "base", False))
@@ -240,13 +260,20 @@ def main() -> int:
                 st = graphs.stage(x, StepBatch(ids, (1,) * n, (cache.seq_len(ids[0]),) * n))
                 results[n][label.replace("graph", "replay")] = step_time_ms(lambda i, g=st.graph: g.replay(),
                                                                             args.iters, args.warmup)
+
+                def replays(i, g=st.graph):
+                    for _ in range(PIPELINED_CALLS):
+                        g.replay()
+
+                results[n][label.replace("graph", "replay pipelined")] = step_time_ms(
+                    replays, args.iters, 1) / PIPELINED_CALLS
             stack.graphs = None
             if n <= 64:
                 for s in ids:
                     cache.free(s)
             elif label != "fused policy":  # the decoder layer alone, on a step planned once
-                results[n][f"{label} layer"], results[n][f"{label} layer pipelined"] = layer_time_ms(
-                    stack, cache, x, n, mode, args.iters, args.warmup)
+                results[n][f"{label} layer"], results[n][f"{label} layer pipelined"], host_ms[n][label] = \
+                    layer_time_ms(stack, cache, x, n, mode, args.iters, args.warmup)
         if n > 64:  # fused vs plain on the same input (prefill: fresh cache state, comparable)
             for label, ref in (("fused base", "plain SP"), ("fused shift", "plain TP"), ("fused policy", "plain SP"),
                                ("fused base o-a2a", "plain SP")):
@@ -258,6 +285,11 @@ def main() -> int:
             row = "  ".join(f"{k} {v:.3f}" for k, v in results[n].items())
             print(f"{args.model} tokens {n:6d}: {row} (ms){'  diffs ' + str(diffs[n]) if diffs[n] else ''}",
                   flush=True)
+            if host_ms[n]:
+                bound = {k: v >= 0.9 * results[n][f"{k} layer pipelined"] for k, v in host_ms[n].items()}
+                print(f"{args.model} tokens {n:6d}: host launch ms per pipelined layer call: "
+                      + "  ".join(f"{k} {v:.3f}{' (host-bound)' if bound[k] else ''}" for k, v in host_ms[n].items()),
+                      flush=True)
 
     if rank == 0:
         info = _bench.run_info(world)
@@ -294,11 +326,28 @@ def main() -> int:
                     ("layer_plain_sp", "plain SP layer pipelined", pipe, r["plain TP layer pipelined"],
                      "layer pipelined"),
                 ]
-            for kind in ("graph", "replay"):
+            for kind in ("graph", "replay", "replay pipelined"):
                 stock = [r[k] for k in (f"plain TP {kind}", f"plain TP {kind} symm_mem") if k in r]
                 if f"fused shift {kind}" in r and stock:
                     runs_here.append(("layer_shift", f"fused shift {kind}", f"plain TP in a CUDA graph ({kind}), "
                                       "faster of NCCL and torch symm_mem one-shot all-reduce", min(stock), kind))
+            # The policy in the steady state of a deep model: its mode's per-layer time against the
+            # faster plain mode's, measured the same way (the "eager" policy record above charges a
+            # one-layer stack the whole step's host work, which swings by 10-30% between samples).
+            policy_mode = policy.mode(n, world // args.base_tp)
+            if "plain TP layer pipelined" in r:
+                runs_here.append((
+                    "layer_shift_policy", f"fused {policy_mode} layer pipelined",
+                    f"better of plain TP and plain SP, layer pipelined ({PIPELINED_CALLS} calls back to back, "
+                    "per call)", min(r["plain TP layer pipelined"], r["plain SP layer pipelined"]),
+                    f"layer pipelined ({policy_mode})"))
+            stock = [r[k] for k in ("plain TP replay pipelined", "plain TP replay pipelined symm_mem") if k in r]
+            if policy_mode == "shift" and "fused shift replay pipelined" in r and stock:
+                runs_here.append((
+                    "layer_shift_policy", "fused shift replay pipelined",
+                    f"better of plain TP and plain SP: plain TP in a CUDA graph, {PIPELINED_CALLS} replays back to "
+                    "back, faster of NCCL and torch symm_mem one-shot (plain SP reads every weight on every rank: "
+                    "slower at decode sizes, see the eager records)", min(stock), "replay pipelined (shift)"))
             for bench, label, base_label, base_ms, kind in runs_here:
                 records.append({
                     "bench": bench, "case": f"{args.model} {'decode' if n <= 64 else 'prefill'} {kind}", "tokens": n,
@@ -309,6 +358,15 @@ def main() -> int:
                     "fused_base_layout": f"SP={world // args.base_tp} x TP={args.base_tp}",
                     "all_modes_ms": r, **info,
                 })
+                if "pipelined" in kind and "replay" not in kind:
+                    # host launch time per call of both sides; host-bound: the GPU waited for the host
+                    fused_mode = label.replace(" layer pipelined", "")
+                    base_modes = [m for m in ("plain TP", "plain SP") if base_label.startswith(m)] or \
+                        ["plain TP", "plain SP"]
+                    hosts = {m: host_ms[n][m] for m in [fused_mode, *base_modes] if m in host_ms[n]}
+                    records[-1]["host_ms_per_call"] = hosts
+                    records[-1]["host_bound"] = any(
+                        v >= 0.9 * r[f"{m} layer pipelined"] for m, v in hosts.items())
         _bench.write_records(records, args.out)
     _bench.exit_without_teardown(0)
     return 0
