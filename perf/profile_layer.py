@@ -51,18 +51,20 @@ def kernel_table(prof, steps: int) -> tuple[list[tuple[str, float, int]], float]
 def idle_summary(prof, steps: int) -> dict:
     """Where this rank's GPU sat idle inside the profiled window: the span from the first kernel's
     start to the last one's end, the busy time (union of kernel intervals, so overlapping streams
-    count once) and the idle gaps summed per (kernel before, kernel after) pair; all per step."""
+    count once) and the idle gaps summed per (kernel before, kernel after) pair; all per step, with
+    each pair's longest single gap (one long gap in the first step = the host starting late)."""
     iv = sorted((e.time_range.start, e.time_range.end, e.name[:70]) for e in prof.events()
                 if e.device_type == torch.autograd.DeviceType.CUDA)
     if not iv:
         return {"span_us": 0.0, "busy_us": 0.0, "gaps": []}
-    gaps: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
     busy, run_start, run_end, last = 0.0, iv[0][0], iv[0][1], iv[0][2]
     for start, end, name in iv[1:]:
         if start > run_end:
             g = gaps[(last, name)]
             g[0] += start - run_end
             g[1] += 1
+            g[2] = max(g[2], start - run_end)
             busy += run_end - run_start
             run_start = start
         if end >= run_end:
@@ -70,7 +72,7 @@ def idle_summary(prof, steps: int) -> dict:
     busy += run_end - run_start
     top = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:12]
     return {"span_us": (run_end - iv[0][0]) / steps, "busy_us": busy / steps,
-            "gaps": [(a, b, us / steps, n / steps) for (a, b), (us, n) in top]}
+            "gaps": [(a, b, us / steps, n / steps, longest) for (a, b), (us, n, longest) in top]}
 
 
 def main() -> int:
@@ -163,9 +165,10 @@ def main() -> int:
             for r, d in enumerate(idle):
                 out_lines.append(f"     rank {r}: span {d['span_us']:8.1f} us  busy {d['busy_us']:8.1f} us  "
                                  f"idle {d['span_us'] - d['busy_us']:7.1f} us")
-            out_lines.append("   rank 0's largest idle gaps per step (us, gaps per step, kernel before -> after):")
-            for before, after, us, n in idle[0]["gaps"]:
-                out_lines.append(f"     {us:8.1f} us  x{n:<4.1f} {before[:50]} -> {after[:50]}")
+            out_lines.append("   rank 0's largest idle gaps per step (us, gaps per step, the longest single gap, "
+                             "kernel before -> after):")
+            for before, after, us, n, longest in idle[0]["gaps"]:
+                out_lines.append(f"     {us:8.1f} us  x{n:<4.1f} (max {longest:7.1f}) {before[:50]} -> {after[:50]}")
             print("\n".join(out_lines[mark:]), flush=True)
 
     def layer_diagnostics(stack, layer_call) -> None:
