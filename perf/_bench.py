@@ -3,7 +3,7 @@
 The scripts import it as a sibling module (each puts its own directory on sys.path first):
     init_distributed / finish_distributed   torchrun + NCCL with NVLink multicast off
     max_over_ranks                          a collective is as slow as its slowest rank
-    BarrierTimer                            eager call sequences and CUDA-graph replays
+    BarrierTimer                            eager call sequences (alone or interleaved) and CUDA-graph replays
     SpinTimer                               one call per sample after a GPU spin
     measure_link_ceilings                   cuBLAS peak, HBM and NCCL all-to-all bandwidth
     run_info                                the torch / triton / date / command record fields
@@ -103,6 +103,23 @@ class BarrierTimer:
             run()
         torch.cuda.synchronize()
         return statistics.median(self._sample(run, len(calls)) for _ in range(self.iters))
+
+    def eager_interleaved(self, variants: dict[str, list[Callable[[], object]]]) -> dict[str, float]:
+        """eager() of several call sequences whose samples alternate (A B C, B C A, C A B, ...): an
+        eager call of a small op is host-bound, and on a shared host the launch speed drifts over
+        seconds, so timing one variant after the other lets the drift decide the ratio."""
+        names = list(variants)
+        runs = {name: (lambda calls=calls: [c() for c in calls]) for name, calls in variants.items()}
+        for _ in range(self.warmup):
+            for name in names:
+                runs[name]()
+        torch.cuda.synchronize()
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(self.iters):
+            for j in range(len(names)):
+                name = names[(i + j) % len(names)]
+                samples[name].append(self._sample(runs[name], len(variants[name])))
+        return {name: statistics.median(v) for name, v in samples.items()}
 
     def graph(self, calls: list[Callable[[], object]]) -> float:
         for c in calls:  # warm-up outside capture (compilation, NCCL graph registration)

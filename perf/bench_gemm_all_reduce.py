@@ -196,17 +196,33 @@ def bench_point(ctx: Context, name: str, n: int, k: int, tokens: int, ops: list[
         worst = max_over_ranks(ms)  # inf on any rank: unavailable everywhere, and every rank joins
         paths_ms[key] = None if worst == float("inf") else worst
 
-    timed("cublas+nccl eager", calls_of(plain), "eager")
+    # Eager: the plain, fused and routed paths' samples interleave (BarrierTimer.eager_interleaved),
+    # after each was run once alone, so that a path that cannot run drops out on every rank alike.
+    eager = {"cublas+nccl eager": calls_of(plain)}
     if plan is not None:
-        timed("fused eager", calls_of(fused), "eager")
-    else:
-        paths_ms["fused eager"] = None
-        if ctx.rank == 0:
-            print(f"{name} {tokens}: fused {fused_path} cannot run: {why}")
+        eager["fused eager"] = calls_of(fused)
+    elif ctx.rank == 0:
+        print(f"{name} {tokens}: fused {fused_path} cannot run: {why}")
+    if routed_path != fused_path:
+        eager["routed eager"] = calls_of(routed)
+    ok = {}
+    for key, fns in eager.items():
+        try:
+            for fn in fns:
+                fn()
+            torch.cuda.synchronize()
+            ok[key] = fns
+        except Exception as exc:  # as in timed(): report, keep the other paths
+            print(f"rank {ctx.rank}: {name} {tokens} {key} failed: {exc}"[:400])
+            torch.cuda.synchronize()
+    measured = timer.eager_interleaved(ok) if ok else {}
+    for key in ("cublas+nccl eager", "fused eager", "routed eager"):
+        if key in eager:  # the same keys on every rank: each joins the same max_over_ranks calls
+            worst = max_over_ranks(measured.get(key, float("inf")))
+            paths_ms[key] = None if worst == float("inf") else worst
+    paths_ms.setdefault("fused eager", None)
     if routed_path == fused_path:
         paths_ms["routed eager"] = paths_ms["fused eager"]
-    else:
-        timed("routed eager", calls_of(routed), "eager")
 
     if decode:
         outs = [torch.empty((tokens, n), dtype=dtype, device="cuda") for _ in rotating]

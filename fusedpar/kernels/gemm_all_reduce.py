@@ -171,10 +171,13 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #  - one-shot (decode): inside a CUDA graph 1.07-1.33x cuBLAS + torch's symm_mem one-shot for
 #    8-64 rows (Llama-70B o/down); eager it loses (0.57-0.83x cuBLAS + NCCL) to the Triton
 #    launch's host cost, so "auto" takes it only while a CUDA graph is being captured.
-#  - two-shot: 1.01-1.21x cuBLAS + NCCL from 4096 rows; 0.79-1.03x at 1024-2048.
+#  - two-shot: timed one path after the other (GPU run 3) it measured 1.01-1.21x cuBLAS + NCCL
+#    from 4096 rows; with the paths' samples interleaved (runs 108, 111, 113, which cancel the
+#    host's drift) 0.88-1.02x at 4096 rows (6 of the 12 cases below 0.97x; Qwen3-32B down
+#    0.88-0.93x in all three), 1.00-1.10x at 8192 and 1.00-1.15x at 16384. So it starts at 8192 rows.
 # Between the two (and whenever the workspace is too small) the router uses cuBLAS + all_reduce.
 ONE_SHOT_MAX_TOKENS = 64
-TWO_SHOT_MIN_TOKENS = 4096
+TWO_SHOT_MIN_TOKENS = 8192
 
 # Bounded spin on GPUs: polls of a local flag word (an acquire RMW at system scope, ~0.2-1 us
 # each) before a wait gives up and reports counters[STATUS] = 1: ~7 s to ~30 s, far above any
@@ -1004,6 +1007,27 @@ def gemm_all_reduce_reference(x: torch.Tensor, w: torch.Tensor, group, workspace
     return all_reduce(y, group, workspace, inplace=True)
 
 
+def _eager_plain_or_none(x, w, group, workspace, residual, two_shot_min_tokens: int) -> torch.Tensor | None:
+    """The router's eager CUDA answer below the two-shot range, cuBLAS + the process group's
+    allreduce [+ residual], reached in as few Python steps as possible; None where the full path
+    must decide (capture, a group of one, a workspace of another size, a residual of another shape).
+
+    Such calls are bound by the host's launch cost, and on the lent machines every Python step
+    shows: with the general prelude below (views, checks, table lookups) this path measured
+    0.86-0.93x of F.linear + dist.all_reduce, the same launches alone 1.05-1.23x (GPU run 112,
+    perf/probe_eager_fallback.py)."""
+    if x.shape[0] >= two_shot_min_tokens or routes_as_captured(x.device):
+        return None
+    size, pg = group_size_and_pg(group)
+    if size < 2 or pg is None or (workspace is not None and as_peer_table(workspace).world_size != size):
+        return None
+    if residual is not None and tuple(residual.shape) != (x.shape[0], w.shape[0]):
+        return None  # the full path names the shape it wants
+    _check_shapes_only(x, w)
+    y = sum_over_group_(torch.nn.functional.linear(x, w), pg)
+    return y if residual is None else residual + y
+
+
 def gemm_all_reduce(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -1042,6 +1066,10 @@ def gemm_all_reduce(
     """
     if path not in PATHS:
         raise ValueError(f"gemm_all_reduce: path must be one of {PATHS}, got {path!r}")
+    if path == "auto" and out is None and group is not None and x.dim() == 2 and x.is_cuda:
+        y = _eager_plain_or_none(x, w, group, workspace, residual, two_shot_min_tokens)
+        if y is not None:
+            return y
     if x.dim() < 1 or w.dim() != 2:
         raise ValueError(f"gemm_all_reduce: x must be [..., K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
     flat = x.dim() == 2  # the common case: no reshapes (each costs host time in an eager decode step)

@@ -83,16 +83,23 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
 class TwinRankGroup:
     """A stand-in for a two-rank ProcessGroup whose ranks hold identical tensors: allreduce (SUM)
     doubles the tensor in place. Records each call (the tensor, then "waited" when its work is
-    waited on) in `calls`. Pass it as `pg` of a CommGroup-like SimpleNamespace(size=2, pg=...)."""
+    waited on) in `calls`; returns_work=False returns no work object, as NCCL does for a
+    synchronous allreduce (asyncOp=False: enqueued on the caller's stream). Pass it as `pg` of a
+    CommGroup-like SimpleNamespace(size=2, pg=...)."""
 
-    def __init__(self) -> None:
+    def __init__(self, returns_work: bool = True) -> None:
         self.calls: list = []
+        self.returns_work = returns_work  # False: as NCCL answers a synchronous (asyncOp=False) allreduce
 
     def allreduce(self, tensors: list[torch.Tensor], opts) -> Any:
         from types import SimpleNamespace
 
         if len(tensors) != 1 or opts.reduceOp != dist.ReduceOp.SUM:
             raise AssertionError(f"TwinRankGroup: expected one tensor and SUM, got {len(tensors)}, {opts.reduceOp}")
+        if getattr(opts, "asyncOp", False):  # dist.all_reduce(async_op=False)'s options: NCCL runs it in stream
+            raise AssertionError("TwinRankGroup: expected the synchronous options (asyncOp=False)")
         self.calls.append(tensors[0])
         tensors[0].mul_(2.0)
+        if not self.returns_work:
+            return None
         return SimpleNamespace(wait=lambda: self.calls.append("waited"))

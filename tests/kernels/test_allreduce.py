@@ -299,6 +299,18 @@ def test_all_reduce_routes_large_messages_and_no_workspace_to_nccl():
     assert world[0].epoch() == 0, "the NCCL path must not launch the one-shot kernel"
 
 
+def test_nccl_fallback_is_synchronous_and_needs_no_work():
+    """sum_over_group_ passes dist.all_reduce's synchronous options (asyncOp=False: NCCL runs it on
+    the caller's stream instead of its own, fenced by events) and accepts NCCL's answer to them, no
+    work object (GPU run 110 failed with 'NoneType' object has no attribute 'wait' before)."""
+    pg = TwinRankGroup(returns_work=False)
+    x = torch.randn(33)
+    y = ar.sum_over_group_(x.clone(), pg)
+    assert torch.equal(y, 2 * x) and pg.calls == [y]
+    z = all_reduce(x, SimpleNamespace(size=2, pg=pg), None)
+    assert torch.equal(z, 2 * x) and pg.calls[-1] is z
+
+
 def test_all_reduce_size_one_and_mismatched_workspace():
     x = torch.randn(5)
     y = all_reduce(x, SimpleNamespace(size=1, pg=None))

@@ -573,6 +573,28 @@ def test_fallback_is_cublas_plus_nccl():
     assert len(pg.calls) == 6
 
 
+def test_short_eager_path_is_the_plain_path_or_declines():
+    """gar._eager_plain_or_none (what an eager CUDA "auto" call below the two-shot range runs; CPU
+    tensors here, which gemm_all_reduce itself never sends to it): F.linear + the group's allreduce
+    [+ residual], or None wherever the full router must decide."""
+    pg = TwinRankGroup(returns_work=False)
+    group = SimpleNamespace(size=2, pg=pg)
+    xs, ws = _inputs(1, 9, 72, 40, torch.float32, seed=17)
+    x, w = xs[0], ws[0]
+    want = 2.0 * torch.nn.functional.linear(x, w)
+    res = torch.randn(9, 72)
+    assert torch.equal(gar._eager_plain_or_none(x, w, group, None, None, 4096), want)
+    assert torch.equal(gar._eager_plain_or_none(x, w, group, _world(2, 1024)[0], res, 4096), res + want)
+    assert len(pg.calls) == 2
+    declined = [gar._eager_plain_or_none(x, w, group, None, None, 9),  # at the two-shot threshold
+                gar._eager_plain_or_none(x, w, SimpleNamespace(size=1, pg=pg), None, None, 4096),
+                gar._eager_plain_or_none(x, w, group, _world(4, 1024)[0], None, 4096),  # workspace of 4
+                gar._eager_plain_or_none(x, w, group, None, res[:, :8], 4096)]  # residual of another shape
+    assert declined == [None] * 4 and len(pg.calls) == 2
+    with pytest.raises(ValueError, match="inner dims differ"):
+        gar._eager_plain_or_none(x, ws[0][:, :8], group, None, None, 4096)
+
+
 def test_leading_dims_flatten_and_come_back():
     """x [..., K] (and residual / out [..., N]) behave as the flattened rows: the 2-D fast path and the
     reshaping path give the same numbers, on the fallback and on the fused one-shot."""
@@ -896,6 +918,7 @@ def test_gpu_router_fallback_is_the_plain_path(gpu_world, gpu_workspace):
         dist.broadcast(res, 0)
         out = poison_(torch.empty_like(want))
         got_res = gemm_all_reduce(x, w, gpu_world, gpu_workspace, residual=res, out=out)
+        got_res2 = gemm_all_reduce(x, w, gpu_world, gpu_workspace, residual=res)  # the short eager path
         torch.cuda.synchronize()
         if gpu_workspace.table.epoch() != before:
             errors.append(f"[{m}] eager auto launched a fused kernel (epoch {before} -> {gpu_workspace.table.epoch()})")
@@ -903,6 +926,8 @@ def test_gpu_router_fallback_is_the_plain_path(gpu_world, gpu_workspace):
             errors.append(f"[{m}] eager auto differs from F.linear + dist.all_reduce")
         if got_res is not out or not torch.equal(out, res + want):
             errors.append(f"[{m}] eager auto with residual/out differs from res + (F.linear + dist.all_reduce)")
+        if not torch.equal(got_res2, res + want):
+            errors.append(f"[{m}] eager auto with residual differs from res + (F.linear + dist.all_reduce)")
     assert all_ranks_ok(not errors), "\n".join(errors)
 
 
