@@ -26,6 +26,9 @@ Position ids that are not consecutive within a row, or that jump between calls (
 followed by more tokens), would change the result and raise NotImplementedError. A sliding-window
 model's window counts attention_mask columns, not real tokens: a row whose real tokens span more
 columns than the window (masked columns between them) raises ValueError.
+output_hidden_states (keyword or config) gives HF's L + 1 hidden states (embeddings, every
+layer's output but the last, the final norm's output; a base-mode layer's rows are all-gathered
+over SP for it); output_attentions raises NotImplementedError (never formed).
 
 Generation state. `past_key_values` returned by the model is a `ShiftParallelCache` (a
 transformers `Cache` subclass holding only bookkeeping: row -> sequence id, cached real tokens,
@@ -36,10 +39,17 @@ passes first) starts new sequences and frees the previous live ones; a call with
 uses temporary sequences freed before it returns. Only the most recent cache can be continued,
 and copies of it: `copy.deepcopy(cache)` (HF's prompt-reuse recipe) forks its sequences (new
 sequences holding a copy of its k/v), freed when the copy is garbage-collected or the next call
-starts new sequences. generate(cache_implementation=...) runs on the paged cache as well (a
-static HF cache would also make generate build 4D masks); "quantized" is refused (it changes the
-numerics). The paged cache is created and grown outside inference mode, so a model first run
-under torch.inference_mode() keeps working outside it.
+starts new sequences. A continuing call's attention_mask must repeat, over the cached columns,
+the mask they were cached under (the paged cache holds only the real tokens, while an HF cache
+holds every column and lets each call re-mask it): no mask or an all-ones one after a left-padded
+prompt, or a cached token masked later, raises NotImplementedError naming the row and columns.
+generate(cache_implementation=...), and generate(past_key_values=<an empty HF cache>) such as
+StaticCache(...), run on the paged cache as well (a static HF cache would also make generate
+build 4D masks); "quantized" and a QuantizedCache are refused (they change the numerics).
+save_pretrained (the checkpoint would lack the sharded decoder) and converting the parallelized
+model to another dtype or device (.to / .half / ...: only the replicated modules would follow)
+raise NotImplementedError. The paged cache is created and grown outside inference mode, so a
+model first run under torch.inference_mode() keeps working outside it.
 
 Numerics. Every model runs on the core ShiftParallelDecoderLayer: q/k/v bias (Qwen2) and a
 non-default RoPE table (llama3, linear, yarn: the HF rotary module's inv_freq and
@@ -55,10 +65,10 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, QuantizedCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from fusedpar.collectives import ParallelContext
+from fusedpar.collectives import ParallelContext, all_gather_rows
 from fusedpar.layers import (
     PagedKVCache,
     ShardedDecoderWeights,
@@ -98,7 +108,10 @@ class ShiftParallelCache(Cache):
     width: columns seen so far (what HF calls the cache's sequence length: attention masks of
     later calls are this wide plus the new tokens); offsets[i]: HF position minus fusedpar
     position of row i (constant for a valid row, see the module docstring); first_col[i]: the
-    column of row i's first real token (sliding-window models only: their window counts columns).
+    column of row i's first real token (sliding-window models only: their window counts columns);
+    columns: bool [rows, width] CPU, which columns were real tokens when they were cached (a later
+    call's attention_mask must repeat it over those columns: the cache holds only real tokens, so
+    it can neither mask a cached token nor attend to a padding one, as an HF cache could).
     """
 
     def __init__(self, runtime: _Runtime, seq_ids: list[int]):
@@ -108,6 +121,7 @@ class ShiftParallelCache(Cache):
         self.cached = [0] * len(seq_ids)
         self.offsets: list[int | None] = [None] * len(seq_ids)
         self.first_col: list[int | None] = [None] * len(seq_ids)
+        self.columns = torch.zeros((len(seq_ids), 0), dtype=torch.bool)
         self.width = 0
         self.released = False
 
@@ -218,7 +232,7 @@ class _Runtime:
                              "started new sequences)")
         forked = ShiftParallelCache(self, self._take_ids(len(state.seq_ids)))
         forked.cached, forked.offsets, forked.first_col = list(state.cached), list(state.offsets), list(state.first_col)
-        forked.width = state.width
+        forked.width, forked.columns = state.width, state.columns.clone()
         rows = [i for i, n in enumerate(state.cached) if n]
         if rows:
             # the copies' slots for positions 0..n-1 (reserved like a prefill), filled from the originals'
@@ -291,9 +305,16 @@ class ShiftParallelCausalLMMixin:
         rt: _Runtime = self._fusedpar
         return_dict = kwargs.get("return_dict")
         loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "ignore_index") if k in kwargs}
-        for flag in ("output_attentions", "output_hidden_states"):
-            if kwargs.pop(flag, None):
-                raise NotImplementedError(f"fusedpar.integrations.hf: {flag}=True is not supported")
+        # as HF: an absent (or None) flag takes the config's value
+        flags = {f: kwargs.pop(f, None) for f in ("output_attentions", "output_hidden_states")}
+        flags = {f: getattr(self.config, f, False) if v is None else v for f, v in flags.items()}
+        if flags["output_attentions"]:
+            raise NotImplementedError("fusedpar.integrations.hf: output_attentions=True is not supported (the "
+                                      "attention probabilities are never formed, and live sharded over the ranks)")
+        output_hidden_states = flags["output_hidden_states"]
+        if not isinstance(output_hidden_states, bool):
+            raise NotImplementedError(f"fusedpar.integrations.hf: output_hidden_states={output_hidden_states!r} is "
+                                      "not supported (True or False: a list of layers is not)")
         extra = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None and v is not False)
         if extra:
             raise NotImplementedError(f"fusedpar.integrations.hf: forward arguments {extra} are not supported")
@@ -311,7 +332,8 @@ class ShiftParallelCausalLMMixin:
             state = _resolve_state(rt, past_key_values, b, keep=use_cache)
             temporary = not use_cache and not isinstance(past_key_values, ShiftParallelCache)
             try:
-                hidden = _run_step(rt, state, embeds, attention_mask, position_ids)
+                hidden, layer_outputs = _run_step(rt, state, embeds, attention_mask, position_ids,
+                                                  capture=output_hidden_states)
             except BaseException:
                 if temporary:
                     state.release()
@@ -324,8 +346,36 @@ class ShiftParallelCausalLMMixin:
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=None if temporary else state)
+        # HF's hidden_states: the embeddings, the output of every layer but the last, the final norm's output
+        hidden_states = (embeds, *layer_outputs, hidden) if output_hidden_states else None
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=None if temporary else state,
+                                     hidden_states=hidden_states)
         return out.to_tuple() if return_dict is False else out
+
+    def save_pretrained(self, *args, **kwargs):
+        """Refused: HF would write the embeddings, final norm and lm_head only (the decoder layers live
+        in fusedpar's stack, each rank holding its shard), a checkpoint that loads with random layers."""
+        raise NotImplementedError(
+            "fusedpar.integrations.hf: save_pretrained of a parallelized model is not supported: its decoder "
+            f"layers ({self._fusedpar.spec.num_layers}) are sharded over the ranks in fusedpar's layout and "
+            "the checkpoint would hold none of them; save the model before parallelize"
+        )
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to() / .half() / .bfloat16() / .float() / .cuda() ...: refused when they would change the
+        dtype or device. They would convert only the replicated modules (embeddings, final norm,
+        lm_head), not the decoder shards (plain tensors in fusedpar's stack), leaving a model of mixed
+        precision or devices. A no-op (same dtype and device) is fine."""
+        rt = getattr(self, "_fusedpar", None)
+        if isinstance(rt, _Runtime):
+            probe = fn(torch.empty(0, dtype=rt.spec.dtype, device=rt.ctx.device))
+            if probe.dtype != rt.spec.dtype or probe.device != rt.ctx.device:
+                raise NotImplementedError(
+                    f"fusedpar.integrations.hf: cannot convert a parallelized model from {rt.spec.dtype} on "
+                    f"{rt.ctx.device} to {probe.dtype} on {probe.device} (its decoder shards are not module "
+                    "parameters and would stay as they are); convert the model before parallelize"
+                )
+        return super()._apply(fn, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate(cache_implementation=...): the paged cache replaces any HF cache (a static one would
@@ -338,6 +388,13 @@ class ShiftParallelCausalLMMixin:
                                       "(the sharded paged cache keeps k/v in the model's dtype)")
         if impl is not None:
             generation_config.cache_implementation = None
+        past = model_kwargs.get("past_key_values")
+        if isinstance(past, Cache) and not isinstance(past, ShiftParallelCache):
+            _check_foreign_cache(past)
+            if past.get_seq_length() == 0:
+                # an empty HF cache the caller made (StaticCache(...), DynamicCache()): the paged cache
+                # replaces it, as above (a static one would make generate build 4D masks)
+                model_kwargs["past_key_values"] = None
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
 
@@ -354,12 +411,21 @@ def _resolve_state(rt: _Runtime, past, rows: int, keep: bool) -> ShiftParallelCa
             raise ValueError(f"past_key_values holds {past.batch_size} rows, this call has {rows}: rows cannot be "
                              "added, dropped or reordered")
         return past
+    if isinstance(past, Cache):
+        _check_foreign_cache(past)
     if past is None or (isinstance(past, Cache) and past.get_seq_length() == 0):
         return rt.new_state(rows, keep=keep)
     raise ValueError(
         f"past_key_values is a {type(past).__name__} with {past.get_seq_length() if isinstance(past, Cache) else '?'} "
         "tokens that was not produced by this parallelized model; pass None to start new sequences"
     )
+
+
+def _check_foreign_cache(past: Cache) -> None:
+    """An HF cache passed in (empty: it only asks for a cache) must not ask for other numerics."""
+    if isinstance(past, QuantizedCache):
+        raise NotImplementedError("fusedpar.integrations.hf: past_key_values=QuantizedCache(...) is not supported "
+                                  "(the sharded paged cache keeps k/v in the model's dtype)")
 
 
 def _check_positions(state: ShiftParallelCache, pos: torch.Tensor, new: torch.Tensor, q_lens: list[int]):
@@ -394,8 +460,12 @@ def _check_positions(state: ShiftParallelCache, pos: torch.Tensor, new: torch.Te
     return offsets
 
 
-def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, attention_mask, position_ids):
-    """Pack the real new tokens of every row, run the stack, scatter back to [b, s, d]."""
+def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, attention_mask, position_ids,
+              capture: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Pack the real new tokens of every row, run the stack, scatter back to [b, s, d].
+
+    capture: also return the output of every decoder layer but the last, scattered the same way
+    (padded positions zero), for output_hidden_states; else that list is empty."""
     b, s, _ = embeds.shape
     past = state.width
     if attention_mask is not None:
@@ -405,9 +475,11 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
         if tuple(attention_mask.shape) != (b, past + s):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({b}, {past + s}) "
                              f"= (batch, {past} cached columns + {s} new)")
-        new = attention_mask[:, past:].to("cpu").bool()
-    else:
-        new = torch.ones((b, s), dtype=torch.bool)
+        cols = attention_mask.to("cpu").bool()
+    else:  # HF: every column real, the cached ones included
+        cols = torch.ones((b, past + s), dtype=torch.bool)
+    _check_cached_columns(state, cols[:, :past], given=attention_mask is not None)
+    new = cols[:, past:]
     q_lens = new.sum(1).tolist()
 
     # HF positions of the new tokens (explicit, or what the HF model would compute).
@@ -449,17 +521,78 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
 
     rows = [i for i in range(b) if q_lens[i]]
     out = torch.zeros_like(embeds)
+    layer_outputs = [torch.zeros_like(embeds) for _ in range(len(rt.stack.layers) - 1)] if capture else []
     if rows:
         batch = StepBatch(tuple(state.seq_ids[i] for i in rows), tuple(q_lens[i] for i in rows),
                           tuple(state.cached[i] for i in rows))
         mask = new.to(embeds.device)
-        hidden = rt.run(embeds[mask].contiguous(), batch)
+        with _LayerOutputs(rt, enabled=capture) as captured:
+            hidden = rt.run(embeds[mask].contiguous(), batch)
         out[mask] = hidden.to(out.dtype)
+        if capture:
+            if len(captured.outputs) != len(layer_outputs):
+                raise RuntimeError(f"fusedpar.integrations.hf: output_hidden_states: {len(captured.outputs)} layer "
+                                   f"outputs seen, expected {len(layer_outputs)} (a step replayed as a CUDA graph?)")
+            for dst, src in zip(layer_outputs, captured.outputs, strict=True):
+                dst[mask] = src.to(dst.dtype)
     for i in rows:
         state.cached[i] += q_lens[i]
     state.offsets, state.first_col = offsets, first_col
     state.width = past + s
-    return out
+    state.columns = torch.cat([state.columns, new], dim=1)
+    return out, layer_outputs
+
+
+class _LayerOutputs:
+    """Forward hooks on the stack's layers (all but the last) recording each one's full output [n, d]
+    for the step: in base mode a layer's output is this SP rank's rows of the padded step, gathered
+    here over the SP group (every rank runs the same hooks, so the collective matches)."""
+
+    def __init__(self, rt: _Runtime, enabled: bool):
+        self.rt, self.enabled, self.outputs, self.handles = rt, enabled, [], []
+
+    def _hook(self, module, args, output):
+        step = args[1]
+        if step.mode == "base":
+            output = all_gather_rows(output, self.rt.ctx.sp)[:step.num_tokens]
+        self.outputs.append(output.clone())  # the fused path may reuse its buffers in the next layer
+
+    def __enter__(self):
+        if self.enabled:
+            self.handles = [layer.register_forward_hook(self._hook) for layer in self.rt.stack.layers[:-1]]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _check_cached_columns(state: ShiftParallelCache, seen: torch.Tensor, given: bool) -> None:
+    """The attention_mask over the cached columns must be the one they were cached under.
+
+    An HF cache keeps every column's k/v (padding included) and the mask of each call decides
+    which of them attend; the paged cache keeps only the real tokens. A call that re-masks a
+    cached token, or unmasks a cached padding column (e.g. no attention_mask, or an all-ones one,
+    after a left-padded prompt), would attend differently in HF: refuse it rather than differ."""
+    if torch.equal(seen, state.columns):
+        return
+    row = int((seen != state.columns).any(1).nonzero()[0])
+    diff = (seen[row] != state.columns[row]).nonzero().flatten().tolist()
+    now_real = [c for c in diff if seen[row, c]]
+    now_pad = [c for c in diff if not seen[row, c]]
+    what = []
+    if now_real:
+        what.append(f"marks cached padding column(s) {now_real[:8]} as real")
+    if now_pad:
+        what.append(f"masks cached real token column(s) {now_pad[:8]}")
+    how = "" if given else " (no attention_mask: HF would take every cached column as real)"
+    raise NotImplementedError(
+        f"fusedpar.integrations.hf: row {row}: this call's attention_mask {' and '.join(what)}{how}; "
+        f"the sharded cache holds only the tokens that were real when cached ({int(state.columns[row].sum())} of "
+        f"{state.width} columns in this row) and cannot change which cached tokens attend: pass the earlier "
+        "calls' attention_mask extended by the new columns"
+    )
 
 
 # ---- parallelize ----------------------------------------------------------------------------
