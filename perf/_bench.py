@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 from collections.abc import Callable
@@ -78,6 +79,13 @@ def max_over_ranks(x: float) -> float:
     return float(t.item())
 
 
+def interleaved_order(names: list[str], i: int) -> list[str]:
+    """Round i of an interleaved timing: a permutation of the names seeded by i alone (so every rank
+    runs the same order), which over the rounds puts each name in every position and after every
+    other name, where a fixed cycle always runs B after A."""
+    return random.Random(i).sample(names, len(names))
+
+
 class BarrierTimer:
     """Per-call medians (ms) of eager call sequences and graph replays, aligned by a device barrier."""
 
@@ -104,10 +112,20 @@ class BarrierTimer:
         torch.cuda.synchronize()
         return statistics.median(self._sample(run, len(calls)) for _ in range(self.iters))
 
-    def eager_interleaved(self, variants: dict[str, list[Callable[[], object]]]) -> dict[str, float]:
-        """eager() of several call sequences whose samples alternate (A B C, B C A, C A B, ...): an
-        eager call of a small op is host-bound, and on a shared host the launch speed drifts over
-        seconds, so timing one variant after the other lets the drift decide the ratio."""
+    def eager_interleaved(self, variants: dict[str, list[Callable[[], object]]],
+                          by_predecessor: dict[tuple[str, str], float] | None = None) -> dict[str, float]:
+        """eager() of several call sequences whose samples alternate: an eager call of a small op is
+        host-bound, and on a shared host the launch speed drifts over seconds, so timing one variant
+        after the other lets the drift decide the ratio. interleaved_order() varies each variant's
+        predecessor as well as its position, and runs each variant once, untimed and synchronized,
+        right before each of its timed samples. The predecessor matters: in GPU run 116
+        (perf/probe_eager_fallback.py, 4x H200) an eager F.linear + NCCL all-reduce sample took
+        96.6 / 79.6 / 106.0 us per call right after a sample of the Triton one-shot and 73.7-77.6 /
+        62.8-64.2 / 92.5-96.7 us after any other variant, at 8 / 64 / 512 rows (the host's caches,
+        most likely: the NCCL call's own host path runs cold after another path's). The one fixed
+        cycle used before (A B C, B C A, ...) ran the router's fallback always right after the
+        fused path, so it measured 0.83-0.97x of a plain path it is identical to on the GPU.
+        by_predecessor, if given, receives the timed medians by (variant, variant timed before it)."""
         names = list(variants)
         runs = {name: (lambda calls=calls: [c() for c in calls]) for name, calls in variants.items()}
         for _ in range(self.warmup):
@@ -115,10 +133,17 @@ class BarrierTimer:
                 runs[name]()
         torch.cuda.synchronize()
         samples: dict[str, list[float]] = {name: [] for name in names}
+        after: dict[tuple[str, str], list[float]] = {}
+        prev = ""
         for i in range(self.iters):
-            for j in range(len(names)):
-                name = names[(i + j) % len(names)]
+            for name in interleaved_order(names, i):
+                runs[name]()  # the priming run: the timed sample follows its own variant
+                torch.cuda.synchronize()
                 samples[name].append(self._sample(runs[name], len(variants[name])))
+                after.setdefault((name, prev), []).append(samples[name][-1])
+                prev = name
+        if by_predecessor is not None:  # (variant, the variant sampled just before it) -> median
+            by_predecessor.update({key: statistics.median(v) for key, v in after.items() if key[1]})
         return {name: statistics.median(v) for name, v in samples.items()}
 
     def graph(self, calls: list[Callable[[], object]]) -> float:

@@ -47,10 +47,10 @@ Usage (GPU machine, repo root):
 graph": the layer's SwiGLU -> down -> all-reduce -> + residual in a CUDA graph, stock (silu_mul +
 cuBLAS + torch one-shot + torch add) vs fused (silu_mul + our one-shot adding the residual in its
 reduce epilogue).
---split-sweep (off by default) also times, for decode sizes <= 16 rows, the one-shot in a CUDA graph
+--split-sweep (off by default) also times, for decode sizes <= 64 rows, the one-shot in a CUDA graph
 with explicit tilings and split-K factors (SPLIT_SWEEP; records "<shape> graph split-sweep", "sweep":
 true, speedup vs the same point's stock graph baseline): the data behind
-gemm_all_reduce.SPLIT_K_MAX_ROWS and _SPLIT_TILE.
+gemm_all_reduce.SPLIT_K_MAX_ROWS, _SPLIT_TILE and the decode BLOCK_K.
 Without CUDA or outside torchrun it prints a message and exits 0.
 """
 
@@ -309,10 +309,14 @@ def bench_point(ctx: Context, name: str, n: int, k: int, tokens: int, ops: list[
     return records
 
 
-# (block_n, block_k, warps, stages, split_k): the unsplit decode tiling first, then split-K variants.
-SPLIT_SWEEP = ((64, 256, 4, 5, 1), (64, 128, 4, 5, 1), (128, 128, 4, 4, 2), (128, 128, 4, 4, 3),
-               (128, 128, 4, 4, 4), (128, 256, 4, 3, 3), (64, 128, 4, 5, 2), (32, 256, 4, 5, 4))
-SPLIT_SWEEP_MAX_ROWS = 16
+# (block_n, block_k, warps, stages, split_k): unsplit decode tilings first, then split-K variants.
+# Stages are cut to what fits shared memory at the point's BLOCK_M (so 256-deep K steps stay in the
+# sweep at 32-64 rows, where the default takes 128: Qwen3-32B down x 32 rows ran at 0.91x).
+SPLIT_SWEEP = ((64, 256, 4, 5, 1), (64, 128, 4, 5, 1), (64, 256, 8, 5, 1), (32, 256, 4, 5, 1),
+               (128, 128, 4, 4, 2), (128, 128, 4, 4, 3), (128, 128, 4, 4, 4), (128, 256, 4, 3, 3),
+               (64, 128, 4, 5, 2), (32, 256, 4, 5, 4))
+SPLIT_SWEEP_MAX_ROWS = 64
+_SMEM_BYTES = 227 * 1024
 
 
 def bench_split_sweep(ctx: Context, name: str, n: int, k: int, tokens: int, ops, baseline: dict | None) -> list[dict]:
@@ -327,6 +331,9 @@ def bench_split_sweep(ctx: Context, name: str, n: int, k: int, tokens: int, ops,
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     records = []
     for bn, bk, warps, stages, split in SPLIT_SWEEP:
+        stages = min(stages, (_SMEM_BYTES - bm * bn * 4) // ((bm + bn) * bk * dtype.itemsize))
+        if stages < 2:
+            continue
         cfg = gar.FusedConfig(GemmConfig(bm, bn, bk, 8, warps, stages), num_sms=sms,
                               comm_rows=max(1, min(bm, 512 * warps // bn)), split_k=split)
         plan, _ = gar.fused_plan("one_shot", tokens, n, k, dtype, ws.table, config=cfg)

@@ -9,6 +9,10 @@ device barrier, median of 30 interleaved samples, max over ranks):
     pg direct    F.linear + sum_over_group_(y, pg) (what the router runs, without its checks)
     routed       fusedpar gemm_all_reduce(x, w, group, workspace)
     plain+cap    plain with torch.cuda.is_current_stream_capturing() before it (the router's test)
+    fused        the Triton one-shot forced eagerly (path="one_shot"): not a fallback; here so that
+                 the others' samples sometimes follow a Triton launch, as in bench_gemm_all_reduce
+The samples run in a seeded random order per round (_bench.interleaved_order); a second line per
+size gives plain's and routed's medians by the variant sampled just before them.
 A diagnosis tool: prints a table, no records, nothing asserted.
 """
 
@@ -64,14 +68,22 @@ def main() -> int:
             torch.cuda.is_current_stream_capturing()
             plain(x, w)
 
+        def fused(x, w):
+            gemm_all_reduce(x, w, group, ws, path="one_shot")
+
         variants = {name: [lambda x=x, w=w, f=f: f(x, w) for x, w in ops]
                     for name, f in (("plain", plain), ("pg direct", pg_direct), ("routed", routed),
-                                    ("plain+cap", plain_cap))}
-        ms = timer.eager_interleaved(variants)
+                                    ("plain+cap", plain_cap), ("fused", fused))}
+        after: dict[tuple[str, str], float] = {}
+        ms = timer.eager_interleaved(variants, by_predecessor=after)
         worst = {name: _bench.max_over_ranks(v) for name, v in ms.items()}
+        prev = {key: _bench.max_over_ranks(after.get(key, 0.0)) for name in ("plain", "routed")
+                for key in ((name, p) for p in variants if p != name)}
         if rank == 0:
             row = "  ".join(f"{name} {v * 1e3:7.1f} us ({worst['plain'] / v:4.2f}x)" for name, v in worst.items())
             print(f"m={m:5d} n={args.n} k={args.k}: {row}", flush=True)
+            row = "  ".join(f"{a} after {b} {v * 1e3:6.1f}" for (a, b), v in prev.items() if v)
+            print(f"m={m:5d}   by predecessor (us): {row}", flush=True)
     _bench.exit_without_teardown(0)
     return 0
 

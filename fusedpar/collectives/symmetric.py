@@ -242,6 +242,9 @@ class SymmetricWorkspace:
 
         self.group = group
         self.ranks: tuple[int, ...] = tuple(group_ranks)
+        # (caller's group object, its process group or None): an eager router's answer for the
+        # group it was last called with, so host-bound calls skip the lookups (gemm_all_reduce).
+        self.eager_route: tuple | None = None
         world_size = group.size()
         self.flag_bytes = _align(max_blocks * world_size * 8)
         data_bytes = _align(nbytes)

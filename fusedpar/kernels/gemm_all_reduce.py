@@ -113,6 +113,7 @@ bf16, so CPU tests use fp16/fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -121,7 +122,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from fusedpar.collectives.symmetric import EmulatedWorld, PeerTable, _align, as_peer_table
+from fusedpar.collectives.symmetric import EmulatedWorld, PeerTable, SymmetricWorkspace, _align, as_peer_table
 from fusedpar.kernels._host import cdiv
 from fusedpar.kernels._sync import (
     check_emulated_rank,
@@ -498,6 +499,12 @@ def default_config(path: str, m: int, n: int, k: int, dtype: torch.dtype, partia
     split = 1
     if path == "one_shot" and not interpreted and m <= SPLIT_K_MAX_ROWS:
         gcfg, split = _decode_split(n, k, esize(dtype), gcfg, num_sms)
+    elif (path == "one_shot" and not interpreted and DEEP_K_ROWS[0] <= m <= DEEP_K_ROWS[1]
+          and gcfg.block_n <= 64 and gcfg.block_k == 128 and esize(dtype) == 2):
+        stages = min(5, (_SMEM_BYTES - gcfg.block_m * gcfg.block_n * esize(partial_dtype))
+                     // ((gcfg.block_m + gcfg.block_n) * 256 * 2))
+        if stages >= 2:
+            gcfg = dataclasses.replace(gcfg, block_k=256, num_stages=stages)
     return FusedConfig(gcfg, num_sms=num_sms, comm_rows=max(1, min(gcfg.block_m, comm // gcfg.block_n)),
                        split_k=split)
 
@@ -511,6 +518,12 @@ def default_config(path: str, m: int, n: int, k: int, dtype: torch.dtype, partia
 # tiles) never gains. Tile: 128 columns, 128-deep K steps, 4 warps, 4 stages; fp32 inputs get
 # fewer stages (shared memory).
 SPLIT_K_MAX_ROWS = 2
+# One-shot decode of 17-32 rows takes 256-deep K steps (4 stages), as pick_config gives <= 16 rows: more
+# weight bytes in flight per SM, where 64-column tiles leave SMs idle (N 5120: 80 tiles on 132 SMs).
+# GPU run 114 (`perf/bench_gemm_all_reduce.py --tokens 8,16,32,64 --split-sweep`, 4x H200, CUDA graph), 32
+# rows, 128- vs 256-deep: Qwen3-32B down 0.0352 vs 0.0290 ms (stock 0.0323), o 0.0201 vs 0.0186,
+# Llama-70B down 0.0420 vs 0.0400, o 0.0229 vs 0.0224; at 64 rows 256-deep lost on three of the four.
+DEEP_K_ROWS = (17, 32)
 _SPLIT_MIN_K = 1024
 _SPLIT_TILE = (128, 128, 4, 4)  # block_n, block_k, warps, stages
 _SMEM_BYTES = 227 * 1024
@@ -1007,6 +1020,16 @@ def gemm_all_reduce_reference(x: torch.Tensor, w: torch.Tensor, group, workspace
     return all_reduce(y, group, workspace, inplace=True)
 
 
+def _eager_pg_or_none(group, workspace):
+    """The process group the eager short path reduces over, or None where the full path decides (a
+    group of one, no process group, a workspace over another number of ranks). Fixed per (group,
+    workspace), so a SymmetricWorkspace keeps the answer (`eager_route`)."""
+    size, pg = group_size_and_pg(group)
+    if size < 2 or pg is None or (workspace is not None and as_peer_table(workspace).world_size != size):
+        return None
+    return pg
+
+
 def _eager_plain_or_none(x, w, group, workspace, residual, two_shot_min_tokens: int) -> torch.Tensor | None:
     """The router's eager CUDA answer below the two-shot range, cuBLAS + the process group's
     allreduce [+ residual], reached in as few Python steps as possible; None where the full path
@@ -1018,8 +1041,13 @@ def _eager_plain_or_none(x, w, group, workspace, residual, two_shot_min_tokens: 
     perf/probe_eager_fallback.py)."""
     if x.shape[0] >= two_shot_min_tokens or routes_as_captured(x.device):
         return None
-    size, pg = group_size_and_pg(group)
-    if size < 2 or pg is None or (workspace is not None and as_peer_table(workspace).world_size != size):
+    route = getattr(workspace, "eager_route", None)  # a SymmetricWorkspace's cached answer
+    if route is None or route[0] is not group:
+        route = (group, _eager_pg_or_none(group, workspace))
+        if isinstance(workspace, SymmetricWorkspace):
+            workspace.eager_route = route
+    pg = route[1]
+    if pg is None:
         return None
     if residual is not None and tuple(residual.shape) != (x.shape[0], w.shape[0]):
         return None  # the full path names the shape it wants

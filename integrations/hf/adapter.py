@@ -122,8 +122,22 @@ class ShiftParallelCache(Cache):
         self.offsets: list[int | None] = [None] * len(seq_ids)
         self.first_col: list[int | None] = [None] * len(seq_ids)
         self.columns = torch.zeros((len(seq_ids), 0), dtype=torch.bool)
+        self._columns_dev: torch.Tensor | None = None  # `columns` where the masks live (columns_on)
         self.width = 0
         self.released = False
+
+    def columns_on(self, device: torch.device) -> torch.Tensor:
+        """`columns` on `device`, kept there and extended with it, so that checking a decode step's
+        mask copies only its new columns to the host, not the whole [rows, width] mask."""
+        dev = self._columns_dev
+        if dev is None or dev.device != device or dev.shape != self.columns.shape:
+            dev = self._columns_dev = self.columns.to(device)
+        return dev
+
+    def _append_columns(self, new: torch.Tensor) -> None:
+        self.columns = torch.cat([self.columns, new], dim=1)
+        if self._columns_dev is not None:
+            self._columns_dev = torch.cat([self._columns_dev, new.to(self._columns_dev.device)], dim=1)
 
     def __deepcopy__(self, memo):
         """copy.deepcopy(past_key_values), as HF's prompt-reuse recipe does: a fork (new sequences
@@ -475,11 +489,14 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
         if tuple(attention_mask.shape) != (b, past + s):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({b}, {past + s}) "
                              f"= (batch, {past} cached columns + {s} new)")
-        cols = attention_mask.to("cpu").bool()
+        # the cached columns are compared where the mask lives (one bool comes back to the host)
+        if past and not torch.equal(attention_mask[:, :past].bool(), state.columns_on(attention_mask.device)):
+            _check_cached_columns(state, attention_mask[:, :past].to("cpu").bool(), given=True)
+        new = attention_mask[:, past:].to("cpu").bool()
     else:  # HF: every column real, the cached ones included
-        cols = torch.ones((b, past + s), dtype=torch.bool)
-    _check_cached_columns(state, cols[:, :past], given=attention_mask is not None)
-    new = cols[:, past:]
+        if past and not bool(state.columns.all()):
+            _check_cached_columns(state, torch.ones((b, past), dtype=torch.bool), given=False)
+        new = torch.ones((b, s), dtype=torch.bool)
     q_lens = new.sum(1).tolist()
 
     # HF positions of the new tokens (explicit, or what the HF model would compute).
@@ -539,7 +556,7 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
         state.cached[i] += q_lens[i]
     state.offsets, state.first_col = offsets, first_col
     state.width = past + s
-    state.columns = torch.cat([state.columns, new], dim=1)
+    state._append_columns(new)
     return out, layer_outputs
 
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from fusedpar.collectives.symmetric import COUNTER_EPOCH, EmulatedWorld, SymmetricWorkspace
 from fusedpar.kernels import gemm_all_reduce as gar
-from fusedpar.kernels.gemm import GemmConfig
+from fusedpar.kernels.gemm import GemmConfig, pick_config
 from fusedpar.kernels.gemm_all_reduce import (
     FusedConfig,
     choose_path,
@@ -401,6 +401,25 @@ def test_decode_split_rule():
     assert FusedConfig.from_list(qwen.as_list()[:8]).split_k == 1
 
 
+def test_decode_deep_k_rule():
+    # One-shot decode of 17-32 rows on 16-bit inputs streams 256-deep K steps (as <= 16 rows do), with
+    # the stages that fit; 33+ rows, fp32 inputs, the two-shot and the interpreter keep their tiling.
+    def cfg(path, m, n=5120, k=6400, dtype=torch.bfloat16, interpret=False):
+        return gar.default_config(path, m, n, k, dtype, dtype, 132, interpret=interpret).gemm
+
+    for m in (17, 24, 32):
+        for n, k in ((5120, 6400), (8192, 2048), (5120, 2048), (8192, 7168)):
+            g = cfg("one_shot", m, n, k)
+            assert (g.block_m, g.block_n, g.block_k, g.num_stages) == (32, 64, 256, 4), (m, n, k, g)
+        assert cfg("one_shot", m, dtype=torch.float16).block_k == 256
+        assert cfg("one_shot", m, dtype=torch.float32).block_k == 64
+        assert cfg("two_shot", m).block_k == 128
+        assert cfg("one_shot", m, dtype=torch.float16, interpret=True).block_k == 32
+    for m in (16, 33, 64):
+        assert cfg("one_shot", m) == pick_config(m, 5120, 6400, dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                                                 num_sms=132, interpret=False), m
+
+
 # ------------------------------------------------------------------------ residual epilogue
 
 
@@ -595,6 +614,31 @@ def test_short_eager_path_is_the_plain_path_or_declines():
         gar._eager_plain_or_none(x, ws[0][:, :8], group, None, None, 4096)
 
 
+def test_short_eager_path_keeps_its_answer_per_group_on_the_workspace():
+    """A SymmetricWorkspace remembers the short path's group lookup (eager_route) for the group object
+    it was last called with; another group object, or an answer of None, is looked up again."""
+    def workspace(world: int):  # the two attributes the router reads (a real one needs CUDA peers)
+        ws = object.__new__(SymmetricWorkspace)
+        ws.table, ws.eager_route = _world(world, 1024)[0], None
+        return ws
+
+    pg = TwinRankGroup(returns_work=False)
+    group, alone = SimpleNamespace(size=2, pg=pg), SimpleNamespace(size=1, pg=pg)
+    xs, ws = _inputs(1, 5, 24, 16, torch.float32, seed=18)
+    want = 2.0 * torch.nn.functional.linear(xs[0], ws[0])
+    two, four = workspace(2), workspace(4)
+    assert torch.equal(gar._eager_plain_or_none(xs[0], ws[0], group, two, None, 4096), want)
+    assert two.eager_route == (group, pg)
+    assert gar._eager_plain_or_none(xs[0], ws[0], alone, two, None, 4096) is None
+    assert two.eager_route == (alone, None)
+    assert torch.equal(gar._eager_plain_or_none(xs[0], ws[0], group, two, None, 4096), want)
+    assert two.eager_route[0] is group and len(pg.calls) == 2
+    for _ in range(2):  # a workspace over 4 ranks never serves a group of 2, cached or not
+        assert gar._eager_plain_or_none(xs[0], ws[0], group, four, None, 4096) is None
+        assert four.eager_route == (group, None)
+    assert len(pg.calls) == 2
+
+
 def test_leading_dims_flatten_and_come_back():
     """x [..., K] (and residual / out [..., N]) behave as the flattened rows: the 2-D fast path and the
     reshaping path give the same numbers, on the fallback and on the fused one-shot."""
@@ -642,7 +686,7 @@ def test_argument_errors():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("m", [1, 8, 64, 333, 2048, 16384])
+@pytest.mark.parametrize("m", [1, 8, 17, 32, 64, 333, 2048, 16384])
 def test_gpu_tilings_are_legal(m, dtype):
     """The GPU tilings (not runnable here): tl.dot-legal blocks, shared memory within 227 KiB,
     comm steps that divide the tile, and a one-launch workspace size that a layer can afford."""
@@ -686,7 +730,7 @@ def test_property_over_shapes(m, n, k, world_size, dtype, path, schedule, kind, 
 
 # (d_out, K_local): Llama-70B o and down shards at TP=4, Qwen3-32B down (decode splits K: 40 x 3 units)
 GPU_SHAPES = [(8192, 2048), (8192, 7168), (5120, 6400)]
-GPU_TOKENS = [1, 8, 64, 333, 2048]
+GPU_TOKENS = [1, 8, 24, 64, 333, 2048]  # 24: the 256-deep one-shot tiling of 17-32 rows (DEEP_K_ROWS)
 
 
 @pytest.fixture(scope="module")
@@ -830,7 +874,7 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_workspace):
     # (rows, path, n, k); the 5120-wide ones take split-K (FusedConfig.split_k 3)
     cases = [(8, "one_shot", 8192, 2048), (1, "auto", 8192, 2048), (64, "one_shot", 8192, 2048),
              (2048, "two_shot", 8192, 2048), (8, "auto", 8192, 2048), (1, "one_shot", 5120, 6400),
-             (8, "auto", 5120, 2048)]
+             (8, "auto", 5120, 2048), (24, "one_shot", 5120, 6400)]
     xs, ws, outs = [], [], []
     for i, (m, path, n, k) in enumerate(cases):
         x, w = _gpu_operands(m, n, k, salt=50 + i)
