@@ -121,10 +121,13 @@ class BarrierTimer:
         right before each of its timed samples. The predecessor matters: in GPU run 116
         (perf/probe_eager_fallback.py, 4x H200) an eager F.linear + NCCL all-reduce sample took
         96.6 / 79.6 / 106.0 us per call right after a sample of the Triton one-shot and 73.7-77.6 /
-        62.8-64.2 / 92.5-96.7 us after any other variant, at 8 / 64 / 512 rows (the host's caches,
-        most likely: the NCCL call's own host path runs cold after another path's). The one fixed
-        cycle used before (A B C, B C A, ...) ran the router's fallback always right after the
-        fused path, so it measured 0.83-0.97x of a plain path it is identical to on the GPU.
+        62.8-64.2 / 92.5-96.7 us after any other variant, at 8 / 64 / 512 rows. The one fixed cycle
+        used before (A B C, B C A, ...) ran the router's fallback always right after the fused path,
+        so it measured 0.83-0.97x of a plain path it is identical to on the GPU. The priming run
+        helps but does not remove the effect (run 117: plain after the one-shot 99.1 / 81.9 / 92.5 us
+        against 79.4-95.8 otherwise, the router's fallback 125.2 / 97.8 / 90.0 against 82.2-98.9), so
+        its cause is not only the host's caches; the random order spreads what is left over all
+        variants alike.
         by_predecessor, if given, receives the timed medians by (variant, variant timed before it)."""
         names = list(variants)
         runs = {name: (lambda calls=calls: [c() for c in calls]) for name, calls in variants.items()}

@@ -20,7 +20,9 @@ Protocol (DESIGN.md section 9): warm-up (Triton compilation, NCCL/graph setup) f
 is a stream-ordered device barrier across the ranks, a CUDA event, the calls (CALLS for decode
 sizes, 1 above, rotating over operand sets whose weights together exceed the L2 cache), a CUDA
 event; per-call time = sample / calls; median of --iters (>= 20) samples per rank; the reported
-figure is the MAX over ranks (a collective is as slow as its slowest rank).
+figure is the MAX over ranks (a collective is as slow as its slowest rank). The eager paths'
+samples interleave in a seeded random order, each right after an untimed run of its own path
+(_bench.BarrierTimer.eager_interleaved: an NCCL sample timed right after a Triton one ran slower).
 
 Records (rank 0 writes --out, a JSON list), bench "gemm_all_reduce": per case and token count one
 "eager" record (baseline cublas+nccl eager vs fused eager) and, for tokens <= 64, one "graph"
