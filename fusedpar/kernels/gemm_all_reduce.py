@@ -501,8 +501,7 @@ def default_config(path: str, m: int, n: int, k: int, dtype: torch.dtype, partia
         gcfg, split = _decode_split(n, k, esize(dtype), gcfg, num_sms)
     elif (path == "one_shot" and not interpreted and DEEP_K_ROWS[0] <= m <= DEEP_K_ROWS[1]
           and gcfg.block_n <= 64 and gcfg.block_k == 128 and esize(dtype) == 2):
-        stages = min(5, (_SMEM_BYTES - gcfg.block_m * gcfg.block_n * esize(partial_dtype))
-                     // ((gcfg.block_m + gcfg.block_n) * 256 * 2))
+        stages = _stages_that_fit(gcfg.block_m, gcfg.block_n, 256, 2, esize(partial_dtype), cap=5)
         if stages >= 2:
             gcfg = dataclasses.replace(gcfg, block_k=256, num_stages=stages)
     return FusedConfig(gcfg, num_sms=num_sms, comm_rows=max(1, min(gcfg.block_m, comm // gcfg.block_n)),
@@ -529,6 +528,12 @@ _SPLIT_TILE = (128, 128, 4, 4)  # block_n, block_k, warps, stages
 _SMEM_BYTES = 227 * 1024
 
 
+def _stages_that_fit(bm: int, bn: int, bk: int, in_bytes: int, out_bytes: int, *, cap: int) -> int:
+    """Most pipeline stages (<= cap) of bm x bk and bn x bk operand tiles that fit shared memory
+    beside a bm x bn epilogue tile (may be < 2: the tiling does not fit)."""
+    return min(cap, (_SMEM_BYTES - bm * bn * out_bytes) // ((bm + bn) * bk * in_bytes))
+
+
 def _decode_split(n: int, k: int, elem: int, gcfg: GemmConfig, num_sms: int) -> tuple[GemmConfig, int]:
     """(tiling, split_k) that gives the most SMs a share of the weight: the unsplit tiling's
     cdiv(n, block_n) units, or 128-column tiles x s K ranges (units <= num_sms, >= _SPLIT_MIN_K of K
@@ -536,7 +541,7 @@ def _decode_split(n: int, k: int, elem: int, gcfg: GemmConfig, num_sms: int) -> 
     best = (cdiv(n, gcfg.block_n), gcfg, 1)
     bn, bk, warps, stages = _SPLIT_TILE
     bm = gcfg.block_m
-    stages = min(stages, (_SMEM_BYTES - bm * bn * elem) // ((bm + bn) * bk * elem))
+    stages = _stages_that_fit(bm, bn, bk, elem, elem, cap=stages)
     if stages < 2:
         return gcfg, 1
     wide = GemmConfig(bm, bn, bk, gcfg.group_m, warps, stages)
