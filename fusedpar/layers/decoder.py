@@ -226,6 +226,18 @@ class ShiftParallelDecoderLayer(nn.Module):
         act = blocked_swiglu(F.linear(h, w["gate_up"]), self.act_block)
         return x + _row_parallel_reference(act, w["down"], reduce_group)
 
+    def mlp_only(self, x: torch.Tensor) -> torch.Tensor:
+        """x + Down(silu(Gate(norm2(x))) * Up(norm2(x))): the layer for tokens whose attention output
+        is zero (HF's SDPA gives that to a padding query that sees no real token). x [k, d], the same
+        on every rank; shift-mode weights, reference ops, all-reduce over the shift group
+        (collective). No cache is read or written."""
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size:
+            raise ValueError(f"mlp_only expects hidden [k, {self.cfg.hidden_size}], got {tuple(x.shape)}")
+        w = self.w.weights("shift")
+        h = rms_norm(x, self.w.replicated["post_norm"], self.cfg.rms_norm_eps)
+        act = blocked_swiglu(F.linear(h, w["gate_up"]), self.act_block)
+        return x + _row_parallel_reference(act, w["down"], self.ctx.attention_group("shift"))
+
     def _attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
         """qkv [n, (q+2kv)*hd] of the rank's heads for the n real tokens -> [n, q*hd].
 

@@ -17,8 +17,11 @@ attention_mask is 0 (left padding from a tokenizer or generate, or any other pad
 enter the step: the real tokens of all rows are packed in row order into a StepBatch (query
 length = real tokens of the row in this call, context length = real tokens of the row already
 cached) and the stack runs them in base mode when there are more than `shift_threshold` of them,
-shift mode otherwise. Outputs are scattered back to [batch, seq]; padded positions get zero
-hidden states (their logits are meaningless, as in HF). Within a sequence fusedpar numbers real
+shift mode otherwise. Outputs are scattered back to [batch, seq]. A padded position gets what HF's
+default (SDPA) attention gives a padding query that sees no real token (left padding): a zero
+attention output, so its embedding through the layers' MLPs alone, computed once per padding token
+id in a small extra pass (right padding differs: HF's SDPA attends such a query to the row's real
+tokens; its logits mean nothing either way). Within a sequence fusedpar numbers real
 tokens 0, 1, 2, ...: exactly what generate passes (position_ids = cumsum(attention_mask) - 1).
 A plain forward without position_ids gives a left-padded row positions p, p+1, ... in HF; RoPE
 attention depends only on position differences, so a constant shift per row changes nothing.
@@ -347,7 +350,7 @@ class ShiftParallelCausalLMMixin:
             temporary = not use_cache and not isinstance(past_key_values, ShiftParallelCache)
             try:
                 hidden, layer_outputs = _run_step(rt, state, embeds, attention_mask, position_ids,
-                                                  capture=output_hidden_states)
+                                                  capture=output_hidden_states, input_ids=input_ids)
             except BaseException:
                 if temporary:
                     state.release()
@@ -475,11 +478,13 @@ def _check_positions(state: ShiftParallelCache, pos: torch.Tensor, new: torch.Te
 
 
 def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, attention_mask, position_ids,
-              capture: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Pack the real new tokens of every row, run the stack, scatter back to [b, s, d].
+              capture: bool = False, input_ids: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Pack the real new tokens of every row, run the stack, scatter back to [b, s, d]; padded
+    positions get their tokens' attention-free outputs (_fill_padding).
 
-    capture: also return the output of every decoder layer but the last, scattered the same way
-    (padded positions zero), for output_hidden_states; else that list is empty."""
+    capture: also return the output of every decoder layer but the last, scattered the same way,
+    for output_hidden_states; else that list is empty."""
     b, s, _ = embeds.shape
     past = state.width
     if attention_mask is not None:
@@ -552,12 +557,39 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
                                    f"outputs seen, expected {len(layer_outputs)} (a step replayed as a CUDA graph?)")
             for dst, src in zip(layer_outputs, captured.outputs, strict=True):
                 dst[mask] = src.to(dst.dtype)
+    if not bool(new.all()):
+        _fill_padding(rt, embeds, ~new, input_ids, out, layer_outputs)
     for i in rows:
         state.cached[i] += q_lens[i]
     state.offsets, state.first_col = offsets, first_col
     state.width = past + s
     state._append_columns(new)
     return out, layer_outputs
+
+
+def _fill_padding(rt: _Runtime, embeds: torch.Tensor, pad: torch.Tensor, input_ids: torch.Tensor | None,
+                  out: torch.Tensor, layer_outputs: list[torch.Tensor]) -> None:
+    """Write HF's output at the padded positions `pad` [b, s] into out (and layer_outputs).
+
+    In HF's default (SDPA) attention a padding query that sees no real token - left padding, what
+    generate and tokenizers use for decoder-only models - gets a zero attention output, so its
+    hidden state is its embedding through every layer's residual MLP alone, whatever its position
+    (equal to HF's to rounding). A padding query after real tokens of its row (right padding)
+    attends to them in HF's SDPA; it gets the same attention-free value here, which differs there.
+    Run once per distinct padding token id (once per padded position for inputs_embeds)."""
+    mask = pad.to(embeds.device)
+    rows = embeds[mask]
+    if input_ids is not None:
+        _, inverse = torch.unique(input_ids[mask], return_inverse=True)
+        # every position of one id holds the same embedding row, so any one of them may land
+        x = rows.new_empty((int(inverse.max()) + 1, rows.shape[1])).index_copy_(0, inverse, rows)
+    else:
+        x, inverse = rows, None
+    for i, layer in enumerate(rt.stack.layers):
+        x = layer.mlp_only(x)
+        if i < len(layer_outputs):
+            layer_outputs[i][mask] = (x if inverse is None else x[inverse]).to(layer_outputs[i].dtype)
+    out[mask] = (x if inverse is None else x[inverse]).to(out.dtype)
 
 
 class _LayerOutputs:

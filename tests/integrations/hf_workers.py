@@ -212,16 +212,18 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
         gc.collect()
         res_freed = probe() is None
     spec = pm.fusedpar_spec
-    res: dict = {"errs": [], "cached_errs": [], "gen_equal": [], "gen_eos_equal": [], "gen_steps": [],
+    res: dict = {"errs": [], "pad_errs": [], "cached_errs": [], "gen_equal": [], "gen_eos_equal": [], "gen_steps": [],
                  "poison_equal": [], "tokens": [], "ref_tokens": [], "messages": {}}
     for (ids, mask), r in zip(prompt_sets, refs, strict=True):
         real = mask.bool()
         logits = pm(ids, attention_mask=mask, use_cache=False).logits
         res["errs"].append(rel_error(logits[real], r["logits"][real]))
+        # left padding: HF's SDPA gives a padding query a zero attention output (its MLP-only value)
+        res["pad_errs"].append(rel_error(logits[~real], r["logits"][~real]) if bool((~real).any()) else 0.0)
         if not res["tokens"]:
             # bytes, not a tensor: tensors cross the result queue through shared-memory file
             # descriptors that die with the (already finished) worker process
-            res["fingerprint"] = logits[real].numpy().tobytes()
+            res["fingerprint"] = logits.numpy().tobytes()
         # Poison the padding: other token ids there must not change any real position's logits.
         poisoned = ids.clone()
         poisoned[~real] = torch.randint(1, vocab, (int((~real).sum()),), generator=torch.Generator().manual_seed(7))

@@ -2,9 +2,10 @@
 
 Two spawns (4 ranks, 2 ranks) run every distributed case; each test below checks one case's
 results: logits within 1e-4 relative error at every real position (plain call, and prefill +
-two cached single-token calls), identical greedy generate (also with an eos that stops rows
-early), outputs bit-identical across ranks and unaffected by what the padding holds, the
-expected number of base / shift steps, and resident decoder bytes equal to the base shards.
+two cached single-token calls) and at every left-padded one (plain call), identical greedy
+generate (also with an eos that stops rows early), outputs bit-identical across ranks and real
+positions unaffected by what the padding holds, the expected number of base / shift steps, and
+resident decoder bytes equal to the base shards.
 Unsupported configs are checked in-process (parallelize rejects them before any collective).
 """
 
@@ -106,6 +107,7 @@ def _check(per_rank: list[dict], case: dict) -> None:
         assert "error" not in res, res.get("error")
         where = f"{name} rank {rank}"
         assert max(res["errs"]) < REL_TOL, f"{where}: logits rel error {res['errs']}"
+        assert max(res["pad_errs"]) < REL_TOL, f"{where}: logits at padded positions, rel error {res['pad_errs']}"
         assert max(res["cached_errs"]) < REL_TOL, f"{where}: cached-call logits rel error {res['cached_errs']}"
         assert all(res["gen_equal"]), f"{where}: greedy tokens {res['tokens']} != unsharded {res['ref_tokens']}"
         assert all(res["gen_eos_equal"]), f"{where}: greedy tokens with eos differ"
