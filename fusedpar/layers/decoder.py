@@ -226,15 +226,49 @@ class ShiftParallelDecoderLayer(nn.Module):
         act = blocked_swiglu(F.linear(h, w["gate_up"]), self.act_block)
         return x + _row_parallel_reference(act, w["down"], reduce_group)
 
-    def mlp_only(self, x: torch.Tensor) -> torch.Tensor:
-        """x + Down(silu(Gate(norm2(x))) * Up(norm2(x))): the layer for tokens whose attention output
-        is zero (HF's SDPA gives that to a padding query that sees no real token). x [k, d], the same
-        on every rank; shift-mode weights, reference ops, all-reduce over the shift group
-        (collective). No cache is read or written."""
-        if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size:
-            raise ValueError(f"mlp_only expects hidden [k, {self.cfg.hidden_size}], got {tuple(x.shape)}")
-        w = self.w.weights("shift")
-        h = rms_norm(x, self.w.replicated["post_norm"], self.cfg.rms_norm_eps)
+    def side_queries(self, x: torch.Tensor, positions: torch.Tensor, visible: list[tuple[int, int, int]],
+                     cache: PagedKVCache) -> torch.Tensor:
+        """The layer for k extra queries that attend to cached tokens but are not keys themselves:
+        nothing is written to the cache and no other token sees them (HF's padding positions, whose
+        own mask column is 0). x [k, d] and everything else the same on every rank; shift-mode
+        weights, reference ops, all-reduces over the shift group (collective).
+
+        Query i sits at RoPE position positions[i] and attends to the tokens lo..hi-1 of sequence
+        seq_id, (seq_id, lo, hi) = visible[i], already in `cache`; with hi == lo it attends to
+        nothing and its attention output is zero (what HF's SDPA gives a fully masked query), so the
+        layer is x + MLP(x) for it. Returns x + O(attn) + MLP, as forward() does for a real token.
+        """
+        cfg, hd = self.cfg, self.cfg.head_dim
+        k = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != cfg.hidden_size or positions.shape != (k,) or len(visible) != k:
+            raise ValueError(f"side_queries expects hidden [k, {cfg.hidden_size}], positions [k] and k visible "
+                             f"ranges, got {tuple(x.shape)}, {tuple(positions.shape)}, {len(visible)}")
+        w, rep = self.w.weights("shift"), self.w.replicated
+        rows = [i for i, (_, lo, hi) in enumerate(visible) if hi > lo]
+        if rows:  # the same on every rank, so the o all-reduce below is called by all or by none
+            idx = torch.tensor(rows, device=x.device)
+            bias = w.get("qkv_bias")
+            q = F.linear(rms_norm(x[idx], rep["input_norm"], cfg.rms_norm_eps), w["qkv"][: self.nq * hd],
+                         None if bias is None else bias[: self.nq * hd]).reshape(len(rows), self.nq, hd)
+            if cfg.qk_norm:
+                q = rms_norm(q, rep["q_norm"], cfg.rms_norm_eps)
+            cos, sin = rope_cos_sin(positions[idx], hd, cfg.rope_theta, q.dtype, cfg.rope_inv_freq,
+                                    cfg.rope_attention_scaling)
+            q = apply_rope(q, cos, sin)
+            attn = torch.zeros((k, self.nq * hd), dtype=x.dtype, device=x.device)
+            gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for r, i in enumerate(rows):
+                sid, lo, hi = visible[i]
+                if sid not in gathered:
+                    gathered[sid] = cache.gather(self.layer_idx, sid)
+                kc, vc = gathered[sid]
+                if hi > kc.shape[0]:
+                    raise ValueError(f"side query {i}: sequence {sid} holds {kc.shape[0]} tokens, asked for {lo}..{hi}")
+                # one query that sees every key of the range: the last row of a causal block of one
+                attn[i] = causal_gqa_attention(q[r:r + 1], kc[lo:hi], vc[lo:hi], self.kv_index, hd ** -0.5
+                                               ).reshape(-1)
+            x = x + _row_parallel_reference(attn, w["o"], self.ctx.attention_group("shift"))
+        h = rms_norm(x, rep["post_norm"], cfg.rms_norm_eps)
         act = blocked_swiglu(F.linear(h, w["gate_up"]), self.act_block)
         return x + _row_parallel_reference(act, w["down"], self.ctx.attention_group("shift"))
 

@@ -17,11 +17,12 @@ attention_mask is 0 (left padding from a tokenizer or generate, or any other pad
 enter the step: the real tokens of all rows are packed in row order into a StepBatch (query
 length = real tokens of the row in this call, context length = real tokens of the row already
 cached) and the stack runs them in base mode when there are more than `shift_threshold` of them,
-shift mode otherwise. Outputs are scattered back to [batch, seq]. A padded position gets what HF's
-default (SDPA) attention gives a padding query that sees no real token (left padding): a zero
-attention output, so its embedding through the layers' MLPs alone, computed once per padding token
-id in a small extra pass (right padding differs: HF's SDPA attends such a query to the row's real
-tokens; its logits mean nothing either way). Within a sequence fusedpar numbers real
+shift mode otherwise. Outputs are scattered back to [batch, seq]. Padded positions get HF's values
+too (its default SDPA attention; their logits mean nothing, but they are there): after the step
+each one runs as a side query through every layer, attending to its row's real tokens in earlier
+columns without being a key itself (right padding); one that sees no real token (left padding) has
+a zero attention output in HF's SDPA, so its embedding through the layers' MLPs alone, run once per
+padding token id (_fill_padding). Within a sequence fusedpar numbers real
 tokens 0, 1, 2, ...: exactly what generate passes (position_ids = cumsum(attention_mask) - 1).
 A plain forward without position_ids gives a left-padded row positions p, p+1, ... in HF; RoPE
 attention depends only on position differences, so a constant shift per row changes nothing.
@@ -67,6 +68,7 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, QuantizedCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -558,7 +560,7 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
             for dst, src in zip(layer_outputs, captured.outputs, strict=True):
                 dst[mask] = src.to(dst.dtype)
     if not bool(new.all()):
-        _fill_padding(rt, embeds, ~new, input_ids, out, layer_outputs)
+        _fill_padding(rt, state, embeds, new, pos, offsets, input_ids, out, layer_outputs)
     for i in rows:
         state.cached[i] += q_lens[i]
     state.offsets, state.first_col = offsets, first_col
@@ -567,29 +569,58 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
     return out, layer_outputs
 
 
-def _fill_padding(rt: _Runtime, embeds: torch.Tensor, pad: torch.Tensor, input_ids: torch.Tensor | None,
-                  out: torch.Tensor, layer_outputs: list[torch.Tensor]) -> None:
-    """Write HF's output at the padded positions `pad` [b, s] into out (and layer_outputs).
+def _fill_padding(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, new: torch.Tensor, pos: torch.Tensor,
+                  offsets: list, input_ids: torch.Tensor | None, out: torch.Tensor,
+                  layer_outputs: list[torch.Tensor]) -> None:
+    """Write HF's (SDPA) output at this call's padded positions into out (and layer_outputs).
 
-    In HF's default (SDPA) attention a padding query that sees no real token - left padding, what
-    generate and tokenizers use for decoder-only models - gets a zero attention output, so its
-    hidden state is its embedding through every layer's residual MLP alone, whatever its position
-    (equal to HF's to rounding). A padding query after real tokens of its row (right padding)
-    attends to them in HF's SDPA; it gets the same attention-free value here, which differs there.
-    Run once per distinct padding token id (once per padded position for inputs_embeds)."""
-    mask = pad.to(embeds.device)
-    rows = embeds[mask]
-    if input_ids is not None:
-        _, inverse = torch.unique(input_ids[mask], return_inverse=True)
-        # every position of one id holds the same embedding row, so any one of them may land
-        x = rows.new_empty((int(inverse.max()) + 1, rows.shape[1])).index_copy_(0, inverse, rows)
+    After the step every real token's k/v is cached, so each padded position runs as a side query
+    (ShiftParallelDecoderLayer.side_queries): it attends to the real tokens of its row in columns
+    before its own (within the sliding window, if any) and is no key itself, as in HF's SDPA, where
+    its mask column is 0. A padding query that sees no real token (left padding: what generate and
+    tokenizers use for decoder-only models) gets a zero attention output there, so its state is its
+    embedding through the layers' MLPs alone, whatever its position: run once per token id. Runs
+    after the stack, so no real position depends on it. new: [b, s] CPU bool, the call's real
+    columns; pos: [b, s] CPU, HF position ids; offsets: HF - fusedpar position per row."""
+    past = state.width
+    real = torch.cat([state.columns, new], dim=1)
+    before = F.pad(real.long().cumsum(1), (1, 0))  # before[i, c]: real columns of row i in [0, c)
+    rows, cols = (~new).nonzero(as_tuple=True)
+    col = past + cols
+    hi = before[rows, col]
+    window = rt.spec.sliding_window
+    # HF's window: key column > query column - window
+    lo = before[rows, (col - window + 1).clamp_min(0)] if window is not None else torch.zeros_like(hi)
+    blind = hi == lo
+    # queries that see a real token, one each; the blind ones, one per token id
+    seeing = (~blind).nonzero().flatten()
+    blind_at = blind.nonzero().flatten()
+    if input_ids is not None and blind_at.numel():
+        _, blind_group = torch.unique(input_ids.cpu()[rows[blind_at], cols[blind_at]], return_inverse=True)
     else:
-        x, inverse = rows, None
-    for i, layer in enumerate(rt.stack.layers):
-        x = layer.mlp_only(x)
-        if i < len(layer_outputs):
-            layer_outputs[i][mask] = (x if inverse is None else x[inverse]).to(layer_outputs[i].dtype)
-    out[mask] = (x if inverse is None else x[inverse]).to(out.dtype)
+        blind_group = torch.arange(blind_at.numel())
+    n_blind = int(blind_group.max()) + 1 if blind_at.numel() else 0
+    source = torch.empty(rows.numel(), dtype=torch.long)  # padded position -> row of x
+    source[blind_at] = blind_group
+    source[seeing] = n_blind + torch.arange(seeing.numel())
+    picked = torch.empty(n_blind + seeing.numel(), dtype=torch.long)  # row of x -> a padded position
+    picked[source] = torch.arange(rows.numel())  # blind duplicates hold one embedding: any may land
+    visible = [(-1, 0, 0)] * n_blind
+    positions = torch.zeros(n_blind + seeing.numel(), dtype=torch.long)
+    for r, p in enumerate(seeing.tolist(), n_blind):
+        i = int(rows[p])
+        visible.append((state.seq_ids[i], int(lo[p]), int(hi[p])))
+        positions[r] = int(pos[i, cols[p]]) - offsets[i]  # a row that sees a real token has an offset
+    dev = embeds.device
+    rows_d, cols_d = rows.to(dev), cols.to(dev)
+    x = embeds[rows_d[picked.to(dev)], cols_d[picked.to(dev)]]
+    source = source.to(dev)
+    positions = positions.to(dev)
+    for li, layer in enumerate(rt.stack.layers):
+        x = layer.side_queries(x, positions, visible, rt.kv)
+        if li < len(layer_outputs):
+            layer_outputs[li][rows_d, cols_d] = x[source].to(layer_outputs[li].dtype)
+    out[rows_d, cols_d] = x[source].to(out.dtype)
 
 
 class _LayerOutputs:

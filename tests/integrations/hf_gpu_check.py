@@ -4,7 +4,7 @@
 
 Each rank builds the same tiny random model on its GPU, records the unsharded logits and greedy
 tokens, parallelizes it and compares (fp32 with TF32 off: 1e-4 relative at the real and at the
-left-padded positions; bf16: reported, tokens
+padded positions, left and right padding; bf16: reported, tokens
 may legitimately diverge once a near-tie flips; the reference path, then the fused kernels
 for bf16 models with head_dim 16, Qwen2's q/k/v bias and llama3 RoPE included). Also loads a
 sharded checkpoint with load_parallel straight onto the GPU. Rank 0 prints one line per case;
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fusedpar.layouts import ParallelLayout
-from tests.integrations.hf_models import left_padded, make_model
+from tests.integrations.hf_models import left_padded, make_model, right_padded
 
 
 def _err(a, b, real):
@@ -44,13 +44,18 @@ def _compare(model, pm_factory, device, label, strict):
     greedy = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     ref = model(ids, attention_mask=mask, use_cache=False).logits
     ref_gen = model.generate(ids, attention_mask=mask, **greedy)
+    r_ids, r_mask = right_padded(ids, mask)
+    ref_right = model(r_ids, attention_mask=r_mask, use_cache=False).logits
     pm = pm_factory(model)
     out = pm(ids, attention_mask=mask, use_cache=False).logits
+    right = pm(r_ids, attention_mask=r_mask, use_cache=False).logits
     before = dict(pm.fusedpar_stack.steps)
     gen = pm.generate(ids, attention_mask=mask, **greedy)
     steps = {m: pm.fusedpar_stack.steps[m] - before[m] for m in before}
     err = _err(out, ref, real)
-    pad_err = _err(out, ref, ~real)  # left padding: HF's SDPA gives those queries a zero attention output
+    # left padding: HF's SDPA gives those queries a zero attention output; right padding: they
+    # attend to the row's earlier real tokens
+    pad_err = max(_err(out, ref, ~real), _err(right, ref_right, torch.ones_like(real)))
     same_tokens = bool(torch.equal(gen, ref_gen))
     identical = _same_on_all_ranks(out) and _same_on_all_ranks(gen)
     ok = identical and (not strict or (err < 1e-4 and pad_err < 1e-4 and same_tokens))

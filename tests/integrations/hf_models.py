@@ -77,3 +77,9 @@ def left_padded(lengths: list[int], vocab: int, seed: int, pad_id: int = 0):
         ids[i, s - n:] = torch.randint(1, vocab, (n,), generator=gen)
         mask[i, s - n:] = 1
     return ids, mask
+
+
+def right_padded(ids, mask):
+    """The same rows with their real tokens moved to the front (padding after them)."""
+    order = torch.argsort(mask, dim=1, descending=True, stable=True)
+    return ids.gather(1, order), mask.gather(1, order)

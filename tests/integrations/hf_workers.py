@@ -17,7 +17,7 @@ import torch
 
 from fusedpar.layouts import ParallelLayout
 from fusedpar.testing.scenarios import rel_error
-from tests.integrations.hf_models import left_padded, make_model
+from tests.integrations.hf_models import left_padded, make_model, right_padded
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
@@ -94,10 +94,12 @@ def _load_counting_reads(path, layout, **kwargs):
 
 
 def _reference(model, prompt_sets, new_tokens):
-    """Unsharded logits, greedy generate (with and without an eos that stops rows early), cached calls."""
+    """Unsharded logits (left and right padded), greedy generate (with and without an eos that stops
+    rows early), cached calls."""
     refs = []
     for ids, mask in prompt_sets:
         r = {"logits": model(ids, attention_mask=mask, use_cache=False).logits}
+        r["right_logits"] = model(*right_padded(ids, mask), use_cache=False).logits
         r["gen"] = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **GREEDY)
         r["eos"] = int(r["gen"][0, ids.shape[1] + 1])  # row 0's second new token: stops it (and maybe others)
         r["gen_eos"] = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=r["eos"],
@@ -212,14 +214,22 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
         gc.collect()
         res_freed = probe() is None
     spec = pm.fusedpar_spec
-    res: dict = {"errs": [], "pad_errs": [], "cached_errs": [], "gen_equal": [], "gen_eos_equal": [], "gen_steps": [],
-                 "poison_equal": [], "tokens": [], "ref_tokens": [], "messages": {}}
+    res: dict = {"errs": [], "pad_errs": [], "right_errs": [], "cached_errs": [], "gen_equal": [],
+                 "gen_eos_equal": [], "gen_steps": [], "poison_equal": [], "tokens": [], "ref_tokens": [],
+                 "messages": {}}
     for (ids, mask), r in zip(prompt_sets, refs, strict=True):
         real = mask.bool()
         logits = pm(ids, attention_mask=mask, use_cache=False).logits
         res["errs"].append(rel_error(logits[real], r["logits"][real]))
         # left padding: HF's SDPA gives a padding query a zero attention output (its MLP-only value)
         res["pad_errs"].append(rel_error(logits[~real], r["logits"][~real]) if bool((~real).any()) else 0.0)
+        # right padding: HF's SDPA attends a padding query to the row's earlier real tokens
+        r_ids, r_mask = right_padded(ids, mask)
+        right = pm(r_ids, attention_mask=r_mask, use_cache=False).logits
+        r_real = r_mask.bool()
+        res["right_errs"].append(max(rel_error(right[r_real], r["right_logits"][r_real]),
+                                     rel_error(right[~r_real], r["right_logits"][~r_real]) if bool((~r_real).any())
+                                     else 0.0))
         if not res["tokens"]:
             # bytes, not a tensor: tensors cross the result queue through shared-memory file
             # descriptors that die with the (already finished) worker process

@@ -2,7 +2,7 @@
 
 Two spawns (4 ranks, 2 ranks) run every distributed case; each test below checks one case's
 results: logits within 1e-4 relative error at every real position (plain call, and prefill +
-two cached single-token calls) and at every left-padded one (plain call), identical greedy
+two cached single-token calls) and at every padded one (plain calls, left and right padded), identical greedy
 generate (also with an eos that stops rows early), outputs bit-identical across ranks and real
 positions unaffected by what the padding holds, the expected number of base / shift steps, and
 resident decoder bytes equal to the base shards.
@@ -108,6 +108,7 @@ def _check(per_rank: list[dict], case: dict) -> None:
         where = f"{name} rank {rank}"
         assert max(res["errs"]) < REL_TOL, f"{where}: logits rel error {res['errs']}"
         assert max(res["pad_errs"]) < REL_TOL, f"{where}: logits at padded positions, rel error {res['pad_errs']}"
+        assert max(res["right_errs"]) < REL_TOL, f"{where}: right-padded call, rel error {res['right_errs']}"
         assert max(res["cached_errs"]) < REL_TOL, f"{where}: cached-call logits rel error {res['cached_errs']}"
         assert all(res["gen_equal"]), f"{where}: greedy tokens {res['tokens']} != unsharded {res['ref_tokens']}"
         assert all(res["gen_eos_equal"]), f"{where}: greedy tokens with eos differ"

@@ -10,6 +10,8 @@ ranks) run every case against the unsharded transformers model; each test checks
 - output_hidden_states (keyword, config default, generate(return_dict_in_generate=True)): the
   L + 1 hidden states at every real and every left-padded position, in base and shift steps (it
   raised);
+- padded positions (right padding under a sliding window, a padding-only row, a continuing call
+  whose new column is padding): HF's SDPA values (they were zeros);
 - generate(past_key_values=StaticCache(...)) as HF's docs show it (it raised on the 4D masks
   generate builds for a static cache); an HF QuantizedCache is refused like
   cache_implementation="quantized";
@@ -228,6 +230,31 @@ def _generate_forms(ref, pm) -> dict:
     return out
 
 
+def _padding(ref, pm) -> dict:
+    """Every padded position against HF's SDPA: right padding under a 4-column sliding window (a
+    padding query sees only the real tokens of the last 3 columns before it, or none), a row of
+    padding only, padding ids that differ, and a continuing call whose new column is padding."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = [4, 2, 3, 0]
+    ids = torch.randint(1, ref.config.vocab_size, (4, 8), generator=gen)
+    mask = torch.zeros((4, 8), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    out = {}
+    with torch.no_grad():
+        want, got = ref(ids, attention_mask=mask), pm(ids, attention_mask=mask)
+        out["right"] = rel_error(got.logits, want.logits)
+        hs = [ref(ids, attention_mask=mask, output_hidden_states=True).hidden_states,
+              pm(ids, attention_mask=mask, output_hidden_states=True).hidden_states]
+        out["hidden"] = [rel_error(g, w) for g, w in zip(hs[1], hs[0], strict=True)]
+        first = [m(ids[:3, :4], attention_mask=mask[:3, :4], use_cache=True) for m in (ref, pm)]
+        m2 = torch.cat([mask[:3, :4], torch.zeros((3, 1), dtype=torch.long)], dim=1)
+        nxt = [m(ids[:3, 4:5], attention_mask=m2, past_key_values=f.past_key_values).logits
+               for m, f in zip((ref, pm), first, strict=True)]
+        out["continued"] = rel_error(nxt[1], nxt[0])
+    return out
+
+
 def run_world2(rank: int, world: int, tmp: str) -> dict:
     layout = ParallelLayout(world, sp=2)
     cases = {
@@ -237,6 +264,7 @@ def run_world2(rank: int, world: int, tmp: str) -> dict:
         "save_and_cast": lambda: _save_and_cast(*_pair("qwen2", layout), os.path.join(tmp, f"rank{rank}")),
         "forward_forms": lambda: _forward_forms(*_pair("qwen3", layout)),
         "generate_forms": lambda: _generate_forms(*_pair("llama", layout)),
+        "padding": lambda: _padding(*_pair("mistral", layout, sliding_window=4)),
     }
     return _run(cases, rank)
 
@@ -300,6 +328,13 @@ def test_output_hidden_states(world, request):
         assert res["gen_modes"] == {"base": 1, "shift": 2}, res
         # 3 hidden states x (real, padded) for the prompt step, 3 x real for each of the 2 decode steps
         assert res["gen_tokens"] and len(res["gen"]) == 12 and max(res["gen"]) < REL_TOL, res
+
+
+def test_padded_positions_match_hf(world2):
+    """Before: padded positions returned zero logits (HF's SDPA gives them values)."""
+    for res in _case(world2, "padding"):
+        assert res["right"] < REL_TOL and res["continued"] < REL_TOL, res
+        assert len(res["hidden"]) == 3 and max(res["hidden"]) < REL_TOL, res
 
 
 def test_generate_with_a_user_made_hf_cache(world2):
