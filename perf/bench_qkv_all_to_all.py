@@ -66,13 +66,18 @@ MODELS = {
 DEFAULT_TOKENS = ",".join(str(2**i) for i in range(3, 15))  # 8 .. 16384
 SETS = 2
 # --sweep-configs: tilings tried for the fused kernel, each within Hopper's 227 KiB of shared memory in bf16:
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA loads, nested tile/K loops instead of one flattened loop)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA loads, nested tile/K loops instead of one flattened loop,
+# [BLOCK_N2: split tiles of BLOCK_N + BLOCK_N2 columns, [GROUP_M]])
 SWEEP_CONFIGS = ((128, 128, 64, 4, 5, 0, 0), (128, 128, 64, 8, 4, 0, 0), (128, 256, 64, 8, 3, 0, 0),
                  (256, 128, 64, 8, 3, 0, 0), (64, 256, 64, 4, 4, 0, 0), (64, 128, 128, 4, 4, 0, 0),
                  (128, 128, 64, 8, 4, 0, 1), (128, 256, 64, 8, 3, 0, 1),
                  (128, 128, 64, 4, 5, 1, 0), (128, 128, 64, 8, 4, 1, 0), (128, 256, 64, 8, 3, 1, 0),
                  (128, 128, 64, 4, 5, 1, 1), (128, 128, 64, 8, 4, 1, 1), (128, 128, 64, 8, 5, 1, 1),
-                 (128, 256, 64, 8, 3, 1, 1), (128, 256, 64, 8, 4, 1, 1), (256, 128, 64, 8, 3, 1, 1))
+                 (128, 256, 64, 8, 3, 1, 1), (128, 256, 64, 8, 4, 1, 1), (256, 128, 64, 8, 3, 1, 1),
+                 # split tiles (blk 2560 = 8 x 320): 64 x 320 as the plain GEMM's pick, and 128 x 320
+                 (64, 256, 64, 4, 4, 1, 1, 64), (64, 256, 64, 4, 4, 1, 1, 64, 16), (64, 256, 64, 4, 4, 1, 0, 64),
+                 (64, 256, 64, 4, 3, 1, 1, 64), (64, 256, 64, 4, 4, 0, 0, 64),
+                 (128, 256, 64, 8, 3, 1, 1, 64), (128, 256, 64, 8, 3, 1, 1, 64, 16))
 
 
 # ------------------------------------------------------------------------------------ bench
@@ -85,8 +90,9 @@ def dims(model: str, sp: int) -> dict[str, int]:
     return {"d": cfg["hidden"], "blk": (q + 2 * kv) * cfg["head_dim"], "q": q, "kv": kv}
 
 
-def sweep_configs(model, m, W, ws, timer) -> list[tuple[str, float]]:
-    """The fused kernel's time (max over ranks) with each of SWEEP_CONFIGS, and the default's."""
+def sweep_configs(model, m, W, ws, timer, match: str = "") -> list[tuple[str, float]]:
+    """The fused kernel's time (max over ranks) with its default tiling and each of SWEEP_CONFIGS
+    (those whose name contains `match`)."""
     from fusedpar.kernels import ulysses as u
     from fusedpar.kernels.gemm import GemmConfig
 
@@ -96,10 +102,16 @@ def sweep_configs(model, m, W, ws, timer) -> list[tuple[str, float]]:
     xs = [torch.randn((m, d), generator=gen, device="cuda").to(torch.bfloat16) for _ in range(SETS)]
     wts = [(torch.randn((n, d), generator=gen, device="cuda") / d**0.5).to(torch.bfloat16) for _ in range(SETS)]
     ref = u.qkv_all_to_all(xs[0], wts[0], ws, fused=True).clone()
-    out = []
-    for bm, bn, bk, warps, stages, tma, nested in SWEEP_CONFIGS:
-        cfg = GemmConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages, tma=bool(tma),
-                         flatten=not nested)
+    out = [("default", timer(lambda i: u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True)))]
+    for bm, bn, bk, warps, stages, tma, nested, *rest in SWEEP_CONFIGS:
+        n2 = rest[0] if rest else 0
+        group_m = rest[1] if len(rest) > 1 else 8
+        name = (f"{bm}x{bn}{f'+{n2}' if n2 else ''}x{bk} w{warps} s{stages}{' tma' if tma else ''}"
+                f"{' nested' if nested else ''}{f' g{group_m}' if group_m != 8 else ''}")
+        if match and match not in name:
+            continue
+        cfg = GemmConfig(bm, bn, bk, group_m=group_m, num_warps=warps, num_stages=stages, tma=bool(tma),
+                         flatten=not nested, block_n2=n2)
         try:
             got = u.qkv_all_to_all(xs[0], wts[0], ws, fused=True, config=cfg)
         except Exception as e:  # a tiling Triton cannot compile fails before any launch, on every rank
@@ -109,7 +121,7 @@ def sweep_configs(model, m, W, ws, timer) -> list[tuple[str, float]]:
         if rel > 1e-2:  # tilings only reorder the fp32 accumulation: anything larger is a bug
             print(f"rank {dist.get_rank()}: {model} m={m} {cfg}: differs from the default tiling by {rel:.3g} (rel)")
         ms = timer(lambda i, c=cfg: u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True, config=c))
-        out.append((f"{bm}x{bn}x{bk} w{warps} s{stages}{' tma' if tma else ''}{' nested' if nested else ''}", ms))
+        out.append((name, ms))
     u.check_status(ws)
     return out
 
@@ -190,6 +202,9 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-configs", action="store_true",
                    help="instead of the benchmark: time the fused kernel with each tiling of SWEEP_CONFIGS at every "
                         "--tokens (printed, no records): the data behind ulysses._qkv_config")
+    p.add_argument("--sweep-match", default="",
+                   help="with --sweep-configs: only the tilings whose printed name contains this (e.g. '+64' for "
+                        "the split tiles); the default tiling is always timed")
     p.add_argument("--out", default=f"perf/results/{BENCH}.json")
     args = p.parse_args(argv)
     if args.iters < 20:
@@ -217,11 +232,12 @@ def main(argv=None) -> int:
             for m in tokens:
                 dm = dims(model, W)
                 default = u._qkv_config(m, W * dm["blk"], dm["d"], dm["blk"], torch.bfloat16, num_sms, tma_ok=True)
-                row = sweep_configs(model, m, W, ws, timer)
+                row = sweep_configs(model, m, W, ws, timer, args.sweep_match)
                 if rank == 0:
                     best = min(row, key=lambda r: r[1])
                     cells = "  ".join(f"{name} {ms * 1e3:6.1f}" for name, ms in row)
-                    print(f"{model} m={m:5d} (default {default.block_m}x{default.block_n}x{default.block_k} "
+                    print(f"{model} m={m:5d} (default {default.block_m}x{default.block_n}"
+                          f"{f'+{default.block_n2}' if default.block_n2 else ''}x{default.block_k} "
                           f"w{default.num_warps} s{default.num_stages}{' tma' if default.tma else ''}"
                           f"{'' if default.flatten else ' nested'}) us: {cells}  | best {best[0]}", flush=True)
         _bench.finish_distributed()

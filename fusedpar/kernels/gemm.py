@@ -239,12 +239,12 @@ class GemmConfig:
 
 
 def require_one_block(cfg: GemmConfig, op: str) -> None:
-    """Raise unless `cfg` tiles with one column block: split tiles (block_n2) are the plain GEMM's
-    alone; the fused kernels' epilogues address BLOCK_N-wide tiles."""
+    """Raise unless `cfg` tiles with one column block: split tiles (block_n2) are for the plain GEMM
+    and qkv_all_to_all; the other fused kernels' epilogues address BLOCK_N-wide tiles."""
     if cfg.block_n2:
         raise ValueError(
             f"{op}: GemmConfig block_n2={cfg.block_n2} (tiles of block_n + block_n2 columns) is supported by "
-            f"fusedpar.matmul only; pass block_n2=0"
+            f"fusedpar.matmul and qkv_all_to_all only; pass block_n2=0"
         )
 
 

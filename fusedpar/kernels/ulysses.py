@@ -109,6 +109,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedpar.collectives.symmetric import NUM_COUNTERS, EmulatedWorld, PeerTable, as_peer_table
 from fusedpar.kernels._host import cdiv
@@ -130,6 +131,7 @@ from fusedpar.kernels.attention import ScatterOut
 from fusedpar.kernels.gemm import (
     GemmConfig,
     _load_k_tile,
+    _load_w_tile,
     _tile_coords,
     pick_config,
     require_one_block,
@@ -205,6 +207,7 @@ def _qkv_all_to_all_kernel(
     w_ptr,
     x_desc,  # TMA descriptors of x [M, K] and w [WORLD*BLK, K]; None unless TMA (gemm.py)
     w_desc,
+    w2_desc,  # TMA descriptor of w with block [BLOCK_N2, BLOCK_K]; None unless TMA and BLOCK_N2 > 0
     buffer_ptrs,  # int64 [WORLD]: every rank's receive buffer ([WORLD*M, BLK] of x's dtype at offset 0)
     signal_ptrs,  # int64 [WORLD]: every rank's flag words
     counters_ptr,  # int64 local: EPOCH, RETIRED, STATUS
@@ -235,15 +238,18 @@ def _qkv_all_to_all_kernel(
     TIMELINE: tl.constexpr,
     TMA: tl.constexpr = False,
     FLATTEN: tl.constexpr = True,
+    BLOCK_N2: tl.constexpr = 0,
 ):
     """GEMM x @ w^T with tile (rows r, block g, cols c) stored into rank g's buffer at [rank*M + r, c].
 
     The GEMM loop is fusedpar/kernels/gemm.py's _persistent_matmul_kernel (same swizzle, same
     flattened tile x K loop, same epilogue tile-id recomputation), with N tiled per block
-    (tiles = cdiv(M, BLOCK_M) x WORLD * cdiv(BLK, BLOCK_N)) so that every tile has one owner,
+    (tiles = cdiv(M, BLOCK_M) x WORLD * cdiv(BLK, TILE_N)) so that every tile has one owner,
     and the epilogue's store redirected to the owner. Flag code sits outside the loop only
     (DESIGN.md pitfall e). TMA / FLATTEN: the K loop's tile loads and the loop nest as in gemm.py; a W tile
     that runs past its block reads the next block's rows (or zeros), whose columns the store masks.
+    BLOCK_N2: split tiles as in gemm.py (a second accumulator, TILE_N = BLOCK_N + BLOCK_N2 columns of
+    one block; 320 columns cut blk = 2560 into 8 tiles).
     """
     pid = tl.program_id(axis=0)
     nprog = tl.num_programs(axis=0)
@@ -267,8 +273,9 @@ def _qkv_all_to_all_kernel(
         # Every rank's buffer address, loaded once: the epilogue picks its owner's with integer
         # ops, so the pipelined loop body carries no extra memory access.
         bases = tl.load(buffer_ptrs + peers, mask=peers < WORLD, other=0)
+        TILE_N: tl.constexpr = BLOCK_N + BLOCK_N2
         num_pid_m = tl.cdiv(M, BLOCK_M)
-        tiles_per_block = tl.cdiv(BLK, BLOCK_N)
+        tiles_per_block = tl.cdiv(BLK, TILE_N)
         num_pid_n = WORLD * tiles_per_block
         k_tiles = tl.cdiv(K, BLOCK_K)
         num_tiles = num_pid_m * num_pid_n
@@ -280,32 +287,47 @@ def _qkv_all_to_all_kernel(
             pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
             blk_id = pid_n // tiles_per_block
             offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_c = (pid_n % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)
+            c0 = (pid_n % tiles_per_block) * TILE_N
+            offs_c = c0 + tl.arange(0, BLOCK_N)
             # Ragged edges: clamp to valid rows (see gemm.py); the store masks the extras off.
             offs_am = tl.where(offs_am < M, offs_am, 0)
             offs_wn = blk_id * BLK + tl.where(offs_c < BLK, offs_c, 0)
 
             accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if BLOCK_N2 > 0:
+                offs_c2 = c0 + BLOCK_N + tl.arange(0, BLOCK_N2)
+                offs_wn2 = blk_id * BLK + tl.where(offs_c2 < BLK, offs_c2, 0)
+                accumulator2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
             for ki in range(k_tiles):
                 if TMA:
                     a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-                    b = w_desc.load([blk_id * BLK + (pid_n % tiles_per_block) * BLOCK_N, ki * BLOCK_K]).T
+                    b = w_desc.load([blk_id * BLK + c0, ki * BLOCK_K]).T
+                    if BLOCK_N2 > 0:
+                        b2 = w2_desc.load([blk_id * BLK + c0 + BLOCK_N, ki * BLOCK_K]).T
                 else:
                     a, b = _load_k_tile(x_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_xm, stride_xk,
                                         stride_wk, stride_wn, BLOCK_K, EVEN_K)
+                    if BLOCK_N2 > 0:
+                        b2 = _load_w_tile(w_ptr, offs_wn2, offs_k_base, ki, K, stride_wk, stride_wn, BLOCK_K, EVEN_K)
                 accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+                if BLOCK_N2 > 0:
+                    accumulator2 = tl.dot(a, b2, accumulator2, input_precision=INPUT_PRECISION)
 
             tile_id_c += NUM_SMS
             pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
             owner = pid_n // tiles_per_block
             offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_cn = (pid_n % tiles_per_block) * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_cn = (pid_n % tiles_per_block) * TILE_N + tl.arange(0, BLOCK_N)
             dst = tl.sum(tl.where(peers == owner, bases, 0), axis=0).to(tl.pointer_type(dtype))
             # Buffers are ALIGN_BYTES-aligned; an address loaded from memory carries no such fact.
             dst = tl.multiple_of(dst, 16)
             c_ptrs = dst + ((rank * M + offs_cm)[:, None] * BLK + offs_cn[None, :])
             c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < BLK)
             tl.store(c_ptrs, accumulator.to(dtype), mask=c_mask)
+            if BLOCK_N2 > 0:
+                offs_cn2 = (pid_n % tiles_per_block) * TILE_N + BLOCK_N + tl.arange(0, BLOCK_N2)
+                c2_ptrs = dst + ((rank * M + offs_cm)[:, None] * BLK + offs_cn2[None, :])
+                tl.store(c2_ptrs, accumulator2.to(dtype), mask=(offs_cm[:, None] < M) & (offs_cn2[None, :] < BLK))
 
         _stamp(timeline_ptr, pid, 2, TIMELINE)
         last = retire_system(counters_ptr, epoch, nprog)
@@ -553,6 +575,10 @@ def qkv_recv_view(peers, tokens: int, blk: int, dtype: torch.dtype) -> torch.Ten
     return table.view(dtype, n * blk).view(n, blk)
 
 
+# Rows per rank (inclusive) where the qkv GEMM takes split 64 x (256 + 64) tiles (_qkv_config).
+QKV_SPLIT_TILE_ROWS = (512, 1024)
+
+
 @functools.lru_cache(maxsize=1024)  # per launch; a cached tiling costs no host time (see gemm.pick_config)
 def _qkv_config(m: int, n_total: int, k: int, blk: int, dtype: torch.dtype, num_sms: int,
                 tma_ok: bool = False) -> GemmConfig:
@@ -563,14 +589,24 @@ def _qkv_config(m: int, n_total: int, k: int, blk: int, dtype: torch.dtype, num_
     # 204-212 vs 214-235 us). At 2048-4096 rows the runs disagree (the best nested TMA tiling from
     # 5% slower to 11% faster than the pointer pick), and at 256-512 rows TMA was up to 2x slower on
     # the Qwen shape, so elsewhere the plain GEMM's pointer-load pick stays.
+    # Split tiles (64 x (256 + 64), TMA, nested loops, 4 stages) where 320 columns tile a block
+    # exactly (blk 2560: both models' base shapes at SP=4): in GPU run 121's sweep
+    # (--sweep-configs --sweep-match +64, perf/results/gpu_run_h200x4_run121.log) they beat the pick
+    # above at 512 / 1024 rows (Llama-70B 177.0 -> 149.9 / 290.1 -> 271.6 us, Qwen3-32B 135.4 ->
+    # 116.5 / 205.6 -> 193.5) and lost or tied at 2048 (525.2 vs 511.3, 345.4 vs 348.1) and 4096
+    # (1079.1 vs 986.6, 703.1 vs 648.7). 64-row tiles of 320 columns fill 1.94 / 3.88 waves there.
+    split_n = 320
     tiles = cdiv(m, 128) * cdiv(n_total, 128)
-    if tma_ok and not _INTERPRETED and dtype.itemsize == 2 and 3 * num_sms < tiles <= 6 * num_sms:
+    if (tma_ok and not _INTERPRETED and dtype.itemsize == 2 and blk % split_n == 0
+            and QKV_SPLIT_TILE_ROWS[0] <= m <= QKV_SPLIT_TILE_ROWS[1]):
+        cfg = GemmConfig(64, 256, 64, group_m=8, num_warps=4, num_stages=4, tma=True, flatten=False, block_n2=64)
+    elif tma_ok and not _INTERPRETED and dtype.itemsize == 2 and 3 * num_sms < tiles <= 6 * num_sms:
         cfg = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, tma=True, flatten=False)
     else:
         cfg = pick_config(m, n_total, k, dtype=dtype, num_sms=num_sms, interpret=_INTERPRETED)
     # N tiles never straddle a block: a 256-wide tile would waste half its MMA on blocks that are
     # odd multiples of 128 (e.g. hd=128 with q + 2 kv odd).
-    while cfg.block_n > 32 and blk % cfg.block_n and blk % (cfg.block_n // 2) == 0:
+    while not cfg.block_n2 and cfg.block_n > 32 and blk % cfg.block_n and blk % (cfg.block_n // 2) == 0:
         cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
     return cfg
 
@@ -637,9 +673,8 @@ def launch_qkv_all_to_all(
     num_sms = sm_count(x.device, _INTERPRETED)
     tma_ok = tma_compatible(x, w)
     cfg = config or _qkv_config(m, W * blk, k, blk, x.dtype, num_sms, tma_ok=tma_ok)
-    require_one_block(cfg, "qkv_all_to_all")
     if produce:
-        tiles = cdiv(m, cfg.block_m) * W * cdiv(blk, cfg.block_n)
+        tiles = cdiv(m, cfg.block_m) * W * cdiv(blk, cfg.tile_n)
         grid = max(1, min(num_sms, tiles))
     else:
         grid = 1
@@ -649,12 +684,16 @@ def launch_qkv_all_to_all(
         _check_timeline(timeline, grid, x.device)
     use_tma = produce and cfg.tma and tma_ok
     x_desc, w_desc = tma_descriptors(x, w, cfg.block_m, cfg.block_n, cfg.block_k) if use_tma else (None, None)
+    w2_desc = None
+    if use_tma and cfg.block_n2:
+        w2_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n2, cfg.block_k])
     with device_guard(x.device):
         return _qkv_all_to_all_kernel[(grid,)](
             x,
             w,
             x_desc,
             w_desc,
+            w2_desc,
             table.buffer_ptrs,
             table.signal_ptrs,
             table.counters,
@@ -685,6 +724,7 @@ def launch_qkv_all_to_all(
             TIMELINE=timeline is not None,
             TMA=use_tma,
             FLATTEN=cfg.flatten,
+            BLOCK_N2=cfg.block_n2,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -915,19 +955,22 @@ def _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, ma
     )
 
 
-def _gemm_cfg(block_m, block_n, block_k, group_m, num_warps, num_stages, tma=0, flatten=1) -> GemmConfig | None:
+_GEMM_META = 9  # the ints of a GemmConfig in an op's schema (_gemm_meta)
+
+
+def _gemm_cfg(block_m, block_n, block_k, group_m, num_warps, num_stages, tma=0, flatten=1,
+              block_n2=0) -> GemmConfig | None:
     if block_m <= 0:
         return None
     return GemmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
-                      tma=bool(tma), flatten=bool(flatten))
+                      tma=bool(tma), flatten=bool(flatten), block_n2=block_n2)
 
 
 def _gemm_meta(cfg: GemmConfig | None) -> tuple[int, ...]:
     if cfg is None:
-        return (0,) * 8
-    require_one_block(cfg, "fusedpar.kernels.ulysses")  # the 8 ints below have no block_n2
+        return (0,) * _GEMM_META
     return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages,
-            int(cfg.tma), int(cfg.flatten))
+            int(cfg.tma), int(cfg.flatten), cfg.block_n2)
 
 
 @torch.library.custom_op("fusedpar::qkv_all_to_all", mutates_args=("counters",))
@@ -973,7 +1016,7 @@ def _o_meta(cfg: OProjConfig) -> list[int]:
 
 
 def _o_cfg(meta: list[int]) -> OProjConfig:
-    return OProjConfig(_gemm_cfg(*meta[:8]), *meta[8:])
+    return OProjConfig(_gemm_cfg(*meta[:_GEMM_META]), *meta[_GEMM_META:])
 
 
 @torch.library.custom_op("fusedpar::all_to_all_o_proj", mutates_args=("counters",))
@@ -1048,6 +1091,7 @@ def _launch_wait(signal_ptrs, counters, rank, world_size, *, use_flags, spin_lim
         _qkv_all_to_all_kernel[(1,)](
             dummy,
             dummy,
+            None,
             None,
             None,
             signal_ptrs,  # buffer_ptrs unused
@@ -1393,7 +1437,8 @@ def qkv_all_to_all_emulated(
     "phased": every rank's READY launch, then every rank's produce launch, then every rank's wait
     launch. "staggered": READY for all ranks, produce for ranks 0..W-2, then rank W-1 runs the
     registered op (all phases in ONE launch, the GPU code path, with live flags; its READY is
-    re-sent, harmlessly, with the same epoch), then the wait launches of ranks 0..W-2.
+    re-sent, harmlessly, with the same epoch), then ranks 0..W-2 wait through the registered wait
+    op (the wait-only launch of qkv_all_to_all(wait=False) + qkv_all_to_all_wait).
     Raises RuntimeError if a bounded flag wait timed out.
     """
     W = world.world_size
@@ -1416,7 +1461,11 @@ def qkv_all_to_all_emulated(
         if not torch.equal(got, qkv_recv_view(t, xs[R].shape[0], ws[R].shape[0] // W, xs[R].dtype)):
             raise AssertionError("the registered op's copy differs from its receive buffer")
     for r in first:
-        launch_qkv_all_to_all(xs[r], ws[r], world[r], send_ready=False, produce=False, **kw)
+        if schedule == "staggered" and use_flags:
+            t = world[r]
+            torch.ops.fusedpar.qkv_all_to_all_wait(t.signal_ptrs, t.counters, t.rank, W)
+        else:
+            launch_qkv_all_to_all(xs[r], ws[r], world[r], send_ready=False, produce=False, **kw)
     _emulated_check(world, "qkv_all_to_all")
     return [qkv_recv_view(world[r], xs[r].shape[0], ws[r].shape[0] // W, xs[r].dtype) for r in range(W)]
 

@@ -55,12 +55,14 @@ def _compare(model, pm_factory, device, label, strict):
     err = _err(out, ref, real)
     # left padding: HF's SDPA gives those queries a zero attention output; right padding: they
     # attend to the row's earlier real tokens
-    pad_err = max(_err(out, ref, ~real), _err(right, ref_right, torch.ones_like(real)))
+    left_pad_err, right_err = _err(out, ref, ~real), _err(right, ref_right, torch.ones_like(real))
+    pad_err = max(left_pad_err, right_err)
     same_tokens = bool(torch.equal(gen, ref_gen))
     identical = _same_on_all_ranks(out) and _same_on_all_ranks(gen)
     ok = identical and (not strict or (err < 1e-4 and pad_err < 1e-4 and same_tokens))
     if dist.get_rank() == 0:
-        print(f"{label:42s} rel err {err:.2e}  padded {pad_err:.2e}  tokens equal {same_tokens}  "
+        print(f"{label:42s} rel err {err:.2e}  left-padded {left_pad_err:.2e}  right-padded call "
+              f"{right_err:.2e}  tokens equal {same_tokens}  "
               f"ranks identical {identical}  "
               f"steps {steps}  {'ok' if ok else 'FAIL'}", flush=True)
     return ok

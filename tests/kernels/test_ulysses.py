@@ -189,15 +189,43 @@ def test_qkv_explicit_small_tiles_many_programs():
     check_qkv(world, xs, ws, recvs, dtype=torch.float32)
 
 
-def test_split_tile_configs_are_refused_by_the_fused_ops():
-    # Split tiles (GemmConfig.block_n2) are the plain GEMM's alone; the fused epilogues address
-    # block_n-wide tiles, so a split config must fail loudly, not drop its second block.
-    W, m, d, blk = 2, 13, 40, 40
-    xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=5, kind="col_view")
+@pytest.mark.parametrize("kind", ["contiguous", "col_view"])
+@pytest.mark.parametrize("blk,block_n2", [(40, 8), (56, 16), (24, 16)])
+def test_qkv_split_tiles(kind, blk, block_n2):
+    # Split tiles (GemmConfig.block_n2): 16 + block_n2 columns per tile, two accumulators. blk 40 =
+    # 24 + 16 (a ragged second tile), 56 = 32 + 24 (the second block's tail masked), 24 = one tile
+    # whose second block runs 8 columns past the block (into the next block's rows or past w).
+    W, m, d = 3, 13, 40
+    xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=blk + block_n2, kind=kind)
     world = qkv_world(W, m, blk, torch.float32)
+    split = GemmConfig(16, 16, 16, group_m=3, num_stages=1, block_n2=block_n2)
+    recvs = qkv_all_to_all_emulated(world, xs, ws, config=split)
+    check_qkv(world, xs, ws, recvs, dtype=torch.float32)
+
+
+def test_qkv_split_tile_rule(monkeypatch):
+    # GPU picks (the interpreter keeps its small tiles): 16-bit, TMA-able operands at 512-1024 rows per
+    # rank take 64 x (256 + 64) tiles where 320 columns tile the block (blk 2560); elsewhere the
+    # previous picks (one column block).
+    monkeypatch.setattr(u, "_INTERPRETED", False)
+    pick = u._qkv_config.__wrapped__  # uncached: the module-level cache holds interpreter picks
+    for m in (512, 700, 1024):
+        for k in (8192, 5120):
+            cfg = pick(m, 4 * 2560, k, 2560, torch.bfloat16, 132, tma_ok=True)
+            assert (cfg.block_m, cfg.block_n, cfg.block_n2, cfg.tma, cfg.flatten) == (64, 256, 64, True, False), cfg
+        assert pick(m, 4 * 2560, 8192, 2560, torch.float16, 132, tma_ok=True).block_n2 == 64
+        assert pick(m, 4 * 2560, 8192, 2560, torch.float32, 132, tma_ok=True).block_n2 == 0
+        assert pick(m, 4 * 2560, 8192, 2560, torch.bfloat16, 132, tma_ok=False).block_n2 == 0
+        assert pick(m, 4 * 2304, 8192, 2304, torch.bfloat16, 132, tma_ok=True).block_n2 == 0  # 2304 % 320
+    for m in (256, 511, 1025, 2048, 4096):
+        assert pick(m, 4 * 2560, 8192, 2560, torch.bfloat16, 132, tma_ok=True).block_n2 == 0, m
+
+
+def test_split_tile_configs_are_refused_by_all_to_all_o_proj():
+    # all_to_all_o_proj's epilogue addresses block_n-wide tiles, so a split config must fail
+    # loudly, not drop its second block.
+    W = 2
     split = GemmConfig(16, 16, 16, group_m=3, num_stages=1, block_n2=16)
-    with pytest.raises(ValueError, match="block_n2=16"):
-        qkv_all_to_all_emulated(world, xs, ws, config=split)
     cfg = OProjConfig(gemm=split, comm_programs=1, copy_rows=4, copy_cols=8)
     attns, wo = o_inputs(W, 40, 16, 16, torch.float32, seed=22)
     with pytest.raises(ValueError, match="block_n2=16"):
@@ -226,6 +254,21 @@ def test_qkv_tma_loads(kind, schedule, monkeypatch):
         for buf in world.buffers:  # re-poison: the second call must write every element again
             buf.fill_(0xFF)
     assert len(made) == 2 * W and set(made) == {(32, 32, 32)}, "every produce launch takes the TMA path"
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_qkv_tma_split_tiles(flatten):
+    # TMA with split tiles: blk 40 against 16 + 16 columns, so the second tile's second W block reads
+    # 8 rows past its block (the next block's, or zeros after the last) that the store must drop.
+    W, m, d, blk = 3, 13, 72, 40
+    gen = torch.Generator().manual_seed(23)
+    xs = [(torch.randn((m, d), generator=gen) + 0.1).half() for _ in range(W)]
+    ws = [_weight(W * blk, d, torch.float16, gen, "col_view", col_offset=8) for _ in range(W)]
+    assert all(tma_compatible(x, w) for x, w in zip(xs, ws, strict=True))
+    world = qkv_world(W, m, blk, torch.float16)
+    cfg = GemmConfig(16, 16, 32, group_m=2, num_stages=1, tma=True, flatten=flatten, block_n2=16)
+    recvs = qkv_all_to_all_emulated(world, xs, ws, config=cfg)
+    check_qkv(world, xs, ws, recvs, dtype=torch.float16)
 
 
 def test_qkv_consecutive_calls_reuse_one_buffer_and_advance_epochs():
@@ -784,13 +827,15 @@ def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m):
 @pytest.mark.parametrize("flatten", [True, False], ids=["flat", "nested"])
 @pytest.mark.parametrize("m", [13, 1024])
 def test_gpu_qkv_tma_matches_fp64(gpu_world, gpu_ws, m, flatten):
-    """The TMA mainloop (flattened or nested tile loop) on the shift-style column-view weight."""
+    """The TMA mainloop (flattened or nested tile loop; one column block or split 256 + 64 tiles) on the
+    shift-style column-view weight."""
     errors = []
     x, w = _gpu_qkv_operands(gpu_ws, m, salt=31 * m + flatten)
     assert tma_compatible(x, w)
     gpu_ws.qkv.table.buffer.fill_(0xFF)
     for cfg in (GemmConfig(128, 128, 64, 8, 8, 4, tma=True, flatten=flatten),
-                GemmConfig(128, 256, 64, 8, 8, 3, tma=True, flatten=flatten)):
+                GemmConfig(128, 256, 64, 8, 8, 3, tma=True, flatten=flatten),
+                GemmConfig(64, 256, 64, 8, 4, 4, tma=True, flatten=flatten, block_n2=64)):
         got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, config=cfg)
         torch.cuda.synchronize()
         if got.isnan().any():
