@@ -482,8 +482,8 @@ def _check_positions(state: ShiftParallelCache, pos: torch.Tensor, new: torch.Te
 def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, attention_mask, position_ids,
               capture: bool = False, input_ids: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Pack the real new tokens of every row, run the stack, scatter back to [b, s, d]; padded
-    positions get their tokens' attention-free outputs (_fill_padding).
+    """Pack the real new tokens of every row, run the stack, scatter back to [b, s, d]; then the
+    padded positions get HF's SDPA values (_fill_padding).
 
     capture: also return the output of every decoder layer but the last, scattered the same way,
     for output_hidden_states; else that list is empty."""
@@ -580,7 +580,10 @@ def _fill_padding(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor,
     its mask column is 0. A padding query that sees no real token (left padding: what generate and
     tokenizers use for decoder-only models) gets a zero attention output there, so its state is its
     embedding through the layers' MLPs alone, whatever its position: run once per token id. Runs
-    after the stack, so no real position depends on it. new: [b, s] CPU bool, the call's real
+    after the stack, so no real position depends on it. Cost: one reference-path pass over the
+    layers for the call's distinct blind ids plus every padding query that sees a real token, the
+    latter attended one by one (right-padded batches pay per padded position; generate's left
+    padding pays one row). new: [b, s] CPU bool, the call's real
     columns; pos: [b, s] CPU, HF position ids; offsets: HF - fusedpar position per row."""
     past = state.width
     real = torch.cat([state.columns, new], dim=1)
