@@ -43,7 +43,14 @@ from fusedpar.collectives import (
     seq_to_head_all_to_all,
 )
 from fusedpar.layers.config import DecoderConfig
-from fusedpar.layers.functional import apply_rope, blocked_swiglu, causal_gqa_attention, rms_norm, rope_cos_sin
+from fusedpar.layers.functional import (
+    apply_rope,
+    blocked_swiglu,
+    causal_gqa_attention,
+    gqa_attention,
+    rms_norm,
+    rope_cos_sin,
+)
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import StepBatch
 from fusedpar.layers.weights import ShardedDecoderWeights
@@ -256,17 +263,20 @@ class ShiftParallelDecoderLayer(nn.Module):
                                     cfg.rope_attention_scaling)
             q = apply_rope(q, cos, sin)
             attn = torch.zeros((k, self.nq * hd), dtype=x.dtype, device=x.device)
-            gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            # queries that see the same keys (e.g. a right-padded row's padding) attend in one call
+            groups: dict[tuple[int, int, int], list[int]] = {}
             for r, i in enumerate(rows):
-                sid, lo, hi = visible[i]
+                groups.setdefault(visible[i], []).append(r)
+            gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for (sid, lo, hi), members in groups.items():
                 if sid not in gathered:
                     gathered[sid] = cache.gather(self.layer_idx, sid)
                 kc, vc = gathered[sid]
                 if hi > kc.shape[0]:
-                    raise ValueError(f"side query {i}: sequence {sid} holds {kc.shape[0]} tokens, asked for {lo}..{hi}")
-                # one query that sees every key of the range: the last row of a causal block of one
-                attn[i] = causal_gqa_attention(q[r:r + 1], kc[lo:hi], vc[lo:hi], self.kv_index, hd ** -0.5
-                                               ).reshape(-1)
+                    raise ValueError(f"side queries: sequence {sid} holds {kc.shape[0]} tokens, asked for {lo}..{hi}")
+                sel = torch.tensor(members, device=x.device)
+                out = gqa_attention(q[sel], kc[lo:hi], vc[lo:hi], self.kv_index, hd ** -0.5, causal=False)
+                attn[idx[sel]] = out.reshape(len(members), -1)
             x = x + _row_parallel_reference(attn, w["o"], self.ctx.attention_group("shift"))
         h = rms_norm(x, rep["post_norm"], cfg.rms_norm_eps)
         act = blocked_swiglu(F.linear(h, w["gate_up"]), self.act_block)

@@ -72,6 +72,14 @@ def causal_gqa_attention(
     kv_index [Hq]: which kv head each q head reads. Query i sits at position L_ctx - L_new + i
     and sees keys 0..that position. Returns [L_new, Hq, d].
     """
+    return gqa_attention(q, k, v, kv_index, scale, causal=True)
+
+
+def gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor, scale: float, *, causal: bool
+) -> torch.Tensor:
+    """causal_gqa_attention, or with causal=False every query attending to every key (queries that
+    are not keys themselves, e.g. HF's padding positions: ShiftParallelDecoderLayer.side_queries)."""
     L_new, L_ctx = q.shape[0], k.shape[0]
     kh, vh = k[:, kv_index], v[:, kv_index]  # [L_ctx, Hq, d]
     if q.dtype in (torch.float16, torch.bfloat16):
@@ -80,8 +88,9 @@ def causal_gqa_attention(
         q, kh = q.float(), kh.float()
     scores = torch.einsum("qhd,khd->hqk", q, kh)
     scores = scores * scale
-    q_pos = torch.arange(L_ctx - L_new, L_ctx, device=q.device)[:, None]
-    k_pos = torch.arange(L_ctx, device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if causal:
+        q_pos = torch.arange(L_ctx - L_new, L_ctx, device=q.device)[:, None]
+        k_pos = torch.arange(L_ctx, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.einsum("hqk,khd->qhd", probs, vh)

@@ -581,9 +581,9 @@ def _fill_padding(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor,
     tokenizers use for decoder-only models) gets a zero attention output there, so its state is its
     embedding through the layers' MLPs alone, whatever its position: run once per token id. Runs
     after the stack, so no real position depends on it. Cost: one reference-path pass over the
-    layers for the call's distinct blind ids plus every padding query that sees a real token, the
-    latter attended one by one (right-padded batches pay per padded position; generate's left
-    padding pays one row). new: [b, s] CPU bool, the call's real
+    layers for the call's distinct blind ids plus every padding query that sees a real token (those
+    that see the same tokens - a right-padded row's - attend in one call per layer; generate's left
+    padding costs one row). new: [b, s] CPU bool, the call's real
     columns; pos: [b, s] CPU, HF position ids; offsets: HF - fusedpar position per row."""
     past = state.width
     real = torch.cat([state.columns, new], dim=1)
