@@ -583,8 +583,9 @@ def _fill_padding(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor,
     after the stack, so no real position depends on it. Cost: one reference-path pass over the
     layers for the call's distinct blind ids plus every padding query that sees a real token (those
     that see the same tokens - a right-padded row's - attend in one call per layer; generate's left
-    padding costs one row). new: [b, s] CPU bool, the call's real
-    columns; pos: [b, s] CPU, HF position ids; offsets: HF - fusedpar position per row."""
+    padding costs one row).
+    new: [b, s] CPU bool, the call's real columns; pos: [b, s] CPU, HF position ids; offsets: HF -
+    fusedpar position per row."""
     past = state.width
     real = torch.cat([state.columns, new], dim=1)
     before = F.pad(real.long().cumsum(1), (1, 0))  # before[i, c]: real columns of row i in [0, c)
