@@ -33,7 +33,7 @@ _COMPILE = textwrap.dedent(
     assert not missing, f"no type given for {missing}"
     sig = {n: "constexpr" if n in consts else spec["types"][n] for n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
     ptx = k.asm["ptx"]
     print(json.dumps({"ptx_globaltimer": ptx.count("%globaltimer"), "cubin_bytes": len(k.asm["cubin"]),
                       "tma_loads": ptx.count("cp.async.bulk.tensor")}))
@@ -45,23 +45,31 @@ _QKV_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "buffer_ptrs": "*i64", "signal
               "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32"}
 
 
-def _qkv_constexprs(timeline: bool, tma: bool) -> dict:
-    consts = {"WORLD": 4, "WORLD_P2": 4, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "NUM_SMS": 132,
-              "EVEN_K": True, "INPUT_PRECISION": "tf32", "EPOCH_AHEAD": 1, "SEND_READY": True, "PRODUCE": True,
-              "WAIT": True, "USE_FLAGS": True, "SPIN_LIMIT": 1 << 24, "TIMELINE": timeline, "TMA": tma,
-              "FLATTEN": not tma}
+def _qkv_constexprs(timeline: bool, tma: bool, split: bool) -> dict:
+    consts = {"WORLD": 4, "WORLD_P2": 4, "BLOCK_M": 64 if split else 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8,
+              "NUM_SMS": 132, "EVEN_K": True, "INPUT_PRECISION": "tf32", "EPOCH_AHEAD": 1, "SEND_READY": True,
+              "PRODUCE": True, "WAIT": True, "USE_FLAGS": True, "SPIN_LIMIT": 1 << 24, "TIMELINE": timeline,
+              "TMA": tma, "FLATTEN": not tma, "BLOCK_N2": 64 if split else 0}
     if not tma:
         consts.update(x_desc=None, w_desc=None)  # what the launcher passes without TMA
+    if not (tma and split):
+        consts.update(w2_desc=None)  # ... and without a TMA split tile
     return consts
 
 
-@pytest.mark.parametrize(("timeline", "tma"), [(False, False), (True, False), (False, True)])
-def test_qkv_kernel_builds_for_sm90_in_bf16(tmp_path, timeline, tma):
+# (timeline, TMA, split 64 x (256 + 64) tiles as _qkv_config picks them at 512-1024 rows)
+@pytest.mark.parametrize(("timeline", "tma", "split"),
+                         [(False, False, False), (True, False, False), (False, True, False), (False, True, True),
+                          (False, False, True)])
+def test_qkv_kernel_builds_for_sm90_in_bf16(tmp_path, timeline, tma, split):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh build, not a cached one
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    types = dict(_QKV_TYPES, x_desc="tensordesc<bf16[128, 64]>", w_desc="tensordesc<bf16[256, 64]>")
-    spec = {"types": types, "constexprs": _qkv_constexprs(timeline, tma)}
+    bm = 64 if split else 128
+    types = dict(_QKV_TYPES, x_desc=f"tensordesc<bf16[{bm}, 64]>", w_desc="tensordesc<bf16[256, 64]>",
+                 w2_desc="tensordesc<bf16[64, 64]>")
+    options = {"num_warps": 4, "num_stages": 4} if split else {"num_warps": 8, "num_stages": 3}
+    spec = {"types": types, "constexprs": _qkv_constexprs(timeline, tma, split), "options": options}
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(spec)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
