@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -198,6 +199,36 @@ def _stamp(timeline_ptr, pid, POINT: tl.constexpr, TIMELINE: tl.constexpr):
         tl.store(timeline_ptr + pid * 4 + POINT, globaltimer())
 
 
+@triton.jit
+def _fence_proxy_async_global():
+    """Proxy fence between this thread's generic-proxy accesses and its bulk-async (TMA) global
+    writes, in program order: after the READY acquire, before the first TMA store; after the
+    stores' completion, before the release that publishes them (retire_system, publish)."""
+    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _tma_store_tile(desc, row, col, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_N: tl.constexpr):
+    """Store tile [BLOCK_M, BLOCK_N] at (row, col) through `desc`, whose block is [BLOCK_M, STORE_N]:
+    one TMA store, or 2 / 4 of STORE_N columns each (split-tile kernels keep one descriptor block)."""
+    if STORE_N == BLOCK_N:
+        desc.store([row, col], tile)
+    else:
+        lo, hi = tl.split(tile.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
+        if 2 * STORE_N == BLOCK_N:
+            desc.store([row, col], lo)
+            desc.store([row, col + STORE_N], hi)
+        else:
+            tl.static_assert(4 * STORE_N == BLOCK_N, "a tile is stored in 1, 2 or 4 column pieces")
+            a, b = tl.split(lo.reshape(BLOCK_M, 2, STORE_N).permute(0, 2, 1))
+            c, d = tl.split(hi.reshape(BLOCK_M, 2, STORE_N).permute(0, 2, 1))
+            desc.store([row, col], a)
+            desc.store([row, col + STORE_N], b)
+            desc.store([row, col + 2 * STORE_N], c)
+            desc.store([row, col + 3 * STORE_N], d)
+
+
 # ============================================================================ qkv_all_to_all
 
 
@@ -208,6 +239,16 @@ def _qkv_all_to_all_kernel(
     x_desc,  # TMA descriptors of x [M, K] and w [WORLD*BLK, K]; None unless TMA (gemm.py)
     w_desc,
     w2_desc,  # TMA descriptor of w with block [BLOCK_N2, BLOCK_K]; None unless TMA and BLOCK_N2 > 0
+    # STORE_TMA: descriptor g = this rank's rows of rank g's receive buffer ([M, BLK] from row rank*M,
+    # block [BLOCK_M, STORE_N]); None past WORLD or without STORE_TMA
+    o_desc0,
+    o_desc1,
+    o_desc2,
+    o_desc3,
+    o_desc4,
+    o_desc5,
+    o_desc6,
+    o_desc7,
     buffer_ptrs,  # int64 [WORLD]: every rank's receive buffer ([WORLD*M, BLK] of x's dtype at offset 0)
     signal_ptrs,  # int64 [WORLD]: every rank's flag words
     counters_ptr,  # int64 local: EPOCH, RETIRED, STATUS
@@ -239,6 +280,10 @@ def _qkv_all_to_all_kernel(
     TMA: tl.constexpr = False,
     FLATTEN: tl.constexpr = True,
     BLOCK_N2: tl.constexpr = 0,
+    STORE_TMA: tl.constexpr = False,
+    STORE_N: tl.constexpr = 0,  # STORE_TMA: columns of one descriptor store (BLOCK_N2 if split, else BLOCK_N)
+    ASYNC_FENCE: tl.constexpr = False,  # STORE_TMA on a GPU: proxy fence before the retire (no-op to interpret)
+    ROTATE: tl.constexpr = False,  # rank r's tile order starts at its own block: the ranks' stores go round a ring
 ):
     """GEMM x @ w^T with tile (rows r, block g, cols c) stored into rank g's buffer at [rank*M + r, c].
 
@@ -250,6 +295,11 @@ def _qkv_all_to_all_kernel(
     that runs past its block reads the next block's rows (or zeros), whose columns the store masks.
     BLOCK_N2: split tiles as in gemm.py (a second accumulator, TILE_N = BLOCK_N + BLOCK_N2 columns of
     one block; 320 columns cut blk = 2560 into 8 tiles).
+    STORE_TMA: the epilogue hands each tile to the TMA unit (shared memory -> the owner's buffer, one
+    bulk store per STORE_N columns, rows >= M and columns >= BLK clipped by the descriptor) instead of
+    per-thread stores, which stall the next tile's loads behind the NVLink writes. Triton waits for
+    the bulk stores to finish reading shared memory before it refills it, and for their completion
+    after the loop; the proxy fence then orders them before the retire's system-scope release.
     """
     pid = tl.program_id(axis=0)
     nprog = tl.num_programs(axis=0)
@@ -267,6 +317,10 @@ def _qkv_all_to_all_kernel(
         if USE_FLAGS:
             # Peers' buffers are free for this launch once they entered it (module docstring).
             wait_flags(my_flags + _READY_ROW * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
+        if ASYNC_FENCE:
+            # The TMA stores below must follow what the READY acquire ordered (the peer's last reads of
+            # its buffer): a generic-proxy acquire does not order async-proxy writes without this.
+            _fence_proxy_async_global()
         _stamp(timeline_ptr, pid, 1, TIMELINE)
 
         dtype = x_ptr.dtype.element_ty
@@ -285,6 +339,8 @@ def _qkv_all_to_all_kernel(
 
         for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+            if ROTATE:
+                pid_n = (pid_n + rank * tiles_per_block) % num_pid_n
             blk_id = pid_n // tiles_per_block
             offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             c0 = (pid_n % tiles_per_block) * TILE_N
@@ -315,20 +371,55 @@ def _qkv_all_to_all_kernel(
 
             tile_id_c += NUM_SMS
             pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+            if ROTATE:
+                pid_n = (pid_n + rank * tiles_per_block) % num_pid_n
             owner = pid_n // tiles_per_block
             offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_cn = (pid_n % tiles_per_block) * TILE_N + tl.arange(0, BLOCK_N)
-            dst = tl.sum(tl.where(peers == owner, bases, 0), axis=0).to(tl.pointer_type(dtype))
-            # Buffers are ALIGN_BYTES-aligned; an address loaded from memory carries no such fact.
-            dst = tl.multiple_of(dst, 16)
-            c_ptrs = dst + ((rank * M + offs_cm)[:, None] * BLK + offs_cn[None, :])
-            c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < BLK)
-            tl.store(c_ptrs, accumulator.to(dtype), mask=c_mask)
-            if BLOCK_N2 > 0:
-                offs_cn2 = (pid_n % tiles_per_block) * TILE_N + BLOCK_N + tl.arange(0, BLOCK_N2)
-                c2_ptrs = dst + ((rank * M + offs_cm)[:, None] * BLK + offs_cn2[None, :])
-                tl.store(c2_ptrs, accumulator2.to(dtype), mask=(offs_cm[:, None] < M) & (offs_cn2[None, :] < BLK))
+            if STORE_TMA:
+                # The owner's descriptor, selected (one store site, not one per owner). Nested ifs: the
+                # constexpr test keeps the None descriptors past WORLD out of the compiled code.
+                desc = o_desc0
+                if WORLD > 1:  # noqa: SIM102
+                    if owner == 1:
+                        desc = o_desc1
+                if WORLD > 2:  # noqa: SIM102
+                    if owner == 2:
+                        desc = o_desc2
+                if WORLD > 3:  # noqa: SIM102
+                    if owner == 3:
+                        desc = o_desc3
+                if WORLD > 4:  # noqa: SIM102
+                    if owner == 4:
+                        desc = o_desc4
+                if WORLD > 5:  # noqa: SIM102
+                    if owner == 5:
+                        desc = o_desc5
+                if WORLD > 6:  # noqa: SIM102
+                    if owner == 6:
+                        desc = o_desc6
+                if WORLD > 7:  # noqa: SIM102
+                    if owner == 7:
+                        desc = o_desc7
+                col0 = (pid_n % tiles_per_block) * TILE_N
+                _tma_store_tile(desc, pid_m * BLOCK_M, col0, accumulator.to(dtype), BLOCK_M, BLOCK_N, STORE_N)
+                if BLOCK_N2 > 0:
+                    desc.store([pid_m * BLOCK_M, col0 + BLOCK_N], accumulator2.to(dtype))
+            else:
+                dst = tl.sum(tl.where(peers == owner, bases, 0), axis=0).to(tl.pointer_type(dtype))
+                # Buffers are ALIGN_BYTES-aligned; an address loaded from memory carries no such fact.
+                dst = tl.multiple_of(dst, 16)
+                c_ptrs = dst + ((rank * M + offs_cm)[:, None] * BLK + offs_cn[None, :])
+                c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < BLK)
+                tl.store(c_ptrs, accumulator.to(dtype), mask=c_mask)
+                if BLOCK_N2 > 0:
+                    offs_cn2 = (pid_n % tiles_per_block) * TILE_N + BLOCK_N + tl.arange(0, BLOCK_N2)
+                    c2_ptrs = dst + ((rank * M + offs_cm)[:, None] * BLK + offs_cn2[None, :])
+                    tl.store(c2_ptrs, accumulator2.to(dtype),
+                             mask=(offs_cm[:, None] < M) & (offs_cn2[None, :] < BLK))
 
+        if ASYNC_FENCE:
+            _fence_proxy_async_global()
         _stamp(timeline_ptr, pid, 2, TIMELINE)
         last = retire_system(counters_ptr, epoch, nprog)
         if USE_FLAGS:
@@ -652,6 +743,7 @@ def launch_qkv_all_to_all(
     spin_limit: int | None = None,
     config: GemmConfig | None = None,
     timeline: torch.Tensor | None = None,
+    rotate: bool = False,
 ):
     """Launch the qkv kernel as `table.rank`: all phases (GPU) or some of them (CPU emulation).
 
@@ -687,6 +779,9 @@ def launch_qkv_all_to_all(
     w2_desc = None
     if use_tma and cfg.block_n2:
         w2_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n2, cfg.block_k])
+    store_n = cfg.block_n2 or cfg.block_n
+    store_tma = produce and cfg.store_tma and store_tma_possible(table, m, blk, x.dtype)
+    o_descs = _owner_descriptors(table, m, blk, x.dtype, cfg.block_m, store_n) if store_tma else (None,) * 8
     with device_guard(x.device):
         return _qkv_all_to_all_kernel[(grid,)](
             x,
@@ -694,6 +789,7 @@ def launch_qkv_all_to_all(
             x_desc,
             w_desc,
             w2_desc,
+            *o_descs,
             table.buffer_ptrs,
             table.signal_ptrs,
             table.counters,
@@ -725,9 +821,49 @@ def launch_qkv_all_to_all(
             TMA=use_tma,
             FLATTEN=cfg.flatten,
             BLOCK_N2=cfg.block_n2,
+            STORE_TMA=store_tma,
+            STORE_N=store_n,
+            ASYNC_FENCE=store_tma and not _INTERPRETED,
+            ROTATE=rotate,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
+
+
+# TMA stores go to at most this many owners (the kernel's o_desc0..o_desc7).
+_MAX_STORE_TMA_WORLD = 8
+
+
+def store_tma_possible(table: PeerTable, m: int, blk: int, dtype: torch.dtype) -> bool:
+    """Whether the qkv epilogue can store through TMA descriptors of the owners' buffers: the table maps
+    every peer's buffer here (SymmetricWorkspace, EmulatedWorld; not a table rebuilt from raw
+    addresses, as the torch.compile op does), at most 8 ranks, and 16-byte aligned rows (TMA's rule
+    for a descriptor's base and row stride)."""
+    return (len(table.peer_buffers) == table.world_size <= _MAX_STORE_TMA_WORLD and m > 0
+            and (blk * esize(dtype)) % 16 == 0)
+
+
+# Per table: descriptors of (m, blk, dtype, block_m, store_n), built once (a TensorDescriptor and its views
+# cost host time on every launch otherwise). Weak keys: a dropped workspace drops its descriptors.
+_OWNER_DESCS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _owner_descriptors(table: PeerTable, m: int, blk: int, dtype: torch.dtype, block_m: int, store_n: int):
+    """Eight descriptor arguments: g < W this rank's rows [m, blk] of rank g's receive buffer, then None."""
+    per_table = _OWNER_DESCS.setdefault(table, {})
+    if len(per_table) >= 256:  # prefill sizes vary: keep the cache bounded
+        per_table.clear()
+    key = (m, blk, dtype, block_m, store_n)
+    descs = per_table.get(key)
+    if descs is None:
+        start = table.rank * m * blk * esize(dtype)
+        nbytes = m * blk * esize(dtype)
+        descs = tuple(
+            TensorDescriptor(buf[start:start + nbytes].view(dtype).view(m, blk), [m, blk], [blk, 1], [block_m, store_n])
+            for buf in table.peer_buffers
+        ) + (None,) * (_MAX_STORE_TMA_WORLD - table.world_size)
+        per_table[key] = descs
+    return descs
 
 
 def _check_timeline(timeline: torch.Tensor, programs: int, device: torch.device) -> None:
@@ -955,22 +1091,22 @@ def _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, ma
     )
 
 
-_GEMM_META = 9  # the ints of a GemmConfig in an op's schema (_gemm_meta)
+_GEMM_META = 10  # the ints of a GemmConfig in an op's schema (_gemm_meta)
 
 
 def _gemm_cfg(block_m, block_n, block_k, group_m, num_warps, num_stages, tma=0, flatten=1,
-              block_n2=0) -> GemmConfig | None:
+              block_n2=0, store_tma=0) -> GemmConfig | None:
     if block_m <= 0:
         return None
     return GemmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
-                      tma=bool(tma), flatten=bool(flatten), block_n2=block_n2)
+                      tma=bool(tma), flatten=bool(flatten), block_n2=block_n2, store_tma=bool(store_tma))
 
 
 def _gemm_meta(cfg: GemmConfig | None) -> tuple[int, ...]:
     if cfg is None:
         return (0,) * _GEMM_META
     return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages,
-            int(cfg.tma), int(cfg.flatten), cfg.block_n2)
+            int(cfg.tma), int(cfg.flatten), cfg.block_n2, int(cfg.store_tma))
 
 
 @torch.library.custom_op("fusedpar::qkv_all_to_all", mutates_args=("counters",))
@@ -1094,6 +1230,7 @@ def _launch_wait(signal_ptrs, counters, rank, world_size, *, use_flags, spin_lim
             None,
             None,
             None,
+            *(None,) * _MAX_STORE_TMA_WORLD,
             signal_ptrs,  # buffer_ptrs unused
             signal_ptrs,
             counters,

@@ -1,0 +1,158 @@
+"""Probe: where the fused qkv all-to-all loses time against its own GEMM (issue 3, "within 1.10x").
+
+GPU run 123 (perf/results/qkv_all_to_all.json) measured the fused kernel 16-28% slower than the
+GEMM alone at 1024-2048 rows per rank but within 1% at 4096 (Llama-70B). This times, on the same
+inputs and tiling (ulysses._qkv_config's pick), one call per sample after a device barrier and a
+GPU spin (_bench.SpinTimer, max over ranks of the per-rank medians):
+    fused            the kernel as the library runs it (READY wait, GEMM + peer stores, DONE wait)
+    fused_tma_store  the same tiling with the TMA-store epilogue (GemmConfig.store_tma)
+    fused_tma_both   128x256x64 TMA loads, nested loops, TMA stores
+    fused_rotated    the default tiling, each rank's tile order rotated to start at its own block, so
+                     that at any moment the ranks store to different owners (a ring, no incast)
+    no_flags_remote  the same launch with use_flags=False: no READY / DONE traffic, tiles still
+                     stored into the owners' buffers (the kernel's end waits for its stores)
+    no_flags_local   use_flags=False and every owner's address replaced by this rank's own buffer:
+                     the same kernel, instruction for instruction, with local stores only
+    gemm_same_cfg    fusedpar.kernels.gemm with the same GemmConfig (the fused kernel's GEMM core)
+    gemm_cublas      F.linear
+    fused x4         4 fused calls back to back, per call (the steady state: no barrier between)
+and one timeline of the fused kernel per rank (ulysses.qkv_timeline_summary: READY wait, GEMM
+phase, DONE wait). fused - no_flags_remote is the flags' cost, no_flags_remote - no_flags_local the
+remote stores', no_flags_local - gemm_same_cfg the kernel structure's. Prints a table; no records.
+
+Usage: torchrun --nproc-per-node 4 perf/probe_qkv_stores.py [--shapes llama70b,qwen32b] [--tokens 512,1024,2048,4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench
+from bench_qkv_all_to_all import MODELS, SETS, dims
+
+_bench.add_repo_to_path()
+
+
+def probe(model: str, m: int, W: int, ws, timer) -> dict[str, float]:
+    from fusedpar.collectives.symmetric import as_peer_table
+    from fusedpar.kernels import gemm
+    from fusedpar.kernels import ulysses as u
+    from fusedpar.kernels.gemm import GemmConfig
+
+    dm = dims(model, W)
+    d, blk = dm["d"], dm["blk"]
+    n = W * blk
+    gen = torch.Generator(device="cuda").manual_seed(1000 * dist.get_rank() + m)
+    xs = [torch.randn((m, d), generator=gen, device="cuda").to(torch.bfloat16) for _ in range(SETS)]
+    wts = [(torch.randn((n, d), generator=gen, device="cuda") / d**0.5).to(torch.bfloat16) for _ in range(SETS)]
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = u._qkv_config(m, n, d, blk, torch.bfloat16, num_sms, tma_ok=True)
+    table = as_peer_table(ws)
+    own = table.buffer_ptrs[table.rank].item()
+    local = dataclasses.replace(table, buffer_ptrs=torch.full_like(table.buffer_ptrs, own))
+    outs = [torch.empty((m, n), device="cuda", dtype=torch.bfloat16) for _ in range(SETS)]
+
+    st = dataclasses.replace(cfg, store_tma=True)
+    tma_st = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, flatten=False, store_tma=True)
+    res = {
+        "fused": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table, config=cfg)),
+        "fused_tma_store": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table, config=st)),
+        "fused_tma_both": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table,
+                                                                  config=tma_st)),
+        "fused_rotated": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table, config=cfg,
+                                                                 rotate=True)),
+        "no_flags_remote_rotated": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table,
+                                                                           use_flags=False, config=cfg, rotate=True)),
+        "no_flags_remote_tma_store": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table,
+                                                                             use_flags=False, config=st)),
+        "no_flags_remote": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table,
+                                                                   use_flags=False)),
+        "no_flags_local": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], local,
+                                                                  use_flags=False)),
+        "gemm_same_cfg": timer(lambda i: gemm._launch(xs[i % SETS], wts[i % SETS], outs[i % SETS], config=cfg)),
+        "gemm_cublas": timer(lambda i: F.linear(xs[i % SETS], wts[i % SETS])),
+    }
+
+    def fused4(i, c=cfg):
+        for j in range(4):
+            u.launch_qkv_all_to_all(xs[(i + j) % SETS], wts[(i + j) % SETS], table, config=c)
+
+    res["fused_x4_per_call"] = timer(fused4) / 4
+    res["fused_tma_store_x4_per_call"] = timer(lambda i: fused4(i, st)) / 4
+    ref = u.qkv_all_to_all(xs[0], wts[0], table, fused=True, config=cfg).clone()
+    for name, c, rot in (("tma_store", st, False), ("tma_both", tma_st, False), ("rotated", cfg, True)):
+        u.launch_qkv_all_to_all(xs[0], wts[0], table, config=c, rotate=rot)
+        got = u.qkv_recv_view(table, m, blk, torch.bfloat16)
+        rel = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        res[f"rel_{name}"] = _bench.max_over_ranks(rel)
+    u.check_status(ws)
+
+    grid = min(num_sms, -(-m // cfg.block_m) * W * -(-blk // cfg.tile_n))
+    tl_buf = torch.full((grid, 4), -1, dtype=torch.int64, device="cuda")
+    ws.barrier()
+    u.launch_qkv_all_to_all(xs[0], wts[0], table, timeline=tl_buf)
+    torch.cuda.synchronize()
+    summ = u.qkv_timeline_summary(tl_buf)
+    gathered = [None] * W
+    dist.all_gather_object(gathered, summ)
+    res["timeline"] = gathered
+    res["cfg"] = f"{cfg.block_m}x{cfg.block_n}{f'+{cfg.block_n2}' if cfg.block_n2 else ''}x{cfg.block_k} " \
+                 f"w{cfg.num_warps} s{cfg.num_stages}{' tma' if cfg.tma else ''}{'' if cfg.flatten else ' nested'}"
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="llama70b,qwen32b")
+    p.add_argument("--tokens", default="512,1024,2048,4096")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args(argv)
+    unknown = set(args.shapes.split(",")) - set(MODELS)
+    if unknown:
+        p.error(f"unknown --shapes {sorted(unknown)}; known {sorted(MODELS)}")
+    if not _bench.torchrun_available():
+        print("probe_qkv_stores: needs CUDA GPUs and torchrun; nothing measured")
+        return 0
+    from fusedpar.collectives.symmetric import SymmetricWorkspace
+    from fusedpar.kernels import ulysses as u
+
+    _, rank, W = _bench.init_distributed()
+    models = args.shapes.split(",")
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    need = max(u.qkv_workspace_bytes(max(tokens), dims(mo, W)["blk"], W, torch.bfloat16) for mo in models)
+    ws = SymmetricWorkspace(dist.group.WORLD, need)
+    timer = _bench.SpinTimer(ws.barrier, args.iters, args.warmup)
+    keys = ("fused", "fused_rotated", "fused_tma_store", "fused_tma_both", "no_flags_remote",
+            "no_flags_remote_rotated", "no_flags_remote_tma_store",
+            "no_flags_local", "gemm_same_cfg", "gemm_cublas", "fused_x4_per_call", "fused_tma_store_x4_per_call")
+    if rank == 0:
+        print("us per call (max over ranks of medians):", "  ".join(keys))
+    for model in models:
+        for m in tokens:
+            r = probe(model, m, W, ws, timer)
+            if rank == 0:
+                cells = "  ".join(f"{k} {r[k] * 1e3:7.1f}" for k in keys)
+                print(f"{model} m={m:5d} [{r['cfg']}]  {cells}  (max rel diff vs pointer stores: tma_store "
+                      f"{r['rel_tma_store']:.2g}, tma_both {r['rel_tma_both']:.2g}, rotated {r['rel_rotated']:.2g})",
+                      flush=True)
+                for i, s in enumerate(r["timeline"]):
+                    print(f"    rank {i} timeline: ready wait {s['ready_wait_median_us']:6.1f} (max "
+                          f"{s['ready_wait_max_us']:6.1f})  gemm {s['gemm_median_us']:6.1f} "
+                          f"(max {s['gemm_max_us']:6.1f})"
+                          f"  done wait {s['done_wait_us']:6.1f}  total {s['total_us']:6.1f}  enter spread "
+                          f"{s['enter_spread_us']:5.1f}", flush=True)
+    _bench.finish_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
