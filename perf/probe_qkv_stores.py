@@ -4,21 +4,26 @@ GPU run 123 (perf/results/qkv_all_to_all.json) measured the fused kernel 16-28% 
 GEMM alone at 1024-2048 rows per rank but within 1% at 4096 (Llama-70B). This times, on the same
 inputs and tiling (ulysses._qkv_config's pick), one call per sample after a device barrier and a
 GPU spin (_bench.SpinTimer, max over ranks of the per-rank medians):
-    fused            the kernel as the library runs it (READY wait, GEMM + peer stores, DONE wait)
-    fused_tma_store  the same tiling with the TMA-store epilogue (GemmConfig.store_tma)
-    fused_tma_both   128x256x64 TMA loads, nested loops, TMA stores
-    fused_rotated    the default tiling, each rank's tile order rotated to start at its own block, so
-                     that at any moment the ranks store to different owners (a ring, no incast)
+    fused            the kernel in the plain tile order (READY wait, GEMM + peer stores, DONE wait)
+    fused_rotated    the same with each rank's tile order rotated to start at its own block (the
+                     kernel's ROTATE), so that at any moment the ranks store into different owners
     no_flags_remote  the same launch with use_flags=False: no READY / DONE traffic, tiles still
-                     stored into the owners' buffers (the kernel's end waits for its stores)
+                     stored into the owners' buffers (the kernel's end waits for its stores);
+                     _rotated: in the rotated order
     no_flags_local   use_flags=False and every owner's address replaced by this rank's own buffer:
-                     the same kernel, instruction for instruction, with local stores only
+                     the same kernel, instruction for instruction, with local stores only (all
+                     owners' tiles land on one [m, blk] region: a quarter of the bytes reach HBM)
     gemm_same_cfg    fusedpar.kernels.gemm with the same GemmConfig (the fused kernel's GEMM core)
     gemm_cublas      F.linear
     fused x4         4 fused calls back to back, per call (the steady state: no barrier between)
-and one timeline of the fused kernel per rank (ulysses.qkv_timeline_summary: READY wait, GEMM
-phase, DONE wait). fused - no_flags_remote is the flags' cost, no_flags_remote - no_flags_local the
+and one timeline of the fused kernel as the library launches it, per rank (ulysses.qkv_timeline_summary:
+READY wait, GEMM phase, DONE wait). fused - no_flags_remote is the flags' cost, no_flags_remote - no_flags_local the
 remote stores', no_flags_local - gemm_same_cfg the kernel structure's. Prints a table; no records.
+
+GPU runs 128-131 (4x H200, perf/results/gpu_run_h200x4_run128.log ... run131.log): at 1024-2048 rows
+per rank the remote stores cost 25-55 us, the flags 4-16 us, the kernel structure 0-2%; a TMA-store
+epilogue (bulk async stores from shared memory, commit 8079408, reverted) measured the same as
+pointer stores, so the cost is not the epilogue's warps waiting; the rotated order saved 2-5%.
 
 Usage: torchrun --nproc-per-node 4 perf/probe_qkv_stores.py [--shapes llama70b,qwen32b] [--tokens 512,1024,2048,4096]
 """
@@ -45,7 +50,6 @@ def probe(model: str, m: int, W: int, ws, timer) -> dict[str, float]:
     from fusedpar.collectives.symmetric import as_peer_table
     from fusedpar.kernels import gemm
     from fusedpar.kernels import ulysses as u
-    from fusedpar.kernels.gemm import GemmConfig
 
     dm = dims(model, W)
     d, blk = dm["d"], dm["blk"]
@@ -60,39 +64,31 @@ def probe(model: str, m: int, W: int, ws, timer) -> dict[str, float]:
     local = dataclasses.replace(table, buffer_ptrs=torch.full_like(table.buffer_ptrs, own))
     outs = [torch.empty((m, n), device="cuda", dtype=torch.bfloat16) for _ in range(SETS)]
 
-    st = dataclasses.replace(cfg, store_tma=True)
-    tma_st = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, flatten=False, store_tma=True)
+    def launch(i, tbl=table, rotate=False, **kw):
+        return u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], tbl, config=cfg, rotate=rotate, **kw)
+
     res = {
-        "fused": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table, config=cfg)),
-        "fused_tma_store": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table, config=st)),
-        "fused_tma_both": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table,
-                                                                  config=tma_st)),
-        "fused_rotated": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table, config=cfg,
-                                                                 rotate=True)),
-        "no_flags_remote_rotated": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table,
-                                                                           use_flags=False, config=cfg, rotate=True)),
-        "no_flags_remote_tma_store": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table,
-                                                                             use_flags=False, config=st)),
-        "no_flags_remote": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table,
-                                                                   use_flags=False)),
-        "no_flags_local": timer(lambda i: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], local,
-                                                                  use_flags=False)),
+        "fused": timer(launch),
+        "fused_rotated": timer(lambda i: launch(i, rotate=True)),
+        "no_flags_remote": timer(lambda i: launch(i, use_flags=False)),
+        "no_flags_remote_rotated": timer(lambda i: launch(i, rotate=True, use_flags=False)),
+        "no_flags_local": timer(lambda i: launch(i, local, use_flags=False)),
         "gemm_same_cfg": timer(lambda i: gemm._launch(xs[i % SETS], wts[i % SETS], outs[i % SETS], config=cfg)),
         "gemm_cublas": timer(lambda i: F.linear(xs[i % SETS], wts[i % SETS])),
     }
 
-    def fused4(i, c=cfg):
+    def fused4(i, rotate=False):
         for j in range(4):
-            u.launch_qkv_all_to_all(xs[(i + j) % SETS], wts[(i + j) % SETS], table, config=c)
+            launch(i + j, rotate=rotate)
 
     res["fused_x4_per_call"] = timer(fused4) / 4
-    res["fused_tma_store_x4_per_call"] = timer(lambda i: fused4(i, st)) / 4
-    ref = u.qkv_all_to_all(xs[0], wts[0], table, fused=True, config=cfg).clone()
-    for name, c, rot in (("tma_store", st, False), ("tma_both", tma_st, False), ("rotated", cfg, True)):
-        u.launch_qkv_all_to_all(xs[0], wts[0], table, config=c, rotate=rot)
-        got = u.qkv_recv_view(table, m, blk, torch.bfloat16)
-        rel = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        res[f"rel_{name}"] = _bench.max_over_ranks(rel)
+    res["fused_rotated_x4_per_call"] = timer(lambda i: fused4(i, True)) / 4
+    launch(0)
+    ref = u.qkv_recv_view(table, m, blk, torch.bfloat16).clone()
+    launch(0, rotate=True)
+    got = u.qkv_recv_view(table, m, blk, torch.bfloat16)
+    rel = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    res["rel_rotated"] = _bench.max_over_ranks(rel)
     u.check_status(ws)
 
     grid = min(num_sms, -(-m // cfg.block_m) * W * -(-blk // cfg.tile_n))
@@ -131,9 +127,8 @@ def main(argv=None) -> int:
     need = max(u.qkv_workspace_bytes(max(tokens), dims(mo, W)["blk"], W, torch.bfloat16) for mo in models)
     ws = SymmetricWorkspace(dist.group.WORLD, need)
     timer = _bench.SpinTimer(ws.barrier, args.iters, args.warmup)
-    keys = ("fused", "fused_rotated", "fused_tma_store", "fused_tma_both", "no_flags_remote",
-            "no_flags_remote_rotated", "no_flags_remote_tma_store",
-            "no_flags_local", "gemm_same_cfg", "gemm_cublas", "fused_x4_per_call", "fused_tma_store_x4_per_call")
+    keys = ("fused", "fused_rotated", "no_flags_remote", "no_flags_remote_rotated", "no_flags_local", "gemm_same_cfg",
+            "gemm_cublas", "fused_x4_per_call", "fused_rotated_x4_per_call")
     if rank == 0:
         print("us per call (max over ranks of medians):", "  ".join(keys))
     for model in models:
@@ -141,9 +136,8 @@ def main(argv=None) -> int:
             r = probe(model, m, W, ws, timer)
             if rank == 0:
                 cells = "  ".join(f"{k} {r[k] * 1e3:7.1f}" for k in keys)
-                print(f"{model} m={m:5d} [{r['cfg']}]  {cells}  (max rel diff vs pointer stores: tma_store "
-                      f"{r['rel_tma_store']:.2g}, tma_both {r['rel_tma_both']:.2g}, rotated {r['rel_rotated']:.2g})",
-                      flush=True)
+                print(f"{model} m={m:5d} [{r['cfg']}]  {cells}  (rotated vs plain order: max rel diff "
+                      f"{r['rel_rotated']:.2g})", flush=True)
                 for i, s in enumerate(r["timeline"]):
                     print(f"    rank {i} timeline: ready wait {s['ready_wait_median_us']:6.1f} (max "
                           f"{s['ready_wait_max_us']:6.1f})  gemm {s['gemm_median_us']:6.1f} "

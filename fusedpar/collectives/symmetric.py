@@ -109,9 +109,6 @@ class PeerTable:
     owner: whatever owns the memory the address tables point at (the symmetric allocation and
         its handle, or the emulated world's tensors). Raw addresses keep nothing alive, so the
         table holds it: a table outliving its workspace must not point at freed memory.
-    peer_buffers: every rank's data buffer as a uint8 [buffer_bytes] tensor mapped into this
-        process (peer_buffers[rank] is `buffer`), for host-side TMA descriptors of peer memory;
-        empty where the backend has none (a kernel then cannot take TMA stores to peers).
     """
 
     rank: int
@@ -122,7 +119,6 @@ class PeerTable:
     counters: torch.Tensor
     max_blocks: int
     owner: object = field(default=None, repr=False)
-    peer_buffers: tuple[torch.Tensor, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -140,10 +136,6 @@ class PeerTable:
             raise ValueError(f"PeerTable: all tensors must be on one device, got {sorted(map(str, devices))}")
         if self.max_blocks < 1:
             raise ValueError(f"PeerTable: max_blocks must be >= 1, got {self.max_blocks}")
-        if self.peer_buffers and (len(self.peer_buffers) != self.world_size or any(
-                b.dtype != torch.uint8 or b.shape != self.buffer.shape or b.device != self.buffer.device
-                for b in self.peer_buffers)):
-            raise ValueError(f"PeerTable: peer_buffers must be {self.world_size} uint8 tensors shaped like buffer")
 
     @property
     def device(self) -> torch.device:
@@ -287,8 +279,6 @@ class SymmetricWorkspace:
             counters=counters,
             max_blocks=max_blocks,
             owner=(self._raw, self.handle),
-            peer_buffers=tuple(self.handle.get_buffer(p, (data_bytes,), torch.uint8, self.flag_bytes)
-                               for p in range(world_size)),
         )
 
     # The PeerTable attributes, forwarded so a workspace reads like its table.
@@ -393,7 +383,6 @@ class EmulatedWorld:
                 counters=torch.zeros(NUM_COUNTERS, dtype=torch.int64),
                 max_blocks=max_blocks,
                 owner=(self.buffers, self.signals),
-                peer_buffers=tuple(self.buffers),
             )
             for r in range(world_size)
         ]

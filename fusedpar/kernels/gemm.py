@@ -232,10 +232,6 @@ class GemmConfig:
     tma: bool = False  # TMA tile loads (only where tma_compatible holds; else the launcher uses pointers)
     flatten: bool = True  # one fused tile x K loop (see the kernel's FLATTEN)
     block_n2: int = 0  # a second column block per tile: tiles are block_m x (block_n + block_n2)
-    # qkv_all_to_all's epilogue only: TMA (bulk async) stores of each tile into its owner's receive
-    # buffer instead of per-thread stores (where the PeerTable maps the peers' buffers; else pointer
-    # stores). Kernels that store locally (this module's) have one store path and ignore it.
-    store_tma: bool = False
 
     @property
     def tile_n(self) -> int:

@@ -101,7 +101,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -199,36 +198,6 @@ def _stamp(timeline_ptr, pid, POINT: tl.constexpr, TIMELINE: tl.constexpr):
         tl.store(timeline_ptr + pid * 4 + POINT, globaltimer())
 
 
-@triton.jit
-def _fence_proxy_async_global():
-    """Proxy fence between this thread's generic-proxy accesses and its bulk-async (TMA) global
-    writes, in program order: after the READY acquire, before the first TMA store; after the
-    stores' completion, before the release that publishes them (retire_system, publish)."""
-    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _tma_store_tile(desc, row, col, tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_N: tl.constexpr):
-    """Store tile [BLOCK_M, BLOCK_N] at (row, col) through `desc`, whose block is [BLOCK_M, STORE_N]:
-    one TMA store, or 2 / 4 of STORE_N columns each (split-tile kernels keep one descriptor block)."""
-    if STORE_N == BLOCK_N:
-        desc.store([row, col], tile)
-    else:
-        lo, hi = tl.split(tile.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
-        if 2 * STORE_N == BLOCK_N:
-            desc.store([row, col], lo)
-            desc.store([row, col + STORE_N], hi)
-        else:
-            tl.static_assert(4 * STORE_N == BLOCK_N, "a tile is stored in 1, 2 or 4 column pieces")
-            a, b = tl.split(lo.reshape(BLOCK_M, 2, STORE_N).permute(0, 2, 1))
-            c, d = tl.split(hi.reshape(BLOCK_M, 2, STORE_N).permute(0, 2, 1))
-            desc.store([row, col], a)
-            desc.store([row, col + STORE_N], b)
-            desc.store([row, col + 2 * STORE_N], c)
-            desc.store([row, col + 3 * STORE_N], d)
-
-
 # ============================================================================ qkv_all_to_all
 
 
@@ -239,16 +208,6 @@ def _qkv_all_to_all_kernel(
     x_desc,  # TMA descriptors of x [M, K] and w [WORLD*BLK, K]; None unless TMA (gemm.py)
     w_desc,
     w2_desc,  # TMA descriptor of w with block [BLOCK_N2, BLOCK_K]; None unless TMA and BLOCK_N2 > 0
-    # STORE_TMA: descriptor g = this rank's rows of rank g's receive buffer ([M, BLK] from row rank*M,
-    # block [BLOCK_M, STORE_N]); None past WORLD or without STORE_TMA
-    o_desc0,
-    o_desc1,
-    o_desc2,
-    o_desc3,
-    o_desc4,
-    o_desc5,
-    o_desc6,
-    o_desc7,
     buffer_ptrs,  # int64 [WORLD]: every rank's receive buffer ([WORLD*M, BLK] of x's dtype at offset 0)
     signal_ptrs,  # int64 [WORLD]: every rank's flag words
     counters_ptr,  # int64 local: EPOCH, RETIRED, STATUS
@@ -280,10 +239,7 @@ def _qkv_all_to_all_kernel(
     TMA: tl.constexpr = False,
     FLATTEN: tl.constexpr = True,
     BLOCK_N2: tl.constexpr = 0,
-    STORE_TMA: tl.constexpr = False,
-    STORE_N: tl.constexpr = 0,  # STORE_TMA: columns of one descriptor store (BLOCK_N2 if split, else BLOCK_N)
-    ASYNC_FENCE: tl.constexpr = False,  # STORE_TMA on a GPU: proxy fence before the retire (no-op to interpret)
-    ROTATE: tl.constexpr = False,  # rank r's tile order starts at its own block: the ranks' stores go round a ring
+    ROTATE: tl.constexpr = False,
 ):
     """GEMM x @ w^T with tile (rows r, block g, cols c) stored into rank g's buffer at [rank*M + r, c].
 
@@ -295,11 +251,9 @@ def _qkv_all_to_all_kernel(
     that runs past its block reads the next block's rows (or zeros), whose columns the store masks.
     BLOCK_N2: split tiles as in gemm.py (a second accumulator, TILE_N = BLOCK_N + BLOCK_N2 columns of
     one block; 320 columns cut blk = 2560 into 8 tiles).
-    STORE_TMA: the epilogue hands each tile to the TMA unit (shared memory -> the owner's buffer, one
-    bulk store per STORE_N columns, rows >= M and columns >= BLK clipped by the descriptor) instead of
-    per-thread stores, which stall the next tile's loads behind the NVLink writes. Triton waits for
-    the bulk stores to finish reading shared memory before it refills it, and for their completion
-    after the loop; the proxy fence then orders them before the retire's system-scope release.
+    ROTATE: rank r's tile order starts at its own block (tile columns shifted by r blocks, modulo
+    all of them). Concurrent tiles span one or two blocks, so without it every rank stores into the
+    same owner at once (three peers into one GPU); rotated, the ranks' stores go round a ring.
     """
     pid = tl.program_id(axis=0)
     nprog = tl.num_programs(axis=0)
@@ -317,10 +271,6 @@ def _qkv_all_to_all_kernel(
         if USE_FLAGS:
             # Peers' buffers are free for this launch once they entered it (module docstring).
             wait_flags(my_flags + _READY_ROW * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
-        if ASYNC_FENCE:
-            # The TMA stores below must follow what the READY acquire ordered (the peer's last reads of
-            # its buffer): a generic-proxy acquire does not order async-proxy writes without this.
-            _fence_proxy_async_global()
         _stamp(timeline_ptr, pid, 1, TIMELINE)
 
         dtype = x_ptr.dtype.element_ty
@@ -376,50 +326,17 @@ def _qkv_all_to_all_kernel(
             owner = pid_n // tiles_per_block
             offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_cn = (pid_n % tiles_per_block) * TILE_N + tl.arange(0, BLOCK_N)
-            if STORE_TMA:
-                # The owner's descriptor, selected (one store site, not one per owner). Nested ifs: the
-                # constexpr test keeps the None descriptors past WORLD out of the compiled code.
-                desc = o_desc0
-                if WORLD > 1:  # noqa: SIM102
-                    if owner == 1:
-                        desc = o_desc1
-                if WORLD > 2:  # noqa: SIM102
-                    if owner == 2:
-                        desc = o_desc2
-                if WORLD > 3:  # noqa: SIM102
-                    if owner == 3:
-                        desc = o_desc3
-                if WORLD > 4:  # noqa: SIM102
-                    if owner == 4:
-                        desc = o_desc4
-                if WORLD > 5:  # noqa: SIM102
-                    if owner == 5:
-                        desc = o_desc5
-                if WORLD > 6:  # noqa: SIM102
-                    if owner == 6:
-                        desc = o_desc6
-                if WORLD > 7:  # noqa: SIM102
-                    if owner == 7:
-                        desc = o_desc7
-                col0 = (pid_n % tiles_per_block) * TILE_N
-                _tma_store_tile(desc, pid_m * BLOCK_M, col0, accumulator.to(dtype), BLOCK_M, BLOCK_N, STORE_N)
-                if BLOCK_N2 > 0:
-                    desc.store([pid_m * BLOCK_M, col0 + BLOCK_N], accumulator2.to(dtype))
-            else:
-                dst = tl.sum(tl.where(peers == owner, bases, 0), axis=0).to(tl.pointer_type(dtype))
-                # Buffers are ALIGN_BYTES-aligned; an address loaded from memory carries no such fact.
-                dst = tl.multiple_of(dst, 16)
-                c_ptrs = dst + ((rank * M + offs_cm)[:, None] * BLK + offs_cn[None, :])
-                c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < BLK)
-                tl.store(c_ptrs, accumulator.to(dtype), mask=c_mask)
-                if BLOCK_N2 > 0:
-                    offs_cn2 = (pid_n % tiles_per_block) * TILE_N + BLOCK_N + tl.arange(0, BLOCK_N2)
-                    c2_ptrs = dst + ((rank * M + offs_cm)[:, None] * BLK + offs_cn2[None, :])
-                    tl.store(c2_ptrs, accumulator2.to(dtype),
-                             mask=(offs_cm[:, None] < M) & (offs_cn2[None, :] < BLK))
+            dst = tl.sum(tl.where(peers == owner, bases, 0), axis=0).to(tl.pointer_type(dtype))
+            # Buffers are ALIGN_BYTES-aligned; an address loaded from memory carries no such fact.
+            dst = tl.multiple_of(dst, 16)
+            c_ptrs = dst + ((rank * M + offs_cm)[:, None] * BLK + offs_cn[None, :])
+            c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < BLK)
+            tl.store(c_ptrs, accumulator.to(dtype), mask=c_mask)
+            if BLOCK_N2 > 0:
+                offs_cn2 = (pid_n % tiles_per_block) * TILE_N + BLOCK_N + tl.arange(0, BLOCK_N2)
+                c2_ptrs = dst + ((rank * M + offs_cm)[:, None] * BLK + offs_cn2[None, :])
+                tl.store(c2_ptrs, accumulator2.to(dtype), mask=(offs_cm[:, None] < M) & (offs_cn2[None, :] < BLK))
 
-        if ASYNC_FENCE:
-            _fence_proxy_async_global()
         _stamp(timeline_ptr, pid, 2, TIMELINE)
         last = retire_system(counters_ptr, epoch, nprog)
         if USE_FLAGS:
@@ -668,6 +585,17 @@ def qkv_recv_view(peers, tokens: int, blk: int, dtype: torch.dtype) -> torch.Ten
 
 # Rows per rank (inclusive) where the qkv GEMM takes split 64 x (256 + 64) tiles (_qkv_config).
 QKV_SPLIT_TILE_ROWS = (512, 1024)
+# Rows per rank (inclusive) where the qkv kernel rotates its tile order (the kernel's ROTATE). Peer
+# stores cost the kernel 25-55 us against its own GEMM at 1024-2048 rows (perf/probe_qkv_stores.py,
+# GPU runs 128-131, 4x H200: same tiling with every store local 0-2% off the GEMM alone, the READY /
+# DONE flags 4-16 us more); storing through TMA (bulk async stores from shared memory) left that cost
+# unchanged (commit 8079408, reverted). Rotated, the ranks store into different owners at any moment:
+# the fused kernel at 1024 rows 273.9 -> 265.9 / 273.6 -> 265.3 us (Llama-70B), 193.6 -> 182.7 (Qwen3-32B),
+# at 2048 rows Qwen3-32B 357.6 -> 350.7 / 366.0 -> 352.6, Llama-70B 500.0 -> 483.1 / 508.7 -> 526.9;
+# the flag-free launch 2.5-5% faster in every 1024-2048-row case. At 4096 rows Llama-70B measured
+# slower rotated in both runs (969 -> 1042, 1029 -> 1071 us; noise there is ~4%), at 512 mixed, so
+# those keep the plain order.
+QKV_ROTATE_ROWS = (1024, 2048)
 
 
 @functools.lru_cache(maxsize=1024)  # per launch; a cached tiling costs no host time (see gemm.pick_config)
@@ -743,14 +671,15 @@ def launch_qkv_all_to_all(
     spin_limit: int | None = None,
     config: GemmConfig | None = None,
     timeline: torch.Tensor | None = None,
-    rotate: bool = False,
+    rotate: bool | None = None,
 ):
     """Launch the qkv kernel as `table.rank`: all phases (GPU) or some of them (CPU emulation).
 
     Phases: send_ready (publish READY e), produce (wait READY, GEMM + peer stores, retire, DONE),
     wait (wait DONE). A wait-only launch (send_ready=produce=False) waits for the epoch the last
     produce advanced to. use_flags=False skips all flag traffic: only correct when something else
-    orders the ranks (the phased emulation). timeline: see qkv_all_to_all. Returns Triton's
+    orders the ranks (the phased emulation). timeline: see qkv_all_to_all. rotate: the kernel's
+    ROTATE (None: by QKV_ROTATE_ROWS; a rank's own tile order, so ranks need not agree). Returns Triton's
     compiled kernel (None if nothing ran or interpreting). Raw launcher, no op registration:
     callers want qkv_all_to_all().
     """
@@ -779,9 +708,6 @@ def launch_qkv_all_to_all(
     w2_desc = None
     if use_tma and cfg.block_n2:
         w2_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n2, cfg.block_k])
-    store_n = cfg.block_n2 or cfg.block_n
-    store_tma = produce and cfg.store_tma and store_tma_possible(table, m, blk, x.dtype)
-    o_descs = _owner_descriptors(table, m, blk, x.dtype, cfg.block_m, store_n) if store_tma else (None,) * 8
     with device_guard(x.device):
         return _qkv_all_to_all_kernel[(grid,)](
             x,
@@ -789,7 +715,6 @@ def launch_qkv_all_to_all(
             x_desc,
             w_desc,
             w2_desc,
-            *o_descs,
             table.buffer_ptrs,
             table.signal_ptrs,
             table.counters,
@@ -821,49 +746,10 @@ def launch_qkv_all_to_all(
             TMA=use_tma,
             FLATTEN=cfg.flatten,
             BLOCK_N2=cfg.block_n2,
-            STORE_TMA=store_tma,
-            STORE_N=store_n,
-            ASYNC_FENCE=store_tma and not _INTERPRETED,
-            ROTATE=rotate,
+            ROTATE=QKV_ROTATE_ROWS[0] <= m <= QKV_ROTATE_ROWS[1] if rotate is None else rotate,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-
-
-# TMA stores go to at most this many owners (the kernel's o_desc0..o_desc7).
-_MAX_STORE_TMA_WORLD = 8
-
-
-def store_tma_possible(table: PeerTable, m: int, blk: int, dtype: torch.dtype) -> bool:
-    """Whether the qkv epilogue can store through TMA descriptors of the owners' buffers: the table maps
-    every peer's buffer here (SymmetricWorkspace, EmulatedWorld; not a table rebuilt from raw
-    addresses, as the torch.compile op does), at most 8 ranks, and 16-byte aligned rows (TMA's rule
-    for a descriptor's base and row stride)."""
-    return (len(table.peer_buffers) == table.world_size <= _MAX_STORE_TMA_WORLD and m > 0
-            and (blk * esize(dtype)) % 16 == 0)
-
-
-# Per table: descriptors of (m, blk, dtype, block_m, store_n), built once (a TensorDescriptor and its views
-# cost host time on every launch otherwise). Weak keys: a dropped workspace drops its descriptors.
-_OWNER_DESCS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _owner_descriptors(table: PeerTable, m: int, blk: int, dtype: torch.dtype, block_m: int, store_n: int):
-    """Eight descriptor arguments: g < W this rank's rows [m, blk] of rank g's receive buffer, then None."""
-    per_table = _OWNER_DESCS.setdefault(table, {})
-    if len(per_table) >= 256:  # prefill sizes vary: keep the cache bounded
-        per_table.clear()
-    key = (m, blk, dtype, block_m, store_n)
-    descs = per_table.get(key)
-    if descs is None:
-        start = table.rank * m * blk * esize(dtype)
-        nbytes = m * blk * esize(dtype)
-        descs = tuple(
-            TensorDescriptor(buf[start:start + nbytes].view(dtype).view(m, blk), [m, blk], [blk, 1], [block_m, store_n])
-            for buf in table.peer_buffers
-        ) + (None,) * (_MAX_STORE_TMA_WORLD - table.world_size)
-        per_table[key] = descs
-    return descs
 
 
 def _check_timeline(timeline: torch.Tensor, programs: int, device: torch.device) -> None:
@@ -1091,22 +977,22 @@ def _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, ma
     )
 
 
-_GEMM_META = 10  # the ints of a GemmConfig in an op's schema (_gemm_meta)
+_GEMM_META = 9  # the ints of a GemmConfig in an op's schema (_gemm_meta)
 
 
 def _gemm_cfg(block_m, block_n, block_k, group_m, num_warps, num_stages, tma=0, flatten=1,
-              block_n2=0, store_tma=0) -> GemmConfig | None:
+              block_n2=0) -> GemmConfig | None:
     if block_m <= 0:
         return None
     return GemmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
-                      tma=bool(tma), flatten=bool(flatten), block_n2=block_n2, store_tma=bool(store_tma))
+                      tma=bool(tma), flatten=bool(flatten), block_n2=block_n2)
 
 
 def _gemm_meta(cfg: GemmConfig | None) -> tuple[int, ...]:
     if cfg is None:
         return (0,) * _GEMM_META
     return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages,
-            int(cfg.tma), int(cfg.flatten), cfg.block_n2, int(cfg.store_tma))
+            int(cfg.tma), int(cfg.flatten), cfg.block_n2)
 
 
 @torch.library.custom_op("fusedpar::qkv_all_to_all", mutates_args=("counters",))
@@ -1230,7 +1116,6 @@ def _launch_wait(signal_ptrs, counters, rank, world_size, *, use_flags, spin_lim
             None,
             None,
             None,
-            *(None,) * _MAX_STORE_TMA_WORLD,
             signal_ptrs,  # buffer_ptrs unused
             signal_ptrs,
             counters,
@@ -1568,6 +1453,7 @@ def qkv_all_to_all_emulated(
     schedule: str = "phased",
     use_flags: bool = True,
     config: GemmConfig | None = None,
+    rotate: bool | None = None,
 ) -> list[torch.Tensor]:
     """One qkv_all_to_all on every rank of an EmulatedWorld; returns every rank's receive-buffer view.
 
@@ -1584,7 +1470,7 @@ def qkv_all_to_all_emulated(
     if schedule not in ("phased", "staggered"):
         raise ValueError(f"qkv_all_to_all_emulated: unknown schedule {schedule!r}")
     first = range(W) if schedule == "phased" else range(W - 1)
-    kw = {"use_flags": use_flags, "config": config}
+    kw = {"use_flags": use_flags, "config": config, "rotate": rotate}
     for r in range(W):
         launch_qkv_all_to_all(xs[r], ws[r], world[r], produce=False, wait=False, **kw)
     for r in first:

@@ -271,56 +271,35 @@ def test_qkv_tma_split_tiles(flatten):
     check_qkv(world, xs, ws, recvs, dtype=torch.float16)
 
 
-@pytest.mark.parametrize(("dtype", "cfg"), [
-    # one store per tile (pointer loads, flattened and nested loops; rows 13 against 16-row tiles)
-    (torch.float16, GemmConfig(16, 32, 32, group_m=2, num_stages=1, store_tma=True)),
-    (torch.float32, GemmConfig(16, 16, 16, group_m=3, num_stages=1, flatten=False, store_tma=True)),
-    # split tiles: the 32-column block in 4 stores of 8 plus the 8-column block; 16 + 8 in 2 + 1
-    (torch.float16, GemmConfig(16, 32, 32, group_m=2, num_stages=1, tma=True, block_n2=8, store_tma=True)),
-    (torch.float16, GemmConfig(32, 16, 32, group_m=2, num_stages=1, flatten=False, block_n2=8, store_tma=True)),
-], ids=["one_store", "one_store_fp32_nested", "split_4_pieces", "split_2_pieces"])
-def test_qkv_tma_stores(dtype, cfg, monkeypatch):
-    # The epilogue through TMA descriptors of the owners' buffers: blk 40 is ragged against every tile
-    # width (the descriptor clips columns >= blk) and m = 13 against the row tiles (rows >= m clipped:
-    # they would be the next rank's rows of the owner's buffer). Two calls on one world, re-poisoned
-    # between them, so each writes every element; the first call builds the descriptors, the second
-    # reuses them.
-    W, m, d, blk = 3, 13, 72, 40
-    gen = torch.Generator().manual_seed(29)
-    xs = [(torch.randn((m, d), generator=gen) + 0.1).to(dtype) for _ in range(W)]
-    ws = [_weight(W * blk, d, dtype, gen, "col_view", col_offset=8) for _ in range(W)]
-    world = qkv_world(W, m, blk, dtype)
-    assert all(u.store_tma_possible(world[r], m, blk, dtype) for r in range(W))
-    built = []
-    real = u._owner_descriptors
-    monkeypatch.setattr(u, "_owner_descriptors", lambda *a: built.append(a[1:]) or real(*a))
-    for call in range(2):
-        recvs = qkv_all_to_all_emulated(world, xs, ws, config=cfg)
-        check_qkv(world, xs, ws, recvs, dtype=dtype)
-        assert [world[r].epoch() for r in range(W)] == [call + 1] * W
-        for buf in world.buffers:
-            buf.fill_(0xFF)
-    store_n = cfg.block_n2 or cfg.block_n
-    assert built == [(m, blk, dtype, cfg.block_m, store_n)] * (2 * W), "every produce launch stores through TMA"
-    # The cache: one descriptor per owner, each over this rank's rows of that owner's buffer.
-    descs = u._owner_descriptors(world[1], m, blk, dtype, cfg.block_m, store_n)
-    assert descs[W:] == (None,) * (8 - W)
-    for g, desc in enumerate(descs[:W]):
-        assert desc.base.data_ptr() == world.buffers[g].data_ptr() + 1 * m * blk * dtype.itemsize
-        assert list(desc.shape) == [m, blk] and list(desc.block_shape) == [cfg.block_m, store_n]
+@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("schedule", ["phased", "staggered"])
+def test_qkv_rotated_tile_order(W, schedule):
+    # ROTATE: rank r starts at its own block (tile columns shifted by r blocks, wrapping round); the
+    # result must not change. blk 40 = 16 + 16 + 8 (ragged) so the shift wraps mid-block-row; in the
+    # staggered schedule the last rank runs the registered op unrotated (ranks need not agree).
+    m, d, blk = 13, 40, 40
+    xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=40 + W, kind="col_view")
+    world = qkv_world(W, m, blk, torch.float32)
+    cfg = GemmConfig(16, 16, 16, group_m=3, num_stages=1)
+    recvs = qkv_all_to_all_emulated(world, xs, ws, schedule=schedule, config=cfg, rotate=True)
+    check_qkv(world, xs, ws, recvs, dtype=torch.float32)
 
 
-def test_qkv_tma_stores_need_mapped_peer_buffers():
-    # A table rebuilt from raw addresses (the torch.compile op's) has no peer buffers: pointer stores.
-    W, m, blk = 2, 5, 40
-    world = qkv_world(W, m, blk, torch.float16)
-    t = world[0]
-    assert u.store_tma_possible(t, m, blk, torch.float16)
-    rebuilt = u._table_from(t.buffer, t.buffer_ptrs, t.signal_ptrs, t.counters, t.rank, W, t.max_blocks)
-    assert not u.store_tma_possible(rebuilt, m, blk, torch.float16)
-    assert not u.store_tma_possible(t, m, 36, torch.float16)  # 72-byte rows: not 16-byte aligned
-    assert not u.store_tma_possible(t, 0, blk, torch.float16)
-    assert u._gemm_cfg(*u._gemm_meta(GemmConfig(64, 256, 64, block_n2=64, store_tma=True))).store_tma
+def test_qkv_rotation_rule(monkeypatch):
+    # The launcher rotates at QKV_ROTATE_ROWS rows per rank unless told otherwise.
+    seen = []
+
+    class _Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw["ROTATE"])
+
+    monkeypatch.setattr(u, "_qkv_all_to_all_kernel", _Kernel())
+    lo, hi = u.QKV_ROTATE_ROWS
+    world = EmulatedWorld(2, qkv_workspace_bytes(hi + 1, 16, 2, torch.float32))
+    w = torch.randn(32, 16)
+    for m, rotate in ((lo - 1, None), (lo, None), (hi, None), (hi + 1, None), (lo, False), (hi + 1, True)):
+        u.launch_qkv_all_to_all(torch.randn(m, 16), w, world[0], use_flags=False, rotate=rotate)
+    assert seen == [False, True, True, False, False, True]
 
 
 def test_qkv_consecutive_calls_reuse_one_buffer_and_advance_epochs():
@@ -880,18 +859,14 @@ def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m):
 @pytest.mark.parametrize("m", [13, 1024])
 def test_gpu_qkv_tma_matches_fp64(gpu_world, gpu_ws, m, flatten):
     """The TMA mainloop (flattened or nested tile loop; one column block or split 256 + 64 tiles) on the
-    shift-style column-view weight, and the TMA-store epilogue (with TMA or pointer loads)."""
+    shift-style column-view weight."""
     errors = []
     x, w = _gpu_qkv_operands(gpu_ws, m, salt=31 * m + flatten)
     assert tma_compatible(x, w)
-    assert u.store_tma_possible(gpu_ws.qkv.table, m, gpu_ws.dims["blk"], torch.bfloat16)
     gpu_ws.qkv.table.buffer.fill_(0xFF)
     for cfg in (GemmConfig(128, 128, 64, 8, 8, 4, tma=True, flatten=flatten),
                 GemmConfig(128, 256, 64, 8, 8, 3, tma=True, flatten=flatten),
-                GemmConfig(64, 256, 64, 8, 4, 4, tma=True, flatten=flatten, block_n2=64),
-                GemmConfig(128, 256, 64, 8, 8, 3, tma=True, flatten=flatten, store_tma=True),
-                GemmConfig(128, 256, 64, 8, 8, 3, flatten=flatten, store_tma=True),
-                GemmConfig(64, 256, 64, 8, 4, 4, tma=True, flatten=flatten, block_n2=64, store_tma=True)):
+                GemmConfig(64, 256, 64, 8, 4, 4, tma=True, flatten=flatten, block_n2=64)):
         got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, config=cfg)
         torch.cuda.synchronize()
         if got.isnan().any():
