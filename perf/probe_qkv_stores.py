@@ -1,6 +1,6 @@
 """Probe: where the fused qkv all-to-all loses time against its own GEMM (issue 3, "within 1.10x").
 
-GPU run 123 (perf/results/qkv_all_to_all.json) measured the fused kernel 16-28% slower than the
+GPU run 123 (perf/results/gpu_run_h200x4_run123.log) measured the fused kernel 16-28% slower than the
 GEMM alone at 1024-2048 rows per rank but within 1% at 4096 (Llama-70B). This times, on the same
 inputs and tiling (ulysses._qkv_config's pick), one call per sample after a device barrier and a
 GPU spin (_bench.SpinTimer, max over ranks of the per-rank medians):
