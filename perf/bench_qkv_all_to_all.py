@@ -90,17 +90,23 @@ def dims(model: str, sp: int) -> dict[str, int]:
     return {"d": cfg["hidden"], "blk": (q + 2 * kv) * cfg["head_dim"], "q": q, "kv": kv}
 
 
+def operands(model: str, m: int, W: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """SETS (x [m, d], w [W*blk, d]) bf16 operand pairs of this rank, seeded by (rank, m)."""
+    dm = dims(model, W)
+    d, n = dm["d"], W * dm["blk"]
+    gen = torch.Generator(device="cuda").manual_seed(1000 * dist.get_rank() + m)
+    xs = [torch.randn((m, d), generator=gen, device="cuda").to(torch.bfloat16) for _ in range(SETS)]
+    wts = [(torch.randn((n, d), generator=gen, device="cuda") / d**0.5).to(torch.bfloat16) for _ in range(SETS)]
+    return xs, wts
+
+
 def sweep_configs(model, m, W, ws, timer, match: str = "") -> list[tuple[str, float]]:
     """The fused kernel's time (max over ranks) with its default tiling and each of SWEEP_CONFIGS
     (those whose name contains `match`)."""
     from fusedpar.kernels import ulysses as u
     from fusedpar.kernels.gemm import GemmConfig
 
-    dm = dims(model, W)
-    d, n = dm["d"], W * dm["blk"]
-    gen = torch.Generator(device="cuda").manual_seed(1000 * dist.get_rank() + m)
-    xs = [torch.randn((m, d), generator=gen, device="cuda").to(torch.bfloat16) for _ in range(SETS)]
-    wts = [(torch.randn((n, d), generator=gen, device="cuda") / d**0.5).to(torch.bfloat16) for _ in range(SETS)]
+    xs, wts = operands(model, m, W)
     ref = u.qkv_all_to_all(xs[0], wts[0], ws, fused=True).clone()
     out = [("default", timer(lambda i: u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True)))]
     for bm, bn, bk, warps, stages, tma, nested, *rest in SWEEP_CONFIGS:
@@ -134,9 +140,7 @@ def bench_case(model, m, W, group, ws, timer, ceil) -> dict:
     dm = dims(model, W)
     d, blk = dm["d"], dm["blk"]
     n = W * blk
-    gen = torch.Generator(device="cuda").manual_seed(1000 * dist.get_rank() + m)
-    xs = [torch.randn((m, d), generator=gen, device="cuda").to(torch.bfloat16) for _ in range(SETS)]
-    wts = [(torch.randn((n, d), generator=gen, device="cuda") / d**0.5).to(torch.bfloat16) for _ in range(SETS)]
+    xs, wts = operands(model, m, W)
 
     def baseline(i):
         return comm.seq_to_head_all_to_all(F.linear(xs[i % SETS], wts[i % SETS]), group)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench
-from bench_qkv_all_to_all import MODELS, SETS, dims
+from bench_qkv_all_to_all import MODELS, SETS, dims, operands
 
 _bench.add_repo_to_path()
 
@@ -54,9 +54,7 @@ def probe(model: str, m: int, W: int, ws, timer) -> dict[str, float]:
     dm = dims(model, W)
     d, blk = dm["d"], dm["blk"]
     n = W * blk
-    gen = torch.Generator(device="cuda").manual_seed(1000 * dist.get_rank() + m)
-    xs = [torch.randn((m, d), generator=gen, device="cuda").to(torch.bfloat16) for _ in range(SETS)]
-    wts = [(torch.randn((n, d), generator=gen, device="cuda") / d**0.5).to(torch.bfloat16) for _ in range(SETS)]
+    xs, wts = operands(model, m, W)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = u._qkv_config(m, n, d, blk, torch.bfloat16, num_sms, tma_ok=True)
     table = as_peer_table(ws)
