@@ -289,7 +289,9 @@ def _qkv_all_to_all_kernel(
 
         for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
-            if ROTATE:
+            if ROTATE == 2:
+                pid_n = ((pid_n + rank) % WORLD) * tiles_per_block + pid_n // WORLD
+            elif ROTATE:
                 pid_n = (pid_n + rank * tiles_per_block) % num_pid_n
             blk_id = pid_n // tiles_per_block
             offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -321,7 +323,9 @@ def _qkv_all_to_all_kernel(
 
             tile_id_c += NUM_SMS
             pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
-            if ROTATE:
+            if ROTATE == 2:
+                pid_n = ((pid_n + rank) % WORLD) * tiles_per_block + pid_n // WORLD
+            elif ROTATE:
                 pid_n = (pid_n + rank * tiles_per_block) % num_pid_n
             owner = pid_n // tiles_per_block
             offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
