@@ -24,6 +24,7 @@ GPU runs 128-131 (4x H200, perf/results/gpu_run_h200x4_run128.log ... run131.log
 per rank the remote stores cost 25-55 us, the flags 4-16 us, the kernel structure 0-2%; a TMA-store
 epilogue (bulk async stores from shared memory, commit 8079408, reverted) measured the same as
 pointer stores, so the cost is not the epilogue's warps waiting; the rotated order saved 2-5%.
+Run 135 timed an interleaved order as well (commit 9907794, perf/results/gpu_run_h200x4_run135.log).
 
 Usage: torchrun --nproc-per-node 4 perf/probe_qkv_stores.py [--shapes llama70b,qwen32b] [--tokens 512,1024,2048,4096]
 """
@@ -68,9 +69,7 @@ def probe(model: str, m: int, W: int, ws, timer) -> dict[str, float]:
     res = {
         "fused": timer(launch),
         "fused_rotated": timer(lambda i: launch(i, rotate=True)),
-        "fused_interleaved": timer(lambda i: launch(i, rotate=2)),
         "no_flags_remote": timer(lambda i: launch(i, use_flags=False)),
-        "no_flags_remote_interleaved": timer(lambda i: launch(i, rotate=2, use_flags=False)),
         "no_flags_remote_rotated": timer(lambda i: launch(i, rotate=True, use_flags=False)),
         "no_flags_local": timer(lambda i: launch(i, local, use_flags=False)),
         "gemm_same_cfg": timer(lambda i: gemm._launch(xs[i % SETS], wts[i % SETS], outs[i % SETS], config=cfg)),
@@ -85,11 +84,10 @@ def probe(model: str, m: int, W: int, ws, timer) -> dict[str, float]:
     res["fused_rotated_x4_per_call"] = timer(lambda i: fused4(i, True)) / 4
     launch(0)
     ref = u.qkv_recv_view(table, m, blk, torch.bfloat16).clone()
-    for name, mode in (("rotated", 1), ("interleaved", 2)):
-        launch(0, rotate=mode)
-        got = u.qkv_recv_view(table, m, blk, torch.bfloat16)
-        rel = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        res[f"rel_{name}"] = _bench.max_over_ranks(rel)
+    launch(0, rotate=True)
+    got = u.qkv_recv_view(table, m, blk, torch.bfloat16)
+    rel = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    res["rel_rotated"] = _bench.max_over_ranks(rel)
     u.check_status(ws)
 
     grid = min(num_sms, -(-m // cfg.block_m) * W * -(-blk // cfg.tile_n))
@@ -128,9 +126,8 @@ def main(argv=None) -> int:
     need = max(u.qkv_workspace_bytes(max(tokens), dims(mo, W)["blk"], W, torch.bfloat16) for mo in models)
     ws = SymmetricWorkspace(dist.group.WORLD, need)
     timer = _bench.SpinTimer(ws.barrier, args.iters, args.warmup)
-    keys = ("fused", "fused_rotated", "fused_interleaved", "no_flags_remote", "no_flags_remote_rotated",
-            "no_flags_remote_interleaved", "no_flags_local", "gemm_same_cfg", "gemm_cublas", "fused_x4_per_call",
-            "fused_rotated_x4_per_call")
+    keys = ("fused", "fused_rotated", "no_flags_remote", "no_flags_remote_rotated", "no_flags_local", "gemm_same_cfg",
+            "gemm_cublas", "fused_x4_per_call", "fused_rotated_x4_per_call")
     if rank == 0:
         print("us per call (max over ranks of medians):", "  ".join(keys))
     for model in models:
@@ -139,7 +136,7 @@ def main(argv=None) -> int:
             if rank == 0:
                 cells = "  ".join(f"{k} {r[k] * 1e3:7.1f}" for k in keys)
                 print(f"{model} m={m:5d} [{r['cfg']}]  {cells}  (rotated vs plain order: max rel diff "
-                      f"{r['rel_rotated']:.2g}, interleaved {r['rel_interleaved']:.2g})", flush=True)
+                      f"{r['rel_rotated']:.2g})", flush=True)
                 for i, s in enumerate(r["timeline"]):
                     print(f"    rank {i} timeline: ready wait {s['ready_wait_median_us']:6.1f} (max "
                           f"{s['ready_wait_max_us']:6.1f})  gemm {s['gemm_median_us']:6.1f} "

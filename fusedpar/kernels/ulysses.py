@@ -289,9 +289,7 @@ def _qkv_all_to_all_kernel(
 
         for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
-            if ROTATE == 2:
-                pid_n = ((pid_n + rank) % WORLD) * tiles_per_block + pid_n // WORLD
-            elif ROTATE:
+            if ROTATE:
                 pid_n = (pid_n + rank * tiles_per_block) % num_pid_n
             blk_id = pid_n // tiles_per_block
             offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -323,9 +321,7 @@ def _qkv_all_to_all_kernel(
 
             tile_id_c += NUM_SMS
             pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
-            if ROTATE == 2:
-                pid_n = ((pid_n + rank) % WORLD) * tiles_per_block + pid_n // WORLD
-            elif ROTATE:
+            if ROTATE:
                 pid_n = (pid_n + rank * tiles_per_block) % num_pid_n
             owner = pid_n // tiles_per_block
             offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -598,7 +594,10 @@ QKV_SPLIT_TILE_ROWS = (512, 1024)
 # at 2048 rows Qwen3-32B 357.6 -> 350.7 / 366.0 -> 352.6, Llama-70B 500.0 -> 483.1 / 508.7 -> 526.9;
 # the flag-free launch 2.5-5% faster in every 1024-2048-row case. At 4096 rows Llama-70B measured
 # slower rotated in both runs (969 -> 1042, 1029 -> 1071 us; noise there is ~4%), at 512 mixed, so
-# those keep the plain order.
+# those keep the plain order. An interleaved order (consecutive tile columns cycling over the owners,
+# from this rank's own: every rank stores into every owner at once; commit 9907794, reverted) measured
+# once (run 135) against the rotated one: 2048 rows 491.7 -> 483.3 us (Llama-70B), 355.0 -> 334.5
+# (Qwen3-32B); 1024 rows 271.3 -> 279.2, 181.4 -> 179.1; 4096 rows slower (1037 -> 1051, 686 -> 691).
 QKV_ROTATE_ROWS = (1024, 2048)
 
 
