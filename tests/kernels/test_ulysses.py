@@ -274,9 +274,10 @@ def test_qkv_tma_split_tiles(flatten):
 @pytest.mark.parametrize("W", [2, 3, 4])
 @pytest.mark.parametrize("schedule", ["phased", "staggered"])
 def test_qkv_rotated_tile_order(W, schedule):
-    # ROTATE: rank r starts at its own block (tile columns shifted by r blocks, wrapping round); the
-    # result must not change. blk 40 = 16 + 16 + 8 (ragged) so the shift wraps mid-block-row; in the
-    # staggered schedule the last rank runs the registered op unrotated (ranks need not agree).
+    # ROTATE: rank r starts at its own block (tile columns shifted by r blocks of 3 tiles, blk 40 =
+    # 16 + 16 + 8 with a ragged last tile, wrapping round past the last block); the result must not
+    # change. In the staggered schedule the last rank runs the registered op unrotated (m = 13 is
+    # outside QKV_ROTATE_ROWS: ranks need not agree on the order).
     m, d, blk = 13, 40, 40
     xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=40 + W, kind="col_view")
     world = qkv_world(W, m, blk, torch.float32)
