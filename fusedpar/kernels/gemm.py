@@ -43,8 +43,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedpar.kernels._host import cdiv, next_pow2
 
-__all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config", "require_one_block", "tma_compatible",
-           "tma_descriptors"]
+__all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config", "require_one_block", "split_w_descriptor",
+           "tma_compatible", "tma_descriptors"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -422,6 +422,14 @@ def tma_descriptors(a: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int
             TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k]))
 
 
+def split_w_descriptor(w: torch.Tensor, cfg: GemmConfig, use_tma: bool):
+    """The TMA descriptor of w for a split tile's second column block ([block_n2, block_k] tiles), or
+    None: no TMA loads or no split tile (the kernels then take w2_desc=None)."""
+    if not (use_tma and cfg.block_n2):
+        return None
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n2, cfg.block_k])
+
+
 def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
     """Check the arguments and run the kernel into `out` (allocated by the caller); `config` overrides the
     block-size heuristic (tests use it to exercise other tilings)."""
@@ -458,9 +466,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
     grid = (min(num_sms, num_tiles),)
     use_tma = cfg.tma and tma_ok
     a_desc, w_desc = tma_descriptors(a, w, cfg.block_m, cfg.block_n, cfg.block_k) if use_tma else (None, None)
-    w2_desc = None
-    if use_tma and cfg.block_n2:
-        w2_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n2, cfg.block_k])
+    w2_desc = split_w_descriptor(w, cfg, use_tma)
     # Triton launches on the current CUDA device; make it the tensors' device.
     guard = torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext()
     with guard:

@@ -109,7 +109,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 from triton.runtime.jit import JITFunction
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedpar.collectives.symmetric import NUM_COUNTERS, EmulatedWorld, PeerTable, as_peer_table
 from fusedpar.kernels._host import cdiv
@@ -135,6 +134,7 @@ from fusedpar.kernels.gemm import (
     _tile_coords,
     pick_config,
     require_one_block,
+    split_w_descriptor,
     tma_compatible,
     tma_descriptors,
 )
@@ -708,9 +708,7 @@ def launch_qkv_all_to_all(
         _check_timeline(timeline, grid, x.device)
     use_tma = produce and cfg.tma and tma_ok
     x_desc, w_desc = tma_descriptors(x, w, cfg.block_m, cfg.block_n, cfg.block_k) if use_tma else (None, None)
-    w2_desc = None
-    if use_tma and cfg.block_n2:
-        w2_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n2, cfg.block_k])
+    w2_desc = split_w_descriptor(w, cfg, use_tma)
     with device_guard(x.device):
         return _qkv_all_to_all_kernel[(grid,)](
             x,

@@ -229,6 +229,10 @@ class ShiftParallelDecoderLayer(nn.Module):
             attn = head_to_seq_all_to_all(attn, self.ctx.sp)  # [m, SP*q*hd]
         x = x + _row_parallel_reference(attn, w["o"], reduce_group)
 
+        return self._mlp_reference(x, w, reduce_group)
+
+    def _mlp_reference(self, x: torch.Tensor, w: dict, reduce_group) -> torch.Tensor:
+        """x + down(SwiGLU(gate_up(RMSNorm(x)))), the down projection all-reduced over reduce_group."""
         h = rms_norm(x, self.w.replicated["post_norm"], self.cfg.rms_norm_eps)
         act = blocked_swiglu(F.linear(h, w["gate_up"]), self.act_block)
         return x + _row_parallel_reference(act, w["down"], reduce_group)
@@ -278,9 +282,7 @@ class ShiftParallelDecoderLayer(nn.Module):
                 out = gqa_attention(q[sel], kc[lo:hi], vc[lo:hi], self.kv_index, hd ** -0.5, causal=False)
                 attn[idx[sel]] = out.reshape(len(members), -1)
             x = x + _row_parallel_reference(attn, w["o"], self.ctx.attention_group("shift"))
-        h = rms_norm(x, rep["post_norm"], cfg.rms_norm_eps)
-        act = blocked_swiglu(F.linear(h, w["gate_up"]), self.act_block)
-        return x + _row_parallel_reference(act, w["down"], self.ctx.attention_group("shift"))
+        return self._mlp_reference(x, w, self.ctx.attention_group("shift"))
 
     def _attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
         """qkv [n, (q+2kv)*hd] of the rank's heads for the n real tokens -> [n, q*hd].
