@@ -16,7 +16,11 @@ Modes on P GPUs, all with the same Triton paged attention (so only the communica
 Steps: tokens <= 64 -> decode: that many sequences, one new token each, against --context cached
 tokens; larger -> prefill of one sequence of that many tokens. Time = eager step latency: CUDA
 events around the whole step after a barrier (host launch cost included, as an eager engine sees
-it), median of --iters, max over ranks. Decode sizes are also timed as CUDA-graph replays
+it), median of --iters, max over ranks. Shift-mode prefill sizes (64 < tokens <= --threshold) are also
+timed as PrefillGraphs replays, plain TP (NCCL) and fused shift, with the same graph / replay /
+replay pipelined records as decode; their layer_shift_policy "replay pipelined (shift)" record takes
+the better of plain TP's replays and plain SP's eager layer pipelined (base mode is never captured).
+Decode sizes are also timed as CUDA-graph replays
 (DecodeGraphs; the time includes the host's input staging): plain TP with NCCL, plain TP with
 torch's symm_mem one-shot all-reduce, and fused shift; the layer_shift "decode graph" record
 compares fused shift with the faster plain-TP graph (the best stock decode, DESIGN.md 9); the
@@ -181,10 +185,12 @@ def main() -> int:
     iters_total = args.warmup + args.iters + 1
 
     decode_sizes = tuple(t for t in tokens if t <= 64)
+    # shift-mode prefill sizes, also timed as PrefillGraphs replays (one fresh sequence per step)
+    prefill_graph_sizes = tuple(t for t in tokens if 64 < t <= args.threshold) if args.graphs else ()
     max_context = args.context + 2 * iters_total + 8
 
     def build(sp: int, tp: int, fuse_comm: bool, weights: dict[str, torch.Tensor], plain_all_reduce="nccl",
-              o_scatter=True, graphs_ok=True):
+              o_scatter=True, graphs_ok=True, prefill_graphs_ok=False):
         ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
         stack = ShiftParallelStack.from_full_weights(cfg, ctx, [weights], ShiftPolicy(args.threshold))
         stack.enable_fused(max_tokens=max_tokens, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce,
@@ -192,14 +198,19 @@ def main() -> int:
         need = max(max([t for t in tokens if t > 64], default=1),
                    max(decode_sizes, default=1) * (max_context + 16))
         cache = stack.make_cache(block_size=16, num_blocks=2 * need // 16 + 64, dtype=dtype)
-        graphs = None
+        graphs = pgraphs = None
         if graphs_ok and decode_sizes and args.graphs and (sp == 1 or max(decode_sizes) <= args.threshold):
             graphs = stack.capture_decode_graphs(cache, max_context=max_context, sizes=decode_sizes)
             stack.graphs = None  # attached only for the graph runs
-        return stack, cache, graphs
+        if prefill_graphs_ok and prefill_graph_sizes:
+            pgraphs = stack.capture_prefill_graphs(cache, max_context=max(prefill_graph_sizes),
+                                                   sizes=prefill_graph_sizes, max_seqs=1)
+            stack.prefill_graphs = None
+        return stack, cache, graphs, pgraphs
 
-    stacks = {"plain TP": build(1, world, False, full), "plain SP": build(world, 1, False, full),
-              "fused": build(world // args.base_tp, args.base_tp, True, full)}
+    stacks = {"plain TP": build(1, world, False, full, prefill_graphs_ok=True),
+              "plain SP": build(world, 1, False, full),
+              "fused": build(world // args.base_tp, args.base_tp, True, full, prefill_graphs_ok=True)}
     if args.graphs and decode_sizes:
         stacks["plain TP symm_mem"] = build(1, world, False, full, "symm_mem")
     if args.o_scatter_ab and any(t > 64 for t in tokens):
@@ -233,9 +244,12 @@ def main() -> int:
             todo.insert(3, ("fused base o-a2a", "fused o-a2a", "base", False))
         if n <= 64 and args.graphs:
             todo += [(label, key, "shift", True) for label, key in graph_runs if key in stacks]
+        if n in prefill_graph_sizes:
+            todo += [(label, key, "shift", True) for label, key in graph_runs if stacks.get(key, (0,) * 4)[3]]
         for label, key, mode, use_graph in todo:
-            stack, cache, graphs = stacks[key]
+            stack, cache, graphs, pgraphs = stacks[key]
             stack.graphs = graphs if use_graph else None
+            stack.prefill_graphs = pgraphs if use_graph else None
             if n <= 64:  # decode: n sequences with `context` cached tokens (values irrelevant to timing)
                 ids = tuple(next(sid) for _ in range(n))
                 cache.begin_step(StepBatch(ids, (args.context,) * n, (0,) * n))
@@ -257,7 +271,11 @@ def main() -> int:
                 raise RuntimeError(f"{label}: {stack.graph_steps - graph_before} of {args.iters + args.warmup} "
                                    f"steps replayed a graph")
             if use_graph:  # the replay alone: the layer's GPU time, host staging excluded
-                st = graphs.stage(x, StepBatch(ids, (1,) * n, (cache.seq_len(ids[0]),) * n))
+                if n <= 64:
+                    st = graphs.stage(x, StepBatch(ids, (1,) * n, (cache.seq_len(ids[0]),) * n))
+                else:  # one fresh sequence staged once; freed after the timing
+                    ids = (next(sid),)
+                    st = pgraphs.stage(x, StepBatch(ids, (n,), (0,)))
                 results[n][label.replace("graph", "replay")] = step_time_ms(lambda i, g=st.graph: g.replay(),
                                                                             args.iters, args.warmup)
 
@@ -267,8 +285,8 @@ def main() -> int:
 
                 results[n][label.replace("graph", "replay pipelined")] = step_time_ms(
                     replays, args.iters, 1) / PIPELINED_CALLS
-            stack.graphs = None
-            if n <= 64:
+            stack.graphs = stack.prefill_graphs = None
+            if n <= 64 or use_graph:
                 for s in ids:
                     cache.free(s)
             elif label != "fused policy":  # the decoder layer alone, on a step planned once
@@ -276,7 +294,8 @@ def main() -> int:
                     layer_time_ms(stack, cache, x, n, mode, args.iters, args.warmup)
         if n > 64:  # fused vs plain on the same input (prefill: fresh cache state, comparable)
             for label, ref in (("fused base", "plain SP"), ("fused shift", "plain TP"), ("fused policy", "plain SP"),
-                               ("fused base o-a2a", "plain SP")):
+                               ("fused base o-a2a", "plain SP"), ("fused shift graph", "plain TP"),
+                               ("plain TP graph", "plain TP")):
                 if label not in outs:
                     continue
                 d = (outs[label] - outs[ref]).abs().max() / outs[ref].abs().max()
@@ -342,12 +361,20 @@ def main() -> int:
                     "per call)", min(r["plain TP layer pipelined"], r["plain SP layer pipelined"]),
                     f"layer pipelined ({policy_mode})"))
             stock = [r[k] for k in ("plain TP replay pipelined", "plain TP replay pipelined symm_mem") if k in r]
-            if policy_mode == "shift" and "fused shift replay pipelined" in r and stock:
+            if policy_mode == "shift" and "fused shift replay pipelined" in r and stock and n <= 64:
                 runs_here.append((
                     "layer_shift_policy", "fused shift replay pipelined",
                     f"better of plain TP and plain SP: plain TP in a CUDA graph, {PIPELINED_CALLS} replays back to "
                     "back, faster of NCCL and torch symm_mem one-shot (plain SP reads every weight on every rank: "
                     "slower at decode sizes, see the eager records)", min(stock), "replay pipelined (shift)"))
+            elif policy_mode == "shift" and "fused shift replay pipelined" in r and stock:
+                # shift-mode prefill in PrefillGraphs; plain SP's base mode is not captured, so its
+                # steady state is its eager layer pipelined
+                runs_here.append((
+                    "layer_shift_policy", "fused shift replay pipelined",
+                    f"better of plain TP in a CUDA graph ({PIPELINED_CALLS} replays back to back, NCCL) and plain SP "
+                    f"layer pipelined (eager: base mode is not captured)",
+                    min(*stock, r["plain SP layer pipelined"]), "replay pipelined (shift)"))
             for bench, label, base_label, base_ms, kind in runs_here:
                 records.append({
                     "bench": bench, "case": f"{args.model} {'decode' if n <= 64 else 'prefill'} {kind}", "tokens": n,

@@ -1,4 +1,7 @@
-"""CUDA graphs of shift-mode decode steps for a ShiftParallelStack on the fused path.
+"""CUDA graphs of shift-mode steps for a ShiftParallelStack on the fused path: DecodeGraphs (one
+token per sequence, per batch size) and PrefillGraphs (varlen steps, per token count; see its
+docstring). What follows describes the decode graphs; the prefill graphs differ only in their
+static inputs and padding (fill_prefill_inputs).
 
 A decode step (every sequence adds one token) at low traffic is short enough that launching
 ~10 kernels per layer from Python costs more than the GPU work: 64 layers x 10 launches x
@@ -39,6 +42,8 @@ from fusedpar.layers.policy import StepBatch
 # int id, callers use their own non-negative request ids.
 SCRATCH_SEQ_ID = -(2**62)
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# token counts of PrefillGraphs (those <= the shift threshold and max_tokens are captured)
+DEFAULT_PREFILL_SIZES = (128, 256, 512, 1024)
 
 
 @dataclass
@@ -94,33 +99,81 @@ def fill_decode_inputs(batch: StepBatch | None, slots: torch.Tensor | None, cach
     tables[n:, 0] = scratch_block
 
 
-class DecodeGraphs:
-    """CUDA graphs of the stack's shift-mode decode step for a set of batch sizes (collective:
-    every rank constructs it with the same arguments, at the same point of its step sequence).
+def fill_prefill_inputs(batch: StepBatch | None, slots: torch.Tensor | None, cache, size: int, max_seqs: int,
+                        max_blocks: int, scratch_block: int, host64: torch.Tensor, host32: torch.Tensor) -> None:
+    """Write one varlen step's graph inputs into the host staging buffers (CPU only, no device work).
 
-    stack: a ShiftParallelStack with enable_fused() done; cache: the PagedKVCache the graphs will
-    read and write (one scratch block is taken from it for padding rows); max_context: the
-    longest context (cached + new token) any replayed sequence may have; sizes: batch sizes to
-    capture (each <= the stack's shift threshold when SP > 1).
+    batch: m <= max_seqs sequences of n <= size tokens in all; slots: their cache slots (cache.begin_step
+    already ran); batch None: every row a padding row (the capture input). Layout (S = max_seqs):
+    host64 [2, size] <- positions, slots; host32 <- cu_seqlens_q [S + 2], context_lens [S + 1], block
+    tables [S + 1, max_blocks]. Sequences m..S-1 are empty (cu_seqlens repeats n; the attention's
+    programs for them exit at once). Rows n..size-1 are the padding sequence S (context 0): position
+    0, slot -1 (the cache write skips negative slots, so padding never writes the cache), a block-table
+    row of nothing but the scratch block, so its attention reads only that block; its outputs are
+    dropped, and every other op is row-independent, so it never touches a real row.
     """
+    seq_ids = batch.seq_ids if batch is not None else ()
+    m, n, bs = len(seq_ids), (batch.num_tokens if batch is not None else 0), cache.block_size
+    if m > max_seqs or n > size:
+        raise ValueError(f"a prefill graph of {size} tokens / {max_seqs} sequences cannot take {n} tokens of "
+                         f"{m} sequences")
+    if n:
+        host64[0, :n] = batch.positions()
+        host64[1, :n] = slots
+    host64[0, n:] = 0
+    host64[1, n:] = -1
+    cu = host32[: max_seqs + 2]
+    cu.fill_(n)
+    cu[0] = 0
+    cu[max_seqs + 1] = size
+    ctx = host32[max_seqs + 2 : 2 * max_seqs + 3]
+    ctx.zero_()
+    tables = host32[2 * max_seqs + 3 :].view(max_seqs + 1, max_blocks)
+    tables.zero_()
+    tables[max_seqs] = scratch_block
+    if not m:
+        return
+    q = torch.tensor(batch.query_lens, dtype=torch.int64)
+    c = torch.tensor(batch.context_lens, dtype=torch.int64)
+    cu[1 : m + 1] = torch.cumsum(q, 0).to(torch.int32)
+    ctx[:m] = c.to(torch.int32)
+    need = ((c + q + bs - 1) // bs).tolist()
+    if max(need) > max_blocks:
+        i = max(range(m), key=need.__getitem__)
+        raise ValueError(f"sequence {seq_ids[i]} needs {need[i]} cache blocks, the prefill graphs were "
+                         f"captured for at most {max_blocks} ({max_blocks * bs} tokens of context)")
+    for row, (sid, k) in enumerate(zip(seq_ids, need, strict=True)):
+        tables[row, :k] = cache.block_table(sid)[:k]
 
-    def __init__(self, stack, cache, *, max_context: int, sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES):
+
+class _StackGraphs:
+    """What decode and prefill graphs share: the checks and state of a capture (scratch block, RoPE
+    frequencies, graph pool, the cache and workspaces the graphs point at), the capture itself and the
+    replay/staging protocol. Subclasses say what one captured size holds (_new_step), how a step's
+    inputs are staged (_fill), the metadata the captured layers read (_metadata) and which size runs a
+    step (size_for). Collective: every rank constructs it with the same arguments, at the same point
+    of its step sequence."""
+
+    kind = "decode"
+
+    def _setup(self, stack, cache, *, max_context: int, sizes, max_blocks: int) -> None:
         from fusedpar.kernels.attention import AttentionMetadata
 
         if stack.fused is None or stack.ctx.device.type != "cuda":
-            raise ValueError("DecodeGraphs needs a CUDA stack on the fused path (stack.enable_fused(...) first)")
+            raise ValueError(f"{type(self).__name__} needs a CUDA stack on the fused path (stack.enable_fused(...) "
+                             f"first)")
         sizes = tuple(sorted(set(int(s) for s in sizes)))
         if not sizes or sizes[0] < 1:
             raise ValueError(f"capture sizes must be >= 1, got {sizes}")
         if stack.ctx.sp.size > 1 and sizes[-1] > stack.policy.threshold:
-            raise ValueError(f"capture size {sizes[-1]} > shift threshold {stack.policy.threshold}: a decode step of "
-                             f"{sizes[-1]} tokens runs in base mode, which is not captured; capture sizes must "
+            raise ValueError(f"capture size {sizes[-1]} > shift threshold {stack.policy.threshold}: a {self.kind} step "
+                             f"of {sizes[-1]} tokens runs in base mode, which is not captured; capture sizes must "
                              f"be <= the threshold")
         if max_context < 1:
             raise ValueError(f"max_context must be >= 1, got {max_context}")
         self.stack, self.cache, self.sizes = stack, cache, sizes
         self.max_context = max_context
-        self.max_blocks = -(-max_context // cache.block_size)
+        self.max_blocks = max_blocks
         self.replays = 0
         self._metadata_cls = AttentionMetadata
         cfg = stack.cfg
@@ -131,7 +184,7 @@ class DecodeGraphs:
                 inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
             self._inv_freq = torch.as_tensor(inv, dtype=torch.float64).to(stack.ctx.device)
         # the padding rows' block: one real block of the cache, held by a scratch sequence (shared
-        # by every DecodeGraphs on this cache: what padding rows write there is never read as data)
+        # by every graph set on this cache: what padding rows write there is never read as data)
         if SCRATCH_SEQ_ID not in cache.block_tables:
             cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))
         self.scratch_block = cache.block_tables[SCRATCH_SEQ_ID][0]
@@ -140,42 +193,40 @@ class DecodeGraphs:
         self._fused = stack.fused  # the workspaces the graphs were captured on (kept alive with them)
         self.pool = torch.cuda.graph_pool_handle()
         self._steps: dict[int, _StaticStep] = {}
-        dev = stack.ctx.device
         for size in reversed(sizes):  # largest first: smaller graphs reuse its pool memory
-            n32 = 2 * size + 1 + size * self.max_blocks
-            st = _StaticStep(
-                size=size,
-                hidden=torch.zeros((size, stack.cfg.hidden_size), dtype=cache.k.dtype, device=dev),
-                index64=torch.zeros((2, size), dtype=torch.int64, device=dev),
-                index32=torch.zeros(n32, dtype=torch.int32, device=dev),
-                host64=torch.zeros((2, size), dtype=torch.int64, pin_memory=True),
-                host32=torch.zeros(n32, dtype=torch.int32, pin_memory=True),
-            )
-            fill_decode_inputs(None, None, cache, size, self.max_blocks, self.scratch_block, st.host64, st.host32)
+            st = self._new_step(size)
+            self._fill(None, None, st)
             st.index64.copy_(st.host64)
             st.index32.copy_(st.host32)
             self._capture(st)
             self._steps[size] = st
+
+    def _static_step(self, size: int, rows: int, n32: int) -> _StaticStep:
+        dev = self.stack.ctx.device
+        return _StaticStep(
+            size=size,
+            hidden=torch.zeros((rows, self.stack.cfg.hidden_size), dtype=self.cache.k.dtype, device=dev),
+            index64=torch.zeros((2, rows), dtype=torch.int64, device=dev),
+            index32=torch.zeros(n32, dtype=torch.int32, device=dev),
+            host64=torch.zeros((2, rows), dtype=torch.int64, pin_memory=True),
+            host32=torch.zeros(n32, dtype=torch.int32, pin_memory=True),
+        )
 
     # ---- capture ------------------------------------------------------------------------------
     def _run(self, st: _StaticStep) -> torch.Tensor:
         from fusedpar.layers.decoder import StepState
         from fusedpar.layers.functional import rope_cos_sin
 
-        stack, size = self.stack, st.size
+        stack = self.stack
         positions, slots = st.index64[0], st.index64[1]
-        md = self._metadata_cls(
-            cu_seqlens_q=st.index32[: size + 1],
-            context_lens=st.index32[size + 1 : 2 * size + 1],
-            block_tables=st.index32[2 * size + 1 :].view(size, self.max_blocks),
-            num_tokens=size, max_query_len=1, max_kv_len=self.max_context,
-        )
+        md = self._metadata(st)
         cfg, tables = stack.cfg, None
         if not cfg.rope_is_default:  # the table lives on the device already: no host copy inside a capture
             tables = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, torch.float32, self._inv_freq,
                                   cfg.rope_attention_scaling)
-        batch = StepBatch(tuple(range(size)), (1,) * size, (0,) * size)  # only its token count is read
-        step = StepState("shift", batch, size, positions, slots, md, tables)
+        rows = st.hidden.shape[0]
+        batch = StepBatch((0,), (rows,), (0,))  # only its token count is read
+        step = StepState("shift", batch, rows, positions, slots, md, tables)
         x = st.hidden
         for layer in stack.layers:
             x = layer(x, step, self.cache)
@@ -196,6 +247,89 @@ class DecodeGraphs:
         st.copied = torch.cuda.Event()
 
     # ---- replay -------------------------------------------------------------------------------
+    def replay_last(self, size: int) -> None:
+        """Replay the graph of `size` on its current static inputs: the last step staged for it
+        again (it rewrites that step's own cache slots with the same values). For benchmarks that
+        split a step's time into the graph's GPU time and the rest."""
+        if size not in self._steps:
+            raise ValueError(f"no {self.kind} graph of size {size} (captured sizes {self.sizes})")
+        self._check_live()
+        self._steps[size].graph.replay()
+
+    def _check_live(self) -> None:
+        """Raise where a replay would touch memory the graphs no longer own: the cache was grown
+        (new k/v tensors) or the stack switched to other fused kernels (other workspaces)."""
+        if self.cache.generation != self._cache_generation or self.cache.k.data_ptr() != self._cache_ptr:
+            raise RuntimeError(f"the KV cache was grown after the {self.kind} graphs were captured: they still point "
+                               f"at the old tensors; capture new {type(self).__name__}")
+        if self.stack.fused is not self._fused:
+            raise RuntimeError(f"the stack's fused kernels changed (enable_fused) after the {self.kind} graphs were "
+                               f"captured: capture new {type(self).__name__}")
+
+    def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Replay the step of `batch` (size_for(batch) must not be None) on hidden [n, d]; returns
+        [n, d], a view of the graph's static output, valid until the next replay."""
+        st = self.stage(hidden, batch)
+        st.graph.replay()
+        self.replays += 1
+        return st.out[:batch.num_tokens]
+
+    def stage(self, hidden: torch.Tensor, batch: StepBatch) -> _StaticStep:
+        """Reserve the step's cache slots and copy its inputs into the static buffers of the graph
+        that will run it; returns that graph's _StaticStep (run() = stage + replay; benchmarks time
+        st.graph.replay() alone)."""
+        size = self.size_for(batch)
+        if size is None:
+            raise ValueError(f"no {self.kind} graph for {len(batch.seq_ids)} sequences / {batch.num_tokens} tokens "
+                             f"(captured sizes {self.sizes}, max context {self.max_context}{self._limits()})")
+        self._check_live()
+        n, d = batch.num_tokens, self.stack.cfg.hidden_size
+        if hidden.shape != (n, d):
+            raise ValueError(f"hidden must be [{n}, {d}], got {tuple(hidden.shape)}")
+        st = self._steps[size]
+        slots = self.cache.begin_step(batch, device="cpu")
+        st.copied.synchronize()  # the previous replay's copies have consumed the staging buffers
+        self._fill(batch, slots, st)
+        st.index64.copy_(st.host64, non_blocking=True)
+        st.index32.copy_(st.host32, non_blocking=True)
+        st.copied.record()
+        st.hidden[:n].copy_(hidden)
+        return st
+
+    def _limits(self) -> str:
+        return ""
+
+
+class DecodeGraphs(_StackGraphs):
+    """CUDA graphs of the stack's shift-mode decode step for a set of batch sizes (collective:
+    every rank constructs it with the same arguments, at the same point of its step sequence).
+
+    stack: a ShiftParallelStack with enable_fused() done; cache: the PagedKVCache the graphs will
+    read and write (one scratch block is taken from it for padding rows); max_context: the
+    longest context (cached + new token) any replayed sequence may have; sizes: batch sizes to
+    capture (each <= the stack's shift threshold when SP > 1).
+    """
+
+    def __init__(self, stack, cache, *, max_context: int, sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES):
+        self._setup(stack, cache, max_context=max_context, sizes=sizes,
+                    max_blocks=-(-max(max_context, 1) // cache.block_size))
+
+    def _new_step(self, size: int) -> _StaticStep:
+        return self._static_step(size, size, 2 * size + 1 + size * self.max_blocks)
+
+    def _fill(self, batch: StepBatch | None, slots: torch.Tensor | None, st: _StaticStep) -> None:
+        fill_decode_inputs(batch, slots, self.cache, st.size, self.max_blocks, self.scratch_block, st.host64,
+                           st.host32)
+
+    def _metadata(self, st: _StaticStep):
+        size = st.size
+        return self._metadata_cls(
+            cu_seqlens_q=st.index32[: size + 1],
+            context_lens=st.index32[size + 1 : 2 * size + 1],
+            block_tables=st.index32[2 * size + 1 :].view(size, self.max_blocks),
+            num_tokens=size, max_query_len=1, max_kv_len=self.max_context,
+        )
+
     def size_for(self, batch: StepBatch) -> int | None:
         """The captured size that runs this step, or None when it must run eagerly (not a pure
         decode step, more sequences than the largest graph, or a context beyond max_context)."""
@@ -204,52 +338,65 @@ class DecodeGraphs:
             return None
         return next(s for s in self.sizes if s >= n)
 
-    def replay_last(self, size: int) -> None:
-        """Replay the graph of `size` on its current static inputs: the last step staged for it
-        again (it rewrites that step's own cache slots with the same values). For benchmarks that
-        split a step's time into the graph's GPU time and the rest."""
-        if size not in self._steps:
-            raise ValueError(f"no decode graph of size {size} (captured sizes {self.sizes})")
-        self._check_live()
-        self._steps[size].graph.replay()
 
-    def _check_live(self) -> None:
-        """Raise where a replay would touch memory the graphs no longer own: the cache was grown
-        (new k/v tensors) or the stack switched to other fused kernels (other workspaces)."""
-        if self.cache.generation != self._cache_generation or self.cache.k.data_ptr() != self._cache_ptr:
-            raise RuntimeError("the KV cache was grown after the decode graphs were captured: they still point at "
-                               "the old tensors; capture new DecodeGraphs")
-        if self.stack.fused is not self._fused:
-            raise RuntimeError("the stack's fused kernels changed (enable_fused) after the decode graphs were "
-                               "captured: capture new DecodeGraphs")
+class PrefillGraphs(_StackGraphs):
+    """CUDA graphs of the stack's shift-mode varlen step (prefill chunks, mixed prefill + decode,
+    decode batches larger than the decode graphs) for a set of token counts. A step of n tokens
+    replays the smallest captured size >= n, padded as fill_prefill_inputs describes.
 
-    def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Replay the decode step of `batch` (size_for(batch) must not be None) on hidden [n, d];
-        returns [n, d], a view of the graph's static output, valid until the next replay."""
-        st = self.stage(hidden, batch)
-        st.graph.replay()
-        self.replays += 1
-        return st.out[:len(batch.seq_ids)]
+    Why: a shift-mode step of 128-1024 tokens does ~0.1-0.5 ms of GPU work per layer, while
+    launching its ~12 kernels from Python took 0.6-1.2 ms of host time per layer on the lent
+    machines (perf/results/profile_layer_qwen32b_512_shift_run126.txt), so eagerly those steps run
+    at the host's speed. A replay costs one staging copy per step, whatever the layer count.
 
-    def stage(self, hidden: torch.Tensor, batch: StepBatch) -> _StaticStep:
-        """Reserve the step's cache slots and copy its inputs into the static buffers of the graph
-        that will run it; returns that graph's _StaticStep (run() = stage + replay; benchmarks time
-        st.graph.replay() alone)."""
-        size = self.size_for(batch)
-        if size is None:
-            raise ValueError(f"no decode graph for {len(batch.seq_ids)} sequences / {batch.num_tokens} tokens "
-                             f"(captured sizes {self.sizes}, max context {self.max_context})")
-        self._check_live()
-        n, d = len(batch.seq_ids), self.stack.cfg.hidden_size
-        if hidden.shape != (n, d):
-            raise ValueError(f"hidden must be [{n}, {d}], got {tuple(hidden.shape)}")
-        st = self._steps[size]
-        slots = self.cache.begin_step(batch, device="cpu")
-        st.copied.synchronize()  # the previous replay's copies have consumed the staging buffers
-        fill_decode_inputs(batch, slots, self.cache, size, self.max_blocks, self.scratch_block,
-                           st.host64, st.host32)
-        st.index64.copy_(st.host64, non_blocking=True)
-        st.index32.copy_(st.host32, non_blocking=True)
-        st.copied.record()
-        st.hidden[:n].copy_(hidden)
-        return st
+    stack, cache: as DecodeGraphs; sizes: token counts to capture (each <= the shift threshold when
+    SP > 1, and <= enable_fused's max_tokens); max_seqs: the most sequences a replayed step may have;
+    max_context: the longest context + new tokens of any replayed sequence. The attention is tiled
+    for the captured size (prefill tiling, no split-KV), so a replay computes what the eager step
+    does up to the order of floating-point sums.
+    """
+
+    kind = "prefill"
+
+    def __init__(self, stack, cache, *, max_context: int, sizes: tuple[int, ...] = DEFAULT_PREFILL_SIZES,
+                 max_seqs: int = 64):
+        if max_seqs < 1:
+            raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
+        if stack.fused is not None and sizes and max(sizes) > stack.fused.max_tokens:
+            raise ValueError(f"prefill graph size {max(sizes)} > the fused kernels' max_tokens "
+                             f"{stack.fused.max_tokens} (enable_fused(max_tokens=...))")
+        self.max_seqs = max_seqs
+        bs = cache.block_size
+        # the padding sequence's keys span up to size - 1 positions, all in the scratch block
+        max_blocks = -(-max(max_context, max(sizes, default=1)) // bs)
+        self._setup(stack, cache, max_context=max_context, sizes=sizes, max_blocks=max_blocks)
+
+    def _new_step(self, size: int) -> _StaticStep:
+        s = self.max_seqs
+        return self._static_step(size, size, (s + 2) + (s + 1) + (s + 1) * self.max_blocks)
+
+    def _fill(self, batch: StepBatch | None, slots: torch.Tensor | None, st: _StaticStep) -> None:
+        fill_prefill_inputs(batch, slots, self.cache, st.size, self.max_seqs, self.max_blocks, self.scratch_block,
+                            st.host64, st.host32)
+
+    def _metadata(self, st: _StaticStep):
+        s = self.max_seqs
+        return self._metadata_cls(
+            cu_seqlens_q=st.index32[: s + 2],
+            context_lens=st.index32[s + 2 : 2 * s + 3],
+            block_tables=st.index32[2 * s + 3 :].view(s + 1, self.max_blocks),
+            num_tokens=st.size, max_query_len=st.size, max_kv_len=self.max_blocks * self.cache.block_size,
+        )
+
+    def size_for(self, batch: StepBatch) -> int | None:
+        """The captured size that runs this step, or None when it must run eagerly (more tokens than
+        the largest graph, more than max_seqs sequences, or a sequence longer than max_context)."""
+        n = batch.num_tokens
+        if n > self.sizes[-1] or len(batch.seq_ids) > self.max_seqs:
+            return None
+        if max(c + q for c, q in zip(batch.context_lens, batch.query_lens, strict=True)) > self.max_context:
+            return None
+        return next(s for s in self.sizes if s >= n)
+
+    def _limits(self) -> str:
+        return f", at most {self.max_seqs} sequences"

@@ -4,7 +4,9 @@ Input and output are the full hidden states [n, d], identical on every rank of a
 an embedding lookup and a sampler see them). Base mode slices this SP rank's rows of the
 padded step on the way in and all-gathers them on the way out; shift mode runs on all rows.
 With capture_decode_graphs(), shift-mode decode steps that fit a captured batch size replay a
-CUDA graph of the whole stack (fusedpar.layers.graphs); every other step runs eagerly.
+CUDA graph of the whole stack (fusedpar.layers.graphs); with capture_prefill_graphs(), so do the
+other shift-mode steps (prefill chunks, mixed batches) that fit a captured token count. Every
+other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class ShiftParallelStack(nn.Module):
         self.steps = {"base": 0, "shift": 0}
         self.fused: FusedKernels | None = None
         self.graphs = None  # DecodeGraphs, once captured
-        self.graph_steps = 0
+        self.prefill_graphs = None  # PrefillGraphs, once captured
+        self.graph_steps = 0  # steps that replayed a graph of either kind
 
     def enable_fused(self, *, max_tokens: int, fuse_comm: bool = True, plain_all_reduce: str = "nccl",
                      o_scatter: bool = True) -> ShiftParallelStack:
@@ -44,8 +47,8 @@ class ShiftParallelStack(nn.Module):
         (all_to_all_o_proj) instead of the attention storing into the owners' staging (FusedKernels).
         Collective: every rank.
         Decode graphs captured before belong to the old kernels' workspaces: they are dropped
-        (capture_decode_graphs again)."""
-        self.graphs = None
+        (capture_decode_graphs / capture_prefill_graphs again)."""
+        self.graphs = self.prefill_graphs = None
         self.fused = FusedKernels(self.ctx, self.cfg, max_tokens=max_tokens,
                                   dtype=self.layers[0].w.base["qkv"].dtype, fuse_comm=fuse_comm,
                                   plain_all_reduce=plain_all_reduce, o_scatter=o_scatter)
@@ -69,6 +72,27 @@ class ShiftParallelStack(nn.Module):
         self.graphs = None  # release the old graphs' memory before capturing new ones
         self.graphs = DecodeGraphs(self, cache, max_context=max_context, sizes=sizes)
         return self.graphs
+
+    def capture_prefill_graphs(self, cache: PagedKVCache, *, max_context: int, sizes: tuple[int, ...] | None = None,
+                               max_seqs: int = 64):
+        """Capture CUDA graphs of shift-mode varlen steps on `cache` (collective: every rank, same
+        arguments). sizes (token counts) default: DEFAULT_PREFILL_SIZES up to the shift threshold (SP > 1)
+        and max_tokens. Later shift-mode steps of at most max(sizes) tokens in at most max_seqs
+        sequences, each with context + new tokens <= max_context, replay the smallest graph that fits
+        (a pure decode step that fits a decode graph replays that one instead); the rest run eagerly."""
+        from fusedpar.layers.graphs import DEFAULT_PREFILL_SIZES, PrefillGraphs
+
+        if self.fused is None:
+            raise ValueError("capture_prefill_graphs needs the fused path: call enable_fused(...) first")
+        if sizes is None:
+            cap = self.fused.max_tokens if self.ctx.sp.size == 1 else min(self.policy.threshold, self.fused.max_tokens)
+            sizes = tuple(s for s in DEFAULT_PREFILL_SIZES if s <= cap)
+            if not sizes:
+                raise ValueError(f"no default prefill graph size ({DEFAULT_PREFILL_SIZES}) is <= {cap} (the shift "
+                                 f"threshold / max_tokens): pass sizes")
+        self.prefill_graphs = None
+        self.prefill_graphs = PrefillGraphs(self, cache, max_context=max_context, sizes=sizes, max_seqs=max_seqs)
+        return self.prefill_graphs
 
     @classmethod
     def from_full_weights(cls, cfg: DecoderConfig, ctx: ParallelContext, layer_weights: list[dict],
@@ -117,12 +141,13 @@ class ShiftParallelStack(nn.Module):
         n = batch.num_tokens
         if hidden.dim() != 2 or hidden.shape != (n, self.cfg.hidden_size):
             raise ValueError(f"hidden must be [{n}, {self.cfg.hidden_size}] for this batch, got {tuple(hidden.shape)}")
-        graphs = self.graphs
-        if graphs is not None and graphs.cache is cache and (mode or self.policy.mode(n, self.ctx.sp.size)) == "shift" \
-                and graphs.size_for(batch) is not None:
-            self.steps["shift"] += 1
-            self.graph_steps += 1
-            return graphs.run(hidden, batch).clone()  # the graph's output buffer is reused by the next replay
+        if (self.graphs is not None or self.prefill_graphs is not None) \
+                and (mode or self.policy.mode(n, self.ctx.sp.size)) == "shift":
+            for graphs in (self.graphs, self.prefill_graphs):
+                if graphs is not None and graphs.cache is cache and graphs.size_for(batch) is not None:
+                    self.steps["shift"] += 1
+                    self.graph_steps += 1
+                    return graphs.run(hidden, batch).clone()  # the output buffer is reused by the next replay
         step = self.plan(batch, cache, mode)
         self.steps[step.mode] += 1
         x = self.layer_input(hidden, step)

@@ -188,3 +188,218 @@ def test_gpu_decode_graphs_stock_baseline_and_rope_tables(nccl_world):
     errors = _gpu_graph_check(rank, world, cfg, 1, world, fuse_comm=False, plain_all_reduce="symm_mem")
     errors += _gpu_graph_check(rank, world, cfg, world, 1, fuse_comm=True)
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
+
+
+# ---- prefill graphs: staging (CPU) ----------------------------------------------------------------
+def _prefill_staging(size, max_seqs, max_blocks):
+    return (torch.full((2, size), -7, dtype=torch.int64),
+            torch.full(((max_seqs + 2) + (max_seqs + 1) + (max_seqs + 1) * max_blocks,), -7, dtype=torch.int32))
+
+
+def _split_prefill_staging(host32, max_seqs, max_blocks):
+    s = max_seqs
+    return host32[: s + 2], host32[s + 2 : 2 * s + 3], host32[2 * s + 3 :].view(s + 1, max_blocks)
+
+
+@pytest.mark.parametrize(("query_lens", "contexts", "size", "max_seqs"),
+                         [((7, 1, 4), (0, 5, 9), 24, 4), ((5, 3), (2, 0), 8, 2), ((13,), (0,), 13, 3)])
+def test_fill_prefill_inputs_matches_eager_metadata(query_lens, contexts, size, max_seqs):
+    from fusedpar.kernels.attention import AttentionMetadata
+    from fusedpar.layers.graphs import fill_prefill_inputs
+
+    cache, max_blocks = _cache(), 7
+    cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))
+    scratch_block = cache.block_tables[SCRATCH_SEQ_ID][0]
+    ids = tuple(range(20, 20 + len(query_lens)))
+    if any(contexts):
+        with_ctx = [(i, c) for i, c in zip(ids, contexts, strict=True) if c]
+        cache.begin_step(StepBatch(tuple(i for i, _ in with_ctx), tuple(c for _, c in with_ctx), (0,) * len(with_ctx)))
+    cache.begin_step(StepBatch((99,), (6,), (0,)))  # another sequence in between: scattered blocks
+    batch = StepBatch(ids, query_lens, contexts)
+    slots = cache.begin_step(batch, device="cpu")
+    host64, host32 = _prefill_staging(size, max_seqs, max_blocks)  # poisoned: every element must be written
+    fill_prefill_inputs(batch, slots, cache, size, max_seqs, max_blocks, scratch_block, host64, host32)
+    md = AttentionMetadata.from_step(batch, cache, device="cpu")
+    n, m = batch.num_tokens, len(ids)
+    cu, ctx, tables = _split_prefill_staging(host32, max_seqs, max_blocks)
+    assert host64[0, :n].tolist() == batch.positions().tolist() and host64[1, :n].tolist() == slots.tolist()
+    assert cu[: m + 1].tolist() == md.cu_seqlens_q.tolist()
+    assert cu[m + 1 : max_seqs + 1].tolist() == [n] * (max_seqs - m)  # empty sequence slots
+    assert int(cu[max_seqs + 1]) == size  # the padding sequence takes the rest
+    assert ctx[:m].tolist() == md.context_lens.tolist() and (ctx[m:] == 0).all()
+    w = md.block_tables.shape[1]
+    assert torch.equal(tables[:m, :w], md.block_tables) and (tables[:m, w:] == 0).all()
+    assert (tables[m:max_seqs] == 0).all() and (tables[max_seqs] == scratch_block).all()
+    # padding rows: position 0 and slot -1 (no cache write)
+    assert (host64[0, n:] == 0).all() and (host64[1, n:] == -1).all()
+    assert (host64 != -7).all() and (host32 != -7).all()
+
+
+def test_fill_prefill_inputs_capture_input_and_errors():
+    from fusedpar.layers.graphs import fill_prefill_inputs
+
+    cache = _cache()
+    host64, host32 = _prefill_staging(6, 2, 3)
+    fill_prefill_inputs(None, None, cache, 6, 2, 3, 5, host64, host32)
+    cu, ctx, tables = _split_prefill_staging(host32, 2, 3)
+    assert cu.tolist() == [0, 0, 0, 6] and (ctx == 0).all()
+    assert tables[2].tolist() == [5, 5, 5] and (tables[:2] == 0).all()
+    assert host64[1].tolist() == [-1] * 6 and (host64[0] == 0).all()
+    cache.begin_step(StepBatch((1, 2), (9, 3), (0, 0)))
+    batch = StepBatch((1, 2), (4, 2), (9, 3))
+    slots = cache.begin_step(batch, device="cpu")
+    with pytest.raises(ValueError, match=r"needs 4 cache blocks.*at most 3"):
+        fill_prefill_inputs(batch, slots, cache, 6, 2, 3, 5, *_prefill_staging(6, 2, 3))
+    with pytest.raises(ValueError, match="cannot take 6 tokens of 2 sequences"):
+        fill_prefill_inputs(batch, slots, cache, 6, 1, 4, 5, *_prefill_staging(6, 1, 4))
+    with pytest.raises(ValueError, match="cannot take 6 tokens"):
+        fill_prefill_inputs(batch, slots, cache, 5, 2, 4, 5, *_prefill_staging(5, 2, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("query_lens", "contexts", "size", "max_seqs"),
+                         [((7, 1, 4), (0, 5, 9), 24, 4), ((6, 6), (3, 0), 12, 2)])
+def test_prefill_staging_attends_like_the_eager_step(dtype, query_lens, contexts, size, max_seqs):
+    """The Triton attention (interpreter) on the padded graph inputs - empty sequence slots, a padding
+    sequence over the scratch block, slot -1 - gives the real rows the eager step's outputs and
+    writes the cache exactly where the eager step does (nothing else changes: padding writes none)."""
+    from fusedpar.kernels import attention
+    from fusedpar.kernels.attention import AttentionMetadata, paged_attention
+    from fusedpar.layers.graphs import fill_prefill_inputs
+    from fusedpar.testing.numerics import assert_close, poison_
+
+    if not attention._INTERPRETED:
+        pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1 before fusedpar.kernels.attention loads)")
+    nq, nkv, hd = 4, 2, 16
+    cache = PagedKVCache(num_layers=1, kv_heads=(0, 1), head_dim=hd, block_size=4, num_blocks=40, dtype=dtype)
+    cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))
+    scratch_block = cache.block_tables[SCRATCH_SEQ_ID][0]
+    ids = tuple(range(30, 30 + len(query_lens)))
+    with_ctx = [(i, c) for i, c in zip(ids, contexts, strict=True) if c]
+    cache.begin_step(StepBatch(tuple(i for i, _ in with_ctx), tuple(c for _, c in with_ctx), (0,) * len(with_ctx)))
+    batch = StepBatch(ids, query_lens, contexts)
+    slots = cache.begin_step(batch, device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen).to(dtype))  # cached context and stale slots alike
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen).to(dtype))
+    n, width = batch.num_tokens, (nq + 2 * nkv) * hd
+    qkv = torch.randn((size, width), generator=gen).to(dtype)  # rows n.. are the padding sequence's tokens
+    common = dict(num_q_heads=nq, rope_theta=1e4, q_norm=(1 + 0.2 * torch.randn(hd, generator=gen)).to(dtype),
+                  k_norm=(1 + 0.2 * torch.randn(hd, generator=gen)).to(dtype))
+
+    k_eager, v_eager = cache.k[0].clone(), cache.v[0].clone()
+    md = AttentionMetadata.from_step(batch, cache, device="cpu")
+    out_eager = poison_(torch.empty((n, nq * hd), dtype=dtype))
+    paged_attention(qkv[:n], num_tokens=n, cu_seqlens_q=md.cu_seqlens_q, context_lens=md.context_lens,
+                    block_tables=md.block_tables, k_cache=k_eager, v_cache=v_eager, slots=slots,
+                    positions=batch.positions(), max_query_len=md.max_query_len, max_kv_len=md.max_kv_len,
+                    out=out_eager, **common)
+
+    max_blocks = -(-max(max(c + q for c, q in zip(contexts, query_lens, strict=True)), size) // 4)
+    host64, host32 = _prefill_staging(size, max_seqs, max_blocks)
+    fill_prefill_inputs(batch, slots, cache, size, max_seqs, max_blocks, scratch_block, host64, host32)
+    cu, ctx, tables = _split_prefill_staging(host32, max_seqs, max_blocks)
+    k_graph, v_graph = cache.k[0].clone(), cache.v[0].clone()
+    out_graph = poison_(torch.empty((size, nq * hd), dtype=dtype))
+    paged_attention(qkv, num_tokens=size, cu_seqlens_q=cu, context_lens=ctx, block_tables=tables,
+                    k_cache=k_graph, v_cache=v_graph, slots=host64[1], positions=host64[0], max_query_len=size,
+                    max_kv_len=max_blocks * 4, out=out_graph, **common)
+    assert_close(out_graph[:n], out_eager, dtype=dtype, name="graph-staged attention vs eager")
+    assert torch.equal(k_graph, k_eager) and torch.equal(v_graph, v_eager), "cache writes differ from the eager step"
+    assert not torch.equal(k_eager, cache.k[0]), "the eager step wrote nothing: the comparison proves nothing"
+
+
+# ---- prefill graphs: GPU ----------------------------------------------------------------------------
+def _gpu_prefill_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_reduce="nccl"):
+    """Varlen shift-mode steps through PrefillGraphs (sizes 32 / 96 / 256, at most 4 sequences) next
+    to decode graphs (sizes 1 / 4): fresh prompts, a chunked-prefill continuation, mixed prefill +
+    decode, a step of exactly a captured size, and the steps that must run eagerly (base mode above
+    the threshold, too many sequences, a context past max_context). Each step vs the fp64 oracle and
+    vs the same stack run eagerly on a second cache; the graphs' outputs are poisoned before every
+    replay, and the two caches must agree at the end."""
+    from fusedpar.collectives import ParallelContext
+    from fusedpar.layers import DenseDecoderStack, ShiftParallelStack, ShiftPolicy, random_decoder_weights
+    from fusedpar.layouts import ParallelLayout
+    from fusedpar.testing.scenarios import rel_error
+
+    dtype, layers, max_context = torch.bfloat16, 2, 160
+    ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
+    dev = ctx.device
+    full = [random_decoder_weights(cfg, seed=11 + i, dtype=torch.float64, device=dev) for i in range(layers)]
+    oracle = DenseDecoderStack(cfg, full)
+    stack = ShiftParallelStack.from_full_weights(cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full],
+                                                 ShiftPolicy(256))
+    stack.enable_fused(max_tokens=512, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce)
+    eager_cache = stack.make_cache(block_size=16, num_blocks=128, dtype=dtype)
+    graph_cache = stack.make_cache(block_size=16, num_blocks=128, dtype=dtype)
+    decode = stack.capture_decode_graphs(graph_cache, max_context=max_context, sizes=(1, 4))
+    prefill = stack.capture_prefill_graphs(graph_cache, max_context=max_context, sizes=(32, 96, 256), max_seqs=4)
+    gen = torch.Generator().manual_seed(4)
+    lengths: dict[int, int] = {}
+    errors = []
+
+    def step(seqs, query_lens, label, expect):
+        batch = StepBatch(tuple(seqs), tuple(query_lens), tuple(lengths.get(s, 0) for s in seqs))
+        x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=gen, dtype=torch.float64).to(dev)
+        for g in (decode, prefill):
+            for st in g._steps.values():
+                st.out.fill_(float("nan"))
+        counts = (decode.replays, prefill.replays)
+        y_graph = stack(x.to(dtype), batch, graph_cache)
+        ran = "decode" if decode.replays > counts[0] else "prefill" if prefill.replays > counts[1] else "eager"
+        y_eager = stack(x.to(dtype), batch, eager_cache)
+        want = oracle.forward(x, batch)
+        e_oracle, e_eager = rel_error(y_graph, want), rel_error(y_graph, y_eager)
+        if not (e_oracle < REL_TOL[dtype] and e_eager < REL_TOL[dtype]):
+            errors.append(f"{label}: vs oracle {e_oracle:.3g}, vs eager {e_eager:.3g}")
+        if ran != expect:
+            errors.append(f"{label}: ran {ran}, expected {expect}")
+        for s, q in zip(seqs, query_lens, strict=True):
+            lengths[s] = lengths.get(s, 0) + q
+
+    step((0, 1, 2), (37, 16, 5), "three fresh prompts (58 tokens, graph 96)", "prefill")
+    step((3,), (300,), "a base-mode prompt above the threshold", "eager")
+    step((0, 4), (1, 20), "mixed decode + new prompt (21 tokens, graph 32)", "prefill")
+    step((1,), (40,), "chunked-prefill continuation (graph 96)", "prefill")
+    step((0, 1, 2, 4), (8, 8, 8, 8), "exactly 32 tokens (no padding rows)", "prefill")
+    step((0, 1, 2, 4), (1, 1, 1, 1), "decode of 4 (decode graph)", "decode")
+    step((5, 6, 7, 8, 9), (3, 2, 4, 1, 5), "5 sequences > max_seqs 4", "eager")
+    step((2,), (150,), "a context past max_context", "eager")
+    step((0, 1, 4), (60, 30, 20), "110 tokens (graph 256)", "prefill")
+    for li in range(layers):
+        for sid, n in lengths.items():
+            kg, vg = graph_cache.gather(li, sid)
+            ke, ve = eager_cache.gather(li, sid)
+            if kg.shape[0] != n or rel_error(kg, ke) > REL_TOL[dtype] or rel_error(vg, ve) > REL_TOL[dtype]:
+                errors.append(f"cache layer {li} seq {sid}: graph and eager caches differ")
+    if stack.fused.spin_timeouts():
+        errors.append(f"rank {rank}: a flag wait timed out on {stack.fused.spin_timeouts()}")
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("h", "hkv", "qk_norm"), [(32, 8, False), (16, 2, True)])
+def test_gpu_prefill_graphs_match_oracle_and_eager(nccl_world, h, hkv, qk_norm):
+    from fusedpar.testing.gpu import all_ranks_ok
+
+    rank, world = nccl_world
+    cfg = DecoderConfig(hidden_size=1024, num_q_heads=h, num_kv_heads=hkv, head_dim=128, intermediate_size=2048,
+                        qk_norm=qk_norm, rope_theta=1e6)
+    errors = []
+    for sp, tp in ((world, 1), (1, world)):
+        errors += [f"sp={sp} tp={tp}: {e}" for e in _gpu_prefill_graph_check(rank, world, cfg, sp, tp, fuse_comm=True)]
+    assert all_ranks_ok(not errors), "\n".join(errors[:8])
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graphs_stock_baseline_and_rope_tables(nccl_world):
+    """Plain TP (cuBLAS + NCCL inside the graph) and a scaled RoPE table computed inside the graph."""
+    from fusedpar.testing.gpu import all_ranks_ok
+
+    rank, world = nccl_world
+    inv_freq = tuple(1e6 ** (-2 * i / 128) / (1 + i / 16) for i in range(64))
+    cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=4, head_dim=128, intermediate_size=2048,
+                        rope_theta=1e6, rope_inv_freq=inv_freq, rope_attention_scaling=1.1)
+    errors = _gpu_prefill_graph_check(rank, world, cfg, 1, world, fuse_comm=False)
+    errors += _gpu_prefill_graph_check(rank, world, cfg, world, 1, fuse_comm=True)
+    assert all_ranks_ok(not errors), "\n".join(errors[:8])
