@@ -2,8 +2,8 @@
 
 from fusedpar.layouts._checks import MODES, check_mode
 from fusedpar.layouts.grid import ParallelLayout, RankCoords
-from fusedpar.layouts.heads import HeadPlacement, check_head_counts
-from fusedpar.layouts.shards import WEIGHT_NAMES, ModelDims, Segment, WeightShard, WeightShardMap
+from fusedpar.layouts.heads import HeadPlacement, check_head_counts, head_count_problems
+from fusedpar.layouts.shards import WEIGHT_NAMES, ModelDims, Segment, WeightShard, WeightShardMap, shard_problems
 
 __all__ = [
     "MODES",
@@ -17,4 +17,6 @@ __all__ = [
     "WeightShardMap",
     "check_head_counts",
     "check_mode",
+    "head_count_problems",
+    "shard_problems",
 ]

@@ -33,30 +33,40 @@ def tp_kv_heads(num_kv_heads: int, tp: int, t: int) -> tuple[int, ...]:
     return ((t * num_kv_heads) // tp,)
 
 
-def check_head_counts(num_q_heads: int, num_kv_heads: int, sp: int, tp: int) -> None:
-    """Raise ValueError naming the constraint if (h, h_kv) cannot be placed on an SP x TP replica."""
+def head_count_problems(num_q_heads: int, num_kv_heads: int, sp: int, tp: int) -> list[str]:
+    """Every constraint (h, h_kv) breaks on an SP x TP replica, one message each (empty: placeable).
+    Non-positive counts raise ValueError at once."""
     positive_int("num_q_heads", num_q_heads)
     positive_int("num_kv_heads", num_kv_heads)
     P = sp * tp
+    problems = []
     if num_q_heads % num_kv_heads:
-        raise ValueError(
+        problems.append(
             f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads} (GQA groups must be equal)"
         )
     if num_q_heads % P:
-        raise ValueError(
+        problems.append(
             f"num_q_heads={num_q_heads} is not divisible by sp*tp={sp}*{tp}={P}: every rank of a replica "
             "computes an equal chunk of q heads"
         )
     if num_kv_heads % P and P % num_kv_heads:
-        raise ValueError(
+        problems.append(
             f"num_kv_heads={num_kv_heads} is neither a multiple nor a divisor of sp*tp={sp}*{tp}={P}: kv heads "
             "are either split evenly or replicated evenly across the replica"
         )
     if num_kv_heads % tp and tp % num_kv_heads:
-        raise ValueError(
+        problems.append(
             f"num_kv_heads={num_kv_heads} is neither a multiple nor a divisor of tp={tp}: the base-mode TP "
             "shards must split or replicate kv heads evenly"
         )
+    return problems
+
+
+def check_head_counts(num_q_heads: int, num_kv_heads: int, sp: int, tp: int) -> None:
+    """Raise ValueError naming every constraint (h, h_kv) breaks on an SP x TP replica."""
+    problems = head_count_problems(num_q_heads, num_kv_heads, sp, tp)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 class HeadPlacement:

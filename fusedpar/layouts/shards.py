@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fusedpar.layouts._checks import positive_int
+from fusedpar.layouts.heads import head_count_problems
 
 if TYPE_CHECKING:
     from fusedpar.layouts.grid import ParallelLayout
@@ -119,20 +120,30 @@ def head_segments(source: str, heads: tuple[int, ...], head_dim: int) -> tuple[S
     return merge_segments(Segment(source, h * head_dim, (h + 1) * head_dim) for h in heads)
 
 
+def shard_problems(layout: ParallelLayout, dims: ModelDims) -> list[str]:
+    """Every reason `layout` cannot shard a model of `dims`, one message each (empty: it can), so a
+    caller can name them all at once. Non-positive sizes raise ValueError at once."""
+    for field in ("head_dim", "intermediate_size"):
+        positive_int(field, getattr(dims, field))
+    P = layout.replica_size
+    problems = []
+    if dims.intermediate_size % P:
+        problems.append(
+            f"intermediate_size={dims.intermediate_size} is not divisible by sp*tp={layout.sp}*{layout.tp}={P}: "
+            "every rank of a replica holds an equal chunk of the MLP columns"
+        )
+    return problems + head_count_problems(dims.num_q_heads, dims.num_kv_heads, layout.sp, layout.tp)
+
+
 class WeightShardMap:
     """shard(rank, name) -> WeightShard for name in WEIGHT_NAMES."""
 
     kv_plan = "duplicate_columns"
 
     def __init__(self, layout: ParallelLayout, dims: ModelDims):
-        for field in ("head_dim", "intermediate_size"):
-            positive_int(field, getattr(dims, field))
-        P = layout.replica_size
-        if dims.intermediate_size % P:
-            raise ValueError(
-                f"intermediate_size={dims.intermediate_size} is not divisible by sp*tp={layout.sp}*{layout.tp}={P}: "
-                "every rank of a replica holds an equal chunk of the MLP columns"
-            )
+        problems = shard_problems(layout, dims)
+        if problems:
+            raise ValueError("; ".join(problems))
         self.layout = layout
         self.dims = dims
         self.placement = layout.head_placement(dims.num_q_heads, dims.num_kv_heads)

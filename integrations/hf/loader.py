@@ -67,6 +67,19 @@ class CheckpointReader:
             absent = sorted(f for f in set(self.weight_map.values()) if not (self.path / f).is_file())
             if absent:  # now, not after the files before it were read
                 raise FileNotFoundError(f"{self.path}: {index.name} names files that are not there: {absent}")
+            # The index is a claim about the files: check it against their headers (a header read per
+            # file, no tensor data), so a tensor the index misplaces fails here, not mid-load.
+            by_file: dict[str, list[str]] = {}
+            for name, file in self.weight_map.items():
+                by_file.setdefault(file, []).append(name)
+            misplaced = []
+            for file, names in sorted(by_file.items()):
+                with safe_open(self.path / file, framework="pt") as f:
+                    held = set(f.keys())
+                misplaced += [f"{n} (in {file})" for n in names if n not in held]
+            if misplaced:
+                raise ValueError(f"{self.path}: {index.name} places {len(misplaced)} tensor(s) in files that do not "
+                                 f"hold them: {_few(sorted(misplaced))}")
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if len(files) != 1:

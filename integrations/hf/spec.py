@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedpar.layers import DecoderConfig
-from fusedpar.layouts import ParallelLayout
+from fusedpar.layouts import ParallelLayout, shard_problems
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -266,7 +266,7 @@ def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = No
             # too), Qwen2's always-on q/k/v bias (its config has no attention_bias field)
             qkv_bias=bool(qkv_bias_layers),
         )
-        layout.weight_shards(decoder.dims)
+        problems += [f"layout {layout!r} does not fit the model: {p}" for p in shard_problems(layout, decoder.dims)]
     except ValueError as e:
         problems.append(f"layout {layout!r} does not fit the model: {e}")
     _raise(name, problems)

@@ -219,6 +219,18 @@ def test_unsupported_configs_rejected(family, overrides, match):
     _rejects(make_model(family, **overrides), LAYOUT4, match)
 
 
+def test_every_layout_problem_is_named_at_once():
+    """A layout that breaks several constraints names them all in one error, not the first alone."""
+    from fusedpar.integrations.hf import UnsupportedModelError, inspect_model
+
+    model = make_model("qwen3", num_attention_heads=8, num_key_value_heads=2, intermediate_size=128)
+    with pytest.raises(UnsupportedModelError) as err:
+        inspect_model(model, ParallelLayout(3, sp=3))
+    for needle in ("intermediate_size=128 is not divisible by sp*tp=3*1=3", "num_q_heads=8 is not divisible",
+                   "num_kv_heads=2 is neither a multiple nor a divisor"):
+        assert needle in str(err.value), str(err.value)
+
+
 def test_sliding_window_limits_sequences_to_the_window():
     """MistralConfig's default sliding_window=4096 is accepted with a per-sequence limit of 4096 tokens
     (inside the window it equals full attention); a larger explicit max_seq_len is rejected. Qwen2's

@@ -278,3 +278,26 @@ def test_shift_threshold_must_be_an_int(threshold):
 
     with pytest.raises(ValueError, match="shift threshold must be an int >= 0"):
         parallelize(make_model("llama"), LAYOUT2, shift_threshold=threshold)
+
+
+def test_reader_checks_the_index_against_the_files(tmp_path):
+    """An index that places a tensor in a file that does not hold it fails when the reader opens the
+    checkpoint (before any tensor is read), naming the tensor and the file, not mid-load."""
+    import json
+
+    from fusedpar.integrations.hf.loader import CheckpointReader
+
+    make_model("llama", seed=SEED).save_pretrained(tmp_path, max_shard_size="60KB")
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2
+    with CheckpointReader(tmp_path) as reader:  # the untouched index is accepted
+        assert "model.layers.1.mlp.down_proj.weight" in reader
+    name = "model.layers.1.mlp.down_proj.weight"
+    wrong = next(f for f in files if f != index["weight_map"][name])
+    index["weight_map"][name] = wrong
+    index_path.write_text(json.dumps(index))
+    want = rf"places 1 tensor\(s\) in files that do not hold them: {name} \(in {wrong}\)"
+    with pytest.raises(ValueError, match=want):
+        CheckpointReader(tmp_path)

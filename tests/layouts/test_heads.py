@@ -272,3 +272,17 @@ def test_rejects_bad_mode_and_rank():
             hp.q_heads(bad_rank, "base")
         with pytest.raises(ValueError, match=r"rank"):
             hp.kv_heads(bad_rank, "shift")
+
+
+def test_every_broken_constraint_is_named():
+    """head_count_problems / check_head_counts name every constraint a head count breaks, not the first."""
+    from fusedpar.layouts import head_count_problems
+
+    assert head_count_problems(16, 4, 2, 2) == []
+    problems = head_count_problems(9, 3, 2, 2)  # 9 q heads on 4 ranks; 3 kv heads vs P=4 and vs tp=2
+    assert len(problems) == 3
+    assert "num_q_heads=9 is not divisible by sp*tp=2*2=4" in problems[0]
+    assert "num_kv_heads=3 is neither a multiple nor a divisor of sp*tp=2*2=4" in problems[1]
+    assert "num_kv_heads=3 is neither a multiple nor a divisor of tp=2" in problems[2]
+    with pytest.raises(ValueError, match=r"not divisible by sp\*tp=2\*2=4: .*; num_kv_heads=3 .*; num_kv_heads=3"):
+        ParallelLayout(4, sp=2, tp=2).head_placement(9, 3)

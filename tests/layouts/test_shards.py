@@ -321,3 +321,17 @@ def test_rejects_bad_weight_name_and_rank():
     for bad_rank in (-1, 4):
         with pytest.raises(ValueError, match=r"rank"):
             wsm.shard(bad_rank, "qkv")
+
+
+def test_shard_problems_names_the_mlp_and_every_head_problem():
+    from fusedpar.layouts import shard_problems
+
+    layout = ParallelLayout(3, sp=3)
+    assert shard_problems(layout, ModelDims(6, 3, 4, 12)) == []
+    problems = shard_problems(layout, ModelDims(8, 2, 4, 128))
+    assert len(problems) == 3
+    assert "intermediate_size=128 is not divisible by sp*tp=3*1=3" in problems[0]
+    assert "num_q_heads=8 is not divisible by sp*tp=3*1=3" in problems[1]
+    assert "num_kv_heads=2 is neither a multiple nor a divisor of sp*tp=3*1=3" in problems[2]
+    with pytest.raises(ValueError, match=r"intermediate_size=128 .*; num_q_heads=8 .*; num_kv_heads=2"):
+        WeightShardMap(layout, ModelDims(8, 2, 4, 128))
