@@ -396,6 +396,20 @@ class ShiftParallelCausalLMMixin:
                 )
         return super()._apply(fn, *args, **kwargs)
 
+    def _get_stopping_criteria(self, generation_config, stopping_criteria=None, *args, **kwargs):
+        """max_time (generate's argument or a MaxTimeCriteria) stops each rank by its own clock, so the
+        ranks of a replica could stop at different steps: one would wait forever in the next step's
+        collective, or (synced_gpus) feed other tokens into the shared sums. Refused before any step."""
+        from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+        if getattr(generation_config, "max_time", None) is not None or any(
+                isinstance(c, MaxTimeCriteria) for c in (stopping_criteria or ())):
+            raise NotImplementedError(
+                "fusedpar.integrations.hf: generate(max_time=...) / MaxTimeCriteria is not supported: each rank "
+                "would stop by its own clock, possibly at a different step than the other ranks of its replica, "
+                "whose layers share every step's collectives; bound the length with max_new_tokens / max_length")
+        return super()._get_stopping_criteria(generation_config, stopping_criteria, *args, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate(cache_implementation=...): the paged cache replaces any HF cache (a static one would
         also make generate turn the 2D mask into 4D masks, which this forward cannot read padding from),

@@ -213,8 +213,12 @@ def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = No
         scaling = getattr(attn, "scaling", head_dim ** -0.5)
         if abs(scaling - head_dim ** -0.5) > 1e-12 * max(1.0, scaling):
             problems.append(f"attention scaling {scaling} (only 1/sqrt(head_dim))")
-        # Qwen2/3 set it per layer (None on full-attention layers); Mistral reads the config.
-        window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
+        # Qwen2/3 set it per layer (None on full-attention layers); Mistral reads the config. Llama's
+        # attention ignores a sliding_window its config may carry (always full causal): no limit there.
+        if hasattr(attn, "sliding_window"):
+            window = attn.sliding_window
+        else:
+            window = getattr(config, "sliding_window", None) if model_type == "mistral" else None
         if window is not None:
             windows.append(int(window))
         for nname in ("input_layernorm", "post_attention_layernorm"):

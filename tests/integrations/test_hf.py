@@ -231,6 +231,15 @@ def test_every_layout_problem_is_named_at_once():
         assert needle in str(err.value), str(err.value)
 
 
+def test_llama_ignores_a_stray_sliding_window_in_its_config():
+    """HF's Llama attention is always full causal, whatever sliding_window its config carries: no
+    per-sequence limit (it refused sequences past the stray window); Mistral's window still limits."""
+    from fusedpar.integrations.hf import inspect_model
+
+    assert inspect_model(make_model("llama", sliding_window=8), LAYOUT4).max_seq_len is None
+    assert inspect_model(make_model("mistral", sliding_window=8), LAYOUT4).max_seq_len == 8
+
+
 def test_sliding_window_limits_sequences_to_the_window():
     """MistralConfig's default sliding_window=4096 is accepted with a per-sequence limit of 4096 tokens
     (inside the window it equals full attention); a larger explicit max_seq_len is rejected. Qwen2's

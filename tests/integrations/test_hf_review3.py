@@ -14,7 +14,8 @@ ranks) run every case against the unsharded transformers model; each test checks
   whose new column is padding): HF's SDPA values (they were zeros);
 - generate(past_key_values=StaticCache(...)) as HF's docs show it (it raised on the 4D masks
   generate builds for a static cache); an HF QuantizedCache is refused like
-  cache_implementation="quantized";
+  cache_implementation="quantized"; generate(max_time=...) and a MaxTimeCriteria are refused (each
+  rank's own clock could stop it at another step than its replica's other ranks: a hang);
 - save_pretrained (wrote a checkpoint without the decoder layers) and .half() / .to(dtype) (cast
   only the replicated modules: a mixed-precision model) are refused, naming why;
 - call forms that already worked and no other test covers: positional arguments, logits_to_keep
@@ -142,6 +143,16 @@ def _user_caches(ref, pm) -> dict:
                                     ref.generate(ids, past_key_values=make(ref), **kw))
         except Exception as e:  # recorded for the test's message
             out[name] = f"{type(e).__name__}: {e}"
+    # max_time stops each rank by its own clock: refused (before any step) as an argument and as a criterion
+    from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
+
+    out["max_time"] = _raises(lambda: pm.generate(ids, attention_mask=mask, max_new_tokens=4, max_time=30.0,
+                                                  **GREEDY))
+    out["max_time_criteria"] = _raises(lambda: pm.generate(
+        ids, attention_mask=mask, max_new_tokens=4, stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(30.0)]),
+        **GREEDY))
+    out["after_refusals"] = torch.equal(pm.generate(ids, attention_mask=mask, max_new_tokens=4, **GREEDY),
+                                        ref.generate(ids, attention_mask=mask, max_new_tokens=4, **GREEDY))
     # QuantizedCache needs optimum-quanto / hqq to be built; the adapter refuses it by type, before use
     quantized = QuantizedCache.__new__(QuantizedCache)
     with torch.no_grad():
@@ -343,6 +354,9 @@ def test_generate_with_a_user_made_hf_cache(world2):
         assert res["static"] is True, res
         assert res["dynamic"] is True, res
         assert (res["quantized"] or "").startswith("NotImplementedError:") and "QuantizedCache" in res["quantized"], res
+        for key in ("max_time", "max_time_criteria"):  # each rank's own clock: refused before any step
+            assert (res[key] or "").startswith("NotImplementedError:") and "max_time" in res[key], (key, res)
+        assert res["after_refusals"] is True, res
 
 
 def test_save_pretrained_and_casts_refused(world2):
