@@ -85,26 +85,50 @@ REL_TOL = {torch.bfloat16: 3e-2}
 MAX_CONTEXT = 128
 
 
+def _graph_setup(world, cfg, sp, tp, layers, dtype, *, seed, threshold, fuse_comm, plain_all_reduce):
+    """(device, fp64 oracle, fused stack of `layers` random layers, eager cache, graph cache)."""
+    from fusedpar.collectives import ParallelContext
+    from fusedpar.layers import DenseDecoderStack, ShiftParallelStack, ShiftPolicy, random_decoder_weights
+    from fusedpar.layouts import ParallelLayout
+
+    ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
+    dev = ctx.device
+    full = [random_decoder_weights(cfg, seed=seed + i, dtype=torch.float64, device=dev) for i in range(layers)]
+    stack = ShiftParallelStack.from_full_weights(cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full],
+                                                 ShiftPolicy(threshold))
+    stack.enable_fused(max_tokens=512, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce)
+    caches = [stack.make_cache(block_size=16, num_blocks=128, dtype=dtype) for _ in range(2)]
+    return dev, DenseDecoderStack(cfg, full), stack, *caches
+
+
+def _final_checks(rank, stack, graph_cache, eager_cache, lengths, layers, dtype) -> list[str]:
+    """After a graph check: every sequence's k/v in the graph cache equal the eager cache's, and no
+    flag wait of the fused kernels timed out."""
+    from fusedpar.testing.scenarios import rel_error
+
+    errors = []
+    for li in range(layers):
+        for sid, n in lengths.items():
+            kg, vg = graph_cache.gather(li, sid)
+            ke, ve = eager_cache.gather(li, sid)
+            if kg.shape[0] != n or rel_error(kg, ke) > REL_TOL[dtype] or rel_error(vg, ve) > REL_TOL[dtype]:
+                errors.append(f"cache layer {li} seq {sid}: graph and eager caches differ")
+    if stack.fused.spin_timeouts():
+        errors.append(f"rank {rank}: a flag wait timed out on {stack.fused.spin_timeouts()}")
+    return errors
+
+
 def _gpu_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_reduce="nccl"):
     """Prefill 6 sequences (eager, base mode), then decode steps of 1..8 sequences through the
     captured graphs (sizes 1, 4, 8: batches of 3, 5, 6 run padded), crossing cache blocks, and
     one step past max_context (eager). Each step vs the fp64 oracle and vs the same stack run
     eagerly on a second cache. The graphs' static outputs are poisoned before every replay."""
-    from fusedpar.collectives import ParallelContext
-    from fusedpar.layers import DenseDecoderStack, ShiftParallelStack, ShiftPolicy, random_decoder_weights
-    from fusedpar.layouts import ParallelLayout
     from fusedpar.testing.scenarios import rel_error
 
     dtype, layers = torch.bfloat16, 2
-    ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
-    dev = ctx.device
-    full = [random_decoder_weights(cfg, seed=7 + i, dtype=torch.float64, device=dev) for i in range(layers)]
-    oracle = DenseDecoderStack(cfg, full)
-    stack = ShiftParallelStack.from_full_weights(cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full],
-                                                 ShiftPolicy(64))
-    stack.enable_fused(max_tokens=512, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce)
-    eager_cache = stack.make_cache(block_size=16, num_blocks=128, dtype=dtype)
-    graph_cache = stack.make_cache(block_size=16, num_blocks=128, dtype=dtype)
+    dev, oracle, stack, eager_cache, graph_cache = _graph_setup(world, cfg, sp, tp, layers, dtype, seed=7,
+                                                                threshold=64, fuse_comm=fuse_comm,
+                                                                plain_all_reduce=plain_all_reduce)
     graphs = stack.capture_decode_graphs(graph_cache, max_context=MAX_CONTEXT, sizes=(1, 4, 8))
     gen = torch.Generator().manual_seed(3)
     lengths = {s: n for s, n in zip(range(6), (37, 16, 5, 90, 1, 63), strict=True)}
@@ -150,28 +174,22 @@ def _gpu_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_reduce="n
         pass
     if stack.graph_steps - before != expect_graph:
         errors.append(f"graph steps {stack.graph_steps - before}, expected {expect_graph}")
-    for li in range(layers):
-        for sid, n in lengths.items():
-            kg, vg = graph_cache.gather(li, sid)
-            ke, ve = eager_cache.gather(li, sid)
-            if kg.shape[0] != n or rel_error(kg, ke) > REL_TOL[dtype] or rel_error(vg, ve) > REL_TOL[dtype]:
-                errors.append(f"cache layer {li} seq {sid}: graph and eager caches differ")
-    if stack.fused.spin_timeouts():
-        errors.append(f"rank {rank}: a flag wait timed out on {stack.fused.spin_timeouts()}")
-    return errors
+    return errors + _final_checks(rank, stack, graph_cache, eager_cache, lengths, layers, dtype)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
 @pytest.mark.parametrize(("h", "hkv", "qk_norm"), [(32, 8, False), (16, 2, True)])
-def test_gpu_decode_graphs_match_oracle_and_eager(nccl_world, h, hkv, qk_norm):
+def test_gpu_graphs_match_oracle_and_eager(nccl_world, h, hkv, qk_norm, kind):
     from fusedpar.testing.gpu import all_ranks_ok
 
     rank, world = nccl_world
     cfg = DecoderConfig(hidden_size=1024, num_q_heads=h, num_kv_heads=hkv, head_dim=128, intermediate_size=2048,
                         qk_norm=qk_norm, rope_theta=1e6)
+    check = {"decode": _gpu_graph_check, "prefill": _gpu_prefill_graph_check}[kind]
     errors = []
     for sp, tp in ((world, 1), (1, world)):
-        errors += [f"sp={sp} tp={tp}: {e}" for e in _gpu_graph_check(rank, world, cfg, sp, tp, fuse_comm=True)]
+        errors += [f"sp={sp} tp={tp}: {e}" for e in check(rank, world, cfg, sp, tp, fuse_comm=True)]
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
 
 
@@ -317,21 +335,12 @@ def _gpu_prefill_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_r
     the threshold, too many sequences, a context past max_context). Each step vs the fp64 oracle and
     vs the same stack run eagerly on a second cache; the graphs' outputs are poisoned before every
     replay, and the two caches must agree at the end."""
-    from fusedpar.collectives import ParallelContext
-    from fusedpar.layers import DenseDecoderStack, ShiftParallelStack, ShiftPolicy, random_decoder_weights
-    from fusedpar.layouts import ParallelLayout
     from fusedpar.testing.scenarios import rel_error
 
     dtype, layers, max_context = torch.bfloat16, 2, 160
-    ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
-    dev = ctx.device
-    full = [random_decoder_weights(cfg, seed=11 + i, dtype=torch.float64, device=dev) for i in range(layers)]
-    oracle = DenseDecoderStack(cfg, full)
-    stack = ShiftParallelStack.from_full_weights(cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full],
-                                                 ShiftPolicy(256))
-    stack.enable_fused(max_tokens=512, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce)
-    eager_cache = stack.make_cache(block_size=16, num_blocks=128, dtype=dtype)
-    graph_cache = stack.make_cache(block_size=16, num_blocks=128, dtype=dtype)
+    dev, oracle, stack, eager_cache, graph_cache = _graph_setup(world, cfg, sp, tp, layers, dtype, seed=11,
+                                                                threshold=256, fuse_comm=fuse_comm,
+                                                                plain_all_reduce=plain_all_reduce)
     decode = stack.capture_decode_graphs(graph_cache, max_context=max_context, sizes=(1, 4))
     prefill = stack.capture_prefill_graphs(graph_cache, max_context=max_context, sizes=(32, 96, 256), max_seqs=4)
     gen = torch.Generator().manual_seed(4)
@@ -366,29 +375,7 @@ def _gpu_prefill_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_r
     step((5, 6, 7, 8, 9), (3, 2, 4, 1, 5), "5 sequences > max_seqs 4", "eager")
     step((2,), (150,), "a context past max_context", "eager")
     step((0, 1, 4), (60, 30, 20), "110 tokens (graph 256)", "prefill")
-    for li in range(layers):
-        for sid, n in lengths.items():
-            kg, vg = graph_cache.gather(li, sid)
-            ke, ve = eager_cache.gather(li, sid)
-            if kg.shape[0] != n or rel_error(kg, ke) > REL_TOL[dtype] or rel_error(vg, ve) > REL_TOL[dtype]:
-                errors.append(f"cache layer {li} seq {sid}: graph and eager caches differ")
-    if stack.fused.spin_timeouts():
-        errors.append(f"rank {rank}: a flag wait timed out on {stack.fused.spin_timeouts()}")
-    return errors
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("h", "hkv", "qk_norm"), [(32, 8, False), (16, 2, True)])
-def test_gpu_prefill_graphs_match_oracle_and_eager(nccl_world, h, hkv, qk_norm):
-    from fusedpar.testing.gpu import all_ranks_ok
-
-    rank, world = nccl_world
-    cfg = DecoderConfig(hidden_size=1024, num_q_heads=h, num_kv_heads=hkv, head_dim=128, intermediate_size=2048,
-                        qk_norm=qk_norm, rope_theta=1e6)
-    errors = []
-    for sp, tp in ((world, 1), (1, world)):
-        errors += [f"sp={sp} tp={tp}: {e}" for e in _gpu_prefill_graph_check(rank, world, cfg, sp, tp, fuse_comm=True)]
-    assert all_ranks_ok(not errors), "\n".join(errors[:8])
+    return errors + _final_checks(rank, stack, graph_cache, eager_cache, lengths, layers, dtype)
 
 
 @pytest.mark.gpu
