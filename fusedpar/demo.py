@@ -81,10 +81,18 @@ def _modes(args, parser) -> list:
     from fusedpar.demo_workload import ALWAYS_SHIFT, Mode
 
     W = args.world_size
+    for opt, other in (("sp", "tp"), ("tp", "sp")):  # one degree given: the other is W / it
+        v = getattr(args, opt)
+        if v is not None and getattr(args, other) is None and W % v:
+            parser.error(f"--{opt} {v} does not divide --world-size {W} (the {other.upper()} degree would be "
+                         f"{W} / {v})")
     tp = args.tp if args.tp is not None else (W // args.sp if args.sp else 1)
     sp = args.sp if args.sp is not None else W // tp
     if sp * tp != W:
         parser.error(f"--sp {sp} x --tp {tp} = {sp * tp} must equal --world-size {W}")
+    if sp == 1:
+        parser.error(f"--sp 1 (--tp {W}) makes the shift mode static TP={W}, which the demo runs already: "
+                     f"a shift mode needs --sp >= 2")
     shift = f"shift SP={sp} <-> TP={W}" if tp == 1 else f"shift SP={sp}xTP={tp} <-> TP={W}"
     modes = [Mode(f"static TP={W}", 1, W, ALWAYS_SHIFT), Mode(f"static SP={W}", W, 1, 0),
              Mode(shift, sp, tp, args.threshold)]
@@ -103,8 +111,10 @@ def _validate(args, parser):
             parser.error(f"--{opt} must be >= 1 (got {v})")
     if args.threshold < 0:
         parser.error(f"--threshold must be >= 0 (got {args.threshold})")
-    if args.rtol is not None and not args.rtol > 0:
-        parser.error(f"--rtol must be > 0 (got {args.rtol})")
+    if args.rtol is not None and not 0 < args.rtol < float("inf"):
+        parser.error(f"--rtol must be > 0 and finite (got {args.rtol})")
+    if not 0 <= args.seed < 2**62:  # torch generators take 64-bit seeds; the workers add small offsets
+        parser.error(f"--seed must be in [0, 2**62) (got {args.seed})")
     if args.model is not None and args.layers is not None:
         parser.error("--layers applies to the built-in model only, not to --model")
     if args.layers is not None and args.layers < 1:
@@ -264,7 +274,9 @@ def run_demo(args, parser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # against the subcommand's own usage line, which lists its options
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "demo":
         return run_demo(args, args.parser)
     return 2

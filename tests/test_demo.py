@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fusedpar.demo import build_parser, main
 
@@ -125,8 +126,13 @@ def test_help_numbers_match_the_workload():
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--sp", "3"], "--sp 3 x --tp 1 = 3 must equal --world-size 4"),
+    (["--sp", "3"], "--sp 3 does not divide --world-size 4 (the TP degree would be 4 / 3)"),
+    (["--tp", "8"], "--tp 8 does not divide --world-size 4 (the SP degree would be 4 / 8)"),
     (["--sp", "2", "--tp", "4"], "--sp 2 x --tp 4 = 8 must equal --world-size 4"),
+    (["--tp", "4"], "--sp 1 (--tp 4) makes the shift mode static TP=4"),
+    (["--rtol", "inf"], "--rtol must be > 0 and finite (got inf)"),
+    (["--seed", str(2**64)], "--seed must be in [0, 2**62)"),
+    (["--wrold-size", "4"], "unrecognized arguments: --wrold-size 4"),
     (["--world-size", "3"], "intermediate_size=512 is not divisible by sp*tp=1*3=3"),
     (["--world-size", "32"], "num_q_heads=16 is not divisible by sp*tp=1*32=32"),
     (["--world-size", "1"], "--world-size must be >= 2 (got 1)"),
@@ -189,3 +195,28 @@ def test_cli_help_does_not_import_torch_or_transformers():
     assert out.stdout.split() == ["False", "False"]
     out = subprocess.run([sys.executable, "-m", "fusedpar", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and "demo" in out.stdout
+
+
+def test_reference_check_fails_on_a_non_finite_logit():
+    """A NaN logit at a prompt position (whose argmax picks no token) must fail the check: max() of
+    Python floats dropped it, so the row read as exact."""
+    pytest.importorskip("transformers")
+    from fusedpar.demo_workload import DemoJob, Mode, ModeResult, build_full_model, check_against_reference, prompts
+
+    job = DemoJob(modes=(Mode("fake", 1, 1, 0),), layers=1)
+    model = build_full_model(job, torch.device("cpu"))
+    exact, poisoned, logits = ModeResult("exact"), ModeResult("poisoned"), []
+    with torch.no_grad():
+        for j, phase in enumerate(job.workload):
+            for p in prompts(phase, 1024, job.seed + 1 + j):
+                ids = torch.tensor([p])
+                gen = model.generate(ids, max_new_tokens=phase.new_tokens, do_sample=False,
+                                     attention_mask=torch.ones_like(ids))[0, len(p):].tolist()
+                exact.tokens.append(gen)
+                poisoned.tokens.append(gen)
+                logits.append(model(input_ids=torch.tensor([p + gen[:-1]])).logits[0].float())
+    bad = [t.clone() for t in logits]
+    bad[0][0, 0] = float("nan")
+    check_against_reference(job, [exact, poisoned], [logits, bad], torch.device("cpu"), 1024, lambda msg: None)
+    assert exact.max_abs_err == 0.0 and exact.token_mismatches == 0
+    assert poisoned.max_abs_err == float("inf"), poisoned.max_abs_err
