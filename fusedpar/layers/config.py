@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedpar.layouts import ModelDims
+from fusedpar.layouts._checks import positive_int
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,15 @@ class DecoderConfig:
     rope_attention_scaling: float = 1.0
 
     def __post_init__(self):
+        for name in ("hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            positive_int(name, getattr(self, name))
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions "
+                             "(rotate-half, first half with second half)")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
         if self.rope_inv_freq is not None:
             # accept any sequence (list, float tensor); keep a tuple so the config stays hashable
             freqs = self.rope_inv_freq

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,17 @@ class StepBatch:
     context_lens: tuple[int, ...]
 
     def __post_init__(self):
+        # ints only (numpy ints are taken as the ints they are); a float or bool length would be
+        # truncated or counted as 1 somewhere downstream. Stored as tuples: the batch stays hashable.
+        for name in ("seq_ids", "query_lens", "context_lens"):
+            values = getattr(self, name)
+            try:
+                ints = tuple(operator.index(v) for v in values if not isinstance(v, bool))
+            except TypeError:
+                ints = ()
+            if len(ints) != len(values):
+                raise ValueError(f"StepBatch {name} must be ints, got {tuple(values)!r}")
+            object.__setattr__(self, name, ints)
         n = len(self.seq_ids)
         if not (len(self.query_lens) == len(self.context_lens) == n) or n == 0:
             raise ValueError(
@@ -75,7 +87,7 @@ class ShiftPolicy:
 
     def __init__(self, threshold: int | None = None):
         threshold = DEFAULT_SHIFT_THRESHOLD if threshold is None else threshold
-        if not isinstance(threshold, int) or threshold < 0:
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
             raise ValueError(f"shift threshold must be an int >= 0, got {threshold!r}")
         self.threshold = threshold
 
@@ -87,6 +99,8 @@ class ShiftPolicy:
     def mode(self, num_tokens: int, sp: int) -> str:
         if num_tokens < 1:
             raise ValueError(f"a step needs at least one token, got {num_tokens}")
+        if sp < 1:
+            raise ValueError(f"sp must be >= 1, got {sp}")
         if sp == 1:
             return "shift"
         return "shift" if num_tokens <= self.threshold else "base"

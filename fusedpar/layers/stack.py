@@ -116,6 +116,11 @@ class ShiftParallelStack(nn.Module):
         mode = check_mode(mode) if mode is not None else self.policy.mode(batch.num_tokens, self.ctx.sp.size)
         if cache.kv_heads != self.layers[0].kv_heads:
             raise ValueError(f"cache holds kv heads {cache.kv_heads}, this rank computes {self.layers[0].kv_heads}")
+        layers, _, _, _, head_dim = cache.k.shape
+        dtype = self.layers[0].w.base["qkv"].dtype
+        if (layers, head_dim, cache.k.dtype) != (len(self.layers), self.cfg.head_dim, dtype):
+            raise ValueError(f"cache holds {layers} layers of head_dim {head_dim} in {cache.k.dtype}; this stack "
+                             f"needs {len(self.layers)} layers of head_dim {self.cfg.head_dim} in {dtype}")
         padded = padded_token_count(batch.num_tokens, self.ctx.sp.size) if mode == "base" else batch.num_tokens
         slots = cache.begin_step(batch)
         positions = batch.positions(self.ctx.device)
@@ -141,6 +146,9 @@ class ShiftParallelStack(nn.Module):
         n = batch.num_tokens
         if hidden.dim() != 2 or hidden.shape != (n, self.cfg.hidden_size):
             raise ValueError(f"hidden must be [{n}, {self.cfg.hidden_size}] for this batch, got {tuple(hidden.shape)}")
+        dtype = self.layers[0].w.base["qkv"].dtype
+        if hidden.dtype != dtype:  # checked before the step reserves cache slots: a refused step changes nothing
+            raise ValueError(f"hidden is {hidden.dtype}, the stack's weights are {dtype}")
         if (self.graphs is not None or self.prefill_graphs is not None) \
                 and (mode or self.policy.mode(n, self.ctx.sp.size)) == "shift":
             for graphs in (self.graphs, self.prefill_graphs):

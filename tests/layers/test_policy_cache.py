@@ -172,3 +172,89 @@ def test_decode_graphs_refuse_replay_after_growth_or_new_fused_kernels():
     with pytest.raises(RuntimeError, match="KV cache was grown"):
         graphs.replay_last(1)
     assert replays == [1]
+
+
+@pytest.mark.parametrize(("field", "values"), [
+    ("query_lens", (1.5,)), ("query_lens", (True,)), ("context_lens", (0.5,)), ("context_lens", (None,)),
+    ("seq_ids", ("a",)),
+])
+def test_step_batch_takes_ints_only(field, values):
+    kw = dict(seq_ids=(0,), query_lens=(2,), context_lens=(0,))
+    kw[field] = values
+    with pytest.raises(ValueError, match=f"StepBatch {field} must be ints"):
+        StepBatch(**kw)
+
+
+def test_step_batch_normalises_sequences_and_numpy_ints():
+    import numpy as np
+
+    b = StepBatch([np.int64(3), 4], [np.int32(2), 1], [0, np.int64(5)])
+    assert b.seq_ids == (3, 4) and b.query_lens == (2, 1) and b.context_lens == (0, 5)
+    assert all(type(v) is int for v in (*b.seq_ids, *b.query_lens, *b.context_lens))
+    assert hash(b) == hash(StepBatch((3, 4), (2, 1), (0, 5)))
+    assert b.positions().tolist() == [0, 1, 5]
+
+
+def test_policy_rejects_bool_threshold_and_bad_sp():
+    with pytest.raises(ValueError, match="shift threshold must be an int"):
+        ShiftPolicy(True)
+    with pytest.raises(ValueError, match="sp must be >= 1, got 0"):
+        ShiftPolicy(4).mode(5, 0)
+
+
+@pytest.mark.parametrize(("override", "match"), [
+    (dict(hidden_size=0), "hidden_size must be >= 1"), (dict(num_q_heads=-4), "num_q_heads must be >= 1"),
+    (dict(hidden_size=32.5), "hidden_size must be an int"), (dict(intermediate_size=0), "intermediate_size"),
+    (dict(head_dim=7), "head_dim=7 must be even"), (dict(rope_theta=0.0), "rope_theta must be a finite number > 0"),
+    (dict(rope_theta=-1e4), "rope_theta"), (dict(rms_norm_eps=-1.0), "rms_norm_eps must be a finite number > 0"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps"),
+])
+def test_decoder_config_rejects_impossible_sizes(override, match):
+    from fusedpar.layers import DecoderConfig
+
+    kw = dict(hidden_size=32, num_q_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+    with pytest.raises(ValueError, match=match):
+        DecoderConfig(**{**kw, **override})
+
+
+def _refused_steps_leave_the_cache(rank, world):
+    """World 1: steps refused for the input's dtype or a cache of another shape raise ValueError
+    before reserving anything; the same step then runs."""
+    from fusedpar.collectives import ParallelContext
+    from fusedpar.layers import DecoderConfig, ShiftParallelStack, random_decoder_weights
+    from fusedpar.layouts import ParallelLayout
+
+    cfg = DecoderConfig(hidden_size=32, num_q_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+    ctx = ParallelContext(ParallelLayout(world, sp=1, tp=1))
+    stack = ShiftParallelStack.from_full_weights(cfg, ctx, [random_decoder_weights(cfg, seed=i) for i in range(2)])
+    cache = stack.make_cache(block_size=4, num_blocks=16)
+    batch = StepBatch((0,), (5,), (0,))
+    x = torch.randn(5, 32)
+    out = {}
+    for name, call in {
+        "float64 hidden": lambda: stack(x.double(), batch, cache),
+        "one-layer cache": lambda: stack(x, batch, PagedKVCache(num_layers=1, kv_heads=cache.kv_heads, head_dim=8,
+                                                               block_size=4, num_blocks=16, dtype=torch.float32)),
+        "head_dim 4 cache": lambda: stack(x, batch, PagedKVCache(num_layers=2, kv_heads=cache.kv_heads, head_dim=4,
+                                                                block_size=4, num_blocks=16, dtype=torch.float32)),
+        "float16 cache": lambda: stack(x, batch, stack.make_cache(block_size=4, num_blocks=16, dtype=torch.float16)),
+    }.items():
+        try:
+            call()
+            out[name] = "ran"
+        except ValueError as e:
+            out[name] = str(e)
+    out["lengths after refusals"] = dict(cache.lengths)
+    out["then runs"] = tuple(stack(x, batch, cache).shape)
+    return out
+
+
+def test_refused_forward_leaves_the_cache_unchanged():
+    from fusedpar.testing.dist import run_distributed
+
+    (res,) = run_distributed(_refused_steps_leave_the_cache, 1, timeout=120)
+    assert "hidden is torch.float64, the stack's weights are torch.float32" in res["float64 hidden"], res
+    assert "cache holds 1 layers of head_dim 8" in res["one-layer cache"], res
+    assert "cache holds 2 layers of head_dim 4" in res["head_dim 4 cache"], res
+    assert "in torch.float16; this stack needs 2 layers of head_dim 8 in torch.float32" in res["float16 cache"], res
+    assert res["lengths after refusals"] == {} and res["then runs"] == (5, 32), res
