@@ -28,6 +28,10 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
+        for name, v in (("num_layers", num_layers), ("head_dim", head_dim), ("block_size", block_size),
+                        ("num_blocks", num_blocks)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"PagedKVCache {name} must be an int, got {v!r}")
         if min(num_layers, len(kv_heads), head_dim, block_size, num_blocks) < 1:
             raise ValueError(
                 f"PagedKVCache sizes must be >= 1: layers={num_layers}, kv_heads={len(kv_heads)}, "
@@ -66,6 +70,8 @@ class PagedKVCache:
         tables. num_blocks equal to the current size is a no-op; smaller raises ValueError.
         """
         old = self.num_blocks
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
+            raise ValueError(f"PagedKVCache.grow: num_blocks must be an int, got {num_blocks!r}")
         if num_blocks < old:
             raise ValueError(f"PagedKVCache.grow: cannot shrink {old} blocks to {num_blocks}")
         if num_blocks == old:
@@ -131,7 +137,7 @@ class PagedKVCache:
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [seq_len, local kv heads, head_dim] of one sequence, in position order."""
         n = self.seq_len(seq_id)
-        blocks = torch.tensor(self.block_tables[seq_id], device=self.k.device)
+        blocks = torch.tensor(self._table(seq_id), device=self.k.device)
         k = self.k[layer][blocks].reshape(-1, *self.k.shape[3:])[:n]
         v = self.v[layer][blocks].reshape(-1, *self.v.shape[3:])[:n]
         return k, v
@@ -139,13 +145,19 @@ class PagedKVCache:
     def block_table(self, seq_id: int) -> torch.Tensor:
         """The sequence's block ids as a CPU int32 tensor (cached; rebuilt only when it gains a block,
         so building per-step attention metadata costs no per-block Python work)."""
-        table = self.block_tables[seq_id]
+        table = self._table(seq_id)
         t = self._table_tensors.get(seq_id)
         if t is None or t.numel() != len(table):
             t = self._table_tensors[seq_id] = torch.tensor(table, dtype=torch.int32)
         return t
 
+    def _table(self, seq_id: int) -> list[int]:
+        if seq_id not in self.block_tables:
+            raise KeyError(f"sequence {seq_id} holds no cache blocks (never stepped, or freed)")
+        return self.block_tables[seq_id]
+
     def free(self, seq_id: int) -> None:
+        """Return the sequence's blocks to the pool (an unknown or already freed id: nothing to do)."""
         self._table_tensors.pop(seq_id, None)
         self._free.extend(reversed(self.block_tables.pop(seq_id, [])))
         self.lengths.pop(seq_id, None)

@@ -258,3 +258,17 @@ def test_refused_forward_leaves_the_cache_unchanged():
     assert "cache holds 2 layers of head_dim 4" in res["head_dim 4 cache"], res
     assert "in torch.float16; this stack needs 2 layers of head_dim 8 in torch.float32" in res["float16 cache"], res
     assert res["lengths after refusals"] == {} and res["then runs"] == (5, 32), res
+
+
+def test_cache_argument_types_and_unknown_sequences():
+    with pytest.raises(ValueError, match="num_blocks must be an int, got True"):
+        PagedKVCache(num_layers=1, kv_heads=(0,), head_dim=4, block_size=2, num_blocks=True, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"block_size must be an int, got 2\.5"):
+        PagedKVCache(num_layers=1, kv_heads=(0,), head_dim=4, block_size=2.5, num_blocks=4, dtype=torch.float32)
+    cache = _cache()
+    with pytest.raises(ValueError, match="grow: num_blocks must be an int"):
+        cache.grow(16.5)
+    for call in (lambda: cache.gather(0, 99), lambda: cache.block_table(99)):
+        with pytest.raises(KeyError, match="sequence 99 holds no cache blocks"):
+            call()
+    cache.free(99)  # unknown id: nothing to free, no error
