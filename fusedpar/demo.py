@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(its q heads) and 512 (its MLP width)")
     d.add_argument("--sp", type=int, default=None,
                    help="SP degree of the shift mode's base configuration (default W / --tp). "
-                        "--sp x --tp must equal --world-size; the shift configuration is always TP = W")
+                        "--sp x --tp must equal --world-size and --sp must be >= 2 (SP=1 is static TP); the shift "
+                        "configuration is always TP = W")
     d.add_argument("--tp", type=int, default=None,
                    help="TP degree of the shift mode's base configuration (default W / --sp, i.e. 1 "
                         "when neither is given)")
