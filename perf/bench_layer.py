@@ -245,7 +245,8 @@ def main() -> int:
         if n <= 64 and args.graphs:
             todo += [(label, key, "shift", True) for label, key in graph_runs if key in stacks]
         if n in prefill_graph_sizes:
-            todo += [(label, key, "shift", True) for label, key in graph_runs if stacks.get(key, (0,) * 4)[3]]
+            todo += [(label, key, "shift", True) for label, key in graph_runs
+                     if key in stacks and stacks[key][3] is not None]  # stacks with prefill graphs
         for label, key, mode, use_graph in todo:
             stack, cache, graphs, pgraphs = stacks[key]
             stack.graphs = graphs if use_graph else None

@@ -33,6 +33,8 @@ class StepBatch:
         # truncated or counted as 1 somewhere downstream. Stored as tuples: the batch stays hashable.
         for name in ("seq_ids", "query_lens", "context_lens"):
             values = getattr(self, name)
+            if type(values) is tuple and set(map(type, values)) <= {int}:
+                continue  # the common case, checked cheaply: a step's batch is built on the host per step
             try:
                 ints = tuple(operator.index(v) for v in values if not isinstance(v, bool))
             except TypeError:

@@ -37,6 +37,11 @@ class ShiftParallelStack(nn.Module):
         self.prefill_graphs = None  # PrefillGraphs, once captured
         self.graph_steps = 0  # steps that replayed a graph of either kind
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype of the layers' weights: what the hidden states and the KV cache must hold."""
+        return self.layers[0].w.base["qkv"].dtype
+
     def enable_fused(self, *, max_tokens: int, fuse_comm: bool = True, plain_all_reduce: str = "nccl",
                      o_scatter: bool = True) -> ShiftParallelStack:
         """Switch the layers to the Triton path (CUDA only); steps up to max_tokens fit the
@@ -50,7 +55,7 @@ class ShiftParallelStack(nn.Module):
         (capture_decode_graphs / capture_prefill_graphs again)."""
         self.graphs = self.prefill_graphs = None
         self.fused = FusedKernels(self.ctx, self.cfg, max_tokens=max_tokens,
-                                  dtype=self.layers[0].w.base["qkv"].dtype, fuse_comm=fuse_comm,
+                                  dtype=self.weight_dtype, fuse_comm=fuse_comm,
                                   plain_all_reduce=plain_all_reduce, o_scatter=o_scatter)
         for layer in self.layers:
             layer.fused = self.fused
@@ -103,7 +108,7 @@ class ShiftParallelStack(nn.Module):
     def make_cache(self, *, block_size: int = 16, num_blocks: int = 256, dtype: torch.dtype | None = None,
                    ) -> PagedKVCache:
         """One cache for this rank's kv heads, shared by both modes."""
-        dtype = dtype or self.layers[0].w.base["qkv"].dtype
+        dtype = dtype or self.weight_dtype
         return PagedKVCache(num_layers=len(self.layers), kv_heads=self.layers[0].kv_heads,
                             head_dim=self.cfg.head_dim, block_size=block_size, num_blocks=num_blocks,
                             dtype=dtype, device=self.ctx.device)
@@ -117,7 +122,7 @@ class ShiftParallelStack(nn.Module):
         if cache.kv_heads != self.layers[0].kv_heads:
             raise ValueError(f"cache holds kv heads {cache.kv_heads}, this rank computes {self.layers[0].kv_heads}")
         layers, _, _, _, head_dim = cache.k.shape
-        dtype = self.layers[0].w.base["qkv"].dtype
+        dtype = self.weight_dtype
         if (layers, head_dim, cache.k.dtype) != (len(self.layers), self.cfg.head_dim, dtype):
             raise ValueError(f"cache holds {layers} layers of head_dim {head_dim} in {cache.k.dtype}; this stack "
                              f"needs {len(self.layers)} layers of head_dim {self.cfg.head_dim} in {dtype}")
@@ -146,7 +151,7 @@ class ShiftParallelStack(nn.Module):
         n = batch.num_tokens
         if hidden.dim() != 2 or hidden.shape != (n, self.cfg.hidden_size):
             raise ValueError(f"hidden must be [{n}, {self.cfg.hidden_size}] for this batch, got {tuple(hidden.shape)}")
-        dtype = self.layers[0].w.base["qkv"].dtype
+        dtype = self.weight_dtype
         if hidden.dtype != dtype:  # checked before the step reserves cache slots: a refused step changes nothing
             raise ValueError(f"hidden is {hidden.dtype}, the stack's weights are {dtype}")
         if (self.graphs is not None or self.prefill_graphs is not None) \

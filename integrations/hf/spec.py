@@ -271,8 +271,8 @@ def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = No
             qkv_bias=bool(qkv_bias_layers),
         )
         problems += [f"layout {layout!r} does not fit the model: {p}" for p in shard_problems(layout, decoder.dims)]
-    except ValueError as e:
-        problems.append(f"layout {layout!r} does not fit the model: {e}")
+    except ValueError as e:  # DecoderConfig's own checks (sizes, odd head_dim, rope_theta, eps)
+        problems.append(f"decoder sizes: {e}")
     _raise(name, problems)
 
     if rope_type != "default":
