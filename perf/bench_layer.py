@@ -1,6 +1,6 @@
 """One decoder layer per step: fusedpar's fused communication vs plain cuBLAS + NCCL, per mode.
 
-    torchrun --nproc-per-node 4 perf/bench_layer.py [--model llama70b] [--tokens 8,64,512,2048,4096,16384]
+    torchrun --nproc-per-node 4 perf/bench_layer.py [--model llama70b] [--tokens 1,8,64,512,2048,4096,16384]
                                                    [--out perf/results/layer.json]
 
 Modes on P GPUs, all with the same Triton paged attention (so only the communication differs):
@@ -153,7 +153,7 @@ def layer_time_ms(stack, cache, x: torch.Tensor, n: int, mode: str | None, iters
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="llama70b")
-    p.add_argument("--tokens", default="8,64,512,2048,4096,16384")
+    p.add_argument("--tokens", default="1,8,64,512,2048,4096,16384")
     p.add_argument("--context", type=int, default=4096, help="cached tokens per sequence in decode steps")
     p.add_argument("--threshold", type=int, default=1024, help="policy: shift mode at or below this many tokens")
     p.add_argument("--iters", type=int, default=20)
