@@ -30,6 +30,10 @@ Workloads (each mode, same token ids):
               (the host waits for each token, as a serving loop does); also the GPU time of the
               batch-1 decode graph alone (decode_graph_replay_ms in all_modes: the layer stack
               without the step's staging, lm_head and token sync; None for eager modes)
+              TTFT and TPOT are measured in --rounds rounds, each round visiting every mode in
+              turn, and reported as the median over rounds (per-round values in all_modes): a
+              lent host's speed drifts over a run, and timing each mode once, one after another,
+              put that drift into the ratios (TPOT 1.057x and 1.022x in two runs of the same code)
   throughput  --requests requests of --request-prompt prompt / --request-output output tokens:
               prompts prefilled whole, packed into steps of <= --max-batch-tokens tokens, then
               every request decodes together; (prompt + output tokens) / wall time (after one
@@ -218,10 +222,15 @@ def main() -> int:
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="throughput: prefill step size cap")
     p.add_argument("--threshold", type=int, default=None,
                    help="fusedpar shift threshold (default: fusedpar.layers.policy.DEFAULT_SHIFT_THRESHOLD)")
-    p.add_argument("--iters", type=int, default=3, help="TTFT repetitions (median)")
+    p.add_argument("--iters", type=int, default=3, help="TTFT repetitions per round (median)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="TTFT/TPOT rounds, each visiting every mode in turn; median over rounds (default 5)")
     p.add_argument("--modes", default="plain TP,plain SP,fusedpar", help="comma-separated subset of the modes")
     p.add_argument("--out", default="perf/results/model.json")
     args = p.parse_args()
+    if args.rounds < 1 or args.iters < 1 or args.decode_steps < 1:
+        p.error(f"--rounds ({args.rounds}), --iters ({args.iters}) and --decode-steps ({args.decode_steps}) "
+                f"must be >= 1")
     if not _bench.torchrun_available():
         print("model_bench: needs CUDA GPUs and a torchrun launch; nothing to do")
         return 0
@@ -325,16 +334,30 @@ def main() -> int:
     prompts = torch.randint(0, VOCAB[args.model], (args.requests, args.request_prompt), generator=gen, device=dev)
     results: dict[str, dict[str, float]] = {}
     firsts: dict[str, list[int]] = {}
+    for label in engines:
+        results[label] = {"ttft_ms_rounds": [], "tpot_ms_rounds": []}
+    for rnd in range(args.rounds):
+        for label, eng in engines.items():
+            r = results[label]
+            ttft, first = measure_ttft(eng, prompt, args.iters, warmup=1 if rnd == 0 else 0)
+            tpot, toks = measure_tpot(eng, prompt, args.decode_steps, warmup=3)
+            r["ttft_ms_rounds"].append(ttft)
+            r["tpot_ms_rounds"].append(tpot)
+            greedy = [first, *toks[:8]]
+            if firsts.setdefault(label, greedy) != greedy:  # same prompt, same weights: same tokens
+                raise SystemExit(f"{label}: round {rnd} generated {greedy}, round 0 {firsts[label]}")
+        log(f"round {rnd + 1}/{args.rounds}: " + "  ".join(
+            f"{k} TTFT {r['ttft_ms_rounds'][-1]:.1f} / TPOT {r['tpot_ms_rounds'][-1]:.3f} ms" for k, r in results.items()))
     for label, eng in engines.items():
-        r = results[label] = {}
-        r["ttft_ms"], first = measure_ttft(eng, prompt, args.iters, warmup=1)
-        log(f"{label}: TTFT {r['ttft_ms']:.1f} ms")
-        r["tpot_ms"], toks = measure_tpot(eng, prompt, args.decode_steps, warmup=3)
-        firsts[label] = [first, *toks[:8]]
+        r = results[label]
+        r["ttft_ms"] = statistics.median(r["ttft_ms_rounds"])
+        r["tpot_ms"] = statistics.median(r["tpot_ms_rounds"])
         r["decode_graph_replay_ms"] = graph_replay_ms(eng)
         replay = r["decode_graph_replay_ms"]
-        log(f"{label}: TPOT {r['tpot_ms']:.3f} ms" + ("" if replay is None else
-                                                      f" (the batch-1 decode graph alone: {replay:.3f} ms per replay)"))
+        log(f"{label}: TTFT {r['ttft_ms']:.1f} ms, TPOT {r['tpot_ms']:.3f} ms (medians of {args.rounds} rounds)"
+            + ("" if replay is None else f"; the batch-1 decode graph alone: {replay:.3f} ms per replay"))
+    for label, eng in engines.items():
+        r = results[label]
         # warm-up: the same prefill steps and a decode step (Triton compiles per launch shape)
         measure_throughput(eng, prompts, 2, args.max_batch_tokens)
         tps, secs, steps = measure_throughput(eng, prompts, args.request_output, args.max_batch_tokens)
