@@ -347,7 +347,8 @@ def main() -> int:
             if firsts.setdefault(label, greedy) != greedy:  # same prompt, same weights: same tokens
                 raise SystemExit(f"{label}: round {rnd} generated {greedy}, round 0 {firsts[label]}")
         log(f"round {rnd + 1}/{args.rounds}: " + "  ".join(
-            f"{k} TTFT {r['ttft_ms_rounds'][-1]:.1f} / TPOT {r['tpot_ms_rounds'][-1]:.3f} ms" for k, r in results.items()))
+            f"{k} TTFT {r['ttft_ms_rounds'][-1]:.1f} / TPOT {r['tpot_ms_rounds'][-1]:.3f} ms"
+            for k, r in results.items()))
     for label, eng in engines.items():
         r = results[label]
         r["ttft_ms"] = statistics.median(r["ttft_ms_rounds"])

@@ -6,7 +6,9 @@ Two rows of panels, one column per model. Top, the steady state of a deep model,
 prefill sizes (> 64 tokens) are the decoder layer alone with 8 calls back to back ("layer
 pipelined"), decode sizes the CUDA-graph replay 8 times back to back ("replay pipelined"; plain TP
 takes the faster of NCCL and torch's one-shot all-reduce; plain SP and fused base decode eagerly, so
-they have no decode points there); fused policy is the ShiftPolicy's mode at each size. Bottom, the
+they have no decode points there); at shift-mode prefill sizes (64 < tokens <= the threshold) plain
+TP and fused shift are their PrefillGraphs replays, 8 back to back, where the run has them; fused
+policy is the ShiftPolicy's mode at each size. Bottom, the
 eager one-layer step (planning, metadata upload and output all-gather included, host launch cost
 included) for every mode. Every record of one bench run carries all modes' times (all_modes_ms).
 Needs matplotlib (`pip install matplotlib`).
@@ -29,8 +31,8 @@ def steady_ms(mode: str, tokens: int, r: dict[str, float], policy_mode: str | No
     """One mode's steady-state ms at one size from a record's all_modes_ms (None: not measured)."""
     if mode == "fused policy":
         return steady_ms(f"fused {policy_mode}", tokens, r, None) if policy_mode else None
-    if tokens > 64:
-        return r.get(f"{mode} layer pipelined")
+    if tokens > 64:  # shift-mode prefill sizes (<= the threshold) also ran as PrefillGraphs replays
+        return r.get(f"{mode} replay pipelined", r.get(f"{mode} layer pipelined"))
     times = [r[k] for k in (f"{mode} replay pipelined", f"{mode} replay pipelined symm_mem") if k in r]
     return min(times) if times else None
 
@@ -64,7 +66,7 @@ def main() -> int:
         print(f"plot_layer: no layer records in {args.results}", file=sys.stderr)
         return 1
     fig, axes = plt.subplots(2, len(models), figsize=(7.5 * len(models), 10), squeeze=False)
-    titles = {"steady": "steady state: layer pipelined (prefill), graph replay pipelined (decode)",
+    titles = {"steady": "steady state: pipelined layer calls or graph replays",
               "eager": "eager one-layer step (host launch included)"}
     for col, (model, kinds) in enumerate(sorted(models.items())):
         for row, kind in enumerate(("steady", "eager")):
