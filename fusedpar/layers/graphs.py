@@ -165,6 +165,9 @@ class _StackGraphs:
         sizes = tuple(sorted(set(int(s) for s in sizes)))
         if not sizes or sizes[0] < 1:
             raise ValueError(f"capture sizes must be >= 1, got {sizes}")
+        if sizes[-1] > stack.fused.max_tokens:
+            raise ValueError(f"{self.kind} graph size {sizes[-1]} > the fused kernels' max_tokens "
+                             f"{stack.fused.max_tokens} (enable_fused(max_tokens=...))")
         if stack.ctx.sp.size > 1 and sizes[-1] > stack.policy.threshold:
             raise ValueError(f"capture size {sizes[-1]} > shift threshold {stack.policy.threshold}: a {self.kind} step "
                              f"of {sizes[-1]} tokens runs in base mode, which is not captured; capture sizes must "
@@ -265,6 +268,13 @@ class _StackGraphs:
         if self.stack.fused is not self._fused:
             raise RuntimeError(f"the stack's fused kernels changed (enable_fused) after the {self.kind} graphs were "
                                f"captured: capture new {type(self).__name__}")
+        scratch = self.cache.block_tables.get(SCRATCH_SEQ_ID)
+        if not scratch or scratch[0] != self.scratch_block:
+            # padding rows read (and decode padding writes) that block: it may now hold a real sequence
+            raise RuntimeError(f"the {self.kind} graphs' scratch sequence (id SCRATCH_SEQ_ID = {SCRATCH_SEQ_ID}) was "
+                               f"freed from the KV cache after capture, so its block {self.scratch_block} may belong "
+                               f"to another sequence now: free only your own sequence ids, and capture new "
+                               f"{type(self).__name__}")
 
     def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Replay the step of `batch` (size_for(batch) must not be None) on hidden [n, d]; returns
@@ -362,9 +372,17 @@ class PrefillGraphs(_StackGraphs):
                  max_seqs: int = 64):
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
-        if stack.fused is not None and sizes and max(sizes) > stack.fused.max_tokens:
-            raise ValueError(f"prefill graph size {max(sizes)} > the fused kernels' max_tokens "
-                             f"{stack.fused.max_tokens} (enable_fused(max_tokens=...))")
+        # A graph of `size` tokens launches the attention with max_seqs + 1 sequences (the padding
+        # one included), some of them empty. The attention needs more tokens than that: with as many
+        # tokens as sequences it takes the step for a decode batch (one token each), and with fewer it
+        # refuses the launch, so a size <= max_seqs + 1 would compute wrong attention or fail to capture.
+        small = [s for s in sizes if s < max_seqs + 2]
+        if small:
+            fix = (f"pass max_seqs <= {min(small) - 2} or larger sizes" if min(small) >= 3
+                   else "sizes below 3 tokens cannot be captured")
+            raise ValueError(f"prefill graph sizes {small} hold too few tokens for max_seqs={max_seqs}: each size must "
+                             f"be >= max_seqs + 2 = {max_seqs + 2} (the graph's attention sees max_seqs + 1 sequences, "
+                             f"some empty, and needs more tokens than sequences); {fix}")
         self.max_seqs = max_seqs
         bs = cache.block_size
         # the padding sequence's keys span up to size - 1 positions, all in the scratch block

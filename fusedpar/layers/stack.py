@@ -19,6 +19,7 @@ from fusedpar.collectives import ParallelContext, all_gather_rows
 from fusedpar.layers.config import DecoderConfig
 from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState, rope_tables
 from fusedpar.layers.fused import FusedKernels
+from fusedpar.layers.graphs import SCRATCH_SEQ_ID
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import ShiftPolicy, StepBatch, padded_token_count
 from fusedpar.layouts import check_mode
@@ -84,7 +85,9 @@ class ShiftParallelStack(nn.Module):
         arguments). sizes (token counts) default: DEFAULT_PREFILL_SIZES up to the shift threshold (SP > 1)
         and max_tokens. Later shift-mode steps of at most max(sizes) tokens in at most max_seqs
         sequences, each with context + new tokens <= max_context, replay the smallest graph that fits
-        (a pure decode step that fits a decode graph replays that one instead); the rest run eagerly."""
+        (a pure decode step that fits a decode graph replays that one instead); the rest run eagerly.
+        Every size must be >= max_seqs + 2 (the graph's attention sees max_seqs + 1 sequences, the
+        padding one included, and needs more tokens than sequences)."""
         from fusedpar.layers.graphs import DEFAULT_PREFILL_SIZES, PrefillGraphs
 
         if self.fused is None:
@@ -154,6 +157,11 @@ class ShiftParallelStack(nn.Module):
         dtype = self.weight_dtype
         if hidden.dtype != dtype:  # checked before the step reserves cache slots: a refused step changes nothing
             raise ValueError(f"hidden is {hidden.dtype}, the stack's weights are {dtype}")
+        if mode is not None:
+            mode = check_mode(mode)
+        if SCRATCH_SEQ_ID in cache.block_tables and SCRATCH_SEQ_ID in batch.seq_ids:
+            raise ValueError(f"sequence id {SCRATCH_SEQ_ID} (fusedpar.layers.graphs.SCRATCH_SEQ_ID) is reserved: the "
+                             f"CUDA graphs' padding rows use its cache block")
         if (self.graphs is not None or self.prefill_graphs is not None) \
                 and (mode or self.policy.mode(n, self.ctx.sp.size)) == "shift":
             for graphs in (self.graphs, self.prefill_graphs):

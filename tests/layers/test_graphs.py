@@ -4,6 +4,8 @@ captured stack vs the fp64 oracle and vs the eager fused stack, for both the fus
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -71,13 +73,65 @@ def test_fill_decode_inputs_all_padding_and_errors():
 
 
 def test_capture_needs_the_fused_cuda_path():
-    from types import SimpleNamespace
-
     from fusedpar.layers.graphs import DecodeGraphs
 
     stack = SimpleNamespace(fused=None, ctx=SimpleNamespace(device=torch.device("cpu")))
     with pytest.raises(ValueError, match="fused path"):
         DecodeGraphs(stack, _cache(), max_context=64)
+
+
+def test_prefill_graphs_refuse_sizes_the_attention_cannot_run():
+    """A prefill graph of `size` tokens launches the attention with max_seqs + 1 sequences, some empty.
+    With size == max_seqs + 1 the attention takes the step for a decode batch (one token per
+    sequence) and attends wrongly for every sequence of more than one token; with fewer tokens it
+    refuses the launch at capture. The constructor names the constraint before anything is built."""
+    from fusedpar.layers.graphs import PrefillGraphs
+
+    stack = SimpleNamespace(fused=None, ctx=SimpleNamespace(device=torch.device("cpu")))
+    with pytest.raises(ValueError, match=r"sizes \[9, 10\] .*>= max_seqs \+ 2 = 11 .*max_seqs <= 7"):
+        PrefillGraphs(stack, _cache(), max_context=64, sizes=(9, 10, 64), max_seqs=9)
+    with pytest.raises(ValueError, match=r"sizes \[2\] .*sizes below 3 tokens cannot be captured"):
+        PrefillGraphs(stack, _cache(), max_context=64, sizes=(2, 64), max_seqs=1)
+    with pytest.raises(ValueError, match="fused path"):  # 11 passes that check; this CPU stack fails the next
+        PrefillGraphs(stack, _cache(), max_context=64, sizes=(11, 64), max_seqs=9)
+
+
+def _forward_routing_checks(rank, world):
+    """World 1, a CPU stack with a stand-in graph set that would serve every step: an invalid mode
+    is refused before routing, as on the eager path, and so is a batch using the scratch id."""
+    from fusedpar.collectives import ParallelContext
+    from fusedpar.layers import ShiftParallelStack, random_decoder_weights
+    from fusedpar.layouts import ParallelLayout
+
+    cfg = DecoderConfig(hidden_size=32, num_q_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+    stack = ShiftParallelStack.from_full_weights(cfg, ParallelContext(ParallelLayout(world, sp=1, tp=1)),
+                                                 [random_decoder_weights(cfg, seed=0)])
+    cache = stack.make_cache(block_size=4, num_blocks=16)
+    replays = []
+    stack.graphs = SimpleNamespace(cache=cache, size_for=lambda batch: 1,
+                                   run=lambda x, batch: replays.append(batch) or torch.zeros_like(x))
+    cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))  # as capture does
+    x = torch.randn(1, 32)
+    out = {"graph step": tuple(stack(x, StepBatch((0,), (1,), (0,)), cache).shape)}
+    for name, call in {"mode ''": lambda: stack(x, StepBatch((1,), (1,), (0,)), cache, mode=""),
+                       "scratch id": lambda: stack(x, StepBatch((SCRATCH_SEQ_ID,), (1,), (1,)), cache)}.items():
+        try:
+            call()
+            out[name] = "ran"
+        except ValueError as e:
+            out[name] = str(e)
+    out["replays"] = len(replays)
+    return out
+
+
+def test_forward_refuses_a_bad_mode_and_the_scratch_id_before_routing():
+    from fusedpar.testing.dist import run_distributed
+
+    (res,) = run_distributed(_forward_routing_checks, 1, timeout=120)
+    assert res["graph step"] == (1, 32), res
+    assert "mode must be one of" in res["mode ''"], res
+    assert "is reserved" in res["scratch id"] and str(SCRATCH_SEQ_ID) in res["scratch id"], res
+    assert res["replays"] == 1, res  # only the valid step replayed
 
 
 # ---- GPU ----------------------------------------------------------------------------------------

@@ -148,17 +148,21 @@ def test_cache_generation_counts_growth():
 
 
 def test_decode_graphs_refuse_replay_after_growth_or_new_fused_kernels():
-    """DecodeGraphs._check_live (the graph replay itself needs CUDA: a stand-in graph counts replays)."""
+    """DecodeGraphs._check_live (the graph replay itself needs CUDA: a stand-in graph counts replays):
+    a grown cache, other fused kernels, or a freed scratch sequence (padding rows read - decode
+    padding also writes - its block, which a freed scratch hands to the next real sequence)."""
     from types import SimpleNamespace
 
-    from fusedpar.layers.graphs import DecodeGraphs
+    from fusedpar.layers.graphs import SCRATCH_SEQ_ID, DecodeGraphs
 
     cache = _cache(num_blocks=2)
+    cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))  # as capture does
     kernels = object()
     replays = []
     graphs = DecodeGraphs.__new__(DecodeGraphs)  # the state a capture leaves, without capturing
     graphs.cache, graphs.sizes, graphs.stack = cache, (1,), SimpleNamespace(fused=kernels)
     graphs._cache_ptr, graphs._cache_generation, graphs._fused = cache.k.data_ptr(), cache.generation, kernels
+    graphs.scratch_block = cache.block_tables[SCRATCH_SEQ_ID][0]
     graphs._steps = {1: SimpleNamespace(graph=SimpleNamespace(replay=lambda: replays.append(1)))}
     graphs.replay_last(1)
     assert replays == [1]
@@ -168,6 +172,12 @@ def test_decode_graphs_refuse_replay_after_growth_or_new_fused_kernels():
     with pytest.raises(RuntimeError, match="fused kernels changed"):
         graphs.replay_last(1)
     graphs.stack.fused = kernels
+    for sid in list(cache.block_tables):  # a "reset" that frees every sequence, the scratch too
+        cache.free(sid)
+    cache.begin_step(StepBatch((7,), (3,), (0,)))
+    assert cache.block_tables[7][0] == graphs.scratch_block  # the block went to a real sequence
+    with pytest.raises(RuntimeError, match=r"scratch sequence .* was freed"):
+        graphs.replay_last(1)
     cache.grow(3)
     with pytest.raises(RuntimeError, match="KV cache was grown"):
         graphs.replay_last(1)
