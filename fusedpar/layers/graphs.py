@@ -264,7 +264,8 @@ class _StackGraphs:
         (new k/v tensors) or the stack switched to other fused kernels (other workspaces)."""
         if self.cache.generation != self._cache_generation or self.cache.k.data_ptr() != self._cache_ptr:
             raise RuntimeError(f"the KV cache was grown after the {self.kind} graphs were captured: they still point "
-                               f"at the old tensors; capture new {type(self).__name__}")
+                               f"at the old tensors; capture new {type(self).__name__} (or detach these, "
+                               f"stack.graphs / stack.prefill_graphs = None, to run such steps eagerly)")
         if self.stack.fused is not self._fused:
             raise RuntimeError(f"the stack's fused kernels changed (enable_fused) after the {self.kind} graphs were "
                                f"captured: capture new {type(self).__name__}")
