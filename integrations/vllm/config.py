@@ -15,6 +15,7 @@ from fusedpar.layouts import ModelDims, ParallelLayout
 
 CONFIG_KEY = "fusedpar"
 KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels")
+MAX_SHIFT_THRESHOLD = 2**31 - 1  # any value >= max_num_batched_tokens already means "always shift"
 FUSED_KERNEL_CHOICES = ("auto", True, False)
 
 # The decoder families whose layers are qkv_proj / o_proj / gate_up_proj / down_proj around one
@@ -34,7 +35,7 @@ class FusedparVllmConfig:
     sequence_parallel_size: SP of the base mode (base = SP x TP with TP = P / SP, where P is
         vLLM's tensor_parallel_size); must divide P.
     shift_threshold: steps of at most this many tokens run in shift mode (vLLM's own TP = P),
-        larger ones in base mode. 0 = always base.
+        larger ones in base mode. 0 = always base; at most MAX_SHIFT_THRESHOLD.
     fused_kernels: "auto" (fusedpar's Triton kernels for the base mode on CUDA with bf16/fp16),
         True (required) or False (plain torch + NCCL/gloo collectives).
     """
@@ -74,8 +75,12 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
     threshold = section.get("shift_threshold", DEFAULT_SHIFT_THRESHOLD)
     if threshold is None:
         threshold = DEFAULT_SHIFT_THRESHOLD
-    if not _is_int(threshold) or threshold < 0:
-        problems.append(f"shift_threshold must be an int >= 0 (tokens per step), got {threshold!r}")
+    if not _is_int(threshold) or not 0 <= threshold <= MAX_SHIFT_THRESHOLD:
+        # bounded: the value travels in stats() through vLLM's msgpack RPC, which cannot encode
+        # ints >= 2**64 (the call then never returns); any value >= max_num_batched_tokens already
+        # means "always shift"
+        problems.append(f"shift_threshold must be an int in [0, {MAX_SHIFT_THRESHOLD}] (tokens per step; any value >= "
+                        f"max_num_batched_tokens means always shift), got {threshold!r}")
     fused = section.get("fused_kernels", "auto")
     if not (fused is True or fused is False or fused == "auto"):
         problems.append(f'fused_kernels must be "auto", true or false, got {fused!r}')
@@ -102,6 +107,7 @@ class DeploymentInfo:
     quantization: str | None = None
     lora: bool = False
     speculative: bool = False
+    model_impl: str = "auto"
     compilation_mode: str = "VLLM_COMPILE"
     full_cudagraphs: bool = False
     max_cudagraph_capture_size: int | None = None
@@ -122,6 +128,11 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
             layout = ParallelLayout(P, sp=sp, tp=P // sp)
         except ValueError as e:  # pragma: no cover - P % sp == 0 already
             problems.append(str(e))
+    if cfg.fused_kernels is True and sp == 1:
+        problems.append(
+            "fused_kernels=true with sequence_parallel_size=1: the fused kernels run the base mode, and with SP=1 "
+            "every step is vLLM's own TP path; use SP > 1 or fused_kernels \"auto\""
+        )
     if info.pipeline_parallel_size != 1:
         problems.append(f"pipeline parallelism (pipeline_parallel_size={info.pipeline_parallel_size}); use 1")
     if info.data_parallel_size != 1:
@@ -136,6 +147,11 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
         problems.append(
             f"model architecture {list(info.architectures)} (supported: {', '.join(SUPPORTED_ARCHITECTURES)}: "
             "decoder layers of full GQA attention + SwiGLU MLP)"
+        )
+    if info.model_impl not in ("auto", "vllm"):
+        problems.append(
+            f"model_impl={info.model_impl!r}: fusedpar hooks into vLLM's own implementations of the supported "
+            "architectures; use model_impl 'auto' or 'vllm'"
         )
     if info.v_head_dim is not None and info.v_head_dim != info.head_dim:
         problems.append(f"unsupported attention: v head size {info.v_head_dim} != q/k head size {info.head_dim}")

@@ -48,7 +48,7 @@ from fusedpar.collectives import ParallelContext, all_gather_rows
 from fusedpar.layers.policy import ShiftPolicy, padded_token_count
 from fusedpar.layouts import ModelDims
 
-from .config import DeploymentInfo, FusedparVllmConfig, check_deployment
+from .config import SUPPORTED_ARCHITECTURES, DeploymentInfo, FusedparConfigError, FusedparVllmConfig, check_deployment
 
 logger = logging.getLogger("vllm.fusedpar")
 
@@ -66,6 +66,7 @@ def deployment_info(vllm_config) -> DeploymentInfo:
     mode_name = mode.name if isinstance(mode, CompilationMode) else str(mode)
     cg = cc.cudagraph_mode
     full = bool(cg is not None and cg.has_full_cudagraphs()) and bool(cc.cudagraph_capture_sizes)
+    impl = getattr(mc, "model_impl", "auto")
     return DeploymentInfo(
         tensor_parallel_size=pc.tensor_parallel_size,
         pipeline_parallel_size=pc.pipeline_parallel_size,
@@ -73,6 +74,7 @@ def deployment_info(vllm_config) -> DeploymentInfo:
         decode_context_parallel_size=getattr(pc, "decode_context_parallel_size", 1) or 1,
         prefill_context_parallel_size=getattr(pc, "prefill_context_parallel_size", 1) or 1,
         architectures=tuple(mc.architectures or ()),
+        model_impl=str(getattr(impl, "value", impl)),  # a str or vLLM's ModelImpl enum
         num_attention_heads=h,
         num_key_value_heads=getattr(hf, "num_key_value_heads", None) or h,
         head_dim=mc.get_head_size(),
@@ -128,6 +130,7 @@ class WorkerState:
         self.modules: list = []  # the linear layers taken over (their weights are the base shards)
         self.root = self.decoder_model = None
         self._finder = None
+        self._pre_missed = False
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         atexit.register(self.log_summary)
         logger.info(
@@ -146,8 +149,6 @@ class WorkerState:
         if self.dtype not in (torch.bfloat16, torch.float16):
             why.append(f"dtype {self.dtype} (fused kernels: bf16 / fp16)")
         if want is True and why:
-            from .config import FusedparConfigError
-
             raise FusedparConfigError("fusedpar: fused_kernels=true is not possible: " + "; ".join(why))
         return not why
 
@@ -192,8 +193,11 @@ class WorkerState:
         self._layer0_saw_base = False
         # profile / warm-up runs carry no attention metadata, graph captures run on a capturing
         # stream: neither is a step of the workload, so neither is counted
+        self._counted = self._is_workload_step(fc)
+
+    def _is_workload_step(self, fc) -> bool:
         capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
-        self._counted = fc is not None and bool(fc.attn_metadata) and not capturing
+        return fc is not None and bool(fc.attn_metadata) and not capturing
 
     def end_step(self) -> None:
         mode, self.mode = self.mode, "shift"
@@ -222,8 +226,10 @@ class WorkerState:
         sees every step's inputs, but layers cannot see their parents while the model is being
         built. A global forward pre-hook therefore waits for the first module call whose
         submodule `layer_prefix` is a layer we built (that is the root: the runner calls it
-        first), installs the per-model hooks on it and removes itself. That first call (vLLM's
-        profile / warm-up run) runs in shift mode, which is always exact.
+        first), installs the per-model hooks on it and removes itself. PyTorch has already taken
+        that call's pre-hook list, so the call runs in shift mode, which is always exact. It is
+        usually vLLM's profile / warm-up run; where it is a real step (vLLM on CPU with
+        enforce_eager makes no warm-up call), _root_post counts it as the shift step it was.
         """
         if self.layer_prefix is not None:
             return
@@ -242,9 +248,14 @@ class WorkerState:
         self._finder.remove()
         self._finder = None
         self.install_model_hooks(module)
+        self._pre_missed = True  # this call's pre-hooks were collected before _root_pre existed
         return None
 
     def install_model_hooks(self, root) -> None:
+        if type(root).__name__ not in SUPPORTED_ARCHITECTURES:  # e.g. vLLM's Transformers backend
+            raise FusedparConfigError(
+                f"fusedpar: vLLM runs this model as {type(root).__name__}; fusedpar hooks into vLLM's own "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_impl 'auto' or 'vllm')")
         layers_path, _, idx = self.layer_prefix.rpartition(".")
         model_path = layers_path.rpartition(".")[0]
         layers = root.get_submodule(layers_path)
@@ -278,6 +289,13 @@ class WorkerState:
         return None
 
     def _root_post(self, module, args, output):
+        if self._pre_missed:  # the call that installed the hooks ran in shift mode: count it as one
+            self._pre_missed = False
+            from vllm.forward_context import get_forward_context, is_forward_context_available
+
+            hidden = output[0] if isinstance(output, tuple) else output
+            self.num_tokens = self.padded_tokens = int(hidden.shape[0])
+            self._counted = self._is_workload_step(get_forward_context() if is_forward_context_available() else None)
         self.end_step()
         return None
 

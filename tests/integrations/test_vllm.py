@@ -59,6 +59,8 @@ def test_parse_valid_section():
         DEFAULT_SHIFT_THRESHOLD)
     cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "fused_kernels": False}})
     assert cfg.fused_kernels is False
+    cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 2**31 - 1}})
+    assert cfg.shift_threshold == 2**31 - 1  # "always shift"
 
 
 @pytest.mark.parametrize("section, needle", [
@@ -67,8 +69,11 @@ def test_parse_valid_section():
     ({"sequence_parallel_size": 0}, "sequence_parallel_size must be an int >= 1, got 0"),
     ({"sequence_parallel_size": "2"}, "sequence_parallel_size must be an int >= 1, got '2'"),
     ({"sequence_parallel_size": True}, "sequence_parallel_size must be an int >= 1, got True"),
-    ({"sequence_parallel_size": 2, "shift_threshold": -1}, "shift_threshold must be an int >= 0"),
-    ({"sequence_parallel_size": 2, "shift_threshold": 1.5}, "shift_threshold must be an int >= 0"),
+    ({"sequence_parallel_size": 2, "shift_threshold": -1}, "shift_threshold must be an int in [0, 2147483647]"),
+    ({"sequence_parallel_size": 2, "shift_threshold": 1.5}, "shift_threshold must be an int in [0, 2147483647]"),
+    # above 2**31 - 1 refused: stats() sends the threshold through vLLM's msgpack RPC, which hung on 2**64
+    ({"sequence_parallel_size": 2, "shift_threshold": 2**64}, "got 18446744073709551616"),
+    ({"sequence_parallel_size": 2, "shift_threshold": 2**31}, "shift_threshold must be an int in [0, 2147483647]"),
     ({"sequence_parallel_size": 2, "fused_kernels": 1}, 'fused_kernels must be "auto", true or false'),
 ])
 def test_parse_rejects(section, needle):
@@ -113,6 +118,10 @@ def test_check_accepts_and_returns_layout():
     (_cfg(sp=2), _info(lora=True), "LoRA"),
     (_cfg(sp=2), _info(speculative=True), "speculative decoding"),
     (_cfg(sp=2), _info(compilation_mode="STOCK_TORCH_COMPILE"), "STOCK_TORCH_COMPILE"),
+    # vLLM's Transformers backend calls the decoder layers differently: it crashed at the first base step
+    (_cfg(sp=2), _info(model_impl="transformers"), "model_impl='transformers'"),
+    (FusedparVllmConfig(sequence_parallel_size=1, fused_kernels=True), _info(),
+     "fused_kernels=true with sequence_parallel_size=1"),
     (_cfg(sp=2, threshold=64), _info(full_cudagraphs=True, max_cudagraph_capture_size=512),
      "full CUDA graphs are captured up to 512 tokens, above shift_threshold=64"),
 ])
@@ -216,13 +225,15 @@ def models(tmp_path_factory):
 _RESULTS: dict[str, dict] = {}
 
 
-def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None, *, tp: int = 2) -> dict:
+def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None, *, tp: int = 2,
+            enforce_eager: bool = False) -> dict:
     """Run (once per module) the engine of `family` with this fusedpar section; its JSON result + log."""
-    key = json.dumps([family, fusedpar, tp], sort_keys=True)
+    key = json.dumps([family, fusedpar, tp, enforce_eager], sort_keys=True)
     if key not in _RESULTS:
         work = tmp_path_factory.mktemp("engine")
         spec = {"model": models[family], "tensor_parallel_size": tp, "fusedpar": fusedpar,
-                "max_tokens": MAX_TOKENS, "batches": _prompts(seed=FAMILIES.index(family))}
+                "max_tokens": MAX_TOKENS, "batches": _prompts(seed=FAMILIES.index(family)),
+                "enforce_eager": enforce_eager}
         (work / "spec.json").write_text(json.dumps(spec))
         proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
                                str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -291,6 +302,21 @@ def test_mixed_modes_match_plain(models, tmp_path_factory, family):
         # vLLM's CPU default (DYNAMO_TRACE_ONCE, guards dropped) compiled the decoder: shift steps ran
         # the compiled graph, base steps (batch 2's come after that compile) the eager path
         assert s["shift_compiled"] is True, s
+
+
+@needs_vllm
+def test_eager_engine_counts_its_first_step(models, tmp_path_factory):
+    """enforce_eager on CPU: vLLM makes no warm-up forward, so the engine's first real step is the call
+    during which the plugin finds the model and installs its hooks. That step runs in shift mode
+    (exact: the tokens match) and the stats count it as the shift step it was; they used to drop it."""
+    plain = _ok(_engine(models, tmp_path_factory, "llama", None))
+    fp = _ok(_engine(models, tmp_path_factory, "llama", {"sequence_parallel_size": 2,
+                                                         "shift_threshold": MIXED_THRESHOLD}, enforce_eager=True))
+    assert fp["tokens"] == plain["tokens"]
+    prompts = _prompts(seed=FAMILIES.index("llama"))[0]
+    s = _check_stats(fp["stats"][0], prompts)
+    assert s["base_tokens"] + s["shift_tokens"] == sum(map(len, prompts)) + len(prompts) * (MAX_TOKENS - 1), s
+    assert s["shift_compiled"] is False, s
 
 
 @needs_vllm
