@@ -168,11 +168,13 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
         )
     if (layout is not None and sp > 1 and info.full_cudagraphs and info.max_cudagraph_capture_size is not None
             and info.max_cudagraph_capture_size > cfg.shift_threshold):
+        fix = ("pass --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' (threshold 0 runs every step in base "
+               "mode, which full graphs cannot hold), or a larger shift_threshold" if cfg.shift_threshold < 1 else
+               f"pass --compilation-config '{{\"max_cudagraph_capture_size\": {cfg.shift_threshold}}}' (or "
+               "cudagraph_mode PIECEWISE, or a larger shift_threshold)")
         problems.append(
             f"full CUDA graphs are captured up to {info.max_cudagraph_capture_size} tokens, above "
-            f"shift_threshold={cfg.shift_threshold}: a replayed graph cannot switch to base mode. Pass "
-            f"--compilation-config '{{\"max_cudagraph_capture_size\": {cfg.shift_threshold}}}' (or "
-            "cudagraph_mode PIECEWISE, or a larger shift_threshold)"
+            f"shift_threshold={cfg.shift_threshold}: a replayed graph cannot switch to base mode; {fix}"
         )
     if layout is not None:
         try:

@@ -124,6 +124,10 @@ def test_check_accepts_and_returns_layout():
      "fused_kernels=true with sequence_parallel_size=1"),
     (_cfg(sp=2, threshold=64), _info(full_cudagraphs=True, max_cudagraph_capture_size=512),
      "full CUDA graphs are captured up to 512 tokens, above shift_threshold=64"),
+    (_cfg(sp=2, threshold=64), _info(full_cudagraphs=True, max_cudagraph_capture_size=512),
+     "\"max_cudagraph_capture_size\": 64"),
+    (_cfg(sp=2, threshold=0), _info(full_cudagraphs=True, max_cudagraph_capture_size=512),
+     "\"cudagraph_mode\": \"PIECEWISE\"}' (threshold 0 runs every step in base mode"),
 ])
 def test_check_rejects(cfg, info, needle):
     with pytest.raises(FusedparConfigError) as e:
