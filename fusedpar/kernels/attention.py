@@ -136,6 +136,11 @@ FUSED_WRITE_MAX_SEQS = 8
 _M_INIT = tl.constexpr(-1.0e38)
 
 ROPE_NONE, ROPE_THETA, ROPE_TABLES = 0, 1, 2
+# rope_theta mode computes each angle in fp32 and reduces it by a two-constant 2*pi that is exact
+# only for angles below 2**16 turns (~411k rad; the angle of position p is up to p): beyond that the
+# cached keys drift (measured 7e-2 abs at position 1M). Steps that reach further pass cos/sin tables
+# (DecoderConfig-level callers do so automatically: fusedpar.layers.decoder.needs_rope_tables).
+ROPE_THETA_MAX_KV_LEN = 6 * 2**16
 
 
 # ---- Triton kernels -----------------------------------------------------------------------------
@@ -1066,6 +1071,10 @@ def _launch(
         )
 
     if rope_theta > 0:
+        if max_kv_len > ROPE_THETA_MAX_KV_LEN:
+            raise ValueError(f"fusedpar.paged_attention: rope_theta mode is accurate for positions below "
+                             f"{ROPE_THETA_MAX_KV_LEN} (fp32 angle reduction), this step reaches "
+                             f"max_kv_len={max_kv_len}: pass rope_cos/rope_sin tables instead")
         rope_mode, inv_freq = ROPE_THETA, _rope_inv_freq(hd, float(rope_theta), qkv.device)
     elif rope_cos is not None:
         rope_mode, inv_freq = ROPE_TABLES, qkv
@@ -1329,9 +1338,18 @@ def paged_attention(
       head h // G.
     slots [>= num_tokens] (int32/64): cache slot of each new token; negative = skip. Needed when
       write_kv (default): the new k (normed, roped) and raw v are written there before attending.
-      With write_kv=False the new tokens' k/v must already be in the cache.
+      With write_kv=False the new tokens' k/v must already be in the cache. A negative slot marks
+      a padding row whose output is dropped: it is not meaningful (small decode batches attend its
+      own key from registers, other launches read whatever the skipped slot holds).
+    The metadata tensors are trusted, as in FlashAttention's varlen API (checking device values
+      would cost a sync per call): cu_seqlens_q starts at 0, rises by >= 1 per sequence and ends at
+      num_tokens (a CUDA graph's padded metadata may hold empty sequences when num_tokens >
+      num_seqs); block tables and slots index inside the cache. AttentionMetadata.from_step and
+      fusedpar.layers.graphs build them so.
     RoPE: rope_theta (with positions [>= num_tokens], absolute position of each token), or
       rope_cos/rope_sin tables [>= num_tokens, hd] (row t for token t), or neither (no RoPE).
+      rope_theta computes fp32 angles, accurate while max_kv_len <= ROPE_THETA_MAX_KV_LEN (positions
+      below it); larger steps are refused: pass tables.
     q_norm / k_norm: optional [hd] RMSNorm weights (Qwen3), applied before RoPE with eps.
     max_query_len / max_kv_len: host-side upper bounds used only for tiling and split-KV choices
       (results are correct for any values); None derives them from the tensors (a device sync).

@@ -19,7 +19,8 @@ q/k/v bias (cfg.qkv_bias): the base bias rows follow the base qkv rows, so the r
 it in the qkv GEMM before the all-to-all; the fused qkv_all_to_all has no bias input, so the
 fused path adds the rank's own block's bias (the shift view) to what it receives. Scaled RoPE
 (cfg.rope_inv_freq / rope_attention_scaling) reaches the Triton attention as cos/sin tables
-[n, head_dim] built once per step (StepState.rope_tables); plain RoPE passes rope_theta.
+[n, head_dim] built once per step (StepState.rope_tables); plain RoPE passes rope_theta, except
+in steps that reach beyond the kernel's fp32 angle range (needs_rope_tables), which get tables too.
 
 `torch_fwd` is the reference implementation (and the CPU path); `fused_fwd` runs the same
 stages on the fused kernels (qkv GEMM + all-to-all, Triton paged attention whose stores do the
@@ -55,6 +56,15 @@ from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import StepBatch
 from fusedpar.layers.weights import ShardedDecoderWeights
 from fusedpar.layouts import check_mode
+
+
+def needs_rope_tables(cfg: DecoderConfig, max_kv_len: int) -> bool:
+    """Whether the fused attention gets cos/sin tables for a step whose sequences reach max_kv_len
+    tokens (context + new): always for a RoPE table or scaling, and for plain RoPE past the range
+    where the kernel's own fp32 angles are accurate (attention.ROPE_THETA_MAX_KV_LEN)."""
+    from fusedpar.kernels.attention import ROPE_THETA_MAX_KV_LEN
+
+    return not cfg.rope_is_default or max_kv_len > ROPE_THETA_MAX_KV_LEN
 
 
 def rope_tables(cfg: DecoderConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +206,7 @@ class ShiftParallelDecoderLayer(nn.Module):
         from fusedpar.kernels.attention import AttentionMetadata, attention_step, paged_attention
 
         cfg, rep = self.cfg, self.w.replicated
-        if cfg.rope_is_default:
+        if step.rope_tables is None and cfg.rope_is_default:
             return attention_step(qkv, step, cache, self.layer_idx, q_norm=rep.get("q_norm"),
                                   k_norm=rep.get("k_norm"), eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
                                   metadata=step.attn_metadata, scatter=scatter)

@@ -158,6 +158,7 @@ class _StackGraphs:
 
     def _setup(self, stack, cache, *, max_context: int, sizes, max_blocks: int) -> None:
         from fusedpar.kernels.attention import AttentionMetadata
+        from fusedpar.layers.decoder import needs_rope_tables
 
         if stack.fused is None or stack.ctx.device.type != "cuda":
             raise ValueError(f"{type(self).__name__} needs a CUDA stack on the fused path (stack.enable_fused(...) "
@@ -181,7 +182,9 @@ class _StackGraphs:
         self._metadata_cls = AttentionMetadata
         cfg = stack.cfg
         self._inv_freq = None
-        if not cfg.rope_is_default:
+        # cos/sin tables inside the graph for scaled RoPE, and for plain RoPE past the kernel's angle range
+        self._rope_tables = needs_rope_tables(cfg, max_blocks * cache.block_size)
+        if self._rope_tables:
             inv = cfg.rope_inv_freq
             if inv is None:
                 inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
@@ -224,7 +227,7 @@ class _StackGraphs:
         positions, slots = st.index64[0], st.index64[1]
         md = self._metadata(st)
         cfg, tables = stack.cfg, None
-        if not cfg.rope_is_default:  # the table lives on the device already: no host copy inside a capture
+        if self._rope_tables:  # the table lives on the device already: no host copy inside a capture
             tables = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, torch.float32, self._inv_freq,
                                   cfg.rope_attention_scaling)
         rows = st.hidden.shape[0]

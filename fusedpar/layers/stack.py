@@ -17,7 +17,7 @@ from torch import nn
 
 from fusedpar.collectives import ParallelContext, all_gather_rows
 from fusedpar.layers.config import DecoderConfig
-from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState, rope_tables
+from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState, needs_rope_tables, rope_tables
 from fusedpar.layers.fused import FusedKernels
 from fusedpar.layers.graphs import SCRATCH_SEQ_ID
 from fusedpar.layers.kv_cache import PagedKVCache
@@ -137,7 +137,9 @@ class ShiftParallelStack(nn.Module):
             from fusedpar.kernels.attention import AttentionMetadata
 
             metadata = AttentionMetadata.from_step(batch, cache, device=self.ctx.device)
-            if not self.cfg.rope_is_default:  # scaled RoPE: cos/sin tables once per step, shared by the layers
+            # scaled RoPE, or positions past the kernel's angle range: cos/sin tables once per step
+            if needs_rope_tables(self.cfg, max(c + q for c, q in zip(batch.context_lens, batch.query_lens,
+                                                                        strict=True))):
                 tables = rope_tables(self.cfg, positions)
         return StepState(mode, batch, padded, positions, slots, metadata, tables)
 

@@ -35,9 +35,11 @@ def tp_kv_heads(num_kv_heads: int, tp: int, t: int) -> tuple[int, ...]:
 
 def head_count_problems(num_q_heads: int, num_kv_heads: int, sp: int, tp: int) -> list[str]:
     """Every constraint (h, h_kv) breaks on an SP x TP replica, one message each (empty: placeable).
-    Non-positive counts raise ValueError at once."""
+    Non-positive counts or sizes raise ValueError at once."""
     positive_int("num_q_heads", num_q_heads)
     positive_int("num_kv_heads", num_kv_heads)
+    positive_int("sp", sp)
+    positive_int("tp", tp)
     P = sp * tp
     problems = []
     if num_q_heads % num_kv_heads:

@@ -227,6 +227,21 @@ def test_decoder_config_rejects_impossible_sizes(override, match):
         DecoderConfig(**{**kw, **override})
 
 
+def test_needs_rope_tables_past_the_kernels_angle_range():
+    """Plain RoPE uses the kernel's own fp32 angles up to ROPE_THETA_MAX_KV_LEN, cos/sin tables past it
+    (the stack and the graphs ask this); scaled RoPE always uses tables."""
+    from fusedpar.kernels.attention import ROPE_THETA_MAX_KV_LEN
+    from fusedpar.layers import DecoderConfig
+    from fusedpar.layers.decoder import needs_rope_tables
+
+    kw = dict(hidden_size=32, num_q_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+    plain, scaled = DecoderConfig(**kw), DecoderConfig(**kw, rope_attention_scaling=0.5)
+    assert plain.rope_is_default and not scaled.rope_is_default
+    assert [needs_rope_tables(plain, n) for n in (1, ROPE_THETA_MAX_KV_LEN, ROPE_THETA_MAX_KV_LEN + 1)] == [
+        False, False, True]
+    assert needs_rope_tables(scaled, 1) and needs_rope_tables(scaled, ROPE_THETA_MAX_KV_LEN + 1)
+
+
 def _refused_steps_leave_the_cache(rank, world):
     """World 1: steps refused for the input's dtype or a cache of another shape raise ValueError
     before reserving anything; the same step then runs."""

@@ -286,3 +286,16 @@ def test_every_broken_constraint_is_named():
     assert "num_kv_heads=3 is neither a multiple nor a divisor of tp=2" in problems[2]
     with pytest.raises(ValueError, match=r"not divisible by sp\*tp=2\*2=4: .*; num_kv_heads=3 .*; num_kv_heads=3"):
         ParallelLayout(4, sp=2, tp=2).head_placement(9, 3)
+
+
+@pytest.mark.parametrize(("sp", "tp", "needle"), [(-2, -2, "sp must be >= 1, got -2"), (2, 0, "tp must be >= 1, got 0"),
+                                                  (0, 2, "sp must be >= 1, got 0"), (1.5, 2, "sp must be an int"),
+                                                  (True, 2, "sp must be an int, got True")])
+def test_head_count_checks_refuse_bad_sizes(sp, tp, needle):
+    """The exported checks validate sp and tp themselves (a probe found negative sizes reported as
+    placeable, and sp=0 a ZeroDivisionError)."""
+    from fusedpar.layouts import head_count_problems
+
+    for call in (head_count_problems, check_head_counts):
+        with pytest.raises(ValueError, match=needle):
+            call(8, 2, sp, tp)
