@@ -138,8 +138,7 @@ class ShiftParallelStack(nn.Module):
 
             metadata = AttentionMetadata.from_step(batch, cache, device=self.ctx.device)
             # scaled RoPE, or positions past the kernel's angle range: cos/sin tables once per step
-            if needs_rope_tables(self.cfg, max(c + q for c, q in zip(batch.context_lens, batch.query_lens,
-                                                                        strict=True))):
+            if needs_rope_tables(self.cfg, metadata.max_kv_len):
                 tables = rope_tables(self.cfg, positions)
         return StepState(mode, batch, padded, positions, slots, metadata, tables)
 
