@@ -2,12 +2,12 @@
 # GPU tests and benchmarks in one device call. Installs nothing.
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo profile host_cost
-#                                              tune_gemm qkv_sweep pdl_probe qkv_stores
+#                                              tune_gemm qkv_sweep pdl_probe qkv_stores launch
 #                                              (default: all but profile, host_cost, the sweeps and probes)
 # MODEL_ARGS / LAYER_ARGS / ATTN_ARGS / GAR_ARGS / PROFILE_ARGS pass extra arguments to perf/model_bench.py /
 # perf/bench_layer.py / perf/bench_attention.py / perf/bench_gemm_all_reduce.py / perf/profile_layer.py (e.g.
 # MODEL_ARGS="--layers 4" for a smoke run); MODEL_TIMEOUT / LAYER_TIMEOUT / ATTN_TIMEOUT / GAR_TIMEOUT /
-# PROFILE_TIMEOUT / TEST_TIMEOUT their limits; TEST_PATHS narrows the GPU tests; TORCHRUN_ARGS adds torchrun
+# PROFILE_TIMEOUT / TEST_TIMEOUT / HF_TIMEOUT their limits; TEST_PATHS narrows the GPU tests; TORCHRUN_ARGS adds torchrun
 # options (per-rank logs: TORCHRUN_ARGS="--log-dir /tmp/ranks --tee 3", then copy the logs you need into $OUT:
 # the device tool brings back files at most two folders below it).
 # A device call lasts at most 600 s: "all" does not fit one call; pass a subset per call, e.g.
@@ -63,7 +63,9 @@ for item in "${ITEMS[@]}"; do
     # HF adapter on NCCL: tiny random Llama/Qwen2/Qwen3 vs the unsharded model, fp32 and bf16.
     # Run from the overlay: `python -m` puts the cwd first on sys.path, where ./fusedpar would
     # shadow the overlay's fusedpar (which has .integrations); `tests` comes from PYTHONPATH.
-    hf) (cd "$OVERLAY" && run timeout 150 "${TRUN[@]}" -m tests.integrations.hf_gpu_check) || status=1 ;;
+    hf) (cd "$OVERLAY" && run timeout "${HF_TIMEOUT:-300}" "${TRUN[@]}" -m tests.integrations.hf_gpu_check) || status=1 ;;
+    # host cost of a Triton launch and of each launcher (one GPU)
+    launch) run timeout 120 python3 perf/probe_launch.py ;;
     gemm) run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json" ;;
     one_shot) run timeout 120 "${TRUN[@]}" perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json" ;;
     gemm_all_reduce) run timeout "${GAR_TIMEOUT:-150}" "${TRUN[@]}" perf/bench_gemm_all_reduce.py ${GAR_ARGS:-} \

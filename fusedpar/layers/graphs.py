@@ -262,23 +262,30 @@ class _StackGraphs:
         self._check_live()
         self._steps[size].graph.replay()
 
-    def _check_live(self) -> None:
-        """Raise where a replay would touch memory the graphs no longer own: the cache was grown
-        (new k/v tensors) or the stack switched to other fused kernels (other workspaces)."""
+    def stale_reason(self) -> str | None:
+        """Why a replay would touch memory the graphs no longer own (the cache was grown: new k/v
+        tensors; the stack switched to other fused kernels: other workspaces; the scratch sequence
+        was freed), or None while they are live."""
         if self.cache.generation != self._cache_generation or self.cache.k.data_ptr() != self._cache_ptr:
-            raise RuntimeError(f"the KV cache was grown after the {self.kind} graphs were captured: they still point "
-                               f"at the old tensors; capture new {type(self).__name__} (or detach these, "
-                               f"stack.graphs / stack.prefill_graphs = None, to run such steps eagerly)")
+            return (f"the KV cache was grown after the {self.kind} graphs were captured: they still point "
+                    f"at the old tensors; capture new {type(self).__name__} (or detach these, "
+                    f"stack.graphs / stack.prefill_graphs = None, to run such steps eagerly)")
         if self.stack.fused is not self._fused:
-            raise RuntimeError(f"the stack's fused kernels changed (enable_fused) after the {self.kind} graphs were "
-                               f"captured: capture new {type(self).__name__}")
+            return (f"the stack's fused kernels changed (enable_fused) after the {self.kind} graphs were "
+                    f"captured: capture new {type(self).__name__}")
         scratch = self.cache.block_tables.get(SCRATCH_SEQ_ID)
         if not scratch or scratch[0] != self.scratch_block:
             # padding rows read (and decode padding writes) that block: it may now hold a real sequence
-            raise RuntimeError(f"the {self.kind} graphs' scratch sequence (id SCRATCH_SEQ_ID = {SCRATCH_SEQ_ID}) was "
-                               f"freed from the KV cache after capture, so its block {self.scratch_block} may belong "
-                               f"to another sequence now: free only your own sequence ids, and capture new "
-                               f"{type(self).__name__}")
+            return (f"the {self.kind} graphs' scratch sequence (id SCRATCH_SEQ_ID = {SCRATCH_SEQ_ID}) was "
+                    f"freed from the KV cache after capture, so its block {self.scratch_block} may belong "
+                    f"to another sequence now: free only your own sequence ids, and capture new "
+                    f"{type(self).__name__}")
+        return None
+
+    def _check_live(self) -> None:
+        reason = self.stale_reason()
+        if reason is not None:
+            raise RuntimeError(reason)
 
     def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Replay the step of `batch` (size_for(batch) must not be None) on hidden [n, d]; returns

@@ -62,6 +62,16 @@ class ShiftParallelStack(nn.Module):
             layer.fused = self.fused
         return self
 
+    @property
+    def graph_token_cap(self) -> int:
+        """The most tokens a captured step may hold (fused path only): the fused kernels' max_tokens,
+        and with SP > 1 the shift threshold (larger steps run in base mode, which is not captured)."""
+        if self.fused is None:
+            raise ValueError("CUDA graphs need the fused path: call enable_fused(...) first")
+        if self.ctx.sp.size == 1:
+            return self.fused.max_tokens
+        return min(self.policy.threshold, self.fused.max_tokens)
+
     def capture_decode_graphs(self, cache: PagedKVCache, *, max_context: int,
                               sizes: tuple[int, ...] | None = None):
         """Capture CUDA graphs of shift-mode decode steps on `cache` (collective: every rank, same
@@ -73,8 +83,7 @@ class ShiftParallelStack(nn.Module):
         if self.fused is None:
             raise ValueError("capture_decode_graphs needs the fused path: call enable_fused(...) first")
         if sizes is None:
-            cap = self.fused.max_tokens if self.ctx.sp.size == 1 else min(self.policy.threshold, self.fused.max_tokens)
-            sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= cap)
+            sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= self.graph_token_cap)
         self.graphs = None  # release the old graphs' memory before capturing new ones
         self.graphs = DecodeGraphs(self, cache, max_context=max_context, sizes=sizes)
         return self.graphs
@@ -93,7 +102,7 @@ class ShiftParallelStack(nn.Module):
         if self.fused is None:
             raise ValueError("capture_prefill_graphs needs the fused path: call enable_fused(...) first")
         if sizes is None:
-            cap = self.fused.max_tokens if self.ctx.sp.size == 1 else min(self.policy.threshold, self.fused.max_tokens)
+            cap = self.graph_token_cap
             sizes = tuple(s for s in DEFAULT_PREFILL_SIZES if s <= cap)
             if not sizes:
                 raise ValueError(f"no default prefill graph size ({DEFAULT_PREFILL_SIZES}) is <= {cap} (the shift "
@@ -151,7 +160,10 @@ class ShiftParallelStack(nn.Module):
         return F.pad(hidden, (0, 0, 0, step.padded_tokens - step.num_tokens)).narrow(0, self.ctx.sp.rank * rows, rows)
 
     def forward(self, hidden: torch.Tensor, batch: StepBatch, cache: PagedKVCache,
-                mode: str | None = None) -> torch.Tensor:
+                mode: str | None = None, use_graphs: bool = True) -> torch.Tensor:
+        """One step of every layer on hidden [n, d] (n = batch.num_tokens) -> [n, d]. A shift-mode
+        step that fits captured graphs on `cache` replays one unless use_graphs is False (a step whose
+        layer outputs are observed, e.g. by forward hooks, must run its layers eagerly)."""
         n = batch.num_tokens
         if hidden.dim() != 2 or hidden.shape != (n, self.cfg.hidden_size):
             raise ValueError(f"hidden must be [{n}, {self.cfg.hidden_size}] for this batch, got {tuple(hidden.shape)}")
@@ -163,7 +175,7 @@ class ShiftParallelStack(nn.Module):
         if SCRATCH_SEQ_ID in cache.block_tables and SCRATCH_SEQ_ID in batch.seq_ids:
             raise ValueError(f"sequence id {SCRATCH_SEQ_ID} (fusedpar.layers.graphs.SCRATCH_SEQ_ID) is reserved: the "
                              f"CUDA graphs' padding rows use its cache block")
-        if (self.graphs is not None or self.prefill_graphs is not None) \
+        if use_graphs and (self.graphs is not None or self.prefill_graphs is not None) \
                 and (mode or self.policy.mode(n, self.ctx.sp.size)) == "shift":
             for graphs in (self.graphs, self.prefill_graphs):
                 if graphs is not None and graphs.cache is cache and graphs.size_for(batch) is not None:

@@ -55,6 +55,17 @@ model to another dtype or device (.to / .half / ...: only the replicated modules
 raise NotImplementedError. The paged cache is created and grown outside inference mode, so a
 model first run under torch.inference_mode() keeps working outside it.
 
+Decode graphs (CUDA, fused path; `cuda_graphs=`). A decode step launches ~10 kernels per layer
+from Python, which on a large model costs more host time than the step's GPU work. On the fused
+path a pure decode step (one new token per row, at most 64 rows and the shift threshold) replays a
+CUDA graph of the whole stack (fusedpar.layers.graphs.DecodeGraphs) on the paged cache. The
+graphs are captured lazily, collectively (every rank sees the same calls): at the first decode
+step of a batch size not captured yet, and again when the paged cache has grown (the graphs hold
+its tensors) or a context outgrows the graphs' max_context (twice the longest context, rounded
+up to a power of two, at least 1024 and at most the cache's capacity: the decode attention's
+split-KV tiling is chosen for it). Their padding rows use one cache block of their own. A step
+with output_hidden_states runs eagerly (its layer outputs are read by hooks).
+
 Numerics. Every model runs on the core ShiftParallelDecoderLayer: q/k/v bias (Qwen2) and a
 non-default RoPE table (llama3, linear, yarn: the HF rotary module's inv_freq and
 attention_scaling) are DecoderConfig fields (spec.inspect_model). On CUDA with bf16/fp16
@@ -82,6 +93,7 @@ from fusedpar.layers import (
     ShiftPolicy,
     StepBatch,
 )
+from fusedpar.layers.graphs import DEFAULT_CAPTURE_SIZES, SCRATCH_SEQ_ID
 from fusedpar.layouts import ParallelLayout
 
 from .spec import HFModelSpec, UnsupportedModelError, inspect_model
@@ -208,8 +220,11 @@ class ShiftParallelCache(Cache):
 class _Runtime:
     """Per parallelized model: the stack, its paged cache and the live generation state."""
 
-    def __init__(self, spec: HFModelSpec, ctx: ParallelContext, stack: ShiftParallelStack, block_size: int):
+    def __init__(self, spec: HFModelSpec, ctx: ParallelContext, stack: ShiftParallelStack, block_size: int,
+                 cuda_graphs: bool = False):
         self.spec, self.ctx, self.stack, self.block_size = spec, ctx, stack, block_size
+        self.cuda_graphs = cuda_graphs  # decode steps replay CUDA graphs of the stack (_ready_graphs)
+        self.graph_captures = 0
         self.kv: PagedKVCache | None = None
         self.active: ShiftParallelCache | None = None
         self.forks: weakref.WeakSet[ShiftParallelCache] = weakref.WeakSet()  # deepcopies still alive
@@ -272,23 +287,62 @@ class _Runtime:
         weakref.finalize(forked, self._free, list(forked.seq_ids))
         return forked
 
-    def _reserve(self, batch: StepBatch) -> None:
-        """Create / grow the paged cache so that `batch` fits. Outside inference mode: a cache created
-        under torch.inference_mode() would hold inference tensors, which later calls outside it
-        could not write (in-place writes to normal tensors are fine inside inference mode)."""
+    def _reserve(self, batch: StepBatch, extra_blocks: int = 0) -> None:
+        """Create / grow the paged cache so that `batch` (and extra_blocks more) fits. Outside inference
+        mode: a cache created under torch.inference_mode() would hold inference tensors, which later
+        calls outside it could not write (in-place writes to normal tensors are fine inside inference mode)."""
         with torch.inference_mode(False):
             if self.kv is None:
                 tokens = sum(q + c for q, c in zip(batch.query_lens, batch.context_lens, strict=True))
                 # room for the first step twice over; doubled below when a step does not fit
                 blocks = max(16, 2 * (-(-tokens // self.block_size) + len(batch.seq_ids)))
                 self.kv = self.stack.make_cache(block_size=self.block_size, num_blocks=blocks)
-            need, kv = self.kv.blocks_needed(batch), self.kv
+            need, kv = self.kv.blocks_needed(batch) + extra_blocks, self.kv
             if need > kv.free_blocks:  # HF calls come unplanned: grow (same decision on every rank)
                 kv.grow(max(2 * kv.num_blocks, kv.num_blocks - kv.free_blocks + need))
 
-    def run(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        self._reserve(batch)
-        return self.stack(hidden, batch, self.kv)
+    def run(self, hidden: torch.Tensor, batch: StepBatch, *, eager: bool = False) -> torch.Tensor:
+        """One stack step on the paged cache. A pure decode step of at most the largest capture size
+        (and the stack's graph_token_cap) replays a CUDA graph when cuda_graphs is on, unless eager."""
+        size = None if eager or not self.cuda_graphs else decode_graph_size(batch, self.stack.graph_token_cap)
+        # the graphs' padding rows take one cache block (the scratch sequence), reserved with the step's
+        scratch = size is not None and (self.kv is None or SCRATCH_SEQ_ID not in self.kv.block_tables)
+        self._reserve(batch, extra_blocks=1 if scratch else 0)
+        if size is not None:
+            self._ready_graphs(batch, size)
+        return self.stack(hidden, batch, self.kv, use_graphs=not eager)
+
+    def _ready_graphs(self, batch: StepBatch, size: int) -> None:
+        """Make the stack's decode graphs cover this step: (re)capture them when there are none, they
+        lack this batch size, a context outgrew their max_context, or the cache was grown since (the
+        graphs hold its tensors). Every rank sees the same calls and cache, so all capture together
+        (capture is collective). max_context grows by doubling from twice the longest context: the
+        decode attention's split-KV tiling is chosen for it, and a bound far above the real contexts
+        would leave most of its splits empty."""
+        g, need = self.stack.graphs, max(batch.context_lens) + 1
+        mine = g is not None and g.cache is self.kv
+        if mine and g.stale_reason() is None and size in g.sizes and need <= g.max_context:
+            return
+        sizes = {size} | (set(g.sizes) if mine else set())
+        capacity = self.kv.num_blocks * self.block_size  # no sequence can hold more tokens than the cache
+        max_context = min(capacity, max(GRAPH_MIN_CONTEXT, 1 << (2 * need - 1).bit_length(),
+                                        g.max_context if mine else 0))
+        with torch.inference_mode(False), torch.no_grad():  # static buffers: normal tensors (see _reserve)
+            self.stack.capture_decode_graphs(self.kv, max_context=max_context, sizes=tuple(sorted(sizes)))
+        self.graph_captures += 1
+
+
+# The smallest max_context of the HF adapter's decode graphs (tokens).
+GRAPH_MIN_CONTEXT = 1024
+
+
+def decode_graph_size(batch: StepBatch, cap: int) -> int | None:
+    """The decode graph size (DEFAULT_CAPTURE_SIZES) that runs `batch`, or None when it runs eagerly:
+    not every sequence adds exactly one token, or more sequences than the largest size <= cap."""
+    n = len(batch.seq_ids)
+    if batch.num_tokens != n:
+        return None
+    return next((s for s in DEFAULT_CAPTURE_SIZES if n <= s <= cap), None)
 
 
 # ---- the model ------------------------------------------------------------------------------
@@ -565,7 +619,7 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
                           tuple(state.cached[i] for i in rows))
         mask = new.to(embeds.device)
         with _LayerOutputs(rt, enabled=capture) as captured:
-            hidden = rt.run(embeds[mask].contiguous(), batch)
+            hidden = rt.run(embeds[mask].contiguous(), batch, eager=capture)  # hooks see eager layers only
         out[mask] = hidden.to(out.dtype)
         if capture:
             if len(captured.outputs) != len(layer_outputs):
@@ -750,6 +804,23 @@ def fused_decision(spec: HFModelSpec, device: torch.device, fused: bool | None) 
     return True
 
 
+def graphs_decision(use_fused: bool, device: torch.device, cuda_graphs: bool | None) -> bool:
+    """Whether decode steps replay CUDA graphs of the stack (_Runtime._ready_graphs).
+
+    None (auto): on the fused path (which is CUDA only). True: required, else UnsupportedModelError
+    naming why; False: every step eager. Decided from the model and the arguments, so every rank agrees.
+    """
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
+    if cuda_graphs is None:
+        return use_fused
+    if cuda_graphs and not use_fused:
+        raise UnsupportedModelError(
+            f"fusedpar.integrations.hf: cuda_graphs=True needs the fused kernels (the graphs capture them), and "
+            f"this model runs on the reference path (on {device}; see fused=): pass fused=True or cuda_graphs=None")
+    return cuda_graphs
+
+
 def check_shift_threshold(shift_threshold) -> None:
     """ShiftPolicy's check (None or an int >= 0), bools excluded: True would quietly mean threshold 1."""
     if isinstance(shift_threshold, bool):
@@ -758,7 +829,8 @@ def check_shift_threshold(shift_threshold) -> None:
 
 
 def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Iterable, *, device: torch.device,
-             shift_threshold: int | None, block_size: int, fused: bool | None = False, fused_max_tokens: int = 4096):
+             shift_threshold: int | None, block_size: int, fused: bool | None = False, fused_max_tokens: int = 4096,
+             cuda_graphs: bool | None = None):
     """Build the stack from per-layer ShardedDecoderWeights, attach it, swap classes.
 
     `layer_shards` is consumed lazily, one layer at a time (parallelize frees each HF layer as
@@ -766,6 +838,7 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
     """
     policy = ShiftPolicy(shift_threshold)  # validates the threshold before any collective
     use_fused = fused_decision(spec, device, fused)
+    use_graphs = graphs_decision(use_fused, device, cuda_graphs)
     ctx = ParallelContext(layout, device=device)
     layers = []
     for i, weights in enumerate(layer_shards):
@@ -779,7 +852,7 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
     inner.layers = nn.ModuleList()  # the HF layers (and any weights they still hold) are gone
     _detach_base_model(inner)
     model.__class__ = _parallel_class(type(model))
-    model._fusedpar = _Runtime(spec, ctx, stack, block_size)
+    model._fusedpar = _Runtime(spec, ctx, stack, block_size, cuda_graphs=use_graphs)
     gen_cfg = getattr(model, "generation_config", None)
     if gen_cfg is not None and getattr(gen_cfg, "cache_implementation", None) is not None:
         # a static/quantized HF cache would make generate build 4D masks for the first step;
@@ -791,7 +864,7 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
 
 def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = None, *,
                 max_seq_len: int | None = None, block_size: int = 16, fused: bool | None = None,
-                fused_max_tokens: int = 4096):
+                fused_max_tokens: int = 4096, cuda_graphs: bool | None = None):
     """Shard a transformers causal LM's decoder over `layout` and run it with shift parallelism.
 
     Call on every rank of an initialised torch.distributed process group (world size =
@@ -810,6 +883,11 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
     fused: run the decoder on the fused kernels (see fused_decision; None = auto: CUDA + bf16/fp16
         + a model the core layer computes as is). fused_max_tokens sizes their symmetric
         workspaces (steps with more tokens fall back to the plain ops per op).
+    cuda_graphs: decode steps (one new token per row, at most 64 rows and the shift threshold) replay
+        CUDA graphs of the decoder stack (None = auto: on the fused path; True: required). A graph is
+        captured at the first decode step of a batch size (and again after the paged cache grows, or
+        a context outgrows the graphs' max_context), so that step takes longer; later ones skip
+        Python's per-kernel launch cost. Steps with output_hidden_states run eagerly.
 
     Raises UnsupportedModelError (a ValueError) naming every unsupported feature of the model or
     layout before any collective runs.
@@ -822,7 +900,7 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
         raise UnsupportedModelError("fusedpar.integrations.hf: the model has meta-device weights; "
                                     "use fusedpar.integrations.hf.load_parallel for checkpoints")
     device = model_device(model)
-    fused_decision(spec, device, fused)
+    graphs_decision(fused_decision(spec, device, fused), device, cuda_graphs)
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         raise RuntimeError("parallelize needs torch.distributed initialised (init_process_group) on every rank")
     rank = torch.distributed.get_rank()
@@ -837,7 +915,7 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
             layers[i] = nn.Identity()  # free this layer's full weights before the next one
 
     return assemble(model, spec, layout, shards(), device=device, shift_threshold=shift_threshold,
-                    block_size=block_size, fused=fused, fused_max_tokens=fused_max_tokens)
+                    block_size=block_size, fused=fused, fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs)
 
 
 def resident_decoder_bytes(model) -> int:

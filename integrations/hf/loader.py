@@ -36,7 +36,7 @@ from fusedpar.layers import ShardedDecoderWeights, weight_shapes
 from fusedpar.layers.weights import REPLICATED
 from fusedpar.layouts import WEIGHT_NAMES, ParallelLayout
 
-from .adapter import assemble, check_shift_threshold, fused_decision
+from .adapter import assemble, check_shift_threshold, fused_decision, graphs_decision
 from .spec import HFModelSpec, UnsupportedModelError, inspect_model, rotary_tables
 
 __all__ = ["CheckpointReader", "load_parallel"]
@@ -296,16 +296,16 @@ def _default_device() -> torch.device:
 def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None, shift_threshold: int | None = None,
                   max_seq_len: int | None = None, block_size: int = 16, progress: bool = True,
-                  fused: bool | None = None, fused_max_tokens: int = 4096):
+                  fused: bool | None = None, fused_max_tokens: int = 4096, cuda_graphs: bool | None = None):
     """Build a parallelized causal LM from a local HF checkpoint directory, reading only this rank's shards.
 
     Call on every rank of an initialised process group (world size = layout.world_size).
     dtype: weights' dtype, a torch.dtype or its name (default / "auto": the config's dtype, else
     float32); checkpoint tensors are converted to it. device: default CUDA
     current device under NCCL, else CPU. shift_threshold / max_seq_len / block_size / fused /
-    fused_max_tokens: as for `parallelize`. progress: show a progress bar on global rank 0. No network: `path` must be a
-    local directory with config.json and safetensors files. Returns the same kind of model as
-    `parallelize` (forward / generate as the unsharded model).
+    fused_max_tokens / cuda_graphs: as for `parallelize`. progress: show a progress bar on global
+    rank 0. No network: `path` must be a local directory with config.json and safetensors files.
+    Returns the same kind of model as `parallelize` (forward / generate as the unsharded model).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -328,7 +328,7 @@ def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: tor
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     spec = inspect_model(model, layout, max_seq_len=max_seq_len)
     check_shift_threshold(shift_threshold)  # validate before reading anything
-    fused_decision(spec, device, fused)
+    graphs_decision(fused_decision(spec, device, fused), device, cuda_graphs)
     world = dist.get_world_size()
     if world != layout.world_size:  # ParallelContext checks it too, but only after the embeddings were read
         raise ValueError(f"layout.world_size={layout.world_size} but torch.distributed world size is {world}")
@@ -340,7 +340,7 @@ def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: tor
             _load_replicated(model, reader, spec, dtype, device)
             model = assemble(model, spec, layout, _layer_shards(reader, spec, layout, rank, dtype, device, bar),
                              device=device, shift_threshold=shift_threshold, block_size=block_size,
-                             fused=fused, fused_max_tokens=fused_max_tokens)
+                             fused=fused, fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs)
             model.fusedpar_load_stats = dict(reader.bytes_read)
     finally:
         bar.close()

@@ -293,6 +293,45 @@ def test_supported_model_needs_process_group_and_real_weights():
         parallelize(make_model("llama"), LAYOUT4, fused=True)
 
 
+def test_cuda_graphs_choice_and_refusals():
+    """cuda_graphs: auto = on exactly when the fused path is; True without it is refused, before any
+    collective (no process group here); only None / True / False are accepted."""
+    from fusedpar.integrations.hf import UnsupportedModelError, parallelize
+    from fusedpar.integrations.hf.adapter import graphs_decision
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert graphs_decision(True, cuda, None) and not graphs_decision(False, cpu, None)
+    assert graphs_decision(True, cuda, True) and not graphs_decision(True, cuda, False)
+    assert not graphs_decision(False, cpu, False)
+    with pytest.raises(UnsupportedModelError, match="cuda_graphs=True needs the fused kernels"):
+        graphs_decision(False, cpu, True)
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="cuda_graphs must be None, True or False"):
+            graphs_decision(True, cuda, bad)
+    with pytest.raises(UnsupportedModelError, match="cuda_graphs=True needs the fused kernels"):
+        parallelize(make_model("llama"), LAYOUT4, cuda_graphs=True)  # CPU model: reference path
+
+
+def test_decode_graph_size():
+    """A step replays a decode graph only when every sequence adds one token, at the smallest capture
+    size that holds its sequences, within the stack's cap (shift threshold / max_tokens)."""
+    from fusedpar.integrations.hf.adapter import decode_graph_size
+    from fusedpar.layers import StepBatch
+
+    def decode(n, ctx=5):
+        return StepBatch(tuple(range(n)), (1,) * n, (ctx,) * n)
+
+    assert decode_graph_size(decode(1), 64) == 1
+    assert decode_graph_size(decode(3), 64) == 4
+    assert decode_graph_size(decode(17), 64) == 24
+    assert decode_graph_size(decode(64), 64) == 64
+    assert decode_graph_size(decode(65), 4096) is None  # beyond the largest capture size
+    assert decode_graph_size(decode(3), 3) is None  # size 4 > cap 3: that step would run in base mode
+    assert decode_graph_size(decode(3), 4) == 4
+    assert decode_graph_size(StepBatch((0, 1), (1, 2), (5, 0)), 64) is None  # a prefill row: eager
+    assert decode_graph_size(StepBatch((0,), (7,), (0,)), 64) is None
+
+
 def test_fused_path_choice():
     """auto: fused only for CUDA bf16/fp16 models with head_dim 2^k >= 16."""
     from fusedpar.integrations.hf import UnsupportedModelError, inspect_model
