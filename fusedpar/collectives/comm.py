@@ -59,6 +59,8 @@ def head_to_seq_all_to_all(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
 
 def all_gather_rows(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """[m, ...] on each peer -> [G*m, ...], peer g's rows at [g*m, (g+1)*m)."""
+    if x.dim() == 0:
+        raise ValueError("all_gather_rows: x must have >= 1 dim (rows first), got a 0-d tensor; use x.reshape(1)")
     if group.size == 1:
         return x
     out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -67,8 +69,13 @@ def all_gather_rows(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
 
 
 def all_reduce_sum(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """Sum of x over the group's peers, in place on x (returned for chaining)."""
+    """Sum of x over the group's peers, in place on x (returned for chaining); x may be any view."""
     if group.size == 1:
         return x
+    if not x.is_contiguous():
+        # The process groups want dense tensors: gloo reduced a column slice's storage from its first
+        # element as if it were contiguous (wrong sums, stores outside the view). Reduce a contiguous
+        # copy and write it back.
+        return x.copy_(all_reduce_sum(x.contiguous(), group))
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group.pg)
     return x

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fusedpar.layouts import ParallelLayout, RankCoords
+from fusedpar.layouts import MODES, ParallelLayout, RankCoords
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,12 @@ class ParallelContext:
 
     def attention_group(self, mode: str) -> CommGroup:
         """The group the post-attention row-parallel all-reduce spans: TP in base, shift in shift."""
-        return self.tp if mode == "base" else self.shift
+        if mode == "base":
+            return self.tp
+        if mode == "shift":
+            return self.shift
+        # Checked after the two valid modes, so the per-layer lookup costs nothing extra.
+        raise ValueError(f"attention_group: mode must be one of {MODES}, got {mode!r}")
 
     def __repr__(self) -> str:
         return f"ParallelContext(rank={self.global_rank}, {self.coords}, {self.layout!r}, backend={self.backend!r})"

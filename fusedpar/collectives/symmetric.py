@@ -158,9 +158,11 @@ class PeerTable:
         if byte_offset % esize:
             raise ValueError(f"view: byte_offset {byte_offset} is not a multiple of {dtype} size {esize}")
         if numel is None:
-            numel = (self.buffer_bytes - byte_offset) // esize
+            numel = max(0, self.buffer_bytes - byte_offset) // esize
+        if numel < 0:  # a negative count would slice from the buffer's end
+            raise ValueError(f"view: numel {numel} must be >= 0")
         end = byte_offset + numel * esize
-        if byte_offset < 0 or end > self.buffer_bytes:
+        if byte_offset < 0 or end > self.buffer_bytes or byte_offset > self.buffer_bytes:
             raise ValueError(f"view: bytes [{byte_offset}, {end}) do not fit the {self.buffer_bytes}-byte buffer")
         return self.buffer[byte_offset:end].view(dtype)
 
@@ -322,8 +324,9 @@ class SymmetricWorkspace:
         start = self.flag_bytes + byte_offset
         if start % esize:
             raise ValueError(f"peer_view: offset {byte_offset} is not a multiple of {dtype} size {esize}")
-        if byte_offset < 0 or byte_offset + numel * esize > self.buffer_bytes:
-            raise ValueError("peer_view: the view does not fit the data buffer")
+        if numel < 0 or byte_offset < 0 or byte_offset + numel * esize > self.buffer_bytes:
+            raise ValueError(f"peer_view: {numel} elements of {esize} bytes from byte {byte_offset} do not fit "
+                             f"the {self.buffer_bytes}-byte data buffer")
         return self.handle.get_buffer(peer, (numel,), dtype, start // esize)
 
     def barrier(self) -> None:

@@ -45,7 +45,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from fusedpar.collectives.symmetric import EmulatedWorld, PeerTable, as_peer_table
-from fusedpar.kernels._host import cdiv
+from fusedpar.kernels._host import cdiv, require_pow2, require_same_on_ranks
 from fusedpar.kernels._sync import (
     check_emulated_rank,
     flags_of,
@@ -176,14 +176,23 @@ class OneShotConfig:
     num_warps: int = 8
     max_blocks: int = 32
 
+    def __post_init__(self) -> None:
+        # max_blocks=0 would launch an empty grid: out left unwritten and the epoch never advanced.
+        require_pow2("OneShotConfig", block=self.block, num_warps=self.num_warps)
+        if self.max_blocks < 1:
+            raise ValueError(f"OneShotConfig: max_blocks={self.max_blocks} must be >= 1")
+
 
 # Interpreter: small tiles and a few programs so the CPU tests exercise several programs, the
 # grid-stride loop and partial tiles on small messages.
 _INTERPRETER_CONFIG = OneShotConfig(block=256, num_warps=1, max_blocks=4)
 
 
+_GPU_CONFIG = OneShotConfig()  # one instance: the default is taken per call
+
+
 def _default_config() -> OneShotConfig:
-    return _INTERPRETER_CONFIG if _INTERPRETED else OneShotConfig()
+    return _INTERPRETER_CONFIG if _INTERPRETED else _GPU_CONFIG
 
 
 def one_shot_capacity_bytes(peers: PeerTable) -> int:
@@ -469,8 +478,10 @@ def one_shot_all_reduce_emulated(
     W = world.world_size
     if len(inputs) != W:
         raise ValueError(f"one_shot_all_reduce_emulated: {len(inputs)} inputs for {W} ranks")
+    require_same_on_ranks("one_shot_all_reduce_emulated", "inputs", inputs)
     if outs is None:
-        outs = [torch.empty_like(x) for x in inputs]
+        # Contiguous, as the launcher requires (empty_like would keep a transposed input's strides).
+        outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in inputs]
     if schedule not in ("phased", "staggered"):
         raise ValueError(f"one_shot_all_reduce_emulated: unknown schedule {schedule!r}")
 
@@ -520,6 +531,8 @@ def all_reduce(
             and x.device == table.device
             and nbytes <= min(max_one_shot_bytes, one_shot_capacity_bytes(table))
         ):
+            if inplace and not x.is_contiguous():  # the kernel writes a contiguous out
+                return x.copy_(one_shot_all_reduce(x, table, config=config))
             return one_shot_all_reduce(x, table, out=x if inplace else None, config=config)
     return sum_over_group_(x if inplace else x.clone(), pg)
 
@@ -548,7 +561,12 @@ def sum_over_group_(y: torch.Tensor, pg) -> torch.Tensor:
     block). That wrapper is about half of an eager decode all-reduce's host cost
     (perf/host_cost.py), and eager decode is host-bound. Under torch.compile it is dist.all_reduce
     itself, which dynamo knows how to trace.
+    y may be any strided tensor: a non-contiguous one is reduced through a contiguous copy, since the
+    process groups want dense tensors (gloo reduced a column slice's storage from its first element as
+    if it were contiguous: wrong sums, and stores outside the view).
     """
+    if not y.is_contiguous():
+        return y.copy_(sum_over_group_(y.contiguous(), pg))
     if torch.compiler.is_compiling():
         import torch.distributed as dist
 

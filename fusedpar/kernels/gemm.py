@@ -41,7 +41,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusedpar.kernels._host import cdiv, next_pow2
+from fusedpar.kernels._host import cdiv, has_internal_overlap, next_pow2, overlaps, require_pow2
 
 __all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config", "require_one_block", "split_w_descriptor",
            "tma_compatible", "tma_descriptors"]
@@ -232,6 +232,16 @@ class GemmConfig:
     tma: bool = False  # TMA tile loads (only where tma_compatible holds; else the launcher uses pointers)
     flatten: bool = True  # one fused tile x K loop (see the kernel's FLATTEN)
     block_n2: int = 0  # a second column block per tile: tiles are block_m x (block_n + block_n2)
+
+    def __post_init__(self) -> None:
+        # Checked once here rather than per launch: every kernel that takes a GemmConfig needs these,
+        # and a bad value otherwise surfaces as a Triton error from inside the kernel (or an empty grid).
+        require_pow2("GemmConfig", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
+                     num_warps=self.num_warps)
+        if self.block_n2:
+            require_pow2("GemmConfig", block_n2=self.block_n2)
+        if self.group_m < 1 or self.num_stages < 1:
+            raise ValueError(f"GemmConfig: group_m={self.group_m} and num_stages={self.num_stages} must be >= 1")
 
     @property
     def tile_n(self) -> int:
@@ -430,10 +440,27 @@ def split_w_descriptor(w: torch.Tensor, cfg: GemmConfig, use_tma: bool):
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n2, cfg.block_k])
 
 
-def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+def _check_out_overlap(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """Refuse an out that shares memory with a or w (tiles of out are stored while other programs still
+    read those operands) or with itself (several tiles would store to one element). Real tensors only:
+    the fake impls see no memory."""
+    if has_internal_overlap(out):
+        raise ValueError(f"fusedpar.matmul: out {tuple(out.shape)} with strides {out.stride()} has elements "
+                         "sharing memory (an expand()ed view); pass a tensor with distinct elements")
+    for name, t in (("a", a), ("w", w)):
+        if overlaps(out, t):
+            raise ValueError(f"fusedpar.matmul: out overlaps {name} in memory; the GEMM cannot run in place, "
+                             "pass a separate out")
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig | None = None,
+            *, fresh_out: bool = False) -> torch.Tensor:
     """Check the arguments and run the kernel into `out` (allocated by the caller); `config` overrides the
-    block-size heuristic (tests use it to exercise other tilings)."""
+    block-size heuristic (tests use it to exercise other tilings). fresh_out: out was just allocated
+    here, so the overlap checks are skipped."""
     _check_args(a, w, out)
+    if not fresh_out:
+        _check_out_overlap(a, w, out)
     m, k = a.shape
     n = w.shape[0]
     if m == 0 or n == 0:
@@ -511,7 +538,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
 def _matmul_op(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """C = A @ W^T into a new contiguous [M, N] tensor of A's dtype."""
     out = torch.empty((a.shape[0], w.shape[0]), dtype=a.dtype, device=a.device)
-    return _launch(a, w, out)
+    return _launch(a, w, out, fresh_out=True)
 
 
 @_matmul_op.register_fake
@@ -536,7 +563,8 @@ def matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) ->
 
     a: [M, K], w: [N, K] in nn.Linear orientation; both fp16/bf16/fp32 (same dtype), any strides
     (w is typically a `narrow` view of a larger base weight). out: optional [M, N] destination of
-    a's dtype or fp32, any strides; it is fully overwritten. Returns out (or a new tensor).
+    a's dtype or fp32, any strides; it is fully overwritten, and must not share memory with a, w or
+    itself (ValueError). Returns out (or a new tensor).
     Goes through the registered ops, so it is safe under torch.compile and CUDA-graph capture.
     No autograd: this is an inference kernel.
     """

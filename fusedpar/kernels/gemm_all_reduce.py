@@ -123,7 +123,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from fusedpar.collectives.symmetric import EmulatedWorld, PeerTable, SymmetricWorkspace, _align, as_peer_table
-from fusedpar.kernels._host import cdiv
+from fusedpar.kernels._host import cdiv, has_internal_overlap, overlaps, require_pow2, require_same_on_ranks
 from fusedpar.kernels._sync import (
     check_emulated_rank,
     device_guard,
@@ -446,6 +446,16 @@ class FusedConfig:
     comm_rows: int
     split_k: int = 1
 
+    def __post_init__(self) -> None:
+        # The kernel does not survive bad values: num_sms=0 launches an empty grid (out never written),
+        # and comm_rows must tile block_m exactly (a larger step reads and stores other tiles' rows).
+        if self.num_sms < 1:
+            raise ValueError(f"FusedConfig: num_sms={self.num_sms} must be >= 1 (the persistent grid size)")
+        require_pow2("FusedConfig", comm_rows=self.comm_rows)
+        if self.comm_rows > self.gemm.block_m:
+            raise ValueError(f"FusedConfig: comm_rows={self.comm_rows} must divide block_m={self.gemm.block_m} "
+                             "(a power of two <= block_m)")
+
     def as_list(self) -> list[int]:
         g = self.gemm
         return [g.block_m, g.block_n, g.block_k, g.group_m, g.num_warps, g.num_stages, self.num_sms, self.comm_rows,
@@ -700,6 +710,25 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, device: t
     for name, t in (("x", x), ("w", w), ("out", out), ("residual", residual)):
         if t is not None and sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True)) >= 2**31:
             raise ValueError(f"gemm_all_reduce: {name} spans >= 2**31 elements (int32 offsets); split the call")
+    if out is not None and not torch.compiler.is_compiling():  # fakes have no memory; the op body checks again
+        _check_out_overlap(x, w, out, residual)
+
+
+def _check_out_overlap(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """out may be residual itself (each element is read by the program that then stores it) but no other
+    view of it, and must not share memory with x or w: the fused kernel stores finished tiles of out
+    while other programs (and, two-shot, other ranks' pushes) still read the operands."""
+    if has_internal_overlap(out):
+        raise ValueError(f"gemm_all_reduce: out {tuple(out.shape)} with strides {out.stride()} has elements "
+                         "sharing memory (an expand()ed view); pass a tensor with distinct elements")
+    for name, t in (("x", x), ("w", w)):
+        if overlaps(out, t):
+            raise ValueError(f"gemm_all_reduce: out overlaps {name} in memory; the fused paths cannot run in "
+                             "place on an operand, pass a separate out (out=residual is allowed)")
+    if residual is not None and residual is not out and overlaps(out, residual) and \
+            (out.data_ptr() != residual.data_ptr() or out.stride() != residual.stride()):
+        raise ValueError("gemm_all_reduce: out overlaps residual without being residual itself; pass "
+                         "out=residual (in place) or a separate out")
 
 
 def _launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan: FusedPlan, *,
@@ -914,7 +943,7 @@ def _fused_out_op(
     residual: torch.Tensor | None = None,
 ) -> None:
     """out[:] = [residual +] sum over ranks of x @ w^T through a fused path; out may be any strided
-    [M, N] view (not overlapping residual)."""
+    [M, N] view not sharing memory with x or w, and either residual itself or not overlapping it."""
     _check(x, w, out, counters.device, residual)
     _run_op(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world_size, buffer_bytes, max_blocks, path,
             partial_fp32, config, use_flags, residual)
@@ -1089,7 +1118,9 @@ def gemm_all_reduce(
     residual: optional [..., N] tensor, identical on every rank (the residual stream), added to the
     reduced sum with the plain path's roundings (sum rounded to x's dtype, then torch's add); the
     fused paths add it in their reduce epilogue, the others with a torch add.
-    out: optional [..., N] destination (fully overwritten). partial_dtype: None (x's dtype) or
+    out: optional [..., N] destination (fully overwritten); on the fused paths it must not share memory
+    with x, w or itself (ValueError), and may be residual itself (in place) but no other view of it.
+    partial_dtype: None (x's dtype) or
     torch.float32 (more accurate, twice the NVLink bytes).
     path: "auto" (choose_path), or force "one_shot" / "two_shot" (ValueError if the workspace
     cannot hold it), "unfused" (cuBLAS + all_reduce) or "local" (no communication).
@@ -1198,6 +1229,8 @@ def gemm_all_reduce_emulated(
         raise ValueError(f"gemm_all_reduce_emulated: {len(xs)} inputs and {len(ws)} weights for {W} ranks")
     if schedule not in ("phased", "staggered"):
         raise ValueError(f"gemm_all_reduce_emulated: unknown schedule {schedule!r}")
+    require_same_on_ranks("gemm_all_reduce_emulated", "x", xs)
+    require_same_on_ranks("gemm_all_reduce_emulated", "w", ws)
     if outs is None:
         outs = [torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype) for x, w in zip(xs, ws, strict=True)]
     res = residuals if residuals is not None else [None] * W

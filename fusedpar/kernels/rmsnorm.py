@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedpar.kernels._host import next_pow2
+from fusedpar.kernels._host import has_internal_overlap, next_pow2, overlaps
 
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 65536
@@ -57,6 +57,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, delta: torch.Tensor | None) -> None
         raise TypeError(f"rms_norm: x and weight must share a dtype in {_SUPPORTED}, got {x.dtype} / {w.dtype}")
     if w.shape != (x.shape[1],):
         raise ValueError(f"rms_norm: weight must be [{x.shape[1]}], got {tuple(w.shape)}")
+    if w.stride(0) != 1 and x.shape[1] > 1:  # the kernel reads the weight as w_ptr + column
+        raise ValueError(f"rms_norm: weight must be contiguous (stride 1), got stride {w.stride(0)}; "
+                         "pass weight.contiguous()")
     if not 1 <= x.shape[1] <= MAX_HIDDEN:
         raise ValueError(f"rms_norm: hidden size {x.shape[1]} outside [1, {MAX_HIDDEN}]")
     if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype or delta.stride(1) != 1):
@@ -64,6 +67,21 @@ def _check(x: torch.Tensor, w: torch.Tensor, delta: torch.Tensor | None) -> None
                          f"{tuple(delta.shape)} {delta.dtype} strides {delta.stride()}")
     if w.device != x.device or (delta is not None and delta.device != x.device):
         raise ValueError("rms_norm: x, delta and weight must be on one device")
+
+
+def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
+    # The kernel stores y_ptr + row * stride + column: the columns must be contiguous, and a program
+    # reads its whole row of x before it stores, so out may be x itself but no other view of it
+    # (a shifted row would be overwritten before another program reads it).
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or \
+            (x.shape[1] > 1 and out.stride(1) != 1):
+        raise ValueError(f"rms_norm: out must be {tuple(x.shape)} {x.dtype} on {x.device} with contiguous columns, "
+                         f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}")
+    if has_internal_overlap(out):
+        raise ValueError(f"rms_norm: out has rows sharing memory (strides {out.stride()}); pass a fresh tensor")
+    if out is not x and overlaps(out, x) and (out.data_ptr() != x.data_ptr() or out.stride(0) != x.stride(0)):
+        raise ValueError("rms_norm: out overlaps x without being x itself (in place); pass out=x or a separate "
+                         "tensor")
 
 
 def _launch(x, delta, w, eps, s, y):
@@ -81,7 +99,11 @@ def _launch(x, delta, w, eps, s, y):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of every row of x [rows, hidden] (see module docstring); returns a new tensor (or out)."""
     _check(x, weight, None)
-    y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out is None:
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        _check_out(x, out)
+        y = out
     _launch(x, None, weight, eps, None, y)
     return y
 

@@ -111,7 +111,7 @@ from triton.language.extra.cuda import globaltimer
 from triton.runtime.jit import JITFunction
 
 from fusedpar.collectives.symmetric import NUM_COUNTERS, EmulatedWorld, PeerTable, as_peer_table
-from fusedpar.kernels._host import cdiv
+from fusedpar.kernels._host import cdiv, require_pow2, require_same_on_ranks
 from fusedpar.kernels._sync import (
     EPOCH,
     check_emulated_rank,
@@ -819,8 +819,14 @@ class OProjConfig:
     copy_cols: int = 512
     max_bands: int = 64
 
+    def __post_init__(self) -> None:
+        # copy_rows x copy_cols is a tl.arange tile; comm_programs and max_bands are clamped to >= 1 by
+        # the launcher (and gemm checked itself), so only the tile needs a check.
+        require_pow2("OProjConfig", copy_rows=self.copy_rows, copy_cols=self.copy_cols)
+
 
 _INTERPRETER_O_CONFIG = OProjConfig(comm_programs=2, copy_rows=8, copy_cols=16, max_bands=64)
+_GPU_O_CONFIG = OProjConfig()  # one instance: the default is taken per launch
 
 
 def o_proj_workspace_bytes(tokens: int, c: int, sp: int, dtype: torch.dtype) -> int:
@@ -909,7 +915,7 @@ def launch_all_to_all_o_proj(
     _check_int32("all_to_all_o_proj", attn=attn, w=w, out=out)
     W, n = table.world_size, w.shape[0]
     num_sms = sm_count(attn.device, _INTERPRETED)
-    cfg = config or (_INTERPRETER_O_CONFIG if _INTERPRETED else OProjConfig())
+    cfg = config or (_INTERPRETER_O_CONFIG if _INTERPRETED else _GPU_O_CONFIG)
     gcfg, band_rows, num_bands, comm = _o_launch_shape(m, n, C, W, attn.dtype, out.dtype, table, cfg, num_sms)
     comm = comm if push else 0
     tiles = cdiv(m, gcfg.block_m) * cdiv(n, gcfg.block_n)
@@ -1405,7 +1411,7 @@ def all_to_all_o_proj(
         raise ValueError("all_to_all_o_proj: the fused path needs the SP group's workspace (peers=...)")
     _check_device("all_to_all_o_proj", attn, table.device)
     m, _ = _check_o(attn, w_o, table, out)
-    cfg = config or (_INTERPRETER_O_CONFIG if _INTERPRETED else OProjConfig())
+    cfg = config or (_INTERPRETER_O_CONFIG if _INTERPRETED else _GPU_O_CONFIG)
     if torch.compiler.is_compiling():
         args = (*_table_args(table), *_table_meta(table), use_flags, _o_meta(cfg))
         if out is None:
@@ -1470,6 +1476,8 @@ def qkv_all_to_all_emulated(
         raise ValueError(f"qkv_all_to_all_emulated: {len(xs)} inputs / {len(ws)} weights for {W} ranks")
     if schedule not in ("phased", "staggered"):
         raise ValueError(f"qkv_all_to_all_emulated: unknown schedule {schedule!r}")
+    require_same_on_ranks("qkv_all_to_all_emulated", "x", xs)
+    require_same_on_ranks("qkv_all_to_all_emulated", "w", ws)
     first = range(W) if schedule == "phased" else range(W - 1)
     kw = {"use_flags": use_flags, "config": config, "rotate": rotate}
     for r in range(W):
@@ -1515,6 +1523,8 @@ def all_to_all_o_proj_emulated(
         raise ValueError(f"all_to_all_o_proj_emulated: {len(attns)} inputs / {len(ws)} weights for {W} ranks")
     if schedule not in ("phased", "staggered"):
         raise ValueError(f"all_to_all_o_proj_emulated: unknown schedule {schedule!r}")
+    require_same_on_ranks("all_to_all_o_proj_emulated", "attn", attns)
+    require_same_on_ranks("all_to_all_o_proj_emulated", "w", ws)
     if outs is None:
         outs = [torch.empty((a.shape[0] // W, w.shape[0]), dtype=a.dtype) for a, w in zip(attns, ws, strict=True)]
     first = range(W) if schedule == "phased" else range(W - 1)

@@ -316,6 +316,7 @@ def test_decode_graph_size():
     """A step replays a decode graph only when every sequence adds one token, at the smallest capture
     size that holds its sequences, within the stack's cap (shift threshold / max_tokens)."""
     from fusedpar.integrations.hf.adapter import decode_graph_size
+
     from fusedpar.layers import StepBatch
 
     def decode(n, ctx=5):
