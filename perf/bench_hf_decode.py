@@ -8,8 +8,11 @@ same layout (--sp, default pure TP over all GPUs): `cuda_graphs=None` (the fused
 decode graphs) and `cuda_graphs=False` (every step eager). Per batch size, left-padded prompts of
 --prompt tokens, greedy: a warm-up generate of --new-tokens (captures the graph, compiles every
 Triton specialisation), then TPOT = (time of generate(new) - time of generate(1)) / (new - 1),
-median of --repeats, max over ranks; the prefill and generate's setup cancel out. Both models'
-tokens must agree (printed; a bf16 near-tie may flip one).
+median of --repeats, max over ranks; the prefill and generate's setup cancel out. Greedy tokens of
+the two are printed (random weights give flat logits, where a bf16 near-tie may part them), and
+the logits of 16 decode steps fed the same tokens (teacher forcing) are compared, with each other
+and with the unsharded HF model's (built again from the seed): the scale of bf16 rounding through
+the layers.
 
 Records (perf/results/hf_decode.json): bench hf_decode_tpot, tokens = batch rows, baseline = the
 same adapter eager, fused_ms = with graphs, speedup = eager / graphs, roofline_pct = 100 * floor /
@@ -83,6 +86,22 @@ def tpot_ms(pm, ids, mask, new: int, repeats: int) -> tuple[float, torch.Tensor]
     return _bench.max_over_ranks(statistics.median(samples)), out
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def forced_logits(pm, seq: torch.Tensor, prompt: int, steps: int) -> torch.Tensor:
+    """Logits [steps, b, vocab] of `steps` decode steps that feed seq's own tokens after its first
+    `prompt` (teacher forcing): both models see the same tokens, whatever either would pick."""
+    out = pm(seq[:, :prompt], use_cache=True)
+    past, logits = out.past_key_values, []
+    for t in range(steps):
+        out = pm(seq[:, prompt + t : prompt + t + 1], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits.append(out.logits[:, -1].float())
+    return torch.stack(logits)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-3-8B: 32)")
@@ -130,15 +149,33 @@ def main() -> int:
         res = {name: tpot_ms(m, ids, mask, args.new_tokens, args.repeats) for name, m in models.items()}
         (g_ms, g_out), (e_ms, e_out) = res["graphs"], res["eager"]
         same = bool(torch.equal(g_out, e_out))
+        # Tokens may part at a near-tie (random weights give flat logits; the graphs' split-KV tiling,
+        # chosen for their max_context, rounds the attention's fp32 sums in another order), so the
+        # logits are compared on the same tokens: the graph model's greedy continuation, unpadded.
+        seq = torch.cat([ids[:, -args.prompt // 2 :], g_out[:, args.prompt :]], dim=1)
+        fl = {name: forced_logits(m, seq, args.prompt // 2, 16) for name, m in models.items()}
+        ref = build_model(args, device)  # the unsharded model, HF's own attention and cache: the scale of
+        with torch.no_grad():            # bf16 rounding differences through this many layers
+            fl["unsharded"] = forced_logits(ref, seq, args.prompt // 2, 16)
+        del ref
+        torch.cuda.empty_cache()
+
+        err, g_ref, e_ref = (rel_err(fl[a], fl[b]) for a, b in (("graphs", "eager"), ("graphs", "unsharded"),
+                                                                 ("eager", "unsharded")))
+        graph_replays = models["graphs"].fusedpar_stack.graph_steps
         rec = {**common, "case": f"Llama-3-8B shape x{args.layers} layers, batch {b}, {lay}", "tokens": b,
                "baseline_ms": e_ms, "fused_ms": g_ms, "speedup": e_ms / g_ms, "roofline_pct": 100 * floor_ms / g_ms,
                "baseline_roofline_pct": 100 * floor_ms / e_ms, "floor_ms": floor_ms, "prompt_tokens": args.prompt,
-               "new_tokens": args.new_tokens, "tokens_equal": same,
+               "new_tokens": args.new_tokens, "tokens_equal": same, "forced_logits_rel_err": err,
+               "forced_logits_rel_err_vs_unsharded": {"graphs": g_ref, "eager": e_ref},
+               "graph_replays": graph_replays,
                "graph_captures": models["graphs"]._fusedpar.graph_captures}
         records.append(rec)
         if rank == 0:
             print(f"  batch {b:3d}: TPOT graphs {g_ms:7.2f} ms  eager {e_ms:7.2f} ms  ({e_ms / g_ms:.2f}x)  "
-                  f"roofline {rec['roofline_pct']:.0f}% / {rec['baseline_roofline_pct']:.0f}%  tokens equal {same}",
+                  f"roofline {rec['roofline_pct']:.0f}% / {rec['baseline_roofline_pct']:.0f}%  tokens equal {same}  "
+                  f"teacher-forced logits rel err {err:.1e} (vs the unsharded HF model: graphs {g_ref:.1e}, eager "
+                  f"{e_ref:.1e})  graph replays so far {graph_replays}",
                   flush=True)
     if rank == 0:
         _bench.write_records(records, args.out)
