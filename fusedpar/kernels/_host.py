@@ -64,6 +64,19 @@ def has_internal_overlap(t) -> bool:
     return any(stride == 0 and size > 1 for size, stride in zip(t.shape, strides, strict=True))
 
 
+def check_out_overlap(op: str, out, **operands) -> None:
+    """Raise ValueError when out shares memory with itself (an expand()ed view: several tiles would
+    store one element) or with one of `operands` (name=tensor): the GEMM kernels store finished tiles
+    of out while other programs still read the operands, so they cannot run in place."""
+    if has_internal_overlap(out):
+        raise ValueError(f"{op}: out {tuple(out.shape)} with strides {out.stride()} has elements sharing memory "
+                         "(an expand()ed view); pass a tensor with distinct elements")
+    for name, t in operands.items():
+        if overlaps(out, t):
+            raise ValueError(f"{op}: out overlaps {name} in memory; the GEMM cannot run in place on an operand, "
+                             "pass a separate out")
+
+
 def require_same_on_ranks(what: str, name: str, tensors) -> None:
     """Raise ValueError unless every rank's tensor (tensors[r]) has rank 0's shape and dtype: the
     collective kernels' precondition, which an emulated driver sees whole (the real launchers cannot

@@ -41,7 +41,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusedpar.kernels._host import cdiv, has_internal_overlap, next_pow2, overlaps, require_pow2
+from fusedpar.kernels._host import cdiv, check_out_overlap, next_pow2, require_pow2
 
 __all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config", "require_one_block", "split_w_descriptor",
            "tma_compatible", "tma_descriptors"]
@@ -440,27 +440,14 @@ def split_w_descriptor(w: torch.Tensor, cfg: GemmConfig, use_tma: bool):
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n2, cfg.block_k])
 
 
-def _check_out_overlap(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """Refuse an out that shares memory with a or w (tiles of out are stored while other programs still
-    read those operands) or with itself (several tiles would store to one element). Real tensors only:
-    the fake impls see no memory."""
-    if has_internal_overlap(out):
-        raise ValueError(f"fusedpar.matmul: out {tuple(out.shape)} with strides {out.stride()} has elements "
-                         "sharing memory (an expand()ed view); pass a tensor with distinct elements")
-    for name, t in (("a", a), ("w", w)):
-        if overlaps(out, t):
-            raise ValueError(f"fusedpar.matmul: out overlaps {name} in memory; the GEMM cannot run in place, "
-                             "pass a separate out")
-
-
 def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig | None = None,
             *, fresh_out: bool = False) -> torch.Tensor:
     """Check the arguments and run the kernel into `out` (allocated by the caller); `config` overrides the
     block-size heuristic (tests use it to exercise other tilings). fresh_out: out was just allocated
     here, so the overlap checks are skipped."""
     _check_args(a, w, out)
-    if not fresh_out:
-        _check_out_overlap(a, w, out)
+    if not fresh_out:  # real tensors only: the fake impls see no memory
+        check_out_overlap("fusedpar.matmul", out, a=a, w=w)
     m, k = a.shape
     n = w.shape[0]
     if m == 0 or n == 0:

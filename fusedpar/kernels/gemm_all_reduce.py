@@ -123,7 +123,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from fusedpar.collectives.symmetric import EmulatedWorld, PeerTable, SymmetricWorkspace, _align, as_peer_table
-from fusedpar.kernels._host import cdiv, has_internal_overlap, overlaps, require_pow2, require_same_on_ranks
+from fusedpar.kernels._host import cdiv, check_out_overlap, overlaps, require_pow2, require_same_on_ranks
 from fusedpar.kernels._sync import (
     check_emulated_rank,
     device_guard,
@@ -718,13 +718,7 @@ def _check_out_overlap(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, resi
     """out may be residual itself (each element is read by the program that then stores it) but no other
     view of it, and must not share memory with x or w: the fused kernel stores finished tiles of out
     while other programs (and, two-shot, other ranks' pushes) still read the operands."""
-    if has_internal_overlap(out):
-        raise ValueError(f"gemm_all_reduce: out {tuple(out.shape)} with strides {out.stride()} has elements "
-                         "sharing memory (an expand()ed view); pass a tensor with distinct elements")
-    for name, t in (("x", x), ("w", w)):
-        if overlaps(out, t):
-            raise ValueError(f"gemm_all_reduce: out overlaps {name} in memory; the fused paths cannot run in "
-                             "place on an operand, pass a separate out (out=residual is allowed)")
+    check_out_overlap("gemm_all_reduce", out, x=x, w=w)
     if residual is not None and residual is not out and overlaps(out, residual) and \
             (out.data_ptr() != residual.data_ptr() or out.stride() != residual.stride()):
         raise ValueError("gemm_all_reduce: out overlaps residual without being residual itself; pass "
