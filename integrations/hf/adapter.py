@@ -64,7 +64,9 @@ step of a batch size not captured yet, and again when the paged cache has grown 
 its tensors) or a context outgrows the graphs' max_context (twice the longest context, rounded
 up to a power of two, at least 1024 and at most the cache's capacity: the decode attention's
 split-KV tiling is chosen for it). Their padding rows use one cache block of their own. A step
-with output_hidden_states runs eagerly (its layer outputs are read by hooks).
+with output_hidden_states runs eagerly (its layer outputs are read by hooks). Since a grow forces
+a (collective) recapture, the ranks of a replica agree on every grow: each step's free-block count
+is the minimum over them (one int all-reduce), as a fork may be freed earlier on one rank.
 
 Numerics. Every model runs on the core ShiftParallelDecoderLayer: q/k/v bias (Qwen2) and a
 non-default RoPE table (llama3, linear, yarn: the HF rotary module's inv_freq and
@@ -298,8 +300,23 @@ class _Runtime:
                 blocks = max(16, 2 * (-(-tokens // self.block_size) + len(batch.seq_ids)))
                 self.kv = self.stack.make_cache(block_size=self.block_size, num_blocks=blocks)
             need, kv = self.kv.blocks_needed(batch) + extra_blocks, self.kv
-            if need > kv.free_blocks:  # HF calls come unplanned: grow (same decision on every rank)
-                kv.grow(max(2 * kv.num_blocks, kv.num_blocks - kv.free_blocks + need))
+            free = self._replica_min(kv.free_blocks) if self.cuda_graphs else kv.free_blocks
+            if need > free:  # HF calls come unplanned: grow
+                kv.grow(max(2 * kv.num_blocks, kv.num_blocks - free + need))
+
+    def _replica_min(self, value: int) -> int:
+        """The smallest `value` over this replica's ranks. With decode graphs a grow makes the graphs stale,
+        and their recapture is collective, so every rank must grow at the same step; but free blocks can
+        differ between ranks: a fork (a deep-copied past_key_values) is freed when that rank's last
+        reference to it goes, which user code or the garbage collector may do at different steps. All
+        ranks grow when any one needs to (to the same size: their num_blocks stay equal). One int
+        all-reduce per step; generate syncs with the host every step anyway."""
+        group = self.ctx.shift
+        if group.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.ctx.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group.pg)
+        return int(t.item())
 
     def run(self, hidden: torch.Tensor, batch: StepBatch, *, eager: bool = False) -> torch.Tensor:
         """One stack step on the paged cache. A pure decode step of at most the largest capture size
@@ -327,6 +344,9 @@ class _Runtime:
         capacity = self.kv.num_blocks * self.block_size  # no sequence can hold more tokens than the cache
         max_context = min(capacity, max(GRAPH_MIN_CONTEXT, 1 << (2 * need - 1).bit_length(),
                                         g.max_context if mine else 0))
+        # drop the old graphs (their pool and static buffers) before capturing the new ones
+        del g
+        self.stack.graphs = None
         with torch.inference_mode(False), torch.no_grad():  # static buffers: normal tensors (see _reserve)
             self.stack.capture_decode_graphs(self.kv, max_context=max_context, sizes=tuple(sorted(sizes)))
         self.graph_captures += 1
