@@ -52,6 +52,17 @@ def overlaps(a, b) -> bool:
     return a0 < b0 + (_last_offset(b) + 1) * b.itemsize and b0 < a0 + (_last_offset(a) + 1) * a.itemsize
 
 
+def overlaps_other_view(out, t) -> bool:
+    """Whether out shares memory with t without being the same view of it (same first element, and
+    the same strides wherever a dim has more than one element): the in-place case a kernel that reads
+    each element before storing it can allow. out and t have one shape."""
+    if out is t or not overlaps(out, t):
+        return False
+    if out.data_ptr() != t.data_ptr():
+        return True
+    return any(a != b for n, a, b in zip(out.shape, out.stride(), t.stride(), strict=True) if n > 1)
+
+
 def has_internal_overlap(t) -> bool:
     """Whether t has a dimension of size > 1 and stride 0 (an expand()ed view), whose elements share memory.
 

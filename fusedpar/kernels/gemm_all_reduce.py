@@ -123,7 +123,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from fusedpar.collectives.symmetric import EmulatedWorld, PeerTable, SymmetricWorkspace, _align, as_peer_table
-from fusedpar.kernels._host import cdiv, check_out_overlap, overlaps, require_pow2, require_same_on_ranks
+from fusedpar.kernels._host import cdiv, check_out_overlap, overlaps_other_view, require_pow2, require_same_on_ranks
 from fusedpar.kernels._sync import (
     check_emulated_rank,
     device_guard,
@@ -719,8 +719,7 @@ def _check_out_overlap(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, resi
     view of it, and must not share memory with x or w: the fused kernel stores finished tiles of out
     while other programs (and, two-shot, other ranks' pushes) still read the operands."""
     check_out_overlap("gemm_all_reduce", out, x=x, w=w)
-    if residual is not None and residual is not out and overlaps(out, residual) and \
-            (out.data_ptr() != residual.data_ptr() or out.stride() != residual.stride()):
+    if residual is not None and overlaps_other_view(out, residual):
         raise ValueError("gemm_all_reduce: out overlaps residual without being residual itself; pass "
                          "out=residual (in place) or a separate out")
 

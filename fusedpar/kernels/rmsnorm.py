@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedpar.kernels._host import has_internal_overlap, next_pow2, overlaps
+from fusedpar.kernels._host import has_internal_overlap, next_pow2, overlaps_other_view
 
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 65536
@@ -79,7 +79,7 @@ def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
                          f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}")
     if has_internal_overlap(out):
         raise ValueError(f"rms_norm: out has rows sharing memory (strides {out.stride()}); pass a fresh tensor")
-    if out is not x and overlaps(out, x) and (out.data_ptr() != x.data_ptr() or out.stride(0) != x.stride(0)):
+    if overlaps_other_view(out, x):
         raise ValueError("rms_norm: out overlaps x without being x itself (in place); pass out=x or a separate "
                          "tensor")
 
