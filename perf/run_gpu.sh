@@ -3,6 +3,7 @@
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo profile host_cost
 #                                              tune_gemm qkv_sweep pdl_probe qkv_stores launch hf_decode
+#                                              hf_probe
 #                                              (default: all but profile, host_cost, the sweeps and probes)
 # MODEL_ARGS / LAYER_ARGS / ATTN_ARGS / GAR_ARGS / PROFILE_ARGS pass extra arguments to perf/model_bench.py /
 # perf/bench_layer.py / perf/bench_attention.py / perf/bench_gemm_all_reduce.py / perf/profile_layer.py (e.g.
@@ -67,6 +68,8 @@ for item in "${ITEMS[@]}"; do
     # HF generate TPOT with decode graphs vs eager (a random Llama-3-8B-shaped model)
     hf_decode) run timeout "${HF_DECODE_TIMEOUT:-400}" "${TRUN[@]}" perf/bench_hf_decode.py ${HF_DECODE_ARGS:-} \
                  --out "$RES/hf_decode.json" ;;
+    # where an HF decode step's time goes with decode graphs (diagnosis, printed)
+    hf_probe) run timeout "${HF_PROBE_TIMEOUT:-300}" "${TRUN[@]}" perf/probe_hf_decode.py ${HF_PROBE_ARGS:-} ;;
     # host cost of a Triton launch and of each launcher (one GPU)
     launch) run timeout 120 python3 perf/probe_launch.py ;;
     gemm) run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json" ;;

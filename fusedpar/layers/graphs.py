@@ -32,7 +32,7 @@ or other steps run eagerly (ShiftParallelStack.forward routes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,10 +59,12 @@ class _StaticStep:
     out: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
     copied: torch.cuda.Event | None = None  # the staging buffers' last copy; wait before refilling
+    written: list = field(default_factory=list)  # fill_decode_inputs' record of host32's table rows
 
 
 def fill_decode_inputs(batch: StepBatch | None, slots: torch.Tensor | None, cache, size: int, max_blocks: int,
-                       scratch_block: int, host64: torch.Tensor, host32: torch.Tensor) -> None:
+                       scratch_block: int, host64: torch.Tensor, host32: torch.Tensor,
+                       written: list | None = None) -> None:
     """Write one decode step's graph inputs into the host staging buffers (CPU only, no device work).
 
     batch: n <= size sequences of one new token each; slots: their cache slots (cache.begin_step
@@ -70,6 +72,13 @@ def fill_decode_inputs(batch: StepBatch | None, slots: torch.Tensor | None, cach
     positions, slots; host32 <- cu_seqlens_q = 0..size, context_lens, block tables [size,
     max_blocks]. Rows n..size-1 are padding rows: position 0, the scratch block's first slot,
     context 0, block table row [scratch_block, 0, ...].
+
+    written: what the block-table rows of these buffers hold from their previous fill (this function
+    keeps it: one entry per row), or None to write every row. Consecutive decode steps mostly run
+    the same sequences, whose tables change once per block_size tokens, so only changed rows are
+    rewritten: a row is skipped when its sequence's cache.block_table() is the same tensor object as
+    last time (the cache builds a new one whenever a table changes) and covers the same blocks.
+    The host work per step stays a handful of tensor ops whatever the batch and context.
     """
     seq_ids, context_lens = (batch.seq_ids, batch.context_lens) if batch is not None else ((), ())
     n, bs = len(seq_ids), cache.block_size
@@ -77,26 +86,36 @@ def fill_decode_inputs(batch: StepBatch | None, slots: torch.Tensor | None, cach
         raise ValueError(f"decode graph of {size} rows cannot take {n} sequences")
     if batch is not None and batch.num_tokens != n:
         raise ValueError(f"a decode graph step adds one token per sequence, got query lengths {batch.query_lens}")
-    ctx = torch.tensor(context_lens, dtype=torch.int64)
-    host64[0, :n] = ctx  # one new token per sequence: its position is its context length
-    if n:
-        host64[1, :n] = slots
-    host64[0, n:] = 0
-    host64[1, n:] = scratch_block * bs
-    cu = host32[: size + 1]
-    torch.arange(size + 1, dtype=torch.int32, out=cu)
-    host32[size + 1 : 2 * size + 1] = 0
-    host32[size + 1 : size + 1 + n] = ctx.to(torch.int32)
-    tables = host32[2 * size + 1 :].view(size, max_blocks)
-    tables.zero_()
-    need = ((ctx + bs) // bs).tolist()  # blocks holding context + the new token
+    need = [(c + bs) // bs for c in context_lens]  # blocks holding context + the new token
     if n and max(need) > max_blocks:
         i = max(range(n), key=need.__getitem__)
         raise ValueError(f"sequence {seq_ids[i]} needs {need[i]} cache blocks, the decode graphs were "
                          f"captured for at most {max_blocks} ({max_blocks * bs} tokens of context)")
-    for row, (sid, k) in enumerate(zip(seq_ids, need, strict=True)):
-        tables[row, :k] = cache.block_table(sid)[:k]
-    tables[n:, 0] = scratch_block
+    pad = size - n
+    # one new token per sequence: its position is its context length
+    slot_list = slots.tolist() if n else []
+    host64.copy_(torch.tensor([[*context_lens, *[0] * pad], [*slot_list, *[scratch_block * bs] * pad]],
+                              dtype=torch.int64))
+    host32[: 2 * size + 1].copy_(torch.tensor([*range(size + 1), *context_lens, *[0] * pad], dtype=torch.int32))
+    tables = host32[2 * size + 1 :].view(size, max_blocks)
+    if written is not None and len(written) != size:
+        written[:] = [_UNKNOWN_ROW] * size
+    for row in range(size):
+        table, k = (cache.block_table(seq_ids[row]), need[row]) if row < n else (None, 1)
+        if written is not None:
+            last = written[row]
+            if last is not _UNKNOWN_ROW and last[0] is table and last[1] == k:
+                continue
+            written[row] = (table, k)
+        tables[row].zero_()
+        if table is None:
+            tables[row, 0] = scratch_block
+        else:
+            tables[row, :k] = table[:k]
+
+
+# fill_decode_inputs' `written` entry of a row whose content is not known
+_UNKNOWN_ROW = (object(), -1)
 
 
 def fill_prefill_inputs(batch: StepBatch | None, slots: torch.Tensor | None, cache, size: int, max_seqs: int,
@@ -340,7 +359,7 @@ class DecodeGraphs(_StackGraphs):
 
     def _fill(self, batch: StepBatch | None, slots: torch.Tensor | None, st: _StaticStep) -> None:
         fill_decode_inputs(batch, slots, self.cache, st.size, self.max_blocks, self.scratch_block, st.host64,
-                           st.host32)
+                           st.host32, st.written)
 
     def _metadata(self, st: _StaticStep):
         size = st.size

@@ -109,6 +109,14 @@ class PagedKVCache:
                 f"KV cache out of blocks: the step needs {need_total} more, {len(self._free)} free of "
                 f"{self.num_blocks} (block_size {bs}); grow() the cache or split the step"
             )
+        if all(q == 1 for q in batch.query_lens):  # a decode step: one slot per sequence, no tensor work
+            slots = []
+            for sid, c in zip(batch.seq_ids, batch.context_lens, strict=True):
+                table = self.block_tables.setdefault(sid, [])
+                table.extend(self._free.pop() for _ in range(c // bs + 1 - len(table)))
+                slots.append(table[c // bs] * bs + c % bs)
+                self.lengths[sid] = c + 1
+            return torch.tensor(slots, dtype=torch.int64, device=self.k.device if device is None else device)
         touched: list[int] = []  # the blocks the new tokens land in, sequence after sequence
         offset: list[int] = []  # per sequence: index into `touched` of its block 0 (may be negative)
         for sid, q, c in zip(batch.seq_ids, batch.query_lens, batch.context_lens, strict=True):

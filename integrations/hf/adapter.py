@@ -42,11 +42,15 @@ step that does not fit). A call without past_key_values (or with an empty HF cac
 passes first) starts new sequences and frees the previous live ones; a call with use_cache=False
 uses temporary sequences freed before it returns. Only the most recent cache can be continued,
 and copies of it: `copy.deepcopy(cache)` (HF's prompt-reuse recipe) forks its sequences (new
-sequences holding a copy of its k/v), freed when the copy is garbage-collected or the next call
-starts new sequences. A continuing call's attention_mask must repeat, over the cached columns,
-the mask they were cached under (the paged cache holds only the real tokens, while an HF cache
-holds every column and lets each call re-mask it): no mask or an all-ones one after a left-padded
-prompt, or a cached token masked later, raises NotImplementedError naming the row and columns.
+sequences holding a copy of its k/v), freed when the next call starts new sequences, or after the
+copy is garbage-collected: its blocks return to the pool at the next step that would otherwise grow
+the cache, once every rank of the replica has collected it (collection comes at different steps on
+different ranks, and ranks whose pools differed would grow, and recapture decode graphs, at
+different steps; this way the pools stay identical with no per-step collective). A continuing
+call's attention_mask must repeat, over the cached columns, the mask they were cached under (the
+paged cache holds only the real tokens, while an HF cache holds every column and lets each call
+re-mask it): no mask or an all-ones one after a left-padded prompt, or a cached token masked
+later, raises NotImplementedError naming the row and columns.
 generate(cache_implementation=...), and generate(past_key_values=<an empty HF cache>) such as
 StaticCache(...), run on the paged cache as well (a static HF cache would also make generate
 build 4D masks); "quantized" and a QuantizedCache are refused (they change the numerics).
@@ -77,6 +81,7 @@ overrides the choice); fp32 and CPU use the reference path.
 
 from __future__ import annotations
 
+import queue
 import weakref
 from collections.abc import Iterable
 
@@ -230,7 +235,13 @@ class _Runtime:
         self.kv: PagedKVCache | None = None
         self.active: ShiftParallelCache | None = None
         self.forks: weakref.WeakSet[ShiftParallelCache] = weakref.WeakSet()  # deepcopies still alive
+        # sequence ids of forks garbage-collected on this rank: a finalizer may run at any allocation,
+        # and SimpleQueue.put is safe there (reentrant); drained into _gone, freed by _free_collected
+        self._collected: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._gone: set[int] = set()
         self._next_seq = 0
+        self.replayed: int | None = None  # the decode graph size the last run() replayed, None if eager
+        self.heads: dict[int, _HeadGraph] = {}  # final norm + lm_head graphs per decode graph size
 
     def _take_ids(self, rows: int) -> list[int]:
         ids = list(range(self._next_seq, self._next_seq + rows))
@@ -239,9 +250,16 @@ class _Runtime:
 
     def new_state(self, rows: int, keep: bool) -> ShiftParallelCache:
         if keep:
-            for state in [self.active, *self.forks]:
-                if state is not None:
-                    state.release()
+            # the live cache and every fork, alive or collected: the same set on every rank, freed in
+            # one order, so the pools stay identical
+            ids = self._drain_collected()
+            for state in [self.active, *list(self.forks)]:
+                if state is not None and not state.released:
+                    ids.update(state.seq_ids)
+                    state.released = True
+            self.active = None
+            self._gone.clear()
+            self._free(sorted(ids))
         state = ShiftParallelCache(self, self._take_ids(rows))
         if keep:
             self.active = state
@@ -257,6 +275,28 @@ class _Runtime:
         if self.kv is not None:
             for sid in seq_ids:
                 self.kv.free(sid)  # idempotent; ids are never reused
+
+    def _drain_collected(self) -> set[int]:
+        """_gone, with the ids of forks collected since the last call added."""
+        while True:
+            try:
+                self._gone.add(self._collected.get_nowait())
+            except queue.Empty:
+                return set(self._gone)
+
+    def _free_collected(self) -> None:
+        """Free the forks that every rank of the replica has garbage-collected (collective: called by
+        every rank at the same step, when the pools, identical on all ranks, fall short)."""
+        mine = sorted(self._drain_collected())
+        group = self.ctx.shift
+        if group.size == 1:
+            common = set(mine)
+        else:
+            seen: list = [None] * group.size
+            torch.distributed.all_gather_object(seen, mine, group=group.pg)
+            common = set.intersection(*(set(x) for x in seen))
+        self._gone -= common
+        self._free(sorted(common))
 
     def fork(self, state: ShiftParallelCache) -> ShiftParallelCache:
         """A new cache with new sequences holding a copy of `state`'s k/v and bookkeeping.
@@ -286,7 +326,7 @@ class _Runtime:
                 flat = t.view(t.shape[0], -1, *t.shape[3:])  # [layers, blocks * block_size, kv heads, hd]
                 flat[:, dst] = flat[:, src]
         self.forks.add(forked)
-        weakref.finalize(forked, self._free, list(forked.seq_ids))
+        weakref.finalize(forked, _put_all, self._collected, list(forked.seq_ids))
         return forked
 
     def _reserve(self, batch: StepBatch, extra_blocks: int = 0) -> None:
@@ -300,23 +340,13 @@ class _Runtime:
                 blocks = max(16, 2 * (-(-tokens // self.block_size) + len(batch.seq_ids)))
                 self.kv = self.stack.make_cache(block_size=self.block_size, num_blocks=blocks)
             need, kv = self.kv.blocks_needed(batch) + extra_blocks, self.kv
-            free = self._replica_min(kv.free_blocks) if self.cuda_graphs else kv.free_blocks
-            if need > free:  # HF calls come unplanned: grow
-                kv.grow(max(2 * kv.num_blocks, kv.num_blocks - free + need))
-
-    def _replica_min(self, value: int) -> int:
-        """The smallest `value` over this replica's ranks. With decode graphs a grow makes the graphs stale,
-        and their recapture is collective, so every rank must grow at the same step; but free blocks can
-        differ between ranks: a fork (a deep-copied past_key_values) is freed when that rank's last
-        reference to it goes, which user code or the garbage collector may do at different steps. All
-        ranks grow when any one needs to (to the same size: their num_blocks stay equal). One int
-        all-reduce per step; generate syncs with the host every step anyway."""
-        group = self.ctx.shift
-        if group.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.ctx.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group.pg)
-        return int(t.item())
+            # Every rank's pool is the same (the same steps, frees in call order, collected forks freed
+            # together below), so all take this branch at the same step: a grow makes decode graphs
+            # stale, and their recapture is collective.
+            if need > kv.free_blocks:
+                self._free_collected()
+            if need > kv.free_blocks:  # HF calls come unplanned: grow
+                kv.grow(max(2 * kv.num_blocks, kv.num_blocks - kv.free_blocks + need))
 
     def run(self, hidden: torch.Tensor, batch: StepBatch, *, eager: bool = False) -> torch.Tensor:
         """One stack step on the paged cache. A pure decode step of at most the largest capture size
@@ -327,7 +357,26 @@ class _Runtime:
         self._reserve(batch, extra_blocks=1 if scratch else 0)
         if size is not None:
             self._ready_graphs(batch, size)
-        return self.stack(hidden, batch, self.kv, use_graphs=not eager)
+        replays = self.stack.graph_steps
+        out = self.stack(hidden, batch, self.kv, use_graphs=not eager)
+        self.replayed = size if self.stack.graph_steps != replays else None
+        return out
+
+    def head_logits(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The final norm + lm_head of a step that replayed a decode graph, [b, 1, vocab], from a CUDA
+        graph of those two modules for its size (None for any other step: the caller runs them). Why:
+        the norm alone is ~7 eager launches per step, ~0.1 ms of host time (probe_hf_decode.py). The
+        modules are replicated and collective-free, so each rank captures on its own, lazily; a graph
+        is recaptured when a parameter of the two modules is no longer the tensor it captured."""
+        size = self.replayed
+        if size is None or hidden.dim() != 3 or hidden.shape[1] != 1 or hidden.shape[0] > size:
+            return None
+        norm, head = model.model.norm, model.lm_head
+        params = tuple(p for m in (norm, head) for p in m.parameters())
+        g = self.heads.get(size)
+        if g is None or not g.holds(params) or g.inp.dtype != hidden.dtype or g.inp.shape[1] != hidden.shape[-1]:
+            g = self.heads[size] = _HeadGraph(norm, head, params, size, hidden.shape[-1], hidden.dtype, hidden.device)
+        return g.run(hidden)
 
     def _ready_graphs(self, batch: StepBatch, size: int) -> None:
         """Make the stack's decode graphs cover this step: (re)capture them when there are none, they
@@ -347,9 +396,43 @@ class _Runtime:
         # drop the old graphs (their pool and static buffers) before capturing the new ones
         del g
         self.stack.graphs = None
+        self.heads.clear()
         with torch.inference_mode(False), torch.no_grad():  # static buffers: normal tensors (see _reserve)
             self.stack.capture_decode_graphs(self.kv, max_context=max_context, sizes=tuple(sorted(sizes)))
         self.graph_captures += 1
+
+
+def _put_all(q: queue.SimpleQueue, items: list) -> None:
+    for x in items:
+        q.put(x)
+
+
+class _HeadGraph:
+    """A CUDA graph of norm -> lm_head on static hidden states [size, d] -> logits [size, vocab]."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module, params: tuple, size: int, d: int, dtype, device):
+        self.params = params  # kept alive: holds() compares identities
+        self.ptrs = tuple(p.data_ptr() for p in params)
+        self.inp = torch.zeros((size, d), dtype=dtype, device=device)
+        with torch.inference_mode(False), torch.no_grad():
+            side = torch.cuda.Stream(device=device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                head(norm(self.inp))  # warm-up outside the capture (cuBLAS handles, workspaces)
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = head(norm(self.inp))
+
+    def holds(self, params: tuple) -> bool:
+        return (len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params, strict=True))
+                and self.ptrs == tuple(p.data_ptr() for p in params))
+
+    def run(self, hidden: torch.Tensor) -> torch.Tensor:
+        b = hidden.shape[0]
+        self.inp[:b].copy_(hidden.view(b, -1))
+        self.graph.replay()
+        return self.out[:b].clone().view(b, 1, -1)  # the static output is rewritten by the next replay
 
 
 # The smallest max_context of the HF adapter's decode graphs (tokens).
@@ -424,6 +507,7 @@ class ShiftParallelCausalLMMixin:
             b = embeds.shape[0]
             state = _resolve_state(rt, past_key_values, b, keep=use_cache)
             temporary = not use_cache and not isinstance(past_key_values, ShiftParallelCache)
+            rt.replayed = None
             try:
                 hidden, layer_outputs = _run_step(rt, state, embeds, attention_mask, position_ids,
                                                   capture=output_hidden_states, input_ids=input_ids)
@@ -433,9 +517,13 @@ class ShiftParallelCausalLMMixin:
                 raise
             if temporary:
                 state.release()
-            hidden = self.model.norm(hidden)
-            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            logits = self.lm_head(hidden[:, keep, :])
+            # a decode step that replayed a graph: norm + lm_head replay one too (one column: any int
+            # logits_to_keep keeps it)
+            logits = rt.head_logits(self, hidden) if isinstance(logits_to_keep, int) else None
+            if logits is None:
+                hidden = self.model.norm(hidden)
+                keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+                logits = self.lm_head(hidden[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
@@ -542,11 +630,14 @@ def _check_positions(state: ShiftParallelCache, pos: torch.Tensor, new: torch.Te
     be the same for all of a row's new tokens (consecutive positions) and equal to the offset its
     earlier tokens had; then RoPE attention is identical to HF's.
     """
-    ours = torch.tensor(state.cached, dtype=torch.long)[:, None] + new.long().cumsum(1) - 1
-    off = torch.where(new, pos.long() - ours, 0)
-    big = torch.iinfo(torch.long).max
-    lo = torch.where(new, off, big).min(1).values.tolist()
-    hi = torch.where(new, off, -big).max(1).values.tolist()
+    if new.shape[1] == 1:  # one column per row (a decode step): its offset, without tensor work
+        lo = hi = [p - c for p, c in zip(pos[:, 0].tolist(), state.cached, strict=True)]
+    else:
+        ours = torch.tensor(state.cached, dtype=torch.long)[:, None] + new.long().cumsum(1) - 1
+        off = torch.where(new, pos.long() - ours, 0)
+        big = torch.iinfo(torch.long).max
+        lo = torch.where(new, off, big).min(1).values.tolist()
+        hi = torch.where(new, off, -big).max(1).values.tolist()
     offsets = list(state.offsets)
     for i, q in enumerate(q_lens):
         if not q:
@@ -592,7 +683,8 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
         if past and not bool(state.columns.all()):
             _check_cached_columns(state, torch.ones((b, past), dtype=torch.bool), given=False)
         new = torch.ones((b, s), dtype=torch.bool)
-    q_lens = new.sum(1).tolist()
+    all_real = bool(new.all())
+    q_lens = [s] * b if all_real else new.sum(1).tolist()
 
     # HF positions of the new tokens (explicit, or what the HF model would compute).
     if position_ids is None:
@@ -620,10 +712,10 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
     for i in range(b) if window is not None else ():
         if not q_lens[i]:
             continue
-        real_cols = new[i].nonzero().flatten()
+        real_cols = range(s) if all_real else new[i].nonzero().flatten().tolist()
         if first_col[i] is None:
-            first_col[i] = past + int(real_cols[0])
-        span = past + int(real_cols[-1]) - first_col[i] + 1
+            first_col[i] = past + real_cols[0]
+        span = past + real_cols[-1] - first_col[i] + 1
         if span > window:
             raise ValueError(
                 f"row {i}: its {state.cached[i] + q_lens[i]} real tokens span {span} attention_mask columns "
@@ -632,22 +724,28 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
             )
 
     rows = [i for i in range(b) if q_lens[i]]
-    out = torch.zeros_like(embeds)
-    layer_outputs = [torch.zeros_like(embeds) for _ in range(len(rt.stack.layers) - 1)] if capture else []
-    if rows:
+    n_layers = len(rt.stack.layers)
+    if all_real and s:  # every new column real (generate's decode steps): the packed rows are embeds' rows
+        batch = StepBatch(tuple(state.seq_ids), tuple(q_lens), tuple(state.cached))
+        with _LayerOutputs(rt, enabled=capture) as captured:
+            hidden = rt.run(embeds.reshape(b * s, -1), batch, eager=capture)
+        out = hidden.to(embeds.dtype).view(b, s, -1)
+        layer_outputs = [x.to(embeds.dtype).view(b, s, -1) for x in captured.outputs]
+        _check_layer_outputs(capture, layer_outputs, n_layers)
+    else:
+        out = torch.zeros_like(embeds)
+        layer_outputs = [torch.zeros_like(embeds) for _ in range(n_layers - 1)] if capture else []
+    if rows and not (all_real and s):
         batch = StepBatch(tuple(state.seq_ids[i] for i in rows), tuple(q_lens[i] for i in rows),
                           tuple(state.cached[i] for i in rows))
         mask = new.to(embeds.device)
         with _LayerOutputs(rt, enabled=capture) as captured:
             hidden = rt.run(embeds[mask].contiguous(), batch, eager=capture)  # hooks see eager layers only
         out[mask] = hidden.to(out.dtype)
-        if capture:
-            if len(captured.outputs) != len(layer_outputs):
-                raise RuntimeError(f"fusedpar.integrations.hf: output_hidden_states: {len(captured.outputs)} layer "
-                                   f"outputs seen, expected {len(layer_outputs)} (a step replayed as a CUDA graph?)")
-            for dst, src in zip(layer_outputs, captured.outputs, strict=True):
-                dst[mask] = src.to(dst.dtype)
-    if not bool(new.all()):
+        _check_layer_outputs(capture, captured.outputs, n_layers)
+        for dst, src in zip(layer_outputs, captured.outputs, strict=True):
+            dst[mask] = src.to(dst.dtype)
+    if not all_real:
         _fill_padding(rt, state, embeds, new, pos, offsets, input_ids, out, layer_outputs)
     for i in rows:
         state.cached[i] += q_lens[i]
@@ -655,6 +753,12 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
     state.width = past + s
     state._append_columns(new)
     return out, layer_outputs
+
+
+def _check_layer_outputs(capture: bool, outputs: list, n_layers: int) -> None:
+    if capture and len(outputs) != n_layers - 1:
+        raise RuntimeError(f"fusedpar.integrations.hf: output_hidden_states: {len(outputs)} layer outputs seen, "
+                           f"expected {n_layers - 1} (a step replayed as a CUDA graph?)")
 
 
 def _fill_padding(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, new: torch.Tensor, pos: torch.Tensor,

@@ -112,15 +112,41 @@ def _graphs_vs_eager(family, overrides, lay, device, block_size) -> bool:
         err = ((gl[:steps].float() - el[:steps].float()).abs().max() / el[:steps].float().abs().max()).item()
         same = bool(torch.equal(gs, es))
         identical = _same_on_all_ranks(gl) and _same_on_all_ranks(gs)
-        case_ok = identical and err < 5e-2 and greplays >= 47 and ereplays == 0
+        heads = _head_graphs_match(pms["graphs"], device)
+        case_ok = identical and err < 5e-2 and greplays >= 47 and ereplays == 0 and heads
         ok &= case_ok
         if dist.get_rank() == 0:
             rt = pms["graphs"]._fusedpar
             print(f"GRAPHS {family} {lay} rows {rows} block {block_size}: logits rel err vs eager {err:.2e}  tokens "
                   f"equal {same}  ranks identical {identical}  replays {greplays}/{ereplays}  captures "
                   f"{rt.graph_captures} (cache {rt.kv.num_blocks} blocks)  ms/token graphs {gms:.2f} eager "
-                  f"{ems:.2f} ({ems / gms:.2f}x)  {'ok' if case_ok else 'FAIL'}", flush=True)
+                  f"{ems:.2f} ({ems / gms:.2f}x)  head graphs {sorted(rt.heads)} match {heads}  "
+                  f"{'ok' if case_ok else 'FAIL'}", flush=True)
     return ok
+
+
+def _head_graphs_match(pm, device) -> bool:
+    """Each captured final norm + lm_head graph (used by decode steps that replayed a stack graph) gives
+    the eager modules' logits on fresh random hidden states, of fewer rows than its size."""
+    rt = pm._fusedpar
+    if not rt.heads:
+        return False
+    gen = torch.Generator(device=device).manual_seed(5)
+    ok = True
+    for size in sorted(rt.heads):
+        h = torch.randn((max(1, size - 1), 1, pm.config.hidden_size), generator=gen, device=device,
+                        dtype=torch.bfloat16)
+        rt.replayed = size
+        got = rt.head_logits(pm, h)
+        rt.replayed = None
+        with torch.no_grad():
+            want = pm.lm_head(pm.model.norm(h))
+        ok &= got is not None and got.shape == want.shape and _rel_err(got, want) < 1e-2
+    return ok
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
 def main() -> int:

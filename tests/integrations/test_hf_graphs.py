@@ -1,10 +1,12 @@
-"""The HF adapter's decode-graph runtime on CPU (gloo): what can be checked without capturing.
+"""The HF adapter's paged-cache pool across ranks on CPU (gloo): what can be checked without capturing.
 
 With decode graphs, a paged-cache grow makes the graphs stale and their recapture is collective, so
-every rank of a replica must grow at the same step even when their free blocks differ (a fork freed
-on one rank only, as when one rank drops its last reference to a deep-copied past_key_values
-earlier). The graph runtime agrees on the smallest free count over the replica; the eager runtime
-keeps deciding locally. The capture itself needs CUDA (tests/integrations/hf_gpu_check.py).
+every rank of a replica must grow at the same step. A fork (a deep-copied past_key_values) can be
+garbage-collected on one rank steps before another; were its blocks freed at once, the ranks' free
+counts, and so their grow decisions, would part. Collected forks are therefore freed only at a step
+that would otherwise grow (and only those every rank has collected), or when a call starts new
+sequences: the pools stay identical on every rank, with no per-step collective. The capture itself
+needs CUDA (tests/integrations/hf_gpu_check.py).
 """
 
 from __future__ import annotations
@@ -16,36 +18,66 @@ pytest.importorskip("transformers")
 from fusedpar.testing.dist import run_distributed
 
 
-def _growth_worker(rank: int, world: int) -> dict:
+def _pool(rt) -> tuple:
+    kv = rt.kv
+    return kv.num_blocks, kv.free_blocks, kv.generation, sorted(kv.block_tables.items()), list(kv._free)
+
+
+def _fork_worker(rank: int, world: int) -> dict:
+    import copy
+    import gc
+
+    import torch
     from fusedpar.integrations.hf import parallelize
 
     from fusedpar.layers import StepBatch
     from fusedpar.layouts import ParallelLayout
     from tests.integrations.hf_models import make_model
 
-    out = {}
-    for graphs in (True, False):
-        pm = parallelize(make_model("llama"), ParallelLayout(world, sp=1, tp=world), block_size=4)
-        rt = pm._fusedpar
-        rt.cuda_graphs = graphs  # the graph runtime's growth rule (nothing is captured on CPU)
-        rt._reserve(StepBatch((0,), (8,), (0,)))  # creates the cache: 16 blocks
-        rt.kv.begin_step(StepBatch((0,), (8,), (0,)))  # 2 blocks
-        rt.kv.begin_step(StepBatch((1,), (40,), (0,)))  # 10 blocks: 4 free
-        if rank == 0:
-            rt.kv.free(1)  # freed on rank 0 only: 14 free there
-        before = (rt.kv.num_blocks, rt.kv.free_blocks, rt.kv.generation)
-        rt._reserve(StepBatch((2,), (24,), (0,)))  # 6 blocks: rank 1 must grow
-        out[graphs] = {"before": before, "after": (rt.kv.num_blocks, rt.kv.generation)}
+    torch.manual_seed(0)
+    pm = parallelize(make_model("llama"), ParallelLayout(world, sp=1, tp=world), block_size=4)
+    rt = pm._fusedpar
+    ids = torch.randint(1, 100, (1, 30))
+    past = pm(ids, use_cache=True).past_key_values  # creates the cache: 18 blocks, 8 held
+    fork = copy.deepcopy(past)  # 8 more
+    fork_ids = list(fork.seq_ids)
+    out = {"start": _pool(rt)}
+    if rank == 0:  # rank 0 collects the fork now, rank 1 only later
+        del fork
+        gc.collect()
+    out["collected on rank 0"] = _pool(rt)
+    # a step that does not fit: rank 1 still holds the fork, so nothing is freed and both grow
+    rt._reserve(StepBatch((10_000,), (12,), (0,)))
+    out["grown"] = _pool(rt)
+    if rank == 1:
+        del fork
+        gc.collect()
+    # a step that needs more than the free blocks: now every rank has collected the fork, whose
+    # blocks return to the pool there instead of a grow
+    need = rt.kv.free_blocks + 4
+    rt._reserve(StepBatch((10_001,), (4 * need,), (0,)))
+    out["freed"] = _pool(rt)
+    out["fork ids held"] = [sid for sid in fork_ids if sid in rt.kv.block_tables]
+    # a call that starts new sequences frees the live cache and every fork, collected or not, in one order
+    fork2 = copy.deepcopy(past)
+    if rank == 1:
+        del fork2
+        gc.collect()
+    pm(ids[:, :9], use_cache=True)
+    out["new sequences"] = _pool(rt)
     return out
 
 
-def test_graph_runtime_grows_the_cache_on_every_rank_together():
-    res = run_distributed(_growth_worker, 2)
+def test_forks_collected_at_different_steps_keep_the_pools_identical():
+    res = run_distributed(_fork_worker, 2)
     r0, r1 = res[0], res[1]
-    assert r0[True]["before"][:2] == (16, 14) and r1[True]["before"][:2] == (16, 4)
-    # graphs: both grow at this step, to the same size (16 - 4 + 6 < 2 * 16)
-    assert r0[True]["after"][0] == r1[True]["after"][0] == 32
-    for r in (r0, r1):
-        assert r[True]["after"][1] == r[True]["before"][2] + 1, "no grow happened on this rank"
-    # eager: each rank decides from its own free blocks (rank 0 had room)
-    assert r0[False]["after"][0] == 16 and r1[False]["after"][0] == 32
+    for key in r0:
+        assert r0[key] == r1[key], f"{key}: rank 0 {r0[key]} != rank 1 {r1[key]}"
+    num, free, gen = r0["start"][:3]
+    assert num == 18 and free == num - 16  # created for 2 x (8 blocks + 1); the prompt and the fork hold 8 each
+    assert r0["collected on rank 0"][:3] == (num, free, gen), "a collected fork was freed at once"
+    assert r0["grown"][0] == 2 * num and r0["grown"][2] == gen + 1
+    assert r0["freed"][0] == 2 * num and r0["freed"][2] == gen + 1, "the fork's blocks should have avoided a grow"
+    assert r0["fork ids held"] == []
+    # after the new call only its 9 tokens (3 blocks) are held
+    assert r0["new sequences"][1] == r0["new sequences"][0] - 3

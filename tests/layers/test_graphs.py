@@ -55,6 +55,40 @@ def test_fill_decode_inputs_matches_eager_metadata(lengths, size):
     assert (host64 != -7).all() and (host32 != -7).all()
 
 
+def test_fill_decode_inputs_incremental_rows_match_a_full_fill():
+    """Staging buffers refilled step after step with `written` (unchanged table rows skipped) hold what a
+    fill of fresh poisoned buffers writes, as sequences gain blocks, leave, join, are freed and their
+    ids reused with other blocks, and the batch shrinks to padding and grows back."""
+    gen = torch.Generator().manual_seed(3)
+    cache, size, max_blocks = _cache(block_size=4, num_blocks=256), 6, 12
+    cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))
+    scratch_block = cache.block_tables[SCRATCH_SEQ_ID][0]
+    host64, host32 = _staging(size, max_blocks)
+    written: list = []
+    live: dict[int, int] = {}  # seq id -> cached tokens
+    for step in range(60):
+        if step % 7 == 3 and live:  # a sequence leaves (its id may come back with other blocks)
+            sid = sorted(live)[int(torch.randint(len(live), (1,), generator=gen))]
+            cache.free(sid)
+            del live[sid]
+        while len(live) < int(torch.randint(size + 1, (1,), generator=gen)):  # newcomers: a short prefill
+            sid = int(torch.randint(8, (1,), generator=gen))
+            if sid in live:
+                continue
+            q = 1 + int(torch.randint(9, (1,), generator=gen))
+            cache.begin_step(StepBatch((sid,), (q,), (0,)))
+            live[sid] = q
+        ids = tuple(sid for sid in sorted(live) if live[sid] < 40)
+        batch = StepBatch(ids, (1,) * len(ids), tuple(live[sid] for sid in ids))
+        slots = cache.begin_step(batch, device="cpu")
+        fill_decode_inputs(batch, slots, cache, size, max_blocks, scratch_block, host64, host32, written)
+        ref64, ref32 = _staging(size, max_blocks)
+        fill_decode_inputs(batch, slots, cache, size, max_blocks, scratch_block, ref64, ref32)
+        assert torch.equal(host64, ref64) and torch.equal(host32, ref32), f"step {step}, batch {batch}"
+        for sid in ids:
+            live[sid] += 1
+
+
 def test_fill_decode_inputs_all_padding_and_errors():
     cache = _cache()
     host64, host32 = _staging(3, 2)

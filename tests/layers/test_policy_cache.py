@@ -297,3 +297,33 @@ def test_cache_argument_types_and_unknown_sequences():
         with pytest.raises(KeyError, match="sequence 99 holds no cache blocks"):
             call()
     cache.free(99)  # unknown id: nothing to free, no error
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_step_slots_match_the_general_path(block_size):
+    """begin_step's decode shortcut (every query length 1) hands out the blocks and slots the general
+    path does: the same steps with one extra 2-token sequence last (which forces the general path and
+    takes its blocks after the others') give the same tables and slots for the decode sequences."""
+    gen = torch.Generator().manual_seed(block_size)
+
+    def cache():
+        return PagedKVCache(num_layers=1, kv_heads=(0,), head_dim=2, block_size=block_size, num_blocks=512,
+                            dtype=torch.float32)
+
+    fast, general = cache(), cache()
+    lens = {sid: int(torch.randint(1, 3 * block_size + 2, (1,), generator=gen)) for sid in range(5)}
+    for c in (fast, general):
+        c.begin_step(StepBatch(tuple(lens), tuple(lens.values()), (0,) * len(lens)))
+    extra = 1000
+    for step in range(3 * block_size + 3):
+        ids = tuple(sid for sid in lens if (sid + step) % 3)  # a changing subset of the sequences
+        batch = StepBatch(ids, (1,) * len(ids), tuple(lens[s] for s in ids))
+        got = fast.begin_step(batch)
+        mixed = StepBatch((*ids, extra + step), (*(1,) * len(ids), 2), (*batch.context_lens, 0))
+        want = general.begin_step(mixed)
+        assert got.dtype == torch.int64 and got.tolist() == want[: len(ids)].tolist(), f"step {step}"
+        for sid in ids:
+            assert fast.block_tables[sid] == general.block_tables[sid]
+            assert fast.seq_len(sid) == general.seq_len(sid) == lens[sid] + 1
+            lens[sid] += 1
+        general.free(extra + step)  # its blocks go back: both pools hand out the same blocks next
