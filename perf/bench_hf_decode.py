@@ -51,6 +51,14 @@ def build_model(args, device):
     return model.eval()
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, layout and generate-length options shared with probe_hf_decode.py."""
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-3-8B: 32)")
+    p.add_argument("--sp", type=int, default=1, help="SP of the layout (TP = world / SP)")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
+    p.add_argument("--new-tokens", type=int, default=64, help="generated tokens per timed generate")
+
+
 def copy_bandwidth(device) -> float:
     """Bytes per second of a 1 GiB device copy (read + write)."""
     src = torch.empty(1 << 29, dtype=torch.int16, device=device)
@@ -104,11 +112,8 @@ def forced_logits(pm, seq: torch.Tensor, prompt: int, steps: int) -> torch.Tenso
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-3-8B: 32)")
-    p.add_argument("--sp", type=int, default=1, help="SP of the layout (TP = world / SP)")
+    add_model_arguments(p)
     p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
-    p.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
-    p.add_argument("--new-tokens", type=int, default=64, help="generated tokens per timed generate")
     p.add_argument("--repeats", type=int, default=3, help="timed generates per batch (median)")
     p.add_argument("--out", default="perf/results/hf_decode.json")
     args = p.parse_args()

@@ -8,7 +8,8 @@ bound. This splits one step (the same random Llama-3-8B-shaped model and layout 
   - generate's TPOT (as the bench measures it);
   - the same decode steps called directly (model(ids, past_key_values=...), no generate around
     them): generate's own per-step host work is the difference;
-  - the stack's decode graph replayed alone (GPU time per replay, CUDA events);
+  - the stack's decode graph replayed alone (GPU time per replay, CUDA events), and its kernels
+    (torch.profiler over back-to-back replays: time per kernel, busy time vs span);
   - our forward's parts per step, each timed with the GPU synchronised before and after it (so each
     holds its host and GPU time; nested parts are inside their parent's);
   - cProfile of generate on rank 0 (top functions by own time and by cumulative time).
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench
-from bench_hf_decode import build_model, timed_generate
+from bench_hf_decode import add_model_arguments, build_model, timed_generate
 
 _bench.add_repo_to_path()
 
@@ -134,13 +135,36 @@ def split_parts(pm) -> dict[str, tuple[object, str]]:
     }
 
 
+def kernel_profile(pm, size: int, rank: int, replays: int = 10) -> None:
+    """torch.profiler over back-to-back replays of the decode graph: kernel time per replay by kernel
+    (the graph's kernels are traced one by one) and the GPU's busy time vs the replay's span."""
+    from profile_layer import idle_summary, kernel_table
+    from torch.profiler import ProfilerActivity, profile
+
+    g = pm.fusedpar_stack.graphs
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay_last(size)
+        torch.cuda.synchronize()
+    rows, total = kernel_table(prof, replays)
+    idle = idle_summary(prof, replays)
+    if rank == 0:
+        layers = len(pm.fusedpar_stack.layers)
+        print(f"\n== decode graph (size {size}) kernels per replay: {total:.0f} us kernel time "
+              f"({total / layers:.1f} us per layer), span {idle['span_us']:.0f} us, busy {idle['busy_us']:.0f} us")
+        for name, us, n in rows[:20]:
+            print(f"  {us:8.1f} us  {100 * us / total:5.1f}%  x{n:<4d} {us / max(n, 1):6.2f} us each  {name}")
+        for before, after, us, n, longest in idle["gaps"][:6]:
+            print(f"   idle {us:7.1f} us  x{n:<5.1f} (max {longest:6.1f}) {before[:45]} -> {after[:45]}")
+        sys.stdout.flush()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-3-8B: 32)")
-    p.add_argument("--sp", type=int, default=1, help="SP of the layout (TP = world / SP)")
+    add_model_arguments(p)
     p.add_argument("--batch", type=int, default=1, help="rows per generate")
-    p.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
-    p.add_argument("--new-tokens", type=int, default=64, help="generated tokens per timed generate")
     p.add_argument("--profile-steps", type=int, default=32, help="new tokens of the cProfiled generate")
     p.add_argument("--top", type=int, default=35, help="cProfile rows printed per table")
     args = p.parse_args()
@@ -179,6 +203,7 @@ def main() -> int:
         print(f"  decode graph replay      {replay:7.3f} ms   (graph size {size}; the rest of a direct step: "
               f"{direct - replay:.3f} ms)", flush=True)
 
+    kernel_profile(pm, size, rank)
     steps = 16
     timer = SplitTimer(split_parts(pm))
     direct_steps_ms(pm, ids, mask, steps, around=lambda: timer)

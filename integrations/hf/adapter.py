@@ -252,9 +252,12 @@ class _Runtime:
         if keep:
             # the live cache and every fork, alive or collected: the same set on every rank, freed in
             # one order, so the pools stay identical
+            # strong references first: a fork collected after this snapshot would be missed by both
+            # (neither live here nor drained below), and another rank would still free it
+            live = [state for state in (self.active, *self.forks) if state is not None]
             ids = self._drain_collected()
-            for state in [self.active, *list(self.forks)]:
-                if state is not None and not state.released:
+            for state in live:
+                if not state.released:
                     ids.update(state.seq_ids)
                     state.released = True
             self.active = None
@@ -277,12 +280,17 @@ class _Runtime:
                 self.kv.free(sid)  # idempotent; ids are never reused
 
     def _drain_collected(self) -> set[int]:
-        """_gone, with the ids of forks collected since the last call added."""
+        """_gone, with the ids of forks collected since the last call added, less the ids that hold no
+        blocks any more (a fork released before it was collected): the same filter on every rank, as
+        the pools are the same, and _gone stays bounded by what the cache holds."""
         while True:
             try:
                 self._gone.add(self._collected.get_nowait())
             except queue.Empty:
-                return set(self._gone)
+                break
+        held = self.kv.block_tables if self.kv is not None else {}
+        self._gone = {sid for sid in self._gone if sid in held}
+        return set(self._gone)
 
     def _free_collected(self) -> None:
         """Free the forks that every rank of the replica has garbage-collected (collective: called by
@@ -372,6 +380,8 @@ class _Runtime:
         if size is None or hidden.dim() != 3 or hidden.shape[1] != 1 or hidden.shape[0] > size:
             return None
         norm, head = model.model.norm, model.lm_head
+        if _observed(norm) or _observed(head) or torch.is_autocast_enabled(hidden.device.type):
+            return None  # a replay would skip the hooks, or compute without autocast: run the modules
         params = tuple(p for m in (norm, head) for p in m.parameters())
         g = self.heads.get(size)
         if g is None or not g.holds(params) or g.inp.dtype != hidden.dtype or g.inp.shape[1] != hidden.shape[-1]:
@@ -407,14 +417,24 @@ def _put_all(q: queue.SimpleQueue, items: list) -> None:
         q.put(x)
 
 
+def _observed(module: nn.Module) -> bool:
+    """Whether forward hooks (the module's own or global ones) would see this module's calls."""
+    from torch.nn.modules import module as module_mod
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module_mod._global_forward_hooks
+                or module_mod._global_forward_pre_hooks)
+
+
 class _HeadGraph:
     """A CUDA graph of norm -> lm_head on static hidden states [size, d] -> logits [size, vocab]."""
 
     def __init__(self, norm: nn.Module, head: nn.Module, params: tuple, size: int, d: int, dtype, device):
         self.params = params  # kept alive: holds() compares identities
         self.ptrs = tuple(p.data_ptr() for p in params)
-        self.inp = torch.zeros((size, d), dtype=dtype, device=device)
+        # outside inference mode: a first decode under torch.inference_mode() must not leave an
+        # inference tensor that later calls outside it cannot write (see _Runtime._reserve)
         with torch.inference_mode(False), torch.no_grad():
+            self.inp = torch.zeros((size, d), dtype=dtype, device=device)
             side = torch.cuda.Stream(device=device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
@@ -725,7 +745,7 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
 
     rows = [i for i in range(b) if q_lens[i]]
     n_layers = len(rt.stack.layers)
-    if all_real and s:  # every new column real (generate's decode steps): the packed rows are embeds' rows
+    if all_real and s and b:  # every new column real (generate's decode steps): packed rows = embeds' rows
         batch = StepBatch(tuple(state.seq_ids), tuple(q_lens), tuple(state.cached))
         with _LayerOutputs(rt, enabled=capture) as captured:
             hidden = rt.run(embeds.reshape(b * s, -1), batch, eager=capture)
@@ -735,7 +755,7 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
     else:
         out = torch.zeros_like(embeds)
         layer_outputs = [torch.zeros_like(embeds) for _ in range(n_layers - 1)] if capture else []
-    if rows and not (all_real and s):
+    if rows and not (all_real and s and b):
         batch = StepBatch(tuple(state.seq_ids[i] for i in rows), tuple(q_lens[i] for i in rows),
                           tuple(state.cached[i] for i in rows))
         mask = new.to(embeds.device)

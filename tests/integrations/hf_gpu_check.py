@@ -125,6 +125,27 @@ def _graphs_vs_eager(family, overrides, lay, device, block_size) -> bool:
     return ok
 
 
+def _graphs_after_inference_mode(lay, device) -> bool:
+    """Graphs first captured inside torch.inference_mode() (stack and norm + lm_head graphs, their
+    static buffers) keep working in a generate outside it, with the same tokens and logits."""
+    from fusedpar.integrations.hf import parallelize
+
+    pm = parallelize(make_model("llama", seed=2, dtype=torch.bfloat16, hidden_size=128).to(device), lay,
+                     shift_threshold=8)
+    ids, mask = left_padded([5, 9], pm.config.vocab_size, seed=6)
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.inference_mode():
+        inside, inside_logits, _ = _generate_timed(pm, ids, mask, 12)
+    replays = pm.fusedpar_stack.graph_steps
+    outside, outside_logits, _ = _generate_timed(pm, ids, mask, 12)
+    ok = (torch.equal(inside, outside) and torch.equal(inside_logits, outside_logits)
+          and pm.fusedpar_stack.graph_steps > replays > 0 and bool(pm._fusedpar.heads))
+    if dist.get_rank() == 0:
+        print(f"GRAPHS after inference_mode {lay}: tokens and logits equal {ok}, replays {replays} then "
+              f"{pm.fusedpar_stack.graph_steps - replays}  {'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
 def _head_graphs_match(pm, device) -> bool:
     """Each captured final norm + lm_head graph (used by decode steps that replayed a stack graph) gives
     the eager modules' logits on fresh random hidden states, of fewer rows than its size."""
@@ -189,6 +210,7 @@ def main() -> int:
         lay = ParallelLayout(world, sp=sp, tp=tp)
         ok &= _graphs_vs_eager("llama", dict(hidden_size=128), lay, device, block_size=16)
     ok &= _graphs_vs_eager("qwen3", {}, ParallelLayout(world, sp=world, tp=1), device, block_size=4)
+    ok &= _graphs_after_inference_mode(ParallelLayout(world, sp=1, tp=world), device)
     # loader: a sharded checkpoint written by rank 0, read in slices by every rank onto its GPU
     path = [tempfile.mkdtemp(prefix="fusedpar_ckpt_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path)

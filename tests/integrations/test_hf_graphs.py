@@ -81,3 +81,97 @@ def test_forks_collected_at_different_steps_keep_the_pools_identical():
     assert r0["fork ids held"] == []
     # after the new call only its 9 tokens (3 blocks) are held
     assert r0["new sequences"][1] == r0["new sequences"][0] - 3
+
+
+def _cycle_worker(rank: int, world: int) -> dict:
+    """A fork in a reference cycle (freed by the cyclic GC only) that rank 0 collects in the middle of
+    new_state (right after the collected ids are drained) and rank 1 not at all: both pools must still
+    free it at that call. And forks released before they are collected leave nothing behind."""
+    import copy
+    import gc
+
+    import torch
+    from fusedpar.integrations.hf import parallelize
+
+    from fusedpar.layers import StepBatch
+    from fusedpar.layouts import ParallelLayout
+    from tests.integrations.hf_models import make_model
+
+    torch.manual_seed(0)
+    pm = parallelize(make_model("llama"), ParallelLayout(world, sp=1, tp=world), block_size=4)
+    rt = pm._fusedpar
+    ids = torch.randint(1, 100, (1, 30))
+    past = pm(ids, use_cache=True).past_key_values
+    holder = {"fork": copy.deepcopy(past)}
+    holder["self"] = holder
+    del holder
+    if rank == 0:
+        drain = rt._drain_collected
+
+        def drain_then_collect():
+            out = drain()
+            gc.collect()  # what a GC triggered by any allocation there would do
+            return out
+
+        rt._drain_collected = drain_then_collect
+    gc.disable()
+    try:
+        past = pm(ids[:, :9], use_cache=True).past_key_values  # new sequences: frees the live cache and every fork
+    finally:
+        gc.enable()
+    rt.__dict__.pop("_drain_collected", None)
+    out = {"after new sequences": _pool(rt)}
+    rt._reserve(StepBatch((10_000,), (40,), (0,)))  # a grow on both ranks or on neither
+    out["after a step"] = _pool(rt)
+    for _ in range(50):  # forks released (e.g. Cache.reset) before they are collected
+        fork = copy.deepcopy(past)
+        fork.release()
+        del fork
+    gc.collect()
+    out["collected ids kept"] = len(rt._drain_collected())
+    return out
+
+
+def test_fork_collected_inside_new_state_is_freed_on_every_rank():
+    res = run_distributed(_cycle_worker, 2)
+    r0, r1 = res[0], res[1]
+    for key in r0:
+        assert r0[key] == r1[key], f"{key}: rank 0 {r0[key]} != rank 1 {r1[key]}"
+    num, free = r0["after new sequences"][:2]
+    assert free == num - 3, "only the new 9-token sequence (3 blocks) should hold blocks"
+    assert r0["collected ids kept"] == 0, "released forks' ids should not pile up"
+
+
+def _edges_worker(rank: int, world: int) -> dict:
+    import torch
+    from fusedpar.integrations.hf import parallelize
+
+    from fusedpar.layouts import ParallelLayout
+    from tests.integrations.hf_models import make_model
+
+    pm = parallelize(make_model("llama"), ParallelLayout(world, sp=1, tp=world), block_size=4)
+    rt = pm._fusedpar
+    out = {"empty batch": tuple(pm(torch.empty((0, 3), dtype=torch.long)).logits.shape)}
+    # the norm + lm_head graph is skipped whenever hooks would observe those modules (a replay would
+    # not call them); checked before anything is captured, so this runs on CPU
+    hidden = torch.randn(1, 1, pm.config.hidden_size)
+    seen = []
+    rt.replayed = 1
+    for module in (pm.lm_head, pm.model.norm):
+        for register in (module.register_forward_hook, module.register_forward_pre_hook):
+            handle = register(lambda *a: seen.append(1))
+            seen.append(rt.head_logits(pm, hidden) is None)
+            handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    seen.append(rt.head_logits(pm, hidden) is None)
+    handle.remove()
+    rt.replayed = None
+    out["skipped under hooks"] = seen
+    out["vocab"] = pm.config.vocab_size
+    return out
+
+
+def test_empty_batch_and_head_graph_refused_under_hooks():
+    for res in run_distributed(_edges_worker, 2):
+        assert res["empty batch"] == (0, 3, res["vocab"])
+        assert res["skipped under hooks"] == [True] * 5
