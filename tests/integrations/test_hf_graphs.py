@@ -5,8 +5,9 @@ every rank of a replica must grow at the same step. A fork (a deep-copied past_k
 garbage-collected on one rank steps before another; were its blocks freed at once, the ranks' free
 counts, and so their grow decisions, would part. Collected forks are therefore freed only at a step
 that would otherwise grow (and only those every rank has collected), or when a call starts new
-sequences: the pools stay identical on every rank, with no per-step collective. The capture itself
-needs CUDA (tests/integrations/hf_gpu_check.py).
+sequences: the pools stay identical on every rank, with no per-step collective. Also: a 0-row call,
+and the final norm + lm_head graph refused while hooks observe those modules. The captures themselves
+need CUDA (tests/integrations/hf_gpu_check.py).
 """
 
 from __future__ import annotations
