@@ -19,6 +19,25 @@ pytest.importorskip("transformers")
 from fusedpar.testing.dist import run_distributed
 
 
+def _tiny_parallel_llama(world: int):
+    """A tiny random Llama parallelized over `world` ranks (TP), on 4-token cache blocks."""
+    import torch
+    from fusedpar.integrations.hf import parallelize
+
+    from fusedpar.layouts import ParallelLayout
+    from tests.integrations.hf_models import make_model
+
+    torch.manual_seed(0)
+    return parallelize(make_model("llama"), ParallelLayout(world, sp=1, tp=world), block_size=4)
+
+
+def _same_on_both_ranks(res: list) -> dict:
+    r0, r1 = res[0], res[1]
+    for key in r0:
+        assert r0[key] == r1[key], f"{key}: rank 0 {r0[key]} != rank 1 {r1[key]}"
+    return r0
+
+
 def _pool(rt) -> tuple:
     kv = rt.kv
     return kv.num_blocks, kv.free_blocks, kv.generation, sorted(kv.block_tables.items()), list(kv._free)
@@ -29,14 +48,10 @@ def _fork_worker(rank: int, world: int) -> dict:
     import gc
 
     import torch
-    from fusedpar.integrations.hf import parallelize
 
     from fusedpar.layers import StepBatch
-    from fusedpar.layouts import ParallelLayout
-    from tests.integrations.hf_models import make_model
 
-    torch.manual_seed(0)
-    pm = parallelize(make_model("llama"), ParallelLayout(world, sp=1, tp=world), block_size=4)
+    pm = _tiny_parallel_llama(world)
     rt = pm._fusedpar
     ids = torch.randint(1, 100, (1, 30))
     past = pm(ids, use_cache=True).past_key_values  # creates the cache: 18 blocks, 8 held
@@ -71,9 +86,7 @@ def _fork_worker(rank: int, world: int) -> dict:
 
 def test_forks_collected_at_different_steps_keep_the_pools_identical():
     res = run_distributed(_fork_worker, 2)
-    r0, r1 = res[0], res[1]
-    for key in r0:
-        assert r0[key] == r1[key], f"{key}: rank 0 {r0[key]} != rank 1 {r1[key]}"
+    r0 = _same_on_both_ranks(res)
     num, free, gen = r0["start"][:3]
     assert num == 18 and free == num - 16  # created for 2 x (8 blocks + 1); the prompt and the fork hold 8 each
     assert r0["collected on rank 0"][:3] == (num, free, gen), "a collected fork was freed at once"
@@ -92,14 +105,10 @@ def _cycle_worker(rank: int, world: int) -> dict:
     import gc
 
     import torch
-    from fusedpar.integrations.hf import parallelize
 
     from fusedpar.layers import StepBatch
-    from fusedpar.layouts import ParallelLayout
-    from tests.integrations.hf_models import make_model
 
-    torch.manual_seed(0)
-    pm = parallelize(make_model("llama"), ParallelLayout(world, sp=1, tp=world), block_size=4)
+    pm = _tiny_parallel_llama(world)
     rt = pm._fusedpar
     ids = torch.randint(1, 100, (1, 30))
     past = pm(ids, use_cache=True).past_key_values
@@ -135,9 +144,7 @@ def _cycle_worker(rank: int, world: int) -> dict:
 
 def test_fork_collected_inside_new_state_is_freed_on_every_rank():
     res = run_distributed(_cycle_worker, 2)
-    r0, r1 = res[0], res[1]
-    for key in r0:
-        assert r0[key] == r1[key], f"{key}: rank 0 {r0[key]} != rank 1 {r1[key]}"
+    r0 = _same_on_both_ranks(res)
     num, free = r0["after new sequences"][:2]
     assert free == num - 3, "only the new 9-token sequence (3 blocks) should hold blocks"
     assert r0["collected ids kept"] == 0, "released forks' ids should not pile up"
@@ -145,12 +152,8 @@ def test_fork_collected_inside_new_state_is_freed_on_every_rank():
 
 def _edges_worker(rank: int, world: int) -> dict:
     import torch
-    from fusedpar.integrations.hf import parallelize
 
-    from fusedpar.layouts import ParallelLayout
-    from tests.integrations.hf_models import make_model
-
-    pm = parallelize(make_model("llama"), ParallelLayout(world, sp=1, tp=world), block_size=4)
+    pm = _tiny_parallel_llama(world)
     rt = pm._fusedpar
     out = {"empty batch": tuple(pm(torch.empty((0, 3), dtype=torch.long)).logits.shape)}
     # the norm + lm_head graph is skipped whenever hooks would observe those modules (a replay would
