@@ -59,6 +59,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="generated tokens per timed generate")
 
 
+def start(args):
+    """torchrun + NCCL: (rank, world, this rank's GPU, the ParallelLayout of --sp with TP = world / SP)."""
+    from fusedpar.layouts import ParallelLayout
+
+    local, rank, world = _bench.init_distributed()
+    return rank, world, torch.device("cuda", local), ParallelLayout(world, sp=args.sp, tp=world // args.sp)
+
+
 def copy_bandwidth(device) -> float:
     """Bytes per second of a 1 GiB device copy (read + write)."""
     src = torch.empty(1 << 29, dtype=torch.int16, device=device)
@@ -123,11 +131,7 @@ def main() -> int:
     from fusedpar.integrations.hf import parallelize
     from fusedpar.integrations.hf.adapter import resident_decoder_bytes
 
-    from fusedpar.layouts import ParallelLayout
-
-    local, rank, world = _bench.init_distributed()
-    device = torch.device("cuda", local)
-    lay = ParallelLayout(world, sp=args.sp, tp=world // args.sp)
+    rank, world, device, lay = start(args)
     bw = _bench.max_over_ranks(-copy_bandwidth(device)) * -1  # the slowest rank's
     models = {}
     for name, graphs in (("graphs", None), ("eager", False)):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench
-from bench_hf_decode import add_model_arguments, build_model, timed_generate
+from bench_hf_decode import add_model_arguments, build_model, start, timed_generate
 
 _bench.add_repo_to_path()
 
@@ -173,11 +173,7 @@ def main() -> int:
         return 0
     from fusedpar.integrations.hf import parallelize
 
-    from fusedpar.layouts import ParallelLayout
-
-    local, rank, world = _bench.init_distributed()
-    device = torch.device("cuda", local)
-    lay = ParallelLayout(world, sp=args.sp, tp=world // args.sp)
+    rank, world, device, lay = start(args)
     pm = parallelize(build_model(args, device), lay, shift_threshold=64)
     gen = torch.Generator().manual_seed(1)
     b = args.batch
