@@ -28,7 +28,8 @@ one replay still rotates the operands through L2 and amortises the replay's own 
 call = median replay time (CUDA events after a GPU spin, warm-up replays first, --iters replays)
 / calls per replay. A capture that fails is recorded as the eager record's graph_error and the
 graph record is left out. Decode sweep tilings get graph records too (the sweep's decode choice is
-made on them); prefill sweep records are eager. Prefill shapes with pick_config's tiling also get
+made on them); prefill sweep records are eager, except under --short-prefill-sweep (graph records
+too: small prefills are where launch overlap matters). Prefill shapes with pick_config's tiling also get
 graph records ("prefill BxL graph"): the GPU time of both sides without the host's launch gaps, which
 the eager figure of a two-launch fused path (write kernel, attention) against SDPA's one launch
 includes at a few hundred tokens. In a layer a prefill's launches queue behind its GEMMs, so there
@@ -292,7 +293,7 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
     # launch cost: every decode record (sweep tilings too) is also timed captured; so is every
     # default-tiling prefill record (GPU time without launch gaps; module docstring).
     graph_times: dict[str, float | str] = {}
-    if kind == "decode" or config is None:
+    if kind == "decode" or config is None or args.short_prefill_sweep:
         try:
             # The fused calls pass max_query_len / max_kv_len (PagedInputs.kwargs): no host sync in
             # capture. write_kv rewrites the same slot with the same k/v on every replay (idempotent).
@@ -367,12 +368,17 @@ PREFILL_SWEEP = (
 )
 PREFILL_SWEEP_SHAPES = ([16384], [4096] * 4, [256] * 4, [128] * 4)
 # --short-prefill-sweep: batches of short sequences, where the full path (write kernel + attention)
-# trails SDPA; adds q pre-rotation off (q norm/RoPE in the attention prologue: one pass less) and
-# 64-row q tiles (twice the programs for a few hundred tokens).
-SHORT_PREFILL_SWEEP_SHAPES = ([128] * 4, [256] * 4, [512] * 4, [1024] * 4)
+# trailed SDPA. Optional 7th field: more AttentionConfig fields (pdl). Run 85 (before the per-token
+# q prologue and the approximate cos/sin) measured q pre-rotation off at 0.31-0.50x SDPA and 64-row
+# tiles slower; runs 170/171 (nvidia-h200) measured PDL on/off and q pre-rotation on/off again:
+# PDL saves ~1 us per launch pair, pre-rotation stays ahead or ties. (An attention kernel that took
+# the new keys from the qkv rows instead of a write kernel, re-transforming them in every q tile,
+# was 0.31-0.72x SDPA in run 171 and was dropped.)
+SHORT_PREFILL_SWEEP_SHAPES = ([128] * 4, [256] * 4, [512] * 4, [1024] * 4, [512], [1024], [2048])
 SHORT_PREFILL_SWEEP = (
-    (128, 64, 8, 3, True, True), (128, 64, 8, 3, False, True), (64, 64, 4, 3, True, True),
-    (64, 64, 4, 3, False, True), (64, 32, 4, 3, False, True),
+    (128, 64, 8, 3, True, True, {"pdl": False}), (128, 64, 8, 3, True, True),
+    (128, 64, 8, 3, False, True, {"pdl": False}), (128, 64, 8, 3, False, True),
+    (64, 64, 4, 3, True, True),
 )
 # Decode tilings, block_m 16: (block_n, warps, stages, num_splits, page_prefetch). 8 x 4096 is the
 # layer benchmark's decode case. The first of each is the pick before run 69 (_attend_tiles, 4
@@ -396,8 +402,8 @@ def sweep_cases(kinds: tuple[str, ...] = ("prefill", "decode"), prefill_shapes=P
     cases = []
     for seq_lens in prefill_shapes if "prefill" in kinds else ():
         name = f"prefill {len(seq_lens)}x{seq_lens[0]} sweep"
-        for bm, bn, w, s, pre, prefetch in prefill_tilings:
-            cfg = AttentionConfig(bm, bn, bm // g, w, s, prerotate_q=pre, page_prefetch=prefetch)
+        for bm, bn, w, s, pre, prefetch, *more in prefill_tilings:
+            cfg = AttentionConfig(bm, bn, bm // g, w, s, prerotate_q=pre, page_prefetch=prefetch, **(more or [{}])[0])
             cases.append(("prefill", seq_lens, 0, name, cfg))
     for b, tilings in DECODE_SWEEP.items() if "decode" in kinds else ():
         name = f"decode {b}x{DECODE_CONTEXT} sweep"
@@ -422,8 +428,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # and the full path, decode ones also in graphs: ~200 s expected) with headroom; the cap only
     # guards against a slow machine.
     p.add_argument("--short-prefill-sweep", action="store_true",
-                   help="prefill sweep over batches of 128-1024-token sequences with q pre-rotation on/off and "
-                        "64-row q tiles instead of the default sweep shapes and tilings")
+                   help="prefill sweep over short prefills (4 x 128 .. 4 x 1024, 1 x 512 .. 1 x 2048) with q "
+                        "pre-rotation and PDL on/off and 64-row q tiles, all also timed in CUDA graphs, instead "
+                        "of the default sweep shapes and tilings")
     p.add_argument("--sweep-budget-s", type=float, default=300.0, help="stop sweeping after this many seconds")
     p.add_argument("--out", default="perf/results/attention.json")
     args = p.parse_args(argv)
@@ -445,7 +452,7 @@ def print_row(record: dict) -> None:
         f"{record['roofline_pct']:>6.1f}%  "
         f"m{c['block_m']} n{c['block_n']} q{c['block_q']} w{c['num_warps']} s{c['num_stages']} "
         f"splits{c['num_splits']} prerotate_q={c.get('prerotate_q', False)}"
-        f"{' page_prefetch' if c.get('page_prefetch') else ''}{warn}{full}"
+        f"{' page_prefetch' if c.get('page_prefetch') else ''} pdl={c.get('pdl', False)}{warn}{full}"
     )
 
 
@@ -514,7 +521,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             continue
         graph_record = None
-        if kind == "decode" or cfg is None:
+        if kind == "decode" or cfg is None or args.short_prefill_sweep:
             record["timing"] = "eager"
             if "graph_error" not in record:
                 base_g, fused_g, attn_g = (record["baseline_graph_ms"], record["fused_graph_ms"],

@@ -40,6 +40,10 @@ Kernels (three layers, DESIGN.md section 1: @triton.jit kernel -> launcher -> re
                          for prefill/mixed launches (AttentionConfig.prerotate_q) also every q
                          head -> norm -> RoPE -> a [num_tokens, nq hd] scratch in the cache dtype,
                          which the attention kernel then reads as its q (no norm/RoPE there).
+                         On sm_90+ the attention launch after it is its programmatic dependent
+                         (PDL, AttentionConfig.pdl): the attention grid starts while the write
+                         grid runs and waits (griddepcontrol) before reading what it writes
+                         (q scratch, or the new keys when q is transformed in the prologue).
                          Why: on an H200 (1 x 4096 tokens, 16 q / 2 kv heads, hd 128, bf16, tile
                          128x64, 8 warps) attention alone took 0.23 ms but the full path with
                          q/k RoPE and the cache write 0.37 ms while the write kernel itself takes
@@ -55,6 +59,8 @@ Kernels (three layers, DESIGN.md section 1: @triton.jit kernel -> launcher -> re
                          r // G, head r % G), so one K/V tile load serves the whole GQA group:
                          decode reads each cached K/V byte once per step, prefill G times less
                          than a per-head kernel. q is normed/roped in registers after the load
+                         (for a power-of-two G as a [tokens, G, hd] tile, so each token's cos/sin
+                         are evaluated once, not once per head: _q_tile_by_token)
                          unless the write kernel pre-rotated it (both paths round the fp32
                          transform to the cache dtype before the dot, so they agree bit for bit
                          in the interpreter; on a GPU the q RMSNorm sum may reduce in another
@@ -83,6 +89,12 @@ Known limits (see pick_config for the tilings): head_dim must be a power of two 
 dtype equals the model dtype (no fp8 KV); a mixed batch uses prefill-sized q tiles for its decode
 sequences too (one token in a 128-row tile: wasted MMA work, but each K/V byte is still read once
 per kv head); a future split into a decode launch + a prefill launch would remove that.
+
+RoPE angles (rope_theta mode) are reduced to [-pi, pi] in fp32; on a GPU with bf16/fp16 their
+cos/sin are the SFU's cos/sin.approx.f32 (ROPE_THETA_FAST, absolute error ~2**-20.5 there),
+elsewhere libdevice's (ROPE_THETA). The libdevice calls were most of the RoPE cost: on an H200
+(GPU run 171 vs 170, CUDA graphs) a 4 x 128-token prefill with q/k RoPE and the cache write went
+from 0.0117 to 0.0104 ms and a 1 x 4096 decode from 0.0089 to 0.0075 ms.
 
 CPU: under TRITON_INTERPRET=1 (set before this module is first imported) the kernels run on CPU
 tensors; the interpreter cannot tl.dot bf16, so interpret fp16/fp32 and test bf16 on a GPU.
@@ -135,7 +147,9 @@ FUSED_WRITE_MAX_SEQS = 8
 # seen only masked keys keeps exp2(-inf - m) = 0 and alpha = exp2(m - m) = 1 (never inf - inf).
 _M_INIT = tl.constexpr(-1.0e38)
 
-ROPE_NONE, ROPE_THETA, ROPE_TABLES = 0, 1, 2
+ROPE_NONE, ROPE_THETA, ROPE_TABLES, ROPE_THETA_FAST = 0, 1, 2, 3
+# ROPE_THETA_FAST is ROPE_THETA with the GPU's approximate cos/sin instructions: the launcher's
+# choice for bf16/fp16 on a GPU (see _rope_cos_sin). fp32 and the interpreter keep ROPE_THETA.
 # rope_theta mode computes each angle in fp32 and reduces it by a two-constant 2*pi that is exact
 # only for angles below 2**16 turns (~411k rad; the angle of position p is up to p): beyond that the
 # cached keys drift (measured 7e-2 abs at position 1M). Steps that reach further pass cos/sin tables
@@ -155,7 +169,7 @@ def _rope_cos_sin(rope_rows, row_mask, positions_ptr, inv_freq_ptr, cos_ptr, sin
     """
     HALF: tl.constexpr = HD // 2
     offs_d = tl.arange(0, HD)
-    if ROPE == 1:
+    if ROPE == 1 or ROPE == 3:
         pos = tl.load(positions_ptr + rope_rows, mask=row_mask, other=0).to(tl.float32)
         inv_freq = tl.load(inv_freq_ptr + (offs_d % HALF))
         ang = pos[:, None] * inv_freq[None, :]
@@ -164,8 +178,18 @@ def _rope_cos_sin(rope_rows, row_mask, positions_ptr, inv_freq_ptr, cos_ptr, sin
         # or to the hardware approximations, which lose accuracy for large arguments.
         k = tl.floor(ang * 0.15915494309189535 + 0.5)
         ang = (ang - k * 6.28125) - k * 0.0019353071795864769
-        c = tl.cos(ang)
-        s = tl.sin(ang)
+        if ROPE == 3:
+            # ROPE_THETA_FAST: the SFU's cos/sin.approx.f32, one instruction each (tl.cos/tl.sin
+            # lower to libdevice's __nv_cosf/__nv_sinf: dozens of instructions plus a
+            # Payne-Hanek branch). On the reduced angle their absolute error is ~2**-20.5, far
+            # below the 2**-8 rounding of the bf16/fp16 values they feed (GPU, 16-bit only).
+            c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [ang], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+            s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [ang], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        else:
+            c = tl.cos(ang)
+            s = tl.sin(ang)
     elif ROPE == 2:
         t_off = rope_rows.to(tl.int64)[:, None] * stride_rope + offs_d[None, :]
         c = tl.load(cos_ptr + t_off, mask=row_mask[:, None], other=0.0).to(tl.float32)
@@ -237,6 +261,49 @@ def _norm_rope(
 
 
 @triton.jit
+def _q_tile_by_token(
+    qkv_ptr, stride_qkv, q_start, q_local, q_len, kvh, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope,
+    w_ptr, eps, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
+    HAS_NORM: tl.constexpr, ROPE: tl.constexpr,
+):
+    """The attention kernel's q tile rope(norm(q)) as fp32 [BLOCK_M, HD], for a power-of-two G.
+
+    Row r = token r // G, head r % G, the kernel's row map, so the tile is loaded as [BLOCK_M / G
+    tokens, G heads, HD] and reshaped. Why 3-D: each token's cos/sin row is evaluated once and
+    broadcast over its G heads (the row-wise _rope_cos_sin evaluates it once per head: G times the
+    transcendentals, which made the in-kernel prologue of a 16-token x 8-head prefill tile cost
+    more than the attention it feeds). Same values and roundings as _norm_rope per row.
+    """
+    BT: tl.constexpr = BLOCK_M // G
+    HALF: tl.constexpr = HD // 2
+    offs_t = tl.arange(0, BT)
+    offs_g = tl.arange(0, G)
+    offs_d = tl.arange(0, HD)
+    tok_local = q_local + offs_t
+    t_ok = (offs_t < BLOCK_Q) & (tok_local < q_len)
+    token = q_start + tok_local
+    c, s = _rope_cos_sin(token, t_ok, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, HD, ROPE)
+    heads = (token.to(tl.int64) * stride_qkv)[:, None] + ((kvh * G + offs_g) * HD)[None, :]  # [BT, G]
+    mask = t_ok[:, None, None] & (offs_g < G)[None, :, None] & (offs_d < HD)[None, None, :]
+    x = tl.load(qkv_ptr + heads[:, :, None] + offs_d[None, None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=2) / HD + eps)
+        w = tl.load(w_ptr + offs_d).to(tl.float32)
+        xn = x * rstd[:, :, None] * w[None, None, :]
+    else:
+        xn = x
+    if ROPE != 0:
+        offs_rot = (offs_d + HALF) % HD
+        xr = tl.load(qkv_ptr + heads[:, :, None] + offs_rot[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            wr = tl.load(w_ptr + offs_rot).to(tl.float32)
+            xr = xr * rstd[:, :, None] * wr[None, None, :]
+        sign = tl.where(offs_d < HALF, -1.0, 1.0)
+        xn = xn * c[:, None, :] + sign[None, None, :] * xr * s[:, None, :]
+    return tl.reshape(xn, (BLOCK_M, HD))
+
+
+@triton.jit
 def _write_kv_kernel(
     qkv_ptr,
     slots_ptr,
@@ -267,6 +334,7 @@ def _write_kv_kernel(
     ROPE: tl.constexpr,
     WRITE_KV: tl.constexpr,
     WRITE_Q: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,  # the attention launch after this one is programmatic (PDL)
 ):
     """Program t (one per real token):
         WRITE_KV: k_cache[slot_t] = rope(norm_k(K[t])), v_cache[slot_t] = V[t]   (NKV heads)
@@ -283,6 +351,10 @@ def _write_kv_kernel(
     a chain (slot -> k/v, then q), which is what a short prefill's launch of a few hundred
     programs waits for.
     """
+    if LAUNCH_DEPENDENTS:
+        # Let the attention grid start now: its programs load their q and block-table entries while
+        # this grid runs, and wait (gdc_wait) for its completion before they read anything it writes.
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     offs_d = tl.arange(0, HD)
     row = qkv_ptr + t.to(tl.int64) * stride_qkv
@@ -560,6 +632,8 @@ def _attention_kernel(
     HAS_K_NORM: tl.constexpr,
     PAGE_PREFETCH: tl.constexpr,  # block-table entries a tile ahead; ONE_TOKEN_PER_SEQ: _attend_decode_tiles
     SCATTER: tl.constexpr,  # store output rows into the owner ranks' buffers (_out_rows)
+    Q_BY_TOKEN: tl.constexpr,  # in-kernel q transform with per-token cos/sin (_q_tile_by_token; G a power of 2)
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the write kernel: 0 no, 1 wait before q, 2 after
 ):
     """Program (tile, kv head j, split): BLOCK_Q tokens x the G q heads of kv head j.
 
@@ -603,9 +677,21 @@ def _attention_kernel(
     head = kvh * G + offs_m % G
     p_row = ctx + tok_local  # key positions row r may see: 0 .. p_row
 
-    q_rows = qkv_ptr + token.to(tl.int64) * stride_qkv + head * HD
-    c, s = _rope_cos_sin(token, row_ok, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, HD, ROPE)
-    q = _norm_rope(q_rows, row_ok, c, s, q_norm_ptr, eps, HD, HAS_Q_NORM, ROPE)
+    if PDL == 1:
+        tl.extra.cuda.gdc_wait()  # q is the write kernel's pre-rotated scratch
+    if Q_BY_TOKEN:
+        q = _q_tile_by_token(
+            qkv_ptr, stride_qkv, q_start, q_local, q_len, kvh, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr,
+            stride_rope, q_norm_ptr, eps, BLOCK_M, BLOCK_Q, G, HD, HAS_Q_NORM, ROPE,
+        )
+    else:
+        q_rows = qkv_ptr + token.to(tl.int64) * stride_qkv + head * HD
+        c, s = _rope_cos_sin(token, row_ok, positions_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_rope, HD, ROPE)
+        q = _norm_rope(q_rows, row_ok, c, s, q_norm_ptr, eps, HD, HAS_Q_NORM, ROPE)
+    if PDL == 2:
+        # q came from qkv (complete before the write kernel started); the keys this step wrote into
+        # the cache are the write kernel's: wait for it before the first K/V load.
+        tl.extra.cuda.gdc_wait()
     # Round q to the cache dtype like the reference (which attends with q in the model dtype). A q
     # pre-rotated by _write_kv_kernel was stored already rounded, so this is exact there: both
     # paths feed tl.dot the same bits.
@@ -727,6 +813,13 @@ class AttentionConfig:
     pipeliner keep num_stages - 1 K/V tiles in flight per program; a pure decode launch then also
     runs one masked loop (_attend_decode_tiles) instead of the unmasked + masked pair. On by default
     (an explicit tiling gets the fast loops too); False keeps the plain loops, for A/B measurements.
+    pdl: when a write kernel runs before the attention kernel (prefill/mixed launches, decode
+    batches above FUSED_WRITE_MAX_SEQS), launch the attention as its programmatic dependent
+    (sm_90+, GPU only): attention programs start while the write grid runs, transform their q and
+    prefetch block-table entries, and wait for the write grid before touching what it writes.
+    False launches the two kernels back to back, for A/B measurements. Measured on one H200 (GPU run
+    171, perf/bench_attention.py --short-prefill-sweep, CUDA graphs, pre-rotated q): 4 x 128 tokens
+    0.0113 -> 0.0104 ms, 4 x 256 0.0158 -> 0.0146, 1 x 512 0.0185 -> 0.0177, 4 x 1024 0.0808 -> 0.0795.
     """
 
     block_m: int
@@ -737,6 +830,7 @@ class AttentionConfig:
     num_splits: int = 1
     prerotate_q: bool = False
     page_prefetch: bool = True
+    pdl: bool = True
 
 
 def pick_config(
@@ -814,6 +908,12 @@ def pick_config(
 @functools.cache
 def _device_num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _device_has_pdl(device: torch.device) -> bool:
+    """Programmatic Dependent Launch (griddepcontrol) needs sm_90 or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=64)
@@ -1075,7 +1175,9 @@ def _launch(
             raise ValueError(f"fusedpar.paged_attention: rope_theta mode is accurate for positions below "
                              f"{ROPE_THETA_MAX_KV_LEN} (fp32 angle reduction), this step reaches "
                              f"max_kv_len={max_kv_len}: pass rope_cos/rope_sin tables instead")
-        rope_mode, inv_freq = ROPE_THETA, _rope_inv_freq(hd, float(rope_theta), qkv.device)
+        fast = not _INTERPRETED and qkv.dtype in (torch.bfloat16, torch.float16)
+        rope_mode = ROPE_THETA_FAST if fast else ROPE_THETA
+        inv_freq = _rope_inv_freq(hd, float(rope_theta), qkv.device)
     elif rope_cos is not None:
         rope_mode, inv_freq = ROPE_TABLES, qkv
     else:
@@ -1103,7 +1205,8 @@ def _launch(
         part_acc = part_m = part_l = qkv  # unused
 
     q_norm_arg = q_norm if q_norm is not None else qkv
-    prerotate = cfg.prerotate_q and (rope_mode != ROPE_NONE or q_norm is not None)
+    transforms_q = rope_mode != ROPE_NONE or q_norm is not None
+    prerotate = cfg.prerotate_q and transforms_q
     # Small decode batches: the attention programs write the new k/v themselves (one launch fewer).
     fused_write = write_kv and one_token_per_seq and not prerotate and num_seqs <= FUSED_WRITE_MAX_SEQS
     if prerotate:
@@ -1118,16 +1221,24 @@ def _launch(
     tile = max(next_pow2(nkv) if write_kv else 0, next_pow2(num_q_heads) if prerotate else 0) * hd
     write_warps = 1 if tile <= 256 else 4 if tile <= 4096 else 8
 
+    write_kernel = (write_kv and not fused_write) or prerotate
+    # PDL: 1 = the attention waits before reading q (the write kernel's scratch), 2 = after its q
+    # prologue (only the cache's new k/v are the write kernel's). Hopper+ GPUs only.
+    pdl = 0
+    if write_kernel and cfg.pdl and not _INTERPRETED and _device_has_pdl(qkv.device):
+        pdl = 1 if prerotate else 2
+    pdl_kw = {"launch_pdl": True} if pdl else {}
+
     guard = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        if (write_kv and not fused_write) or prerotate:
+        if write_kernel:
             _write_kv_kernel[(num_tokens,)](
                 qkv, slots if write_kv else cu_seqlens_q, positions_arg, inv_freq, cos_arg, sin_arg,
                 q_norm_arg, k_norm if k_norm is not None else qkv, k_cache, v_cache, q_src,
                 qkv.stride(0), q_src.stride(0), blk_stride, tok_stride, head_stride, stride_rope, eps,
                 NQ=num_q_heads, NQ_P2=next_pow2(num_q_heads), NKV=nkv, NKV_P2=next_pow2(nkv), HD=hd, PAGE=page,
                 HAS_Q_NORM=q_norm is not None, HAS_K_NORM=k_norm is not None, ROPE=rope_mode,
-                WRITE_KV=write_kv and not fused_write, WRITE_Q=prerotate,
+                WRITE_KV=write_kv and not fused_write, WRITE_Q=prerotate, LAUNCH_DEPENDENTS=pdl > 0,
                 num_warps=write_warps,
             )
         _attention_kernel[(num_tiles, nkv, splits)](
@@ -1144,7 +1255,8 @@ def _launch(
             DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
             WRITE_NEW_KV=fused_write, HAS_K_NORM=k_norm is not None,
             PAGE_PREFETCH=cfg.page_prefetch, SCATTER=scatter is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            Q_BY_TOKEN=transforms_q and not prerotate and _is_pow2(group), PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw,
         )
         if splits > 1:
             _combine_kernel[(num_tokens, num_q_heads)](

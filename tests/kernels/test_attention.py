@@ -459,18 +459,21 @@ def _prefill_config(group: int, prerotate: bool, **kw) -> AttentionConfig:
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize(("nq", "group"), [(8, 4), (6, 3)], ids=["G4_per_token_q", "G3_per_row_q"])
 @pytest.mark.parametrize(
     ("qk_norm", "rope"), [(True, "theta"), (True, "tables"), (False, "theta"), (True, None), (False, None)]
 )
-def test_prerotated_q_is_bit_identical_to_in_kernel_q(qk_norm, rope, dtype, spies):
+def test_prerotated_q_is_bit_identical_to_in_kernel_q(qk_norm, rope, nq, group, dtype, spies):
     """Varlen prefill with cached context (and a decode row): q normed/roped by the write kernel into a
     cache-dtype scratch vs in the attention prologue. Both match the oracle, and they agree bit for bit
     (output and cache): each rounds the fp32 transform of q to the cache dtype before the dot. Without
-    RoPE and q norm the flag changes nothing (no scratch, no q work in the write kernel)."""
+    RoPE and q norm the flag changes nothing (no scratch, no q work in the write kernel).
+    The in-kernel prologue has two forms: a power-of-two G loads the tile as [tokens, G, hd] and
+    evaluates each token's cos/sin once (Q_BY_TOKEN); any other G transforms it row by row."""
     if HAS_CUDA:
         pytest.skip("bit identity is an interpreter check (GPU reductions may order the RMSNorm sum differently)")
     write, attend = spies
-    case = Case([(9, 0), (1, 21), (13, 7), (6, 4)], 8, 2, 16, page=4, dtype=dtype, qk_norm=qk_norm, rope=rope,
+    case = Case([(9, 0), (1, 21), (13, 7), (6, 4)], nq, 2, 16, page=4, dtype=dtype, qk_norm=qk_norm, rope=rope,
                 pad_rows=2, seed=12)
     transformed = qk_norm or rope is not None
     results = []
@@ -478,12 +481,14 @@ def test_prerotated_q_is_bit_identical_to_in_kernel_q(qk_norm, rope, dtype, spie
         write.calls.clear()
         attend.calls.clear()
         r = Run(case)  # same seed: the same inputs and poisoned buffers for both paths
-        out = r.launch(config=_prefill_config(4, prerotate))
+        out = r.launch(config=_prefill_config(group, prerotate))
         r.check(out, name=f"prerotate_q={prerotate}")
         pre = prerotate and transformed
         assert [c["WRITE_Q"] for c in write.calls] == [pre] and write.calls[0]["WRITE_KV"]
         assert attend.calls[0]["HAS_Q_NORM"] == (qk_norm and not pre)
         assert attend.calls[0]["ROPE"] == (attention.ROPE_NONE if pre or rope is None else write.calls[0]["ROPE"])
+        assert attend.calls[0]["Q_BY_TOKEN"] == (transformed and not pre and group == 4)
+        assert attend.calls[0]["PDL"] == 0 and not write.calls[0]["LAUNCH_DEPENDENTS"], "no PDL in the interpreter"
         results.append((out.clone(), r.k_cache.clone(), r.v_cache.clone()))
     for name, a, b in zip(("out", "k_cache", "v_cache"), *results, strict=True):
         assert torch.equal(_bits(a), _bits(b)), f"{name}: prerotated q differs from the in-kernel q path"
@@ -947,3 +952,46 @@ def test_gpu_cuda_graph_replay_matches_eager():
     graph.replay()
     torch.cuda.synchronize(DEVICE)
     assert_close(r.out, eager, dtype=torch.bfloat16, **out_tolerance(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("prerotate", [False, True], ids=["in_kernel_q", "prerotated_q"])
+@pytest.mark.parametrize(("nq", "nkv"), [*LLAMA70B_RANK_HEADS, (12, 2)])
+def test_gpu_pdl_launch_matches_back_to_back_and_survives_capture(nq, nkv, prerotate):
+    """AttentionConfig.pdl: the attention grid starts while the write kernel runs (a short varlen
+    prefill with cached context, where that overlap is the point) and waits for it before reading q
+    (pre-rotated) or the new keys (in-kernel q). Same kernels, same arithmetic: PDL on and off agree
+    bit for bit, both match the oracle, and so does a CUDA-graph replay of the PDL launch (the
+    graph keeps the programmatic edge). (12, 2): G = 6 takes the row-wise q prologue."""
+    if torch.cuda.get_device_capability(DEVICE)[0] < 9:
+        pytest.skip("PDL needs sm_90+: the launcher runs the two kernels back to back below that")
+    seqs = [(128, 0), (97, 300), (128, 0), (1, 50), (200, 16)]
+    case = Case(seqs, nq, nkv, 128, page=16, dtype=torch.bfloat16, qk_norm=True, pad_rows=3, seed=nq)
+    cfg = attention.pick_config(head_dim=128, group=nq // nkv, num_seqs=len(seqs), num_kv_heads=nkv,
+                                max_query_len=200, max_kv_len=316, dtype=torch.bfloat16,
+                                num_sms=torch.cuda.get_device_properties(DEVICE).multi_processor_count,
+                                interpret=False)
+    outs = []
+    for pdl in (False, True):
+        r = Run(case)
+        out = r.launch(config=dataclasses.replace(cfg, prerotate_q=prerotate, pdl=pdl))
+        r.check(out, name=f"pdl={pdl}")
+        outs.append((out.clone(), r.k_cache.clone()))
+    assert torch.equal(_bits(outs[0][0]), _bits(outs[1][0])), "PDL changed the attention output"
+    assert torch.equal(_bits(outs[0][1]), _bits(outs[1][1])), "PDL changed the cached keys"
+
+    r = Run(case)
+    pdl_cfg = dataclasses.replace(cfg, prerotate_q=prerotate, pdl=True)
+    r.launch(config=pdl_cfg, max_query_len=200, max_kv_len=316)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        r.launch(config=pdl_cfg, max_query_len=200, max_kv_len=316)
+    r.out.fill_(float("nan"))
+    for cache, before in ((r.k_cache, r.k_before), (r.v_cache, r.v_before)):
+        cache.copy_(before)  # the replay must write the new keys again before attending to them
+    graph.replay()
+    torch.cuda.synchronize(DEVICE)
+    r.check(r.out, name="pdl graph replay")
+    assert torch.equal(_bits(r.out), _bits(outs[1][0])), "the replay differs from the eager PDL launch"
+

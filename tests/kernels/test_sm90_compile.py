@@ -174,14 +174,16 @@ _ATTN_COMPILE = textwrap.dedent(
                                "rows_per_rank", "out_col0")}
     ints.update(qk_scale="fp32", eps="fp32")
     out = {}
-    # the base-mode prefill tiling (pick_config's for 16 q / 2 kv heads of 128) and a split decode
+    # the base-mode prefill tiling (pick_config's for 16 q / 2 kv heads of 128; its q pre-rotated by the
+    # write kernel it waits for) and a split decode above FUSED_WRITE_MAX_SEQS (per-token q prologue, then
+    # the wait for the write kernel's keys)
     for name, consts, warps, stages in (
         ("prefill", dict(NQ=16, G=8, HD=128, PAGE=16, BLOCK_M=128, BLOCK_N=64, BLOCK_Q=16, ONE_TOKEN_PER_SEQ=False,
                          HAS_Q_NORM=False, ROPE=0, SPLIT=False, DOT_PRECISION="tf32", WRITE_NEW_KV=False,
-                         HAS_K_NORM=False, PAGE_PREFETCH=True), 8, 3),
+                         HAS_K_NORM=False, PAGE_PREFETCH=True, Q_BY_TOKEN=False, PDL=1), 8, 3),
         ("decode_split", dict(NQ=16, G=8, HD=128, PAGE=16, BLOCK_M=16, BLOCK_N=64, BLOCK_Q=1, ONE_TOKEN_PER_SEQ=True,
-                              HAS_Q_NORM=True, ROPE=1, SPLIT=True, DOT_PRECISION="tf32", WRITE_NEW_KV=False,
-                              HAS_K_NORM=True, PAGE_PREFETCH=True), 4, 3),
+                              HAS_Q_NORM=True, ROPE=3, SPLIT=True, DOT_PRECISION="tf32", WRITE_NEW_KV=False,
+                              HAS_K_NORM=True, PAGE_PREFETCH=True, Q_BY_TOKEN=True, PDL=2), 4, 3),
     ):
         out[name] = build(attention._attention_kernel, {**ptr, **ints}, dict(consts, SCATTER=scatter), warps, stages)
     combine_types = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16",
@@ -213,3 +215,69 @@ def test_attention_kernels_build_for_sm90_in_bf16(tmp_path, scatter):
     for name in ("prefill", "combine"):
         assert (built[name]["i64_loads"] > 0) == scatter, (name, built[name])
     assert built["decode_split"]["i64_loads"] == 0, built  # split programs store fp32 partials locally
+
+
+_ATTENTION_COMPILE = textwrap.dedent(
+    """
+    import json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fusedpar.kernels import attention
+
+    FLOAT_PTRS = {"inv_freq_ptr", "cos_ptr", "sin_ptr", "part_acc_ptr", "part_m_ptr", "part_l_ptr"}
+    INT32_PTRS = {"block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr"}
+    INT64_PTRS = {"positions_ptr", "slots_ptr", "out_peers_ptr"}
+
+    def arg_type(name):
+        if name.endswith("_ptr"):
+            return ("*fp32" if name in FLOAT_PTRS else "*i32" if name in INT32_PTRS
+                    else "*i64" if name in INT64_PTRS else "*bf16")
+        return "fp32" if name in ("qk_scale", "eps") else "i32"
+
+    out = []
+    for kernel, consts, options in json.loads(sys.argv[1]):
+        fn = getattr(attention, kernel)
+        names = list(fn.arg_names)
+        sig = {n: "constexpr" if n in consts else arg_type(n) for n in names}
+        src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        out.append({k: ptx.count(k) for k in ("sin.approx.f32", "cos.approx.f32", "griddepcontrol.wait",
+                                              "griddepcontrol.launch_dependents")})
+    print(json.dumps(out))
+    """
+)
+
+
+def test_attention_fast_rope_and_pdl_build_for_sm90(tmp_path):
+    """The attention paths that only a GPU runs build for sm_90 in bf16: ROPE_THETA_FAST's inline
+    cos/sin.approx.f32, the write kernel's PDL trigger and the attention kernel's PDL wait (before q,
+    or after its per-token q prologue), and the decode launch that writes its own new keys (no write
+    kernel, so no wait). Each build holds the instructions it should and none it should not."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    fast = 3  # attention.ROPE_THETA_FAST (not imported here: the module is interpreted in this process)
+    write = {"NQ": 16, "NQ_P2": 16, "NKV": 2, "NKV_P2": 2, "HD": 128, "PAGE": 16, "HAS_Q_NORM": True,
+             "HAS_K_NORM": True, "ROPE": fast, "WRITE_KV": True, "WRITE_Q": True, "LAUNCH_DEPENDENTS": True}
+    attend = {"NQ": 16, "G": 8, "HD": 128, "PAGE": 16, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_Q": 16,
+              "ONE_TOKEN_PER_SEQ": False, "HAS_Q_NORM": True, "ROPE": fast, "SPLIT": False,
+              "DOT_PRECISION": "tf32", "WRITE_NEW_KV": False, "HAS_K_NORM": True, "PAGE_PREFETCH": True,
+              "SCATTER": False, "Q_BY_TOKEN": True, "PDL": 2}
+    prefill = {"num_warps": 8, "num_stages": 3}
+    specs = [
+        ("_write_kv_kernel", write, {"num_warps": 4}),
+        ("_attention_kernel", attend, prefill),  # in-kernel q, then wait for the write kernel's keys
+        ("_attention_kernel", attend | {"HAS_Q_NORM": False, "ROPE": 0, "Q_BY_TOKEN": False, "PDL": 1}, prefill),
+        ("_attention_kernel", attend | {"BLOCK_M": 16, "BLOCK_Q": 1, "ONE_TOKEN_PER_SEQ": True, "SPLIT": True,
+                                        "WRITE_NEW_KV": True, "PDL": 0}, {"num_warps": 4, "num_stages": 2}),
+    ]
+    run = subprocess.run([sys.executable, "-c", _ATTENTION_COMPILE, json.dumps(specs)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
+    write_ptx, in_kernel_q, prerotated_q, fused_decode = json.loads(run.stdout.strip().splitlines()[-1])
+    assert write_ptx["sin.approx.f32"] and write_ptx["cos.approx.f32"], write_ptx
+    assert write_ptx["griddepcontrol.launch_dependents"] and not write_ptx["griddepcontrol.wait"], write_ptx
+    assert in_kernel_q["sin.approx.f32"] and in_kernel_q["griddepcontrol.wait"], in_kernel_q
+    assert prerotated_q["griddepcontrol.wait"] and not prerotated_q["sin.approx.f32"], prerotated_q
+    assert fused_decode["sin.approx.f32"] and not fused_decode["griddepcontrol.wait"], fused_decode
