@@ -634,6 +634,7 @@ def _attention_kernel(
     SCATTER: tl.constexpr,  # store output rows into the owner ranks' buffers (_out_rows)
     Q_BY_TOKEN: tl.constexpr,  # in-kernel q transform with per-token cos/sin (_q_tile_by_token; G a power of 2)
     PDL: tl.constexpr,  # launched as a programmatic dependent of the write kernel: 0 no, 1 wait before q, 2 after
+    LAUNCH_DEPENDENTS: tl.constexpr,  # SPLIT: the combine launch after this one is programmatic (PDL)
 ):
     """Program (tile, kv head j, split): BLOCK_Q tokens x the G q heads of kv head j.
 
@@ -648,6 +649,9 @@ def _attention_kernel(
     sequence and kv head) normalises/ropes it, stores it into the cache and attends to it from
     registers (_write_and_attend_new_key). Saves the write kernel's launch in every decode step.
     """
+    if LAUNCH_DEPENDENTS:
+        # The combine grid may start now: it waits (gdc_wait) for this grid's partials before reading.
+        tl.extra.cuda.gdc_launch_dependents()
     tile = num_tiles - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -774,9 +778,12 @@ def _combine_kernel(
     HD: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     SCATTER: tl.constexpr,
+    PDL: tl.constexpr,  # launched as the attention grid's programmatic dependent: wait for its partials
 ):
     """Program (token t, q head h): out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
     M = max_s m_s (splits that saw no key carry m = -1e38, l = 0, acc = 0: weight 0)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
@@ -817,6 +824,7 @@ class AttentionConfig:
     batches above FUSED_WRITE_MAX_SEQS), launch the attention as its programmatic dependent
     (sm_90+, GPU only): attention programs start while the write grid runs, transform their q and
     prefetch block-table entries, and wait for the write grid before touching what it writes.
+    Likewise a split launch's combine kernel is launched as the attention grid's dependent.
     False launches the two kernels back to back, for A/B measurements. Measured on one H200 (GPU run
     171, perf/bench_attention.py --short-prefill-sweep, CUDA graphs, pre-rotated q): 4 x 128 tokens
     0.0113 -> 0.0104 ms, 4 x 256 0.0158 -> 0.0146, 1 x 512 0.0185 -> 0.0177, 4 x 1024 0.0808 -> 0.0795.
@@ -1228,6 +1236,8 @@ def _launch(
     if write_kernel and cfg.pdl and not _INTERPRETED and _device_has_pdl(qkv.device):
         pdl = 1 if prerotate else 2
     pdl_kw = {"launch_pdl": True} if pdl else {}
+    # The split path's combine kernel is the attention grid's programmatic dependent in turn.
+    combine_pdl = splits > 1 and cfg.pdl and not _INTERPRETED and _device_has_pdl(qkv.device)
 
     guard = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
     with guard:
@@ -1255,14 +1265,14 @@ def _launch(
             DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
             WRITE_NEW_KV=fused_write, HAS_K_NORM=k_norm is not None,
             PAGE_PREFETCH=cfg.page_prefetch, SCATTER=scatter is not None,
-            Q_BY_TOKEN=transforms_q and not prerotate and _is_pow2(group), PDL=pdl,
+            Q_BY_TOKEN=transforms_q and not prerotate and _is_pow2(group), PDL=pdl, LAUNCH_DEPENDENTS=combine_pdl,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw,
         )
         if splits > 1:
             _combine_kernel[(num_tokens, num_q_heads)](
                 part_acc, part_m, part_l, out_arg, out_peers, out_arg.stride(0), num_tokens, splits, rows_per_rank,
                 col0, NQ=num_q_heads, HD=hd, SPLITS_P2=next_pow2(splits), SCATTER=scatter is not None,
-                num_warps=1 if hd <= 64 else 2,
+                PDL=combine_pdl, num_warps=1 if hd <= 64 else 2, **({"launch_pdl": True} if combine_pdl else {}),
             )
     return out
 

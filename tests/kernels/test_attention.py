@@ -954,39 +954,54 @@ def test_gpu_cuda_graph_replay_matches_eager():
     assert_close(r.out, eager, dtype=torch.bfloat16, **out_tolerance(torch.bfloat16))
 
 
+_PDL_BATCHES = {
+    "prefill": [(128, 0), (97, 300), (128, 0), (1, 50), (200, 16)],  # write kernel -> attention
+    "decode12": [(1, 300 + 97 * i) for i in range(12)],  # write kernel -> split attention -> combine
+    "decode2": [(1, 3000), (1, 41)],  # attention writing its own keys (no write kernel) -> combine
+}
+
+
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("prerotate", [False, True], ids=["in_kernel_q", "prerotated_q"])
+@pytest.mark.parametrize(("batch", "prerotate"), [("prefill", False), ("prefill", True), ("decode12", False),
+                                                  ("decode2", False)])
 @pytest.mark.parametrize(("nq", "nkv"), [*LLAMA70B_RANK_HEADS, (12, 2)])
-def test_gpu_pdl_launch_matches_back_to_back_and_survives_capture(nq, nkv, prerotate):
+def test_gpu_pdl_launch_matches_back_to_back_and_survives_capture(nq, nkv, prerotate, batch):
     """AttentionConfig.pdl: the attention grid starts while the write kernel runs (a short varlen
-    prefill with cached context, where that overlap is the point) and waits for it before reading q
-    (pre-rotated) or the new keys (in-kernel q). Same kernels, same arithmetic: PDL on and off agree
-    bit for bit, both match the oracle, and so does a CUDA-graph replay of the PDL launch (the
-    graph keeps the programmatic edge). (12, 2): G = 6 takes the row-wise q prologue."""
+    prefill with cached context, where that overlap is the point, or a decode batch above
+    FUSED_WRITE_MAX_SEQS) and waits for it before reading q (pre-rotated) or the new keys (in-kernel
+    q); a split launch's combine kernel starts under the attention grid and waits for its partials.
+    Same kernels, same arithmetic: PDL on and off agree bit for bit, both match the oracle, and so
+    does a CUDA-graph replay of the PDL launch (the graph keeps the programmatic edges).
+    (12, 2): G = 6 takes the row-wise q prologue. Decode transforms q in the kernel (pick_config's
+    decode choice)."""
     if torch.cuda.get_device_capability(DEVICE)[0] < 9:
         pytest.skip("PDL needs sm_90+: the launcher runs the two kernels back to back below that")
-    seqs = [(128, 0), (97, 300), (128, 0), (1, 50), (200, 16)]
+    seqs = _PDL_BATCHES[batch]
     case = Case(seqs, nq, nkv, 128, page=16, dtype=torch.bfloat16, qk_norm=True, pad_rows=3, seed=nq)
+    max_q, max_kv = max(q for q, _ in seqs), max(q + c for q, c in seqs)
     cfg = attention.pick_config(head_dim=128, group=nq // nkv, num_seqs=len(seqs), num_kv_heads=nkv,
-                                max_query_len=200, max_kv_len=316, dtype=torch.bfloat16,
+                                max_query_len=max_q, max_kv_len=max_kv, dtype=torch.bfloat16,
                                 num_sms=torch.cuda.get_device_properties(DEVICE).multi_processor_count,
                                 interpret=False)
+    cfg = dataclasses.replace(cfg, prerotate_q=prerotate)
+    if max_q == 1:
+        assert cfg.num_splits > 1, cfg  # the combine kernel runs
     outs = []
     for pdl in (False, True):
         r = Run(case)
-        out = r.launch(config=dataclasses.replace(cfg, prerotate_q=prerotate, pdl=pdl))
+        out = r.launch(config=dataclasses.replace(cfg, pdl=pdl))
         r.check(out, name=f"pdl={pdl}")
         outs.append((out.clone(), r.k_cache.clone()))
     assert torch.equal(_bits(outs[0][0]), _bits(outs[1][0])), "PDL changed the attention output"
     assert torch.equal(_bits(outs[0][1]), _bits(outs[1][1])), "PDL changed the cached keys"
 
     r = Run(case)
-    pdl_cfg = dataclasses.replace(cfg, prerotate_q=prerotate, pdl=True)
-    r.launch(config=pdl_cfg, max_query_len=200, max_kv_len=316)  # warm-up outside the capture
+    pdl_cfg = dataclasses.replace(cfg, pdl=True)
+    r.launch(config=pdl_cfg, max_query_len=max_q, max_kv_len=max_kv)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        r.launch(config=pdl_cfg, max_query_len=200, max_kv_len=316)
+        r.launch(config=pdl_cfg, max_query_len=max_q, max_kv_len=max_kv)
     r.out.fill_(float("nan"))
     for cache, before in ((r.k_cache, r.k_before), (r.v_cache, r.v_before)):
         cache.copy_(before)  # the replay must write the new keys again before attending to them

@@ -180,17 +180,19 @@ _ATTN_COMPILE = textwrap.dedent(
     for name, consts, warps, stages in (
         ("prefill", dict(NQ=16, G=8, HD=128, PAGE=16, BLOCK_M=128, BLOCK_N=64, BLOCK_Q=16, ONE_TOKEN_PER_SEQ=False,
                          HAS_Q_NORM=False, ROPE=0, SPLIT=False, DOT_PRECISION="tf32", WRITE_NEW_KV=False,
-                         HAS_K_NORM=False, PAGE_PREFETCH=True, Q_BY_TOKEN=False, PDL=1), 8, 3),
+                         HAS_K_NORM=False, PAGE_PREFETCH=True, Q_BY_TOKEN=False, PDL=1, LAUNCH_DEPENDENTS=False),
+         8, 3),
         ("decode_split", dict(NQ=16, G=8, HD=128, PAGE=16, BLOCK_M=16, BLOCK_N=64, BLOCK_Q=1, ONE_TOKEN_PER_SEQ=True,
                               HAS_Q_NORM=True, ROPE=3, SPLIT=True, DOT_PRECISION="tf32", WRITE_NEW_KV=False,
-                              HAS_K_NORM=True, PAGE_PREFETCH=True, Q_BY_TOKEN=True, PDL=2), 4, 3),
+                              HAS_K_NORM=True, PAGE_PREFETCH=True, Q_BY_TOKEN=True, PDL=2, LAUNCH_DEPENDENTS=True),
+         4, 3),
     ):
         out[name] = build(attention._attention_kernel, {**ptr, **ints}, dict(consts, SCATTER=scatter), warps, stages)
     combine_types = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16",
                      "out_peers_ptr": "*i64", "stride_out": "i32", "num_tokens": "i32", "num_splits": "i32",
                      "rows_per_rank": "i32", "out_col0": "i32"}
     out["combine"] = build(attention._combine_kernel, combine_types,
-                           dict(NQ=16, HD=128, SPLITS_P2=8, SCATTER=scatter), 2)
+                           dict(NQ=16, HD=128, SPLITS_P2=8, SCATTER=scatter, PDL=True), 2)
     out["arrival"] = build(ulysses._o_arrival_kernel, {"signal_ptrs": "*i64", "counters_ptr": "*i64", "rank": "i32"},
                            dict(WORLD=4, WORLD_P2=4, PUBLISH=True, WAIT=True, SPIN_LIMIT=1 << 24), 1)
     print(json.dumps(out))
@@ -263,14 +265,15 @@ def test_attention_fast_rope_and_pdl_build_for_sm90(tmp_path):
     attend = {"NQ": 16, "G": 8, "HD": 128, "PAGE": 16, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_Q": 16,
               "ONE_TOKEN_PER_SEQ": False, "HAS_Q_NORM": True, "ROPE": fast, "SPLIT": False,
               "DOT_PRECISION": "tf32", "WRITE_NEW_KV": False, "HAS_K_NORM": True, "PAGE_PREFETCH": True,
-              "SCATTER": False, "Q_BY_TOKEN": True, "PDL": 2}
+              "SCATTER": False, "Q_BY_TOKEN": True, "PDL": 2, "LAUNCH_DEPENDENTS": False}
     prefill = {"num_warps": 8, "num_stages": 3}
     specs = [
         ("_write_kv_kernel", write, {"num_warps": 4}),
         ("_attention_kernel", attend, prefill),  # in-kernel q, then wait for the write kernel's keys
         ("_attention_kernel", attend | {"HAS_Q_NORM": False, "ROPE": 0, "Q_BY_TOKEN": False, "PDL": 1}, prefill),
         ("_attention_kernel", attend | {"BLOCK_M": 16, "BLOCK_Q": 1, "ONE_TOKEN_PER_SEQ": True, "SPLIT": True,
-                                        "WRITE_NEW_KV": True, "PDL": 0}, {"num_warps": 4, "num_stages": 2}),
+                                        "WRITE_NEW_KV": True, "PDL": 0, "LAUNCH_DEPENDENTS": True},
+         {"num_warps": 4, "num_stages": 2}),
     ]
     run = subprocess.run([sys.executable, "-c", _ATTENTION_COMPILE, json.dumps(specs)], env=env, capture_output=True,
                          text=True, timeout=600)
@@ -281,3 +284,4 @@ def test_attention_fast_rope_and_pdl_build_for_sm90(tmp_path):
     assert in_kernel_q["sin.approx.f32"] and in_kernel_q["griddepcontrol.wait"], in_kernel_q
     assert prerotated_q["griddepcontrol.wait"] and not prerotated_q["sin.approx.f32"], prerotated_q
     assert fused_decode["sin.approx.f32"] and not fused_decode["griddepcontrol.wait"], fused_decode
+    assert fused_decode["griddepcontrol.launch_dependents"], "a split launch lets its combine kernel start early"
