@@ -90,7 +90,7 @@ dtype equals the model dtype (no fp8 KV); a mixed batch uses prefill-sized q til
 sequences too (one token in a 128-row tile: wasted MMA work, but each K/V byte is still read once
 per kv head); a future split into a decode launch + a prefill launch would remove that.
 
-RoPE angles (rope_theta mode) are reduced to [-pi, pi] in fp32; on a GPU with bf16/fp16 their
+RoPE angles (rope_theta mode) are reduced to about [-pi, pi] in fp32; on an NVIDIA GPU with bf16/fp16 their
 cos/sin are the SFU's cos/sin.approx.f32 (ROPE_THETA_FAST, absolute error ~2**-20.5 there),
 elsewhere libdevice's (ROPE_THETA). The libdevice calls were most of the RoPE cost: on an H200
 (GPU run 171 vs 170, CUDA graphs) a 4 x 128-token prefill with q/k RoPE and the cache write went
@@ -181,8 +181,9 @@ def _rope_cos_sin(rope_rows, row_mask, positions_ptr, inv_freq_ptr, cos_ptr, sin
         if ROPE == 3:
             # ROPE_THETA_FAST: the SFU's cos/sin.approx.f32, one instruction each (tl.cos/tl.sin
             # lower to libdevice's __nv_cosf/__nv_sinf: dozens of instructions plus a
-            # Payne-Hanek branch). On the reduced angle their absolute error is ~2**-20.5, far
-            # below the 2**-8 rounding of the bf16/fp16 values they feed (GPU, 16-bit only).
+            # Payne-Hanek branch). On the reduced angle (|ang| <= pi + 4e-3 for every position below
+            # ROPE_THETA_MAX_KV_LEN) their absolute error is ~2**-20.5, far below the relative
+            # rounding of the bf16 (2**-8) or fp16 (2**-11) values they feed (GPU, 16-bit only).
             c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [ang], dtype=tl.float32,
                                           is_pure=True, pack=1)
             s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [ang], dtype=tl.float32,
@@ -352,8 +353,9 @@ def _write_kv_kernel(
     programs waits for.
     """
     if LAUNCH_DEPENDENTS:
-        # Let the attention grid start now: its programs load their q and block-table entries while
-        # this grid runs, and wait (gdc_wait) for its completion before they read anything it writes.
+        # Let the attention grid start now: its programs find their sequence and, when they transform
+        # q themselves, load and transform it while this grid runs; they wait (gdc_wait) for this
+        # grid's completion before reading anything it writes (the q scratch, the new k/v).
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     offs_d = tl.arange(0, HD)
@@ -821,9 +823,10 @@ class AttentionConfig:
     runs one masked loop (_attend_decode_tiles) instead of the unmasked + masked pair. On by default
     (an explicit tiling gets the fast loops too); False keeps the plain loops, for A/B measurements.
     pdl: when a write kernel runs before the attention kernel (prefill/mixed launches, decode
-    batches above FUSED_WRITE_MAX_SEQS), launch the attention as its programmatic dependent
-    (sm_90+, GPU only): attention programs start while the write grid runs, transform their q and
-    prefetch block-table entries, and wait for the write grid before touching what it writes.
+    batches above FUSED_WRITE_MAX_SEQS or with prerotate_q), launch the attention as its
+    programmatic dependent (sm_90+ CUDA GPUs with a Triton that has gdc_wait): attention programs
+    start while the write grid runs, find their sequence and (q not pre-rotated) load and transform
+    their q, and wait for the write grid before any other load (block table, K/V, q scratch).
     Likewise a split launch's combine kernel is launched as the attention grid's dependent.
     False launches the two kernels back to back, for A/B measurements. Measured on one H200 (GPU run
     171, perf/bench_attention.py --short-prefill-sweep, CUDA graphs, pre-rotated q): 4 x 128 tokens
@@ -920,8 +923,11 @@ def _device_num_sms(device_index: int) -> int:
 
 @functools.cache
 def _device_has_pdl(device: torch.device) -> bool:
-    """Programmatic Dependent Launch (griddepcontrol) needs sm_90 or newer."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Programmatic Dependent Launch (griddepcontrol) needs an NVIDIA sm_90+ GPU (ROCm reports
+    device type "cuda" too) and a Triton with tl.extra.cuda.gdc_wait (the kernels only reference it
+    under a PDL constexpr, so an older Triton still runs them without PDL)."""
+    return (device.type == "cuda" and torch.version.hip is None and hasattr(tl.extra.cuda, "gdc_wait")
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 @functools.lru_cache(maxsize=64)
@@ -1183,7 +1189,8 @@ def _launch(
             raise ValueError(f"fusedpar.paged_attention: rope_theta mode is accurate for positions below "
                              f"{ROPE_THETA_MAX_KV_LEN} (fp32 angle reduction), this step reaches "
                              f"max_kv_len={max_kv_len}: pass rope_cos/rope_sin tables instead")
-        fast = not _INTERPRETED and qkv.dtype in (torch.bfloat16, torch.float16)
+        # (inline PTX: NVIDIA only)
+        fast = not _INTERPRETED and torch.version.hip is None and qkv.dtype in (torch.bfloat16, torch.float16)
         rope_mode = ROPE_THETA_FAST if fast else ROPE_THETA
         inv_freq = _rope_inv_freq(hd, float(rope_theta), qkv.device)
     elif rope_cos is not None:

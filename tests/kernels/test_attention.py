@@ -362,11 +362,13 @@ class _LaunchSpy:
     launches the real kernel."""
 
     def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
+        self.kernel, self.calls, self.tensor_args = kernel, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.calls.append(kwargs)
+            # shapes and dtypes only: holding the tensors would keep the launcher's scratch alive
+            self.tensor_args.append([(a.shape, a.dtype) if isinstance(a, torch.Tensor) else None for a in args])
             return self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -966,17 +968,26 @@ _PDL_BATCHES = {
 @pytest.mark.parametrize(("batch", "prerotate"), [("prefill", False), ("prefill", True), ("decode12", False),
                                                   ("decode2", False)])
 @pytest.mark.parametrize(("nq", "nkv"), [*LLAMA70B_RANK_HEADS, (12, 2)])
-def test_gpu_pdl_launch_matches_back_to_back_and_survives_capture(nq, nkv, prerotate, batch):
+def test_gpu_pdl_launch_matches_back_to_back_and_survives_capture(nq, nkv, prerotate, batch, spies, monkeypatch):
     """AttentionConfig.pdl: the attention grid starts while the write kernel runs (a short varlen
     prefill with cached context, where that overlap is the point, or a decode batch above
     FUSED_WRITE_MAX_SEQS) and waits for it before reading q (pre-rotated) or the new keys (in-kernel
     q); a split launch's combine kernel starts under the attention grid and waits for its partials.
-    Same kernels, same arithmetic: PDL on and off agree bit for bit, both match the oracle, and so
-    does a CUDA-graph replay of the PDL launch (the graph keeps the programmatic edges).
+    The launches really are programmatic (the spies see launch_pdl and the wait/trigger flags), and
+    same kernels, same arithmetic: PDL on and off agree bit for bit, both match the oracle, and so
+    does a CUDA-graph replay of the PDL launch (the graph keeps the programmatic edges). Before the
+    PDL run the blocks of the launcher's scratch (q scratch, split partials) are refilled with NaN, so
+    a read ahead of the wait cannot find the first run's values there; the new cache slots start as
+    NaN in every run. (A read ahead of the wait only shows when it beats the write grid, which this
+    GPU may not let happen: with the pre-rotated q's wait removed this test still passed in GPU run
+    179. tests/kernels/test_sm90_compile.py checks the waits and where they sit in the PTX.)
     (12, 2): G = 6 takes the row-wise q prologue. Decode transforms q in the kernel (pick_config's
     decode choice)."""
-    if torch.cuda.get_device_capability(DEVICE)[0] < 9:
-        pytest.skip("PDL needs sm_90+: the launcher runs the two kernels back to back below that")
+    if torch.cuda.get_device_capability(DEVICE)[0] < 9 or not attention._device_has_pdl(DEVICE):
+        pytest.skip("PDL needs sm_90+ and a Triton with gdc_wait: the launcher runs the kernels back to back")
+    write, attend = spies
+    combine = _LaunchSpy(attention._combine_kernel)
+    monkeypatch.setattr(attention, "_combine_kernel", combine)
     seqs = _PDL_BATCHES[batch]
     case = Case(seqs, nq, nkv, 128, page=16, dtype=torch.bfloat16, qk_norm=True, pad_rows=3, seed=nq)
     max_q, max_kv = max(q for q, _ in seqs), max(q + c for q, c in seqs)
@@ -989,10 +1000,28 @@ def test_gpu_pdl_launch_matches_back_to_back_and_survives_capture(nq, nkv, prero
         assert cfg.num_splits > 1, cfg  # the combine kernel runs
     outs = []
     for pdl in (False, True):
+        if pdl:  # the scratch blocks the launcher allocated (and freed) in the first run: NaN now
+            shapes = ([attend.tensor_args[-1][0]] if prerotate else []) + attend.tensor_args[-1][12:15]
+            poison = [torch.full(shape, float("nan"), dtype=dtype, device=DEVICE) for shape, dtype in shapes]
+            del poison
+        for spy in (write, attend, combine):
+            spy.calls.clear()
         r = Run(case)
         out = r.launch(config=dataclasses.replace(cfg, pdl=pdl))
         r.check(out, name=f"pdl={pdl}")
         outs.append((out.clone(), r.k_cache.clone()))
+        wrote = bool(write.calls)
+        assert wrote == (batch != "decode2"), "the write kernel runs unless decode writes its own keys"
+        a = attend.calls[-1]
+        assert a.get("launch_pdl", False) == (pdl and wrote), a
+        assert a["PDL"] == (0 if not (pdl and wrote) else 1 if prerotate else 2), a["PDL"]
+        if wrote:
+            assert write.calls[-1]["LAUNCH_DEPENDENTS"] == pdl
+        split = a["SPLIT"]
+        assert split == (max_q == 1), "decode splits its keys here, the prefill does not"
+        assert a["LAUNCH_DEPENDENTS"] == (pdl and split)
+        assert [(c["PDL"], c.get("launch_pdl", False)) for c in combine.calls] == ([(pdl, pdl)] if split else [])
+        assert a["ROPE"] in (attention.ROPE_NONE, attention.ROPE_THETA_FAST), "bf16 RoPE uses the fast cos/sin"
     assert torch.equal(_bits(outs[0][0]), _bits(outs[1][0])), "PDL changed the attention output"
     assert torch.equal(_bits(outs[0][1]), _bits(outs[1][1])), "PDL changed the cached keys"
 
@@ -1009,4 +1038,3 @@ def test_gpu_pdl_launch_matches_back_to_back_and_survives_capture(nq, nkv, prero
     torch.cuda.synchronize(DEVICE)
     r.check(r.out, name="pdl graph replay")
     assert torch.equal(_bits(r.out), _bits(outs[1][0])), "the replay differs from the eager PDL launch"
-

@@ -220,8 +220,8 @@ def test_attention_kernels_build_for_sm90_in_bf16(tmp_path, scatter):
 
 
 _ATTENTION_COMPILE = textwrap.dedent(
-    """
-    import json, sys
+    r"""
+    import json, re, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -244,8 +244,12 @@ _ATTENTION_COMPILE = textwrap.dedent(
         sig = {n: "constexpr" if n in consts else arg_type(n) for n in names}
         src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-        out.append({k: ptx.count(k) for k in ("sin.approx.f32", "cos.approx.f32", "griddepcontrol.wait",
-                                              "griddepcontrol.launch_dependents")})
+        got = {k: ptx.count(k) for k in ("sin.approx.f32", "cos.approx.f32", "griddepcontrol.wait",
+                                         "griddepcontrol.launch_dependents")}
+        # the global loads the code issues before the wait, in program text order
+        ops = [m.group(1) for m in re.finditer(r"^\s*(?:@%p\d+\s+)?(ld\.global\S*|griddepcontrol\.wait)", ptx, re.M)]
+        got["loads_before_wait"] = ops[: ops.index("griddepcontrol.wait")] if "griddepcontrol.wait" in ops else None
+        out.append(got)
     print(json.dumps(out))
     """
 )
@@ -274,14 +278,22 @@ def test_attention_fast_rope_and_pdl_build_for_sm90(tmp_path):
         ("_attention_kernel", attend | {"BLOCK_M": 16, "BLOCK_Q": 1, "ONE_TOKEN_PER_SEQ": True, "SPLIT": True,
                                         "WRITE_NEW_KV": True, "PDL": 0, "LAUNCH_DEPENDENTS": True},
          {"num_warps": 4, "num_stages": 2}),
+        ("_combine_kernel", {"NQ": 16, "HD": 128, "SPLITS_P2": 64, "SCATTER": False, "PDL": True}, {"num_warps": 2}),
     ]
     run = subprocess.run([sys.executable, "-c", _ATTENTION_COMPILE, json.dumps(specs)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
-    write_ptx, in_kernel_q, prerotated_q, fused_decode = json.loads(run.stdout.strip().splitlines()[-1])
+    write_ptx, in_kernel_q, prerotated_q, fused_decode, combine = json.loads(run.stdout.strip().splitlines()[-1])
     assert write_ptx["sin.approx.f32"] and write_ptx["cos.approx.f32"], write_ptx
     assert write_ptx["griddepcontrol.launch_dependents"] and not write_ptx["griddepcontrol.wait"], write_ptx
     assert in_kernel_q["sin.approx.f32"] and in_kernel_q["griddepcontrol.wait"], in_kernel_q
     assert prerotated_q["griddepcontrol.wait"] and not prerotated_q["sin.approx.f32"], prerotated_q
+    # A GPU test cannot see a read ahead of the wait when the write grid happens to finish first, so the
+    # placement is checked here: before it, the pre-rotated path only finds its sequence and context
+    # length (a few scalar loads; the q scratch, the block table and K/V come after), and the combine
+    # kernel loads nothing.
+    before = prerotated_q["loads_before_wait"]
+    assert len(before) <= 8 and set(before) <= {"ld.global.b32"}, before
+    assert combine["griddepcontrol.wait"] and combine["loads_before_wait"] == [], combine
     assert fused_decode["sin.approx.f32"] and not fused_decode["griddepcontrol.wait"], fused_decode
     assert fused_decode["griddepcontrol.launch_dependents"], "a split launch lets its combine kernel start early"
