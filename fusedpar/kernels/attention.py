@@ -1237,14 +1237,13 @@ def _launch(
     write_warps = 1 if tile <= 256 else 4 if tile <= 4096 else 8
 
     write_kernel = (write_kv and not fused_write) or prerotate
+    pdl_ok = cfg.pdl and not _INTERPRETED and _device_has_pdl(qkv.device)  # Hopper+ NVIDIA GPUs only
     # PDL: 1 = the attention waits before reading q (the write kernel's scratch), 2 = after its q
-    # prologue (only the cache's new k/v are the write kernel's). Hopper+ GPUs only.
-    pdl = 0
-    if write_kernel and cfg.pdl and not _INTERPRETED and _device_has_pdl(qkv.device):
-        pdl = 1 if prerotate else 2
+    # prologue (only the cache's new k/v are the write kernel's).
+    pdl = (1 if prerotate else 2) if write_kernel and pdl_ok else 0
     pdl_kw = {"launch_pdl": True} if pdl else {}
     # The split path's combine kernel is the attention grid's programmatic dependent in turn.
-    combine_pdl = splits > 1 and cfg.pdl and not _INTERPRETED and _device_has_pdl(qkv.device)
+    combine_pdl = splits > 1 and pdl_ok
 
     guard = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
     with guard:
