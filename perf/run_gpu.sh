@@ -3,7 +3,7 @@
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo profile host_cost
 #                                              tune_gemm qkv_sweep pdl_probe qkv_stores launch hf_decode
-#                                              hf_probe
+#                                              hf_probe qkv_cublas
 #                                              (default: all but profile, host_cost, the sweeps and probes)
 # MODEL_ARGS / LAYER_ARGS / ATTN_ARGS / GAR_ARGS / PROFILE_ARGS pass extra arguments to perf/model_bench.py /
 # perf/bench_layer.py / perf/bench_attention.py / perf/bench_gemm_all_reduce.py / perf/profile_layer.py (e.g.
@@ -95,6 +95,7 @@ for item in "${ITEMS[@]}"; do
     pdl_probe) run timeout 120 python3 perf/probe_pdl.py --out "$RES/pdl_probe.json" ;;
     # fused qkv all-to-all vs its own GEMM: flags, remote stores and kernel structure apart (printed)
     qkv_stores) run timeout "${PROBE_TIMEOUT:-200}" "${TRUN[@]}" perf/probe_qkv_stores.py ${PROBE_ARGS:-} ;;
+    qkv_cublas) run timeout "${PROBE_TIMEOUT:-200}" "${TRUN[@]}" perf/probe_qkv_cublas.py ${PROBE_ARGS:-} ;;
     model) run timeout "${MODEL_TIMEOUT:-480}" "${TRUN[@]}" perf/model_bench.py ${MODEL_ARGS:-} --out "$RES/model.json" ;;
     *) echo "unknown item $item" | tee -a "$LOG"; status=1 ;;
   esac

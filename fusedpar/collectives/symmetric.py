@@ -109,6 +109,10 @@ class PeerTable:
     owner: whatever owns the memory the address tables point at (the symmetric allocation and
         its handle, or the emulated world's tensors). Raw addresses keep nothing alive, so the
         table holds it: a table outliving its workspace must not point at freed memory.
+    peer_buffers: optional, every rank's data buffer as a uint8 [buffer_bytes] tensor this process
+        can hand to host-launched work (cuBLAS output, cudaMemcpy): on the GPU torch's peer
+        mappings of the symmetric allocation, in an EmulatedWorld the ranks' CPU buffers. None
+        (tables rebuilt from kernel arguments) disables the paths that need them (`peer_view`).
     """
 
     rank: int
@@ -119,6 +123,10 @@ class PeerTable:
     counters: torch.Tensor
     max_blocks: int
     owner: object = field(default=None, repr=False)
+    peer_buffers: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+    # Host-side objects derived from this table that launchers build once, not per call (e.g. typed
+    # views of peer_buffers); keyed by the launcher. Not part of the table's identity.
+    host_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -136,6 +144,19 @@ class PeerTable:
             raise ValueError(f"PeerTable: all tensors must be on one device, got {sorted(map(str, devices))}")
         if self.max_blocks < 1:
             raise ValueError(f"PeerTable: max_blocks must be >= 1, got {self.max_blocks}")
+        if self.peer_buffers is not None:
+            bufs = tuple(self.peer_buffers)
+            if len(bufs) != self.world_size or any(
+                b.dtype != torch.uint8 or b.dim() != 1 or b.numel() != self.buffer_bytes or b.device != self.device
+                for b in bufs
+            ):
+                raise ValueError(
+                    f"PeerTable: peer_buffers must be {self.world_size} uint8 [{self.buffer_bytes}] tensors on "
+                    f"{self.device}, got {[(b.dtype, tuple(b.shape), str(b.device)) for b in bufs]}"
+                )
+            if bufs[self.rank].data_ptr() != self.buffer.data_ptr():
+                raise ValueError("PeerTable: peer_buffers[rank] must be this rank's own buffer")
+            object.__setattr__(self, "peer_buffers", bufs)
 
     @property
     def device(self) -> torch.device:
@@ -165,6 +186,21 @@ class PeerTable:
         if byte_offset < 0 or end > self.buffer_bytes or byte_offset > self.buffer_bytes:
             raise ValueError(f"view: bytes [{byte_offset}, {end}) do not fit the {self.buffer_bytes}-byte buffer")
         return self.buffer[byte_offset:end].view(dtype)
+
+    def peer_view(self, peer: int, dtype: torch.dtype, numel: int, byte_offset: int = 0) -> torch.Tensor:
+        """Rank `peer`'s data buffer as a 1-D `dtype` tensor of `numel` elements from `byte_offset`,
+        addressable by work this process launches (needs peer_buffers)."""
+        if self.peer_buffers is None:
+            raise ValueError("peer_view: this PeerTable has no peer_buffers (a table rebuilt from kernel arguments)")
+        if not 0 <= peer < self.world_size:
+            raise ValueError(f"peer_view: peer {peer} is outside [0, world_size={self.world_size})")
+        esize = torch.empty((), dtype=dtype).element_size()
+        if byte_offset % esize:
+            raise ValueError(f"peer_view: byte_offset {byte_offset} is not a multiple of {dtype} size {esize}")
+        end = byte_offset + numel * esize
+        if numel < 0 or byte_offset < 0 or end > self.buffer_bytes:
+            raise ValueError(f"peer_view: bytes [{byte_offset}, {end}) do not fit the {self.buffer_bytes}-byte buffer")
+        return self.peer_buffers[peer][byte_offset:end].view(dtype)
 
     def epoch(self) -> int:
         """Launches completed on this table (host sync: tests and debugging only)."""
@@ -272,15 +308,23 @@ class SymmetricWorkspace:
         self.handle.barrier(channel=0)
         torch.cuda.synchronize(device)
 
+        buffer = self._raw[self.flag_bytes : self.flag_bytes + data_bytes]
         self.table = PeerTable(
             rank=self.handle.rank,
             world_size=world_size,
-            buffer=self._raw[self.flag_bytes : self.flag_bytes + data_bytes],
+            buffer=buffer,
             buffer_ptrs=buffer_ptrs,
             signal_ptrs=signal_ptrs,
             counters=counters,
             max_blocks=max_blocks,
             owner=(self._raw, self.handle),
+            # torch's mapping of each peer's allocation into this process: a tensor cuBLAS or a copy
+            # can write to (the data region starts at the same offset, flag_bytes, on every rank).
+            peer_buffers=tuple(
+                buffer if p == self.handle.rank
+                else self.handle.get_buffer(p, (data_bytes,), torch.uint8, self.flag_bytes)
+                for p in range(world_size)
+            ),
         )
 
     # The PeerTable attributes, forwarded so a workspace reads like its table.
@@ -319,15 +363,8 @@ class SymmetricWorkspace:
         return self.table.view(dtype, numel, byte_offset)
 
     def peer_view(self, peer: int, dtype: torch.dtype, numel: int, byte_offset: int = 0) -> torch.Tensor:
-        """Peer `peer`'s data buffer as a typed 1-D tensor mapped into this process (tests/debugging)."""
-        esize = torch.empty((), dtype=dtype).element_size()
-        start = self.flag_bytes + byte_offset
-        if start % esize:
-            raise ValueError(f"peer_view: offset {byte_offset} is not a multiple of {dtype} size {esize}")
-        if numel < 0 or byte_offset < 0 or byte_offset + numel * esize > self.buffer_bytes:
-            raise ValueError(f"peer_view: {numel} elements of {esize} bytes from byte {byte_offset} do not fit "
-                             f"the {self.buffer_bytes}-byte data buffer")
-        return self.handle.get_buffer(peer, (numel,), dtype, start // esize)
+        """Peer `peer`'s data buffer as a typed 1-D tensor mapped into this process (PeerTable.peer_view)."""
+        return self.table.peer_view(peer, dtype, numel, byte_offset)
 
     def barrier(self) -> None:
         """Device barrier across the group on the current stream (torch's signal pad, channel 0).
@@ -386,6 +423,7 @@ class EmulatedWorld:
                 counters=torch.zeros(NUM_COUNTERS, dtype=torch.int64),
                 max_blocks=max_blocks,
                 owner=(self.buffers, self.signals),
+                peer_buffers=tuple(self.buffers),
             )
             for r in range(world_size)
         ]

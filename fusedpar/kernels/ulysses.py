@@ -31,6 +31,14 @@ all_to_all_o_proj(attn [W*m, C], w_o [N, W*C]) -> out [m, N]
     speed. The push stays hidden behind the GEMM except for the first wave's wait on its bands
     (bands are pushed in row order, the order in which the GEMM consumes them).
 
+qkv_all_to_all's copy-engine path (launch_qkv_copy_engine; QKV_COPY_ENGINE_TOKEN_RANGES): the same
+    receive buffer from W cuBLAS GEMMs, one per owner block (rank s's share for owner g is a
+    contiguous [m, blk] block of g's buffer), the remote ones staged locally and copied to their
+    owners by the copy engines on a side stream while the next GEMM runs. Alone on 2 GPUs it beat
+    the kernel's GPU time by 3-15% at 1024-2048 rows per rank, but cost 2-3x its host time and
+    gained nothing in the decoder layer, so it is opt-in (copy_engine=True; QKV_COPY_ENGINE_TOKEN_RANGES
+    says why); both share the table and the epoch protocol below.
+
 scattered_o_proj(w_o, peers) -> out [m, N]: the same result when the attention did the exchange
     paged_attention(..., scatter=o_scatter_target(peers, m, C, dtype)) stores attention output row
     t straight into rank t // m's staging, [m, W*C] = exactly head_to_seq_all_to_all's result,
@@ -142,6 +150,7 @@ from fusedpar.kernels.gemm import (
 __all__ = [
     "GPU_SPIN_LIMIT",
     "O_PROJ_FUSED_TOKEN_RANGES",
+    "QKV_COPY_ENGINE_TOKEN_RANGES",
     "QKV_FUSED_TOKEN_RANGES",
     "OProjConfig",
     "all_to_all_o_proj",
@@ -149,6 +158,7 @@ __all__ = [
     "check_status",
     "launch_all_to_all_o_proj",
     "launch_qkv_all_to_all",
+    "launch_qkv_copy_engine",
     "o_proj_workspace_bytes",
     "o_scatter_target",
     "qkv_all_to_all",
@@ -1293,6 +1303,108 @@ def scattered_o_proj(
     return F.linear(local, w_o)
 
 
+# ========================================================= the qkv exchange from cuBLAS and the copy engines
+
+# Rows per rank (inclusive) where qkv_all_to_all's symmetric-memory exchange runs
+# launch_qkv_copy_engine instead of the fused kernel: none by default, an opt-in until a 4-GPU host
+# shows a gain in a layer. Measured on 2x H200 (SP=2; perf/probe_qkv_cublas.py, GPU runs 181 and 183;
+# bench_qkv_all_to_all.py, run 182; us per call, x = over the GEMM alone):
+#   - the op alone, GPU time: at 1024 / 2048 rows the per-owner cuBLAS GEMMs with copy-engine transfers
+#     took 1.08 / 1.15x (Llama-70B base shape), 1.06 / 1.11x (Qwen3-32B), and on SP=4's per-owner
+#     shape (blk 2560) 1.10 / 1.07x and 1.20 / 1.08x, where the fused kernel took 1.17 / 1.12, 1.20 /
+#     1.10, 1.13 / 1.17 and 1.26 / 1.22x; at 512 and 4096 rows the kernel was as fast or faster. cuBLAS
+#     storing straight into the peers' buffers (no staging) took 1.16-1.39x.
+#   - its host cost: 300-670 us per call against the kernel's 110-240 us (W GEMMs, W - 1 copies, two
+#     arrival launches, stream switches), so a lone eager call is host-bound up to ~2048 rows.
+#   - in the decoder layer (perf/bench_layer.py, old/new in one call, run 184), base mode at 2048 / 4096
+#     tokens: pipelined calls Llama-70B 2.933 -> 2.939 / 5.924 -> 6.062 ms, Qwen3-32B 1.817 -> 1.829 /
+#     3.700 -> 3.692 ms (no gain); single calls 3-17% slower (the host).
+QKV_COPY_ENGINE_TOKEN_RANGES: tuple[tuple[int, int | None], ...] = ()
+
+
+@functools.lru_cache(maxsize=16)
+def _copy_stream(device_index: int) -> torch.cuda.Stream:
+    """The copy-engine path's side stream on one device, created once (streams are not pooled by torch)."""
+    return torch.cuda.Stream(device=device_index)
+
+
+def _arrival(table: PeerTable, publish: bool, wait: bool, spin_limit: int | None) -> None:
+    if publish or wait:
+        _launch_arrival(table, publish=publish, wait=wait, spin_limit=spin_limit)
+
+
+def launch_qkv_copy_engine(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    table: PeerTable,
+    *,
+    send_ready: bool = True,
+    produce: bool = True,
+    wait: bool = True,
+    spin_limit: int | None = None,
+) -> None:
+    """qkv_all_to_all's result from W cuBLAS GEMMs and copy-engine transfers, as `table.rank`.
+
+    The receive layout makes rank s's share for owner g one contiguous block, rows [s*m, (s+1)*m)
+    of g's [W*m, blk] buffer = x @ w[g*blk:(g+1)*blk]^T. So each owner's block is its own cuBLAS
+    GEMM: the remote owners' first, in rotated order (s+1, s+2, ...: at any moment the ranks feed
+    different owners), each into local staging and then copied to its owner by cudaMemcpy on a
+    side stream (a copy engine: no SM time) while the next GEMM runs; this rank's own block last,
+    straight into its receive rows. The exchange then costs the GEMM little more than splitting it
+    by owner, where the fused kernel's NVLink stores from its epilogue cost it 25-55 us at 1024-2048
+    rows (perf/probe_qkv_stores.py).
+    Protocol: the arrival barrier of scattered_o_proj (one flag word per source, epoch-valued) twice
+    on this op's table. READY: a peer that arrived has entered this call, so (stream order) it has
+    finished reading its buffer from the last one; only the copies wait for it, the GEMMs write
+    local memory, so on the GPU the side stream runs it beside the first GEMM. DONE: after the
+    main stream joined the side stream (every copy completed), publish, then wait for every peer:
+    the buffer is whole when this returns in stream order. Two epochs per call; mixing calls with
+    the fused kernel on one table is safe (epochs only rise, and every rank takes the same path).
+    Phases (the CPU emulation runs ranks one after another): send_ready publishes READY; produce
+    waits for READY, runs the GEMMs and copies and publishes DONE; wait waits for DONE.
+    Needs table.peer_buffers (SymmetricWorkspace and EmulatedWorld tables have them).
+    """
+    table = as_peer_table(table)
+    _check_device("qkv_all_to_all", x, table.device)
+    blk = _check_qkv(x, w, table)
+    if not (send_ready or produce or wait):
+        raise ValueError("launch_qkv_copy_engine: nothing to do")
+    if table.peer_buffers is None:
+        raise ValueError("qkv_all_to_all: the copy-engine path needs a table with peer_buffers (SymmetricWorkspace)")
+    W, s, m = table.world_size, table.rank, x.shape[0]
+    side = _copy_stream(x.device.index) if (produce and x.is_cuda) else None
+    if side is not None:
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            _arrival(table, send_ready, True, spin_limit)
+    else:
+        _arrival(table, send_ready, produce, spin_limit)
+    if not produce:
+        _arrival(table, False, wait, spin_limit)
+        return
+    key = ("qkv_copy_engine", x.dtype)
+    flat = table.host_cache.get(key)
+    if flat is None:  # every rank's whole buffer as x's dtype, built once: views per call cost host time
+        numel = table.buffer_bytes // esize(x.dtype)
+        flat = table.host_cache[key] = [table.peer_view(g, x.dtype, numel) for g in range(W)]
+    rows = [f[s * m * blk:(s + 1) * m * blk].view(m, blk) for f in flat]  # block s of every owner
+    remote = [(s + j) % W for j in range(1, W)]
+    staging = torch.empty((len(remote), m, blk), dtype=x.dtype, device=x.device)
+    for i, g in enumerate(remote):
+        torch.mm(x, w[g * blk:(g + 1) * blk].t(), out=staging[i])
+        if side is None:
+            rows[g].copy_(staging[i])
+            continue
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            rows[g].copy_(staging[i])
+    torch.mm(x, w[s * blk:(s + 1) * blk].t(), out=rows[s])
+    if side is not None:
+        main.wait_stream(side)
+    _arrival(table, True, wait, spin_limit)
+
+
 # ================================================================================ public API
 
 
@@ -1311,6 +1423,7 @@ def qkv_all_to_all(
     use_flags: bool = True,
     config: GemmConfig | None = None,
     timeline: torch.Tensor | None = None,
+    copy_engine: bool | None = None,
 ) -> torch.Tensor:
     """recv [W*m, blk] = seq_to_head_all_to_all(F.linear(x, w_qkv), sp_group), one fused kernel.
 
@@ -1325,6 +1438,11 @@ def qkv_all_to_all(
     timeline: a diagnostic (GPU, eager fused path): an int64 [#SMs, 4] tensor that receives each
         program's %globaltimer ns at QKV_TIMELINE_POINTS; read it with qkv_timeline_summary. It
         tells rank skew (READY wait) from GEMM time in a real step. Left untouched by the plain path.
+    copy_engine: how the symmetric-memory exchange is made: True runs launch_qkv_copy_engine
+        (cuBLAS GEMMs per owner, copy-engine transfers; always completes, whatever `wait` says),
+        False the fused kernel, None picks by size (QKV_COPY_ENGINE_TOKEN_RANGES, empty by default;
+        the kernel whenever config, timeline or use_flags=False ask for it, under torch.compile, or
+        when the table has no peer_buffers).
     Returns (fused, eager) the receive buffer view: fixed address, valid until the next call on
     the same workspace; under torch.compile a copy of it (registered op); plain path: a new tensor.
     Collective: every rank of the SP group calls it with the same shapes, in the same order.
@@ -1354,6 +1472,19 @@ def qkv_all_to_all(
     _check_device("qkv_all_to_all", x, table.device)
     if m == 0:
         return qkv_recv_view(table, 0, blk, x.dtype)
+    kernel_only = config is not None or timeline is not None or not use_flags
+    if copy_engine is None:
+        copy_engine = (not kernel_only and table.peer_buffers is not None and not torch.compiler.is_compiling()
+                       and use_fused(m, QKV_COPY_ENGINE_TOKEN_RANGES))
+    if copy_engine:
+        if kernel_only:
+            raise ValueError("qkv_all_to_all: config, timeline and use_flags=False are the fused kernel's options; "
+                             "they cannot be combined with copy_engine=True")
+        if torch.compiler.is_compiling():
+            raise ValueError("qkv_all_to_all: the copy-engine path is not a registered op (torch.compile); "
+                             "pass copy_engine=False or None")
+        launch_qkv_copy_engine(x, w_qkv, table)
+        return qkv_recv_view(table, m, blk, x.dtype)
     if torch.compiler.is_compiling():
         if timeline is not None:
             raise ValueError("qkv_all_to_all: timeline is an eager diagnostic, not supported under torch.compile")
@@ -1461,6 +1592,7 @@ def qkv_all_to_all_emulated(
     use_flags: bool = True,
     config: GemmConfig | None = None,
     rotate: bool | None = None,
+    copy_engine: bool = False,
 ) -> list[torch.Tensor]:
     """One qkv_all_to_all on every rank of an EmulatedWorld; returns every rank's receive-buffer view.
 
@@ -1469,6 +1601,8 @@ def qkv_all_to_all_emulated(
     registered op (all phases in ONE launch, the GPU code path, with live flags; its READY is
     re-sent, harmlessly, with the same epoch), then ranks 0..W-2 wait through the registered wait
     op (the wait-only launch of qkv_all_to_all(wait=False) + qkv_all_to_all_wait).
+    copy_engine: the same schedules over launch_qkv_copy_engine's phases; "staggered" runs rank W-1
+    through the public qkv_all_to_all(copy_engine=True) (all phases, one call), then the others' waits.
     Raises RuntimeError if a bounded flag wait timed out.
     """
     W = world.world_size
@@ -1479,6 +1613,20 @@ def qkv_all_to_all_emulated(
     require_same_on_ranks("qkv_all_to_all_emulated", "x", xs)
     require_same_on_ranks("qkv_all_to_all_emulated", "w", ws)
     first = range(W) if schedule == "phased" else range(W - 1)
+    if copy_engine:
+        if not use_flags or config is not None or rotate is not None:
+            raise ValueError("qkv_all_to_all_emulated: use_flags, config and rotate are the fused kernel's options")
+        for r in range(W):
+            launch_qkv_copy_engine(xs[r], ws[r], world[r], produce=False, wait=False)
+        for r in first:
+            launch_qkv_copy_engine(xs[r], ws[r], world[r], send_ready=False, wait=False)
+        if schedule == "staggered":
+            R = W - 1
+            qkv_all_to_all(xs[R], ws[R], world[R], fused=True, copy_engine=True)
+        for r in first:
+            launch_qkv_copy_engine(xs[r], ws[r], world[r], send_ready=False, produce=False)
+        _emulated_check(world, "qkv_all_to_all")
+        return [qkv_recv_view(world[r], xs[r].shape[0], ws[r].shape[0] // W, xs[r].dtype) for r in range(W)]
     kw = {"use_flags": use_flags, "config": config, "rotate": rotate}
     for r in range(W):
         launch_qkv_all_to_all(xs[r], ws[r], world[r], produce=False, wait=False, **kw)

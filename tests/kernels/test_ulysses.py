@@ -415,6 +415,101 @@ def test_qkv_property(W, m, d, heads, hd, dtype, kind, schedule, seed):
     check_qkv(world, xs, ws, recvs, dtype=dtype)
 
 
+# ------------------------------------------------------------- qkv_all_to_all, copy-engine path
+
+
+@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("schedule", ["phased", "staggered"])
+@pytest.mark.parametrize(("m", "kind"), [(1, "col_view"), (13, "row_view"), (6, "transposed")])
+def test_qkv_copy_engine_matches_reference(W, dtype, schedule, m, kind):
+    d, blk = 40, 56
+    xs, ws = qkv_inputs(W, m, d, blk, dtype, seed=100 * W + m, kind=kind)
+    world = qkv_world(W, m, blk, dtype)  # data buffers start as NaN bytes
+    recvs = qkv_all_to_all_emulated(world, xs, ws, schedule=schedule, copy_engine=True)
+    check_qkv(world, xs, ws, recvs, dtype=dtype)
+    for r in range(W):
+        assert world[r].epoch() == 2, "READY and DONE: two arrival epochs per call"
+        flags = world.signals[r].view(-1, W)
+        assert bool((flags[1] == 2).all()), "every source's DONE-row word carries the call's last epoch"
+        assert not flags[0].any() and not flags[2:].any(), "only the DONE row's words are written"
+
+
+def test_qkv_copy_engine_and_kernel_share_a_table():
+    W, m, d, blk = 3, 5, 24, 40
+    world = qkv_world(W, m, blk, torch.float32)
+    addr = None
+    for c, (copy_engine, epoch) in enumerate(((True, 2), (False, 3), (True, 5), (True, 7), (False, 8))):
+        xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=60 + c)
+        for r in range(W):
+            poison_(qkv_recv_view(world[r], m, blk, torch.float32))  # every element must be rewritten
+        recvs = qkv_all_to_all_emulated(world, xs, ws, copy_engine=copy_engine)
+        check_qkv(world, xs, ws, recvs, dtype=torch.float32)
+        assert all(world[r].epoch() == epoch for r in range(W)), (c, [world[r].epoch() for r in range(W)])
+        addr = addr or [v.data_ptr() for v in recvs]
+        assert [v.data_ptr() for v in recvs] == addr
+
+
+def test_qkv_copy_engine_waits_for_ready_and_done():
+    W, m, d, blk = 2, 3, 24, 40
+    xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=70)
+    # READY: after a completed call, rank 0 starts the next one while rank 1 has not entered it.
+    world = qkv_world(W, m, blk, torch.float32)
+    qkv_all_to_all_emulated(world, xs, ws, copy_engine=True)
+    xs2, _ = qkv_inputs(W, m, d, blk, torch.float32, seed=71)
+    u.launch_qkv_copy_engine(xs2[0], ws[0], world[0], spin_limit=3)
+    assert world[0].status() == 1, "rank 0 passed READY before rank 1 entered the call"
+    # DONE: rank 0 produces and waits before rank 1 produced: its wait times out, rank 1's rows are poison.
+    world = qkv_world(W, m, blk, torch.float32)
+    for r in range(W):
+        u.launch_qkv_copy_engine(xs[r], ws[r], world[r], produce=False, wait=False)
+    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], send_ready=False, spin_limit=3)
+    recv0 = qkv_recv_view(world[0], m, blk, torch.float32)
+    assert world[0].status() == 1
+    assert recv0[m:].isnan().all() and not recv0[:m].isnan().any()
+
+
+def test_qkv_copy_engine_routing(monkeypatch):
+    W, m, d, blk = 2, 6, 24, 40
+    xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=80)
+    ran = []
+    real = u.launch_qkv_copy_engine
+
+    def spy(x, *a, **k):
+        real(x, *a, **k)
+        ran.append(x.shape[0])  # calls that completed
+
+    monkeypatch.setattr(u, "launch_qkv_copy_engine", spy)
+    # Single-rank tables complete without peers: each call runs all phases alone.
+    w_solo = ws[0]  # one rank: its block is the whole [W * blk, d] weight
+    solo = EmulatedWorld(1, qkv_workspace_bytes(m, W * blk, 1, torch.float32))[0]
+    monkeypatch.setattr(u, "QKV_COPY_ENGINE_TOKEN_RANGES", ((4, 6),))
+    for rows, expect in ((3, False), (4, True), (6, True)):
+        before = (solo.epoch(), len(ran))
+        y = qkv_all_to_all(xs[0][:rows], w_solo, solo, fused=True)
+        assert (len(ran) == before[1] + 1) == expect and solo.epoch() == before[0] + (2 if expect else 1), rows
+        assert_close(y, xs[0][:rows].double() @ w_solo.double().T, dtype=torch.float32)
+    # The fused kernel's own options select it; combined with copy_engine=True they are refused.
+    n = len(ran)
+    qkv_all_to_all(xs[0][:4], w_solo, solo, fused=True, config=GemmConfig(32, 32, 32, group_m=2, num_stages=1))
+    qkv_all_to_all(xs[0][:4], w_solo, solo, fused=True, use_flags=False)
+    assert len(ran) == n
+    with pytest.raises(ValueError, match="cannot be combined with copy_engine=True"):
+        qkv_all_to_all(xs[0][:4], w_solo, solo, fused=True, copy_engine=True, use_flags=False)
+    # A table without peer_buffers (rebuilt from kernel arguments) takes the kernel, and refuses copy_engine=True.
+    bare = u._table_from(solo.buffer, solo.buffer_ptrs, solo.signal_ptrs, solo.counters, 0, 1, solo.max_blocks)
+    qkv_all_to_all(xs[0][:4], w_solo, bare, fused=True)
+    assert len(ran) == n
+    with pytest.raises(ValueError, match="peer_buffers"):
+        qkv_all_to_all(xs[0][:4], w_solo, bare, fused=True, copy_engine=True)
+    # copy_engine=False forces the kernel inside the range; True forces the copy engines outside it.
+    qkv_all_to_all(xs[0][:4], w_solo, solo, fused=True, copy_engine=False)
+    assert len(ran) == n
+    y = qkv_all_to_all(xs[0][:2], w_solo, solo, fused=True, copy_engine=True)
+    assert len(ran) == n + 1
+    assert_close(y, xs[0][:2].double() @ w_solo.double().T, dtype=torch.float32)
+
+
 # ===================================================================== all_to_all_o_proj, CPU
 
 
@@ -826,16 +921,21 @@ def _status_err(ws) -> str | None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copy_engine", [False, True], ids=["kernel", "copy_engine"])
 @pytest.mark.parametrize("m", [1, 8, 13, 256, 1024])
-def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m):
+def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m, copy_engine):
     errors = []
     x, w = _gpu_qkv_operands(gpu_ws, m, salt=m)
     blk, W = gpu_ws.dims["blk"], gpu_ws.W
     region = qkv_workspace_bytes(m, blk, W, torch.bfloat16)
     buf = gpu_ws.qkv.table.buffer
     buf.fill_(0xFF)  # NaN everywhere: peers write only after our READY, which follows this fill
-    got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True)
+    before = gpu_ws.qkv.table.epoch()
+    got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, copy_engine=copy_engine)
     torch.cuda.synchronize()
+    if gpu_ws.qkv.table.epoch() != before + (2 if copy_engine else 1):
+        path = "copy-engine" if copy_engine else "kernel"
+        errors.append(f"epoch {before} -> {gpu_ws.qkv.table.epoch()}: not the {path} path")
     if got.data_ptr() != buf.data_ptr():
         errors.append("fused path did not return the receive buffer view")
     if not bool((buf[region:] == 0xFF).all()):
@@ -996,6 +1096,47 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_ws):
             errors.append(err)
         if (gpu_ws.qkv.table.epoch(), gpu_ws.o.table.epoch()) != (e_q + 3 * (rep + 1), e_o + rep + 1):
             errors.append(f"replay {rep}: epochs {gpu_ws.qkv.table.epoch()}, {gpu_ws.o.table.epoch()}")
+    err = _status_err(gpu_ws)
+    if err:
+        errors.append(err)
+    assert all_ranks_ok(not errors), "\n".join(errors[:6])
+
+
+@pytest.mark.gpu
+def test_gpu_qkv_copy_engine_in_a_cuda_graph_and_after_the_kernel(gpu_world, gpu_ws):
+    # The side stream forks from and joins the capturing stream; the graph holds three calls (two
+    # arrival epochs each, advanced on the device) and is replayed with fresh inputs into a
+    # poisoned buffer, between eager kernel calls on the same table.
+    m = 200
+    ops = [_gpu_qkv_operands(gpu_ws, m, salt=500 + i) for i in range(3)]
+    for x, w in ops:
+        qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, copy_engine=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copies = [qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, copy_engine=True).clone() for x, w in ops]
+    torch.cuda.synchronize()
+    errors = []
+    for rep in range(3):
+        for i, (x, _) in enumerate(ops):
+            x.copy_((_rank_randn(x.shape, 2000 * rep + i) + 0.1).to(x.dtype))
+        gpu_ws.qkv.table.buffer.fill_(0xFF)
+        e = gpu_ws.qkv.table.epoch()
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, ((x, w), c) in enumerate(zip(ops, copies, strict=True)):
+            if c.isnan().any():
+                errors.append(f"replay {rep} call {i}: NaN (an owner block never arrived)")
+            err = _qkv_err(c, x, w, gpu_ws, f"replay {rep} copy-engine call {i}")
+            if err:
+                errors.append(err)
+        if gpu_ws.qkv.table.epoch() != e + 6:
+            errors.append(f"replay {rep}: epoch {e} -> {gpu_ws.qkv.table.epoch()}, want +6")
+        x, w = _gpu_qkv_operands(gpu_ws, 64, salt=600 + rep)  # the kernel on the same table in between
+        err = _qkv_err(qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, copy_engine=False).clone(), x, w, gpu_ws,
+                       f"kernel call after replay {rep}")
+        if err:
+            errors.append(err)
     err = _status_err(gpu_ws)
     if err:
         errors.append(err)
