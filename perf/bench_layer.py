@@ -11,6 +11,9 @@ Modes on P GPUs, all with the same Triton paged attention (so only the communica
   fused base o-a2a   the same stack with o_scatter=False (prefill sizes; --no-o-scatter-ab skips it):
                 attention into a local buffer, then all_to_all_o_proj (routed by size): the A/B of
                 the return all-to-all's two plans, records layer_base with case "... o-a2a"
+  fused base qkv-ce  (--qkv-copy-engine-ab, prefill sizes) the stack with every base-mode qkv exchange
+                through qkv_all_to_all's copy-engine path (per-owner cuBLAS GEMMs, copy-engine
+                transfers): records layer_base with case "... qkv-ce"
   fused shift   sp=P layout run in shift mode (TP=P over zero-copy views), fused reductions
   fused policy  the ShiftPolicy's choice at that size (--threshold)
 Steps: tokens <= 64 -> decode: that many sequences, one new token each, against --context cached
@@ -165,6 +168,8 @@ def main() -> int:
                    help="skip the CUDA-graph decode runs (plain TP with NCCL / symm_mem one-shot, fused shift)")
     p.add_argument("--no-o-scatter-ab", dest="o_scatter_ab", action="store_false",
                    help="skip the fused base stack with o_scatter=False (the previous return all-to-all plan)")
+    p.add_argument("--qkv-copy-engine-ab", action="store_true",
+                   help="also time the fused base stack with qkv_copy_engine=True (the copy-engine qkv exchange)")
     p.add_argument("--out", default="perf/results/layer.json")
     args = p.parse_args()
     if not _bench.torchrun_available():
@@ -190,11 +195,11 @@ def main() -> int:
     max_context = args.context + 2 * iters_total + 8
 
     def build(sp: int, tp: int, fuse_comm: bool, weights: dict[str, torch.Tensor], plain_all_reduce="nccl",
-              o_scatter=True, graphs_ok=True, prefill_graphs_ok=False):
+              o_scatter=True, graphs_ok=True, prefill_graphs_ok=False, qkv_copy_engine=None):
         ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
         stack = ShiftParallelStack.from_full_weights(cfg, ctx, [weights], ShiftPolicy(args.threshold))
         stack.enable_fused(max_tokens=max_tokens, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce,
-                           o_scatter=o_scatter)
+                           o_scatter=o_scatter, qkv_copy_engine=qkv_copy_engine)
         need = max(max([t for t in tokens if t > 64], default=1),
                    max(decode_sizes, default=1) * (max_context + 16))
         cache = stack.make_cache(block_size=16, num_blocks=2 * need // 16 + 64, dtype=dtype)
@@ -216,6 +221,9 @@ def main() -> int:
     if args.o_scatter_ab and any(t > 64 for t in tokens):
         stacks["fused o-a2a"] = build(world // args.base_tp, args.base_tp, True, full, o_scatter=False,
                                       graphs_ok=False)
+    if args.qkv_copy_engine_ab and any(t > 64 for t in tokens):
+        stacks["fused qkv-ce"] = build(world // args.base_tp, args.base_tp, True, full, graphs_ok=False,
+                                       qkv_copy_engine=True)
     del full
     torch.cuda.empty_cache()
     peak, hbm = bench_gemm.measure_ceilings(dtype, 10, dev)
@@ -242,6 +250,8 @@ def main() -> int:
         todo = [(label, key, mode, False) for label, key, mode in runs]
         if n > 64 and "fused o-a2a" in stacks:
             todo.insert(3, ("fused base o-a2a", "fused o-a2a", "base", False))
+        if n > 64 and "fused qkv-ce" in stacks:
+            todo.insert(3, ("fused base qkv-ce", "fused qkv-ce", "base", False))
         if n <= 64 and args.graphs:
             todo += [(label, key, "shift", True) for label, key in graph_runs if key in stacks]
         if n in prefill_graph_sizes:
@@ -295,7 +305,8 @@ def main() -> int:
                     layer_time_ms(stack, cache, x, n, mode, args.iters, args.warmup)
         if n > 64:  # fused vs plain on the same input (prefill: fresh cache state, comparable)
             for label, ref in (("fused base", "plain SP"), ("fused shift", "plain TP"), ("fused policy", "plain SP"),
-                               ("fused base o-a2a", "plain SP"), ("fused shift graph", "plain TP"),
+                               ("fused base o-a2a", "plain SP"), ("fused base qkv-ce", "plain SP"),
+                               ("fused shift graph", "plain TP"),
                                ("plain TP graph", "plain TP")):
                 if label not in outs:
                     continue
@@ -335,6 +346,12 @@ def main() -> int:
                     runs_here += [
                         ("layer_base", f"fused base o-a2a{kind}", f"plain TP{kind} (cuBLAS + NCCL, Triton attention)",
                          r[f"plain TP{kind}"], f"{kind.strip() or 'eager'} o-a2a")
+                        for kind in ("", " layer", " layer pipelined")
+                    ]
+                if "fused base qkv-ce layer" in r:  # the A/B of the qkv exchange's two paths
+                    runs_here += [
+                        ("layer_base", f"fused base qkv-ce{kind}", f"plain TP{kind} (cuBLAS + NCCL, Triton attention)",
+                         r[f"plain TP{kind}"], f"{kind.strip() or 'eager'} qkv-ce")
                         for kind in ("", " layer", " layer pipelined")
                     ]
                 pipe = f"plain TP layer pipelined ({PIPELINED_CALLS} calls back to back, per call)"

@@ -16,6 +16,8 @@ run, fusedpar.kernels.attention.ScatterOut), so the exchange costs one tiny arri
 and the o-projection is a plain cuBLAS GEMM on the staging. o_scatter=False keeps the previous
 plan: attention into a local [n_pad, q*hd] buffer, then all_to_all_o_proj (fused push + GEMM up
 to 128 rows per rank, NCCL all-to-all + cuBLAS above). Both use the o workspace, on one table.
+qkv_copy_engine picks the base-mode qkv exchange (qkv_all_to_all's copy_engine: None by size,
+True the per-owner cuBLAS GEMMs with copy-engine transfers, False the fused kernel).
 
 The down projection takes the gate_up GEMM's output (SwiGLU by fusedpar.kernels.swiglu.silu_mul,
 one pass) and the residual stream, which the fused reduce epilogue adds (one-shot in decode
@@ -67,7 +69,7 @@ from fusedpar.layers.config import DecoderConfig
 class FusedKernels:
     def __init__(self, ctx: ParallelContext, cfg: DecoderConfig, *, max_tokens: int, dtype: torch.dtype,
                  fuse_comm: bool = True, plain_all_reduce: str = "nccl", symm_mem_rows: int = 64,
-                 o_scatter: bool = True):
+                 o_scatter: bool = True, qkv_copy_engine: bool | None = None):
         from fusedpar.collectives.symmetric import SymmetricWorkspace
         from fusedpar.kernels import allreduce, gemm_all_reduce, ulysses
 
@@ -81,6 +83,7 @@ class FusedKernels:
         self.blk = (nq + 2 * nkv) * hd
         self.attn_width = nq * hd  # C: this rank's attention output columns
         self.o_scatter = o_scatter
+        self.qkv_copy_engine = qkv_copy_engine  # qkv_all_to_all's copy_engine: None = by size
         m_max = -(-max_tokens // sp)
         num_sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
 
@@ -152,7 +155,8 @@ class FusedKernels:
             from fusedpar.kernels.ulysses import qkv_all_to_all
 
             if self.qkv_ws is not None:
-                out = qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp, timeline=self.qkv_timeline)
+                out = qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp, timeline=self.qkv_timeline,
+                                     copy_engine=self.qkv_copy_engine)
             else:
                 out = seq_to_head_all_to_all(F.linear(h, w), self.ctx.sp)
             return out if bias is None else out + bias

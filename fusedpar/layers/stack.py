@@ -44,20 +44,22 @@ class ShiftParallelStack(nn.Module):
         return self.layers[0].w.base["qkv"].dtype
 
     def enable_fused(self, *, max_tokens: int, fuse_comm: bool = True, plain_all_reduce: str = "nccl",
-                     o_scatter: bool = True) -> ShiftParallelStack:
+                     o_scatter: bool = True, qkv_copy_engine: bool | None = None) -> ShiftParallelStack:
         """Switch the layers to the Triton path (CUDA only); steps up to max_tokens fit the
         symmetric workspaces (larger ones fall back per op). fuse_comm=False keeps the Triton
         attention but plain cuBLAS + NCCL communication (a baseline; plain_all_reduce="symm_mem"
         reduces decode-sized shift steps with torch's one-shot instead). o_scatter=False: base-mode
         attention writes a local output and the o-projection does the return all-to-all
         (all_to_all_o_proj) instead of the attention storing into the owners' staging (FusedKernels).
+        qkv_copy_engine: the base-mode qkv exchange (None: by size; FusedKernels).
         Collective: every rank.
         Decode graphs captured before belong to the old kernels' workspaces: they are dropped
         (capture_decode_graphs / capture_prefill_graphs again)."""
         self.graphs = self.prefill_graphs = None
         self.fused = FusedKernels(self.ctx, self.cfg, max_tokens=max_tokens,
                                   dtype=self.weight_dtype, fuse_comm=fuse_comm,
-                                  plain_all_reduce=plain_all_reduce, o_scatter=o_scatter)
+                                  plain_all_reduce=plain_all_reduce, o_scatter=o_scatter,
+                                  qkv_copy_engine=qkv_copy_engine)
         for layer in self.layers:
             layer.fused = self.fused
         return self
