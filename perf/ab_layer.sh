@@ -24,7 +24,7 @@ for model in "${MODELS[@]}"; do
     (cd "$tree" && timeout "${AB_TIMEOUT:-140}" torchrun --standalone --nproc-per-node "$NGPU" perf/bench_layer.py \
        --model "$model" ${AB_LAYER_ARGS:---tokens 2048,4096 --no-graphs --no-o-scatter-ab} \
        --out "$RES/layer_${model}_${tag}.json" 2>&1 | grep -v "torch/distributed/run.py" \
-       | tee "$RES/layer_${model}_${tag}.log" | grep -i "tokens .*:\|error\|Traceback" | head -30) || status=1
+       | tee "$RES/layer_${model}_${tag}.log" | grep -i "tokens .*:\|error\|Traceback") || status=1
   done
 done
 exit $status

@@ -126,7 +126,8 @@ class PeerTable:
     peer_buffers: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     # Host-side objects derived from this table that launchers build once, not per call (e.g. typed
     # views of peer_buffers); keyed by the launcher. Not part of the table's identity.
-    host_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # (init=False: dataclasses.replace / copy give a new table an empty cache, not this one's views.)
+    host_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

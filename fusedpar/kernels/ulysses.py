@@ -37,7 +37,9 @@ qkv_all_to_all's copy-engine path (launch_qkv_copy_engine; QKV_COPY_ENGINE_TOKEN
     owners by the copy engines on a side stream while the next GEMM runs. Alone on 2 GPUs it beat
     the kernel's GPU time by 3-15% at 1024-2048 rows per rank, but cost 2-3x its host time and
     gained nothing in the decoder layer, so it is opt-in (copy_engine=True; QKV_COPY_ENGINE_TOKEN_RANGES
-    says why); both share the table and the epoch protocol below.
+    says why). It shares the table and its epochs with the kernel, but not the kernel's flag rows:
+    its READY and DONE are both arrival barriers (scattered_o_proj's, below) on the DONE row, and
+    its transfers run on a side stream (launch_qkv_copy_engine).
 
 scattered_o_proj(w_o, peers) -> out [m, N]: the same result when the attention did the exchange
     paged_attention(..., scatter=o_scatter_target(peers, m, C, dtype)) stores attention output row
@@ -1322,10 +1324,14 @@ def scattered_o_proj(
 QKV_COPY_ENGINE_TOKEN_RANGES: tuple[tuple[int, int | None], ...] = ()
 
 
-@functools.lru_cache(maxsize=16)
-def _copy_stream(device_index: int) -> torch.cuda.Stream:
-    """The copy-engine path's side stream on one device, created once (streams are not pooled by torch)."""
-    return torch.cuda.Stream(device=device_index)
+def _copy_stream(table: PeerTable) -> torch.cuda.Stream:
+    """The copy-engine path's side stream of this table, created once. One per table, not per device:
+    a stream shared by two tables would order one op's READY spin behind the other's work, and two
+    ranks issuing the ops in different orders would then wait for each other."""
+    side = table.host_cache.get("qkv_copy_stream")
+    if side is None:
+        side = table.host_cache["qkv_copy_stream"] = torch.cuda.Stream(device=table.device)
+    return side
 
 
 def _arrival(table: PeerTable, publish: bool, wait: bool, spin_limit: int | None) -> None:
@@ -1361,7 +1367,11 @@ def launch_qkv_copy_engine(
     the buffer is whole when this returns in stream order. Two epochs per call; mixing calls with
     the fused kernel on one table is safe (epochs only rise, and every rank takes the same path).
     Phases (the CPU emulation runs ranks one after another): send_ready publishes READY; produce
-    waits for READY, runs the GEMMs and copies and publishes DONE; wait waits for DONE.
+    waits for READY, runs the GEMMs and copies and publishes DONE; wait waits for DONE. A produce
+    launch without wait is completed by this function's wait-only launch (send_ready=produce=False),
+    not by qkv_all_to_all_wait, whose epoch convention is the fused kernel's; send_ready with wait
+    but no produce is refused (it would wait for READY, not DONE). qkv_all_to_all(copy_engine=True)
+    runs all three phases.
     Needs table.peer_buffers (SymmetricWorkspace and EmulatedWorld tables have them).
     """
     table = as_peer_table(table)
@@ -1369,19 +1379,14 @@ def launch_qkv_copy_engine(
     blk = _check_qkv(x, w, table)
     if not (send_ready or produce or wait):
         raise ValueError("launch_qkv_copy_engine: nothing to do")
+    if send_ready and wait and not produce:
+        raise ValueError("launch_qkv_copy_engine: send_ready + wait without produce would wait for READY, not DONE")
     if table.peer_buffers is None:
         raise ValueError("qkv_all_to_all: the copy-engine path needs a table with peer_buffers (SymmetricWorkspace)")
     W, s, m = table.world_size, table.rank, x.shape[0]
-    side = _copy_stream(x.device.index) if (produce and x.is_cuda) else None
-    if side is not None:
-        main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            _arrival(table, send_ready, True, spin_limit)
-    else:
-        _arrival(table, send_ready, produce, spin_limit)
     if not produce:
-        _arrival(table, False, wait, spin_limit)
+        _arrival(table, send_ready, False, spin_limit)  # publish READY only
+        _arrival(table, False, wait, spin_limit)  # or wait for DONE only
         return
     key = ("qkv_copy_engine", x.dtype)
     flat = table.host_cache.get(key)
@@ -1390,17 +1395,26 @@ def launch_qkv_copy_engine(
         flat = table.host_cache[key] = [table.peer_view(g, x.dtype, numel) for g in range(W)]
     rows = [f[s * m * blk:(s + 1) * m * blk].view(m, blk) for f in flat]  # block s of every owner
     remote = [(s + j) % W for j in range(1, W)]
+    if not x.is_cuda:  # the CPU emulation: one rank at a time, in program order
+        _arrival(table, send_ready, True, spin_limit)
+        for g in remote:
+            torch.mm(x, w[g * blk:(g + 1) * blk].t(), out=rows[g])
+        torch.mm(x, w[s * blk:(s + 1) * blk].t(), out=rows[s])
+        _arrival(table, True, wait, spin_limit)
+        return
+    main, side = torch.cuda.current_stream(x.device), _copy_stream(table)
     staging = torch.empty((len(remote), m, blk), dtype=x.dtype, device=x.device)
-    for i, g in enumerate(remote):
-        torch.mm(x, w[g * blk:(g + 1) * blk].t(), out=staging[i])
-        if side is None:
-            rows[g].copy_(staging[i])
-            continue
-        side.wait_stream(main)
+    side.wait_stream(main)
+    try:
         with torch.cuda.stream(side):
-            rows[g].copy_(staging[i])
-    torch.mm(x, w[s * blk:(s + 1) * blk].t(), out=rows[s])
-    if side is not None:
+            _arrival(table, send_ready, True, spin_limit)  # READY, beside the first GEMM
+        for i, g in enumerate(remote):
+            torch.mm(x, w[g * blk:(g + 1) * blk].t(), out=staging[i])
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                rows[g].copy_(staging[i])
+        torch.mm(x, w[s * blk:(s + 1) * blk].t(), out=rows[s])
+    finally:  # joined even on an error: a capture in progress must not end with the side stream forked
         main.wait_stream(side)
     _arrival(table, True, wait, spin_limit)
 
@@ -1438,17 +1452,21 @@ def qkv_all_to_all(
     timeline: a diagnostic (GPU, eager fused path): an int64 [#SMs, 4] tensor that receives each
         program's %globaltimer ns at QKV_TIMELINE_POINTS; read it with qkv_timeline_summary. It
         tells rank skew (READY wait) from GEMM time in a real step. Left untouched by the plain path.
-    copy_engine: how the symmetric-memory exchange is made: True runs launch_qkv_copy_engine
+    copy_engine: how the symmetric-memory exchange (fused path) is made: True runs launch_qkv_copy_engine
         (cuBLAS GEMMs per owner, copy-engine transfers; always completes, whatever `wait` says),
         False the fused kernel, None picks by size (QKV_COPY_ENGINE_TOKEN_RANGES, empty by default;
         the kernel whenever config, timeline or use_flags=False ask for it, under torch.compile, or
-        when the table has no peer_buffers).
+        when the table has no peer_buffers). A step on the plain path ignores it; fused=False with
+        copy_engine=True is refused.
     Returns (fused, eager) the receive buffer view: fixed address, valid until the next call on
     the same workspace; under torch.compile a copy of it (registered op); plain path: a new tensor.
     Collective: every rank of the SP group calls it with the same shapes, in the same order.
     """
     table = None if peers is None else as_peer_table(peers)
     m = x.shape[0]
+    if fused is False and copy_engine:
+        raise ValueError("qkv_all_to_all: copy_engine=True is an exchange of the fused path; fused=False asks for "
+                         "the plain path")
     if fused is None:
         # Same inputs on every rank -> same choice everywhere (no extra synchronisation).
         fused = (

@@ -9,6 +9,7 @@ the same kernel on a real SymmetricWorkspace, plus the workspace's tables, views
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -151,6 +152,8 @@ def test_peer_view_addresses_every_rank_and_checks_its_range():
                      signal_ptrs=t.signal_ptrs, counters=t.counters, max_blocks=t.max_blocks)
     with pytest.raises(ValueError, match="no peer_buffers"):
         bare.peer_view(1, torch.float32, 1)
+    t.host_cache["views"] = object()
+    assert dataclasses.replace(t).host_cache == {}, "a derived table must not inherit cached views"
 
 
 def test_as_peer_table_accepts_tables_and_workspace_like_objects():

@@ -469,6 +469,41 @@ def test_qkv_copy_engine_waits_for_ready_and_done():
     assert recv0[m:].isnan().all() and not recv0[:m].isnan().any()
 
 
+def test_qkv_copy_engine_phases_wait_for_their_flags(monkeypatch):
+    W, m, d, blk = 2, 3, 24, 40
+    xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=72)
+    # The produce phase alone (its DONE only published) before rank 1 sent READY: its READY wait times out.
+    world = qkv_world(W, m, blk, torch.float32)
+    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], produce=False, wait=False)
+    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], send_ready=False, wait=False, spin_limit=3)
+    assert world[0].status() == 1, "rank 0 produced before rank 1 entered the call"
+    # The wait-only phase before rank 1 produced: times out.
+    world = qkv_world(W, m, blk, torch.float32)
+    for r in range(W):
+        u.launch_qkv_copy_engine(xs[r], ws[r], world[r], produce=False, wait=False)
+    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], send_ready=False, wait=False)
+    assert world[0].status() == 0
+    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], send_ready=False, produce=False, spin_limit=3)
+    assert world[0].status() == 1, "rank 0's wait returned before rank 1 produced"
+    # Order inside the produce phase: READY waited for before rank 0's block reaches rank 1, DONE
+    # published after it landed (a spy on the arrival barrier looks at rank 1's buffer each time).
+    world = qkv_world(W, m, blk, torch.float32)
+    for r in range(W):
+        u.launch_qkv_copy_engine(xs[r], ws[r], world[r], produce=False, wait=False)
+    log, real = [], u._launch_arrival
+
+    def spy(table, *, publish=True, wait=True, spin_limit=None):
+        landed = not bool(qkv_recv_view(world[1], m, blk, torch.float32)[:m].isnan().any())
+        log.append((table.rank, publish, wait, landed))
+        return real(table, publish=publish, wait=wait, spin_limit=spin_limit)
+
+    monkeypatch.setattr(u, "_launch_arrival", spy)
+    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], send_ready=False, wait=False)
+    assert log == [(0, False, True, False), (0, True, False, True)], log
+    with pytest.raises(ValueError, match="would wait for READY"):
+        u.launch_qkv_copy_engine(xs[0], ws[0], world[0], produce=False)
+
+
 def test_qkv_copy_engine_routing(monkeypatch):
     W, m, d, blk = 2, 6, 24, 40
     xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=80)
@@ -508,6 +543,8 @@ def test_qkv_copy_engine_routing(monkeypatch):
     y = qkv_all_to_all(xs[0][:2], w_solo, solo, fused=True, copy_engine=True)
     assert len(ran) == n + 1
     assert_close(y, xs[0][:2].double() @ w_solo.double().T, dtype=torch.float32)
+    with pytest.raises(ValueError, match="fused=False asks for the plain path"):
+        qkv_all_to_all(xs[0][:2], w_solo, solo, SimpleNamespace(size=1, pg=None), fused=False, copy_engine=True)
 
 
 # ===================================================================== all_to_all_o_proj, CPU
