@@ -1140,6 +1140,38 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_ws):
 
 
 @pytest.mark.gpu
+def test_gpu_qkv_copy_engine_waits_for_a_late_peer(gpu_world, gpu_ws):
+    # One rank at a time is late: its stream spins ~20 ms, then poisons its receive buffer (standing
+    # for a reader of the last call's data), then enters the call. The others must not copy into it
+    # before its READY (their blocks would be poisoned), and the late rank's blocks reach the others
+    # only after their own calls were launched: each rank's copy of its result, taken in stream
+    # order right after the call, shows whether DONE waited for them.
+    import torch.distributed as dist
+
+    errors = []
+    m = 128
+    for late in range(gpu_ws.W):
+        x, w = _gpu_qkv_operands(gpu_ws, m, salt=700 + late)
+        gpu_ws.qkv.table.buffer.fill_(0xFF)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if dist.get_rank() == late:
+            torch.cuda._sleep(40_000_000)
+            gpu_ws.qkv.table.buffer.fill_(0xFF)
+        got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, copy_engine=True).clone()
+        torch.cuda.synchronize()
+        if got.isnan().any():
+            errors.append(f"late rank {late}: NaN rows {got.isnan().any(dim=1).nonzero().flatten().tolist()[:8]}")
+        err = _qkv_err(got, x, w, gpu_ws, f"late rank {late}")
+        if err:
+            errors.append(err)
+    err = _status_err(gpu_ws)
+    if err:
+        errors.append(err)
+    assert all_ranks_ok(not errors), "\n".join(errors[:6])
+
+
+@pytest.mark.gpu
 def test_gpu_qkv_copy_engine_in_a_cuda_graph_and_after_the_kernel(gpu_world, gpu_ws):
     # The side stream forks from and joins the capturing stream; the graph holds three calls (two
     # arrival epochs each, advanced on the device) and is replayed with fresh inputs into a
