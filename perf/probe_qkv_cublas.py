@@ -97,28 +97,14 @@ def probe(model: str, m: int, W: int, rank: int, group, ws_fused, ws_peer, timer
         u._launch_arrival(table)
         return recv
 
-    def cublas_ce(i):
+    def cublas_ce(i, ready_on_side=False):
         x, wb = xs[i % bq.SETS], w_blocks[i % bq.SETS]
-        u._launch_arrival(table)
         cur = torch.cuda.current_stream()
-        for g in order:
-            if g == rank:
-                torch.mm(x, wb[g].t(), out=peer_rows[g])
-                continue
-            torch.mm(x, wb[g].t(), out=local[g])
-            done[g].record(cur)
-            side.wait_event(done[g])
+        if ready_on_side:  # READY beside the first GEMM (only the copies need it)
+            side.wait_stream(cur)
             with torch.cuda.stream(side):
-                peer_rows[g].copy_(local[g])
-        cur.wait_stream(side)
-        u._launch_arrival(table)
-        return recv
-
-    def ce_side_ready(i):  # cublas_ce with READY on the side stream, beside the first GEMM
-        x, wb = xs[i % bq.SETS], w_blocks[i % bq.SETS]
-        cur = torch.cuda.current_stream()
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
+                u._launch_arrival(table)
+        else:
             u._launch_arrival(table)
         for g in order:
             if g == rank:
@@ -132,6 +118,9 @@ def probe(model: str, m: int, W: int, rank: int, group, ws_fused, ws_peer, timer
         cur.wait_stream(side)
         u._launch_arrival(table)
         return recv
+
+    def ce_side_ready(i):
+        return cublas_ce(i, ready_on_side=True)
 
     def lib_kernel(i):
         return u.qkv_all_to_all(xs[i % bq.SETS], wts[i % bq.SETS], ws_peer, fused=True, copy_engine=False)
