@@ -957,6 +957,14 @@ def _status_err(ws) -> str | None:
     return None
 
 
+def _assert_ok_on_all_ranks(errors: list[str], ws, limit: int | None = None) -> None:
+    """Add a timed-out flag wait to `errors`, then assert (every rank together) that none has any."""
+    err = _status_err(ws)
+    if err:
+        errors.append(err)
+    assert all_ranks_ok(not errors), "\n".join(errors[:limit])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("copy_engine", [False, True], ids=["kernel", "copy_engine"])
 @pytest.mark.parametrize("m", [1, 8, 13, 256, 1024])
@@ -986,10 +994,7 @@ def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m, copy_engine):
     rel = ((got.float() - plain.float()).abs().max() / plain.float().abs().max()).item()
     if rel > 2e-2:
         errors.append(f"qkv m={m}: rel diff {rel:.3g} vs the plain bf16 path")
-    err = _status_err(gpu_ws)
-    if err:
-        errors.append(err)
-    assert all_ranks_ok(not errors), "\n".join(errors)
+    _assert_ok_on_all_ranks(errors, gpu_ws)
 
 
 @pytest.mark.gpu
@@ -1013,10 +1018,7 @@ def test_gpu_qkv_tma_matches_fp64(gpu_world, gpu_ws, m, flatten):
         if err:
             errors.append(err)
         gpu_ws.qkv.table.buffer.fill_(0xFF)  # the next call's READY orders this fill before peers' stores
-    err = _status_err(gpu_ws)
-    if err:
-        errors.append(err)
-    assert all_ranks_ok(not errors), "\n".join(errors)
+    _assert_ok_on_all_ranks(errors, gpu_ws)
 
 
 @pytest.mark.gpu
@@ -1043,10 +1045,7 @@ def test_gpu_qkv_timeline_stamps_every_program_and_keeps_the_result(gpu_world, g
             errors.append(f"implausible timeline summary {s}")
     except ValueError as e:
         errors.append(str(e))
-    err = _status_err(gpu_ws)
-    if err:
-        errors.append(err)
-    assert all_ranks_ok(not errors), "\n".join(errors)
+    _assert_ok_on_all_ranks(errors, gpu_ws)
 
 
 @pytest.mark.gpu
@@ -1067,10 +1066,7 @@ def test_gpu_o_proj_matches_fp64_and_plain(gpu_world, gpu_ws, m):
     rel = ((out.float() - plain.float()).abs().max() / plain.float().abs().max()).item()
     if rel > 2e-2:
         errors.append(f"o_proj m={m}: rel diff {rel:.3g} vs the plain bf16 path")
-    err = _status_err(gpu_ws)
-    if err:
-        errors.append(err)
-    assert all_ranks_ok(not errors), "\n".join(errors)
+    _assert_ok_on_all_ranks(errors, gpu_ws)
 
 
 @pytest.mark.gpu
@@ -1133,10 +1129,7 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_ws):
             errors.append(err)
         if (gpu_ws.qkv.table.epoch(), gpu_ws.o.table.epoch()) != (e_q + 3 * (rep + 1), e_o + rep + 1):
             errors.append(f"replay {rep}: epochs {gpu_ws.qkv.table.epoch()}, {gpu_ws.o.table.epoch()}")
-    err = _status_err(gpu_ws)
-    if err:
-        errors.append(err)
-    assert all_ranks_ok(not errors), "\n".join(errors[:6])
+    _assert_ok_on_all_ranks(errors, gpu_ws, limit=6)
 
 
 @pytest.mark.gpu
@@ -1165,10 +1158,7 @@ def test_gpu_qkv_copy_engine_waits_for_a_late_peer(gpu_world, gpu_ws):
         err = _qkv_err(got, x, w, gpu_ws, f"late rank {late}")
         if err:
             errors.append(err)
-    err = _status_err(gpu_ws)
-    if err:
-        errors.append(err)
-    assert all_ranks_ok(not errors), "\n".join(errors[:6])
+    _assert_ok_on_all_ranks(errors, gpu_ws, limit=6)
 
 
 @pytest.mark.gpu
@@ -1206,10 +1196,7 @@ def test_gpu_qkv_copy_engine_in_a_cuda_graph_and_after_the_kernel(gpu_world, gpu
                        f"kernel call after replay {rep}")
         if err:
             errors.append(err)
-    err = _status_err(gpu_ws)
-    if err:
-        errors.append(err)
-    assert all_ranks_ok(not errors), "\n".join(errors[:6])
+    _assert_ok_on_all_ranks(errors, gpu_ws, limit=6)
 
 
 @pytest.mark.gpu
