@@ -52,7 +52,10 @@ reduce epilogue).
 --split-sweep (off by default) also times, for decode sizes <= 64 rows, the one-shot in a CUDA graph
 with explicit tilings and split-K factors (SPLIT_SWEEP; records "<shape> graph split-sweep", "sweep":
 true, speedup vs the same point's stock graph baseline): the data behind
-gemm_all_reduce.SPLIT_K_MAX_ROWS, _SPLIT_TILE and the decode BLOCK_K.
+gemm_all_reduce.SPLIT_K_MAX_ROWS, _SPLIT_TILE and the decode BLOCK_K. They carry roofline_pct and
+floor_ms like the others; the stored ones (runs of 2026-11-21 and -22), written before the sweep
+recorded them, had them recomputed from their own n, k, tokens, world, peak_tflops, hbm_gbps,
+nccl_bus_gbps and fused_ms with the same formula ("roofline_recomputed": true).
 Without CUDA or outside torchrun it prints a message and exits 0.
 """
 
@@ -144,6 +147,13 @@ class Context:
     bus: float
     common: dict
     gar: object
+
+
+def floors_ms(ctx: Context, tokens: int, n: int, k: int) -> tuple[float, float, float]:
+    """(floor, GEMM floor, all-reduce floor) in ms of one [tokens, k] x [k, n] GEMM + all-reduce (module doc)."""
+    gemm_floor = max(2 * tokens * n * k / ctx.peak, (n * k + tokens * k + tokens * n) * 2 / ctx.hbm) * 1e3
+    comm_floor = 2 * (ctx.world - 1) / ctx.world * tokens * n * 2 / ctx.bus * 1e3
+    return max(gemm_floor, comm_floor), gemm_floor, comm_floor
 
 
 def bench_point(ctx: Context, name: str, n: int, k: int, tokens: int, ops: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -262,10 +272,7 @@ def bench_point(ctx: Context, name: str, n: int, k: int, tokens: int, ops: list[
         if ws.table.status() != 0:
             print(f"rank {ctx.rank}: {name} {tokens}: a flag wait timed out (STATUS=1): results invalid")
 
-    world = ctx.world
-    gemm_floor = max(2 * tokens * n * k / ctx.peak, (n * k + tokens * k + tokens * n) * 2 / ctx.hbm) * 1e3
-    comm_floor = 2 * (world - 1) / world * tokens * n * 2 / ctx.bus * 1e3
-    floor = max(gemm_floor, comm_floor)
+    floor, gemm_floor, comm_floor = floors_ms(ctx, tokens, n, k)
     modes = [("eager", "cublas+nccl eager")]
     if decode:
         stock_graph = {key: v for key, v in paths_ms.items() if key.endswith("graph") and "fused" not in key and v}
@@ -322,8 +329,17 @@ _SMEM_BYTES = 227 * 1024
 
 
 def bench_split_sweep(ctx: Context, name: str, n: int, k: int, tokens: int, ops, baseline: dict | None) -> list[dict]:
-    """The one-shot of one decode point in a CUDA graph per SPLIT_SWEEP tiling (max over ranks)."""
+    """The one-shot of one decode point in a CUDA graph per SPLIT_SWEEP tiling (max over ranks).
+
+    baseline: the point's "graph" record (the faster stock graph), which every sweep record is timed
+    against; without one (no stock graph path ran) there is nothing to compare and nothing is swept."""
     from fusedpar.kernels.gemm import GemmConfig
+
+    if baseline is None:
+        if ctx.rank == 0:
+            print(f"{name:<15}{tokens:>7} split-sweep skipped: no stock graph baseline at this point")
+        return []
+    floor, _, _ = floors_ms(ctx, tokens, n, k)
 
     gar, group, ws = ctx.gar, ctx.group, ctx.ws
     dtype = ops[0][0].dtype
@@ -353,17 +369,17 @@ def bench_split_sweep(ctx: Context, name: str, n: int, k: int, tokens: int, ops,
         worst = max_over_ranks(ms)
         if worst == float("inf"):
             continue
-        base_ms = baseline["baseline_ms"] if baseline else None
+        base_ms = baseline["baseline_ms"]
         records.append({
             **ctx.common, "case": f"{name} graph split-sweep", "tokens": tokens, "n": n, "k": k, "sweep": True,
-            "baseline": baseline["baseline"] if baseline else None, "baseline_ms": base_ms, "fused_ms": worst,
-            "speedup": base_ms / worst if base_ms else None, "path": "one_shot", "config": cfg.as_list(),
+            "baseline": baseline["baseline"], "baseline_ms": base_ms, "fused_ms": worst,
+            "speedup": base_ms / worst, "roofline_pct": 100 * floor / worst, "floor_ms": floor,
+            "path": "one_shot", "config": cfg.as_list(),
             "units": plan.config.split_k * (-(-tokens // bm)) * (-(-n // bn)),
         })
         if ctx.rank == 0:
-            sp = f"{base_ms / worst:8.2f}" if base_ms else ""
             print(f"{name:<15}{tokens:>7} split-sweep n{bn} k{bk} w{warps} s{stages} split{split}: "
-                  f"{worst:.4f} ms{sp}")
+                  f"{worst:.4f} ms{base_ms / worst:8.2f}{100 * floor / worst:6.0f}%")
     return records
 
 
