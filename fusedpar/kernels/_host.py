@@ -4,10 +4,38 @@ triton.cdiv and triton.next_power_of_2 are Triton constexpr functions: called fr
 they go through Triton's constexpr unwrapping, ~2 us per call on the lent GPU hosts' CPUs, and
 an eager decode step makes a dozen such calls per layer. These are the plain-int versions,
 plus the argument checks the launchers run per launch (power-of-two tilings, output overlap),
-kept to a few integer operations each.
+kept to a few integer operations each. Also the facts every launcher shares: the dtypes the
+kernels take, whether Triton runs interpreted, and the device's SM count.
 """
 
 from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+# Every Triton kernel of fusedpar takes these activation/weight dtypes (tl.dot on bf16 needs a GPU).
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Persistent grids under the interpreter: a few "SMs", so every program loop runs more than once.
+INTERPRETER_NUM_SMS = 4
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+# Triton decides interpreter vs compiler when @triton.jit runs (TRITON_INTERPRET=1 at first import).
+INTERPRETED: bool = not isinstance(_probe, JITFunction)
+
+
+@functools.cache
+def device_num_sms(device_index: int) -> int:
+    """Number of SMs of CUDA device `device_index` (cached: a device query costs microseconds)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def cdiv(a: int, b: int) -> int:

@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from fusedpar.collectives.symmetric import ALIGN_BYTES, COUNTER_EPOCH, COUNTER_RETIRED, COUNTER_STATUS
+from fusedpar.kernels._host import INTERPRETER_NUM_SMS, device_num_sms
 from fusedpar.kernels._host import next_pow2 as next_pow2  # re-exported: the launchers import it from here
-from fusedpar.kernels.gemm import _INTERPRETER_NUM_SMS, _device_num_sms
 
 # Counter indices as Triton constexprs: a @jit function may only read constexpr globals.
 EPOCH = tl.constexpr(COUNTER_EPOCH)
@@ -53,6 +53,10 @@ STATUS = tl.constexpr(COUNTER_STATUS)
 
 # Interpreter: the phased emulations set every flag before it is waited on; a few polls suffice.
 INTERPRETER_SPIN_LIMIT = 8
+# GPUs: polls of a local flag word (a system-scope acquire RMW, ~0.2-1 us each) before a wait gives
+# up and reports counters[STATUS] = 1: seconds, far above any legitimate wait (a peer's GEMM, launch
+# skew, a peer's first-call Triton compile), yet a reported error rather than a hang.
+GPU_SPIN_LIMIT = 1 << 25
 
 
 # =============================================================================== device side
@@ -160,9 +164,9 @@ def slot_size(table) -> int:
 def sm_count(device: torch.device, interpreted: bool) -> int:
     """Persistent-grid width: the device's SM count, or a few interpreter "SMs"."""
     if interpreted:
-        return _INTERPRETER_NUM_SMS
+        return INTERPRETER_NUM_SMS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_num_sms(index)
+    return device_num_sms(index)
 
 
 def resolve_spin_limit(spin_limit: int | None, interpreted: bool, gpu_limit: int) -> int:
