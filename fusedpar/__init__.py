@@ -1,7 +1,7 @@
 """fusedpar: fused parallel transformer layers that switch between sequence parallelism (SP)
 and tensor parallelism (TP) from one forward step to the next (Shift Parallelism).
 
-Import layers, one way: layouts <- collectives <- kernels <- layers <- integrations.
+Imports run one way: layouts <- collectives <- kernels <- layers <- integrations.
 `import fusedpar` loads only the pure-Python layouts; torch-backed names load on first use.
 """
 
@@ -11,9 +11,13 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ParallelContext": "fusedpar.collectives",
-    "ShiftPolicy": "fusedpar.layers",
     "DecoderConfig": "fusedpar.layers",
+    "PagedKVCache": "fusedpar.layers",
     "ShiftParallelDecoderLayer": "fusedpar.layers",
+    "ShiftParallelStack": "fusedpar.layers",
+    "ShiftPolicy": "fusedpar.layers",
+    "StepBatch": "fusedpar.layers",
+    "random_decoder_weights": "fusedpar.layers",
 }
 
 
