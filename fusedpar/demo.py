@@ -28,7 +28,10 @@ RTOL = {"cpu": 1e-4, "cuda": 5e-2}  # max |logit err| / max |logit|: fp32 on CPU
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fusedpar import __version__
+
     p = argparse.ArgumentParser(prog="fusedpar", description="fusedpar: shift-parallel transformer layers.")
+    p.add_argument("--version", action="version", version=f"fusedpar {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
         "demo",

@@ -4,11 +4,13 @@ torch.distributed.new_group must be called by every rank of the world, in the sa
 every group, members or not. Creating all groups eagerly here (instead of lazily on first
 use) keeps that order identical on all ranks and keeps communicator setup off the step path.
 Groups with identical rank lists are created once and shared (e.g. the SP group and the shift
-group when tp == 1), so no communicator is duplicated.
+group when tp == 1), so no communicator is duplicated. Every group gets one timeout (by default
+the world group's), so a stalled or dead peer makes every collective on it fail within that bound.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -37,14 +39,28 @@ def _default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def world_timeout() -> datetime.timedelta:
+    """The timeout the world process group was created with (torch's default for its backend if the
+    backend does not expose it)."""
+    pg = dist.group.WORLD
+    backend = dist.get_backend(pg)
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    try:
+        return pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.distributed_c10d._get_default_timeout(backend)
+
+
 class ParallelContext:
     """This rank's view of a ParallelLayout: coordinates, device and the four groups.
 
     Requires torch.distributed to be initialised with world size == layout.world_size.
     backend: for the subgroups; default "nccl" on CUDA devices and "gloo" on CPU.
+    timeout: of every subgroup's collectives (a timedelta or seconds); default the world group's.
     """
 
-    def __init__(self, layout: ParallelLayout, backend: str | None = None, device: torch.device | str | None = None):
+    def __init__(self, layout: ParallelLayout, backend: str | None = None, device: torch.device | str | None = None,
+                 timeout: datetime.timedelta | float | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ParallelContext needs torch.distributed initialised (init_process_group) first")
         world = dist.get_world_size()
@@ -63,6 +79,14 @@ class ParallelContext:
             )
         self.device = torch.device(device)
         self.backend = backend or _default_backend(self.device)
+        if timeout is None:
+            timeout = world_timeout()
+        elif not isinstance(timeout, datetime.timedelta):
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+                raise ValueError(f"ParallelContext: timeout must be a positive number of seconds or a timedelta, "
+                                 f"got {timeout!r}")
+            timeout = datetime.timedelta(seconds=timeout)
+        self.timeout: datetime.timedelta = timeout
 
         made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         # Same iteration order on every rank: the order of new_group calls must match.
@@ -70,7 +94,8 @@ class ParallelContext:
             for ranks in groups:
                 key = tuple(ranks)
                 if key not in made:
-                    made[key] = dist.new_group(list(key), backend=self.backend) if len(key) > 1 else None
+                    made[key] = (dist.new_group(list(key), backend=self.backend, timeout=timeout)
+                                 if len(key) > 1 else None)
         self._pgs = made
         self.sp = self._mine(layout.sp_group_of(self.global_rank))
         self.tp = self._mine(layout.tp_group_of(self.global_rank))
