@@ -245,6 +245,9 @@ def run_info(torchrun_world: int | None = None, *, python: bool = False) -> dict
         info["commit"] = commit
     info["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     argv = sys.argv if torchrun_world is None else ["torchrun", f"--nproc-per-node {torchrun_world}", *sys.argv]
+    out = os.environ.get("OUT", "").rstrip("/")
+    if out:  # the machine's output folder (perf/run_gpu.sh's $OUT) is no part of the command's meaning
+        argv = ["$OUT" + a[len(out):] if a == out or a.startswith(out + "/") else a for a in argv]
     info["command"] = " ".join(argv)
     return info
 
