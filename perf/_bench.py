@@ -1,4 +1,4 @@
-"""Shared parts of the perf/bench_*.py scripts (DESIGN.md section 9): setup, timing, records.
+"""Shared parts of the perf/bench_*.py scripts: setup, timing, records.
 
 The scripts import it as a sibling module (each puts its own directory on sys.path first):
     init_distributed / finish_distributed   torchrun + NCCL with NVLink multicast off
@@ -6,7 +6,7 @@ The scripts import it as a sibling module (each puts its own directory on sys.pa
     BarrierTimer                            eager call sequences (alone or interleaved) and CUDA-graph replays
     SpinTimer                               one call per sample after a GPU spin
     measure_link_ceilings                   cuBLAS peak, HBM and NCCL all-to-all bandwidth
-    run_info                                the torch / triton / date / command record fields
+    run_info                                the torch / triton / commit / date / command record fields
     write_records                           the JSON list of records, relative to the repo root
     sp_common, print_sp_header, sp_row, run_sp_cases, token_ranges, print_fused_wins
                                             records, table, (model, tokens) loop and summary of the
@@ -22,6 +22,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +50,7 @@ def init_distributed() -> tuple[int, int, int]:
 
     Sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 (unless
     already set) before torch.distributed initialises anything: NVLink multicast stays off on our
-    machines and no path here may depend on it (DESIGN.md section 5).
+    machines and no path here may depend on it.
     """
     from fusedpar.testing.gpu import init_torchrun_nccl
 
@@ -65,7 +66,7 @@ def finish_distributed() -> None:
 def exit_without_teardown(code: int = 0) -> None:
     """End a benchmark that captured CUDA graphs containing NCCL / symmetric-memory work: after a
     barrier, leave with os._exit. Tearing the process group down while such graphs exist hung past
-    the records being written (4x H200, perf/results/gpu_run_h200x4_run8.log); the OS reclaims all."""
+    the records being written (4x H200); the OS reclaims all."""
     dist.barrier()
     torch.cuda.synchronize()
     sys.stdout.flush()
@@ -118,16 +119,14 @@ class BarrierTimer:
         host-bound, and on a shared host the launch speed drifts over seconds, so timing one variant
         after the other lets the drift decide the ratio. interleaved_order() varies each variant's
         predecessor as well as its position, and runs each variant once, untimed and synchronized,
-        right before each of its timed samples. The predecessor matters: in GPU run 116
-        (perf/probe_eager_fallback.py, 4x H200) an eager F.linear + NCCL all-reduce sample took
+        right before each of its timed samples. The predecessor matters: on 4x H200
+        (perf/tools/probe_eager_fallback.py) an eager F.linear + NCCL all-reduce sample took
         96.6 / 79.6 / 106.0 us per call right after a sample of the Triton one-shot and 73.7-77.6 /
-        62.8-64.2 / 92.5-96.7 us after any other variant, at 8 / 64 / 512 rows. The one fixed cycle
-        used before (A B C, B C A, ...) ran the router's fallback always right after the fused path,
-        so it measured 0.83-0.97x of a plain path it is identical to on the GPU. The priming run
-        helps but does not remove the effect (run 117: plain after the one-shot 99.1 / 81.9 / 92.5 us
-        against 79.4-95.8 otherwise, the router's fallback 125.2 / 97.8 / 90.0 against 82.2-98.9), so
-        its cause is not only the host's caches; the random order spreads what is left over all
-        variants alike.
+        62.8-64.2 / 92.5-96.7 us after any other variant, at 8 / 64 / 512 rows; a fixed cycle
+        (A B C, B C A, ...) that always runs the router's fallback right after the fused path
+        measures it at 0.83-0.97x of a plain path it is identical to on the GPU. The priming run
+        helps but does not remove the effect, so its cause is not only the host's caches; the
+        random order spreads what is left over all variants alike.
         by_predecessor, if given, receives the timed medians by (variant, variant timed before it)."""
         names = list(variants)
         runs = {name: (lambda calls=calls: [c() for c in calls]) for name, calls in variants.items()}
@@ -214,15 +213,41 @@ def measure_link_ceilings(timer: SpinTimer, group) -> dict[str, float]:
     return {"peak_flops": peak, "hbm_bps": hbm, "link_bps": link}
 
 
+def git_commit() -> str | None:
+    """The commit the benchmark runs: $FUSEDPAR_COMMIT if set (a checkout without .git, e.g. a copy of
+    the tree on a GPU machine), else `git rev-parse` of the repo, "+dirty" when tracked files differ
+    from it; None when neither is available."""
+    env = os.environ.get("FUSEDPAR_COMMIT", "").strip()
+    if env:
+        return env
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=REPO, timeout=30).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}+dirty" if dirty else head
+
+
 def run_info(torchrun_world: int | None = None, *, python: bool = False) -> dict:
-    """Record fields torch, triton[, python], date, command (torchrun_world: the torchrun command line)."""
+    """Record fields torch, triton[, python], commit, date, command (torchrun_world: the torchrun command line).
+
+    commit is left out, with a warning, where git_commit() finds none: set FUSEDPAR_COMMIT."""
     import triton
 
     info = {"torch": torch.__version__, "triton": triton.__version__}
     if python:
         info["python"] = platform.python_version()
+    commit = git_commit()
+    if commit is None:
+        print("warning: no git commit found for the records (set FUSEDPAR_COMMIT)", file=sys.stderr)
+    else:
+        info["commit"] = commit
     info["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     argv = sys.argv if torchrun_world is None else ["torchrun", f"--nproc-per-node {torchrun_world}", *sys.argv]
+    out = os.environ.get("OUT", "").rstrip("/")
+    if out:  # the machine's output folder (perf/run_gpu.sh's $OUT) is no part of the command's meaning
+        argv = ["$OUT" + a[len(out):] if a == out or a.startswith(out + "/") else a for a in argv]
     info["command"] = " ".join(argv)
     return info
 

@@ -12,7 +12,7 @@ Paths, same inputs, same process:
                  own chunk and wait per band (the best --comm-programs value is reported)
     gemm_cublas  F.linear(a, w_o) on an [m, SP*C] operand: the GEMM alone
     gemm_triton  fusedpar.kernels.gemm.matmul on the same operand
-Target (issue 3): fused >= 1.15x baseline.
+Target: fused >= 1.15x baseline.
 --with-attention (m <= 4096) adds case "<model>.sp<W> +attention": the return exchange as the decoder
 layer does it since the o_scatter change, where the attention's own stores replace the all-to-all,
 so the attention kernel must be inside the timed region on both sides:
@@ -54,16 +54,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # setup, timing and records shared by the benchmarks
+import shapes
 from _bench import max_over_ranks
 
 _bench.add_repo_to_path()
 
 BENCH = "all_to_all_o_proj"
 BASELINE = "NCCL all_to_all_single + unpack (comm.head_to_seq_all_to_all) + cuBLAS F.linear"
-MODELS = {
-    "llama70b": {"hidden": 8192, "heads": 64, "head_dim": 128},
-    "qwen32b": {"hidden": 5120, "heads": 64, "head_dim": 128},
-}
+MODELS = ("llama70b", "qwen32b")  # keys of shapes.SHAPES
 DEFAULT_TOKENS = ",".join(str(2**i) for i in range(3, 15))  # 8 .. 16384
 SETS = 2
 
@@ -72,9 +70,9 @@ SETS = 2
 
 
 def dims(model: str, sp: int) -> dict[str, int]:
-    cfg = MODELS[model]
-    q = cfg["heads"] // sp
-    return {"d": cfg["hidden"], "C": q * cfg["head_dim"], "q": q}
+    cfg = shapes.shape(model)
+    q = cfg.heads // sp
+    return {"d": cfg.hidden, "C": q * cfg.head_dim, "q": q}
 
 
 def bench_case(model, m, W, group, ws, timer, ceil, comm_programs: list[int]) -> dict:
@@ -157,8 +155,8 @@ def bench_attention_case(model, m, W, group, ws, timer, ceil) -> dict:
     from fusedpar.kernels import ulysses as u
 
     dm = dims(model, W)
-    d, C, nq, hd = dm["d"], dm["C"], dm["q"], MODELS[model]["head_dim"]
-    nkv, n, page = max(1, 8 // W), W * m, 16
+    d, C, nq, hd = dm["d"], dm["C"], dm["q"], shapes.shape(model).head_dim
+    nkv, n, page = max(1, shapes.shape(model).kv_heads // W), W * m, 16
     lens = [4096] * (n // 4096) + ([n % 4096] if n % 4096 else [])
     gen = torch.Generator(device="cuda").manual_seed(7000 * dist.get_rank() + m)
     qkv = torch.randn((n, (nq + 2 * nkv) * hd), generator=gen, device="cuda").to(torch.bfloat16)
@@ -237,7 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=f"perf/results/{BENCH}.json")
     args = p.parse_args(argv)
     if args.iters < 20:
-        p.error("--iters must be >= 20 (DESIGN.md section 9)")
+        p.error("--iters must be >= 20")
     unknown = set(args.shapes.split(",")) - set(MODELS)
     if unknown:
         p.error(f"unknown --shapes {sorted(unknown)}; known {sorted(MODELS)}")

@@ -35,7 +35,7 @@ the eager figure of a two-launch fused path (write kernel, attention) against SD
 includes at a few hundred tokens. In a layer a prefill's launches queue behind its GEMMs, so there
 the GPU time is what counts; both records are kept.
 
-Protocol (DESIGN.md section 9, as perf/bench_gemm.py): CUDA events around each call after a GPU
+Protocol (as perf/bench_gemm.py): CUDA events around each call after a GPU
 spin, warm-up first (includes Triton compilation), median of --iters, inputs and caches rotate
 over enough sets to exceed 3x the L2 cache. roofline_pct = 100 * floor / fused_ms with
 floor = max(FLOPs / peak, bytes / bandwidth): peak = a cuBLAS 8192^3 bf16 GEMM and bandwidth =
@@ -71,10 +71,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # setup, timing and records shared by the benchmarks
+import shapes
 from bench_gemm import SLEEP_CYCLES, measure_ceilings, time_ms  # one timing protocol for every benchmark
 
-NQ, NKV, HD = 16, 2, 128  # Llama-3-70B per rank at P = 4
-ROPE_THETA = 500000.0  # Llama-3
+_SHAPE, _P = shapes.shape("llama70b"), 4  # per-rank heads of a Llama-3-70B layer at P = 4: 16 q / 2 kv of 128
+NQ, NKV, HD = _SHAPE.heads // _P, _SHAPE.kv_heads // _P, _SHAPE.head_dim
+ROPE_THETA = _SHAPE.rope_theta
 PAGE = 16
 DECODE_CONTEXT = 4096
 PREFILL_TOKENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -158,8 +160,8 @@ def _rope_stock(qkv, cos_sin, positions):
 
 # torch.compile'd RoPE (Inductor fuses it into one kernel): the best stock form of that step;
 # compiled lazily on first use, so importing this file compiles nothing. The cache write stays
-# eager: with it inside the compiled function the stock step cost 0.35 ms at decode 64 x 4096 (GPU
-# run 89), about one copy of the whole 134 MB cache, which an in-place write into a functionalised
+# eager: with it inside the compiled function the stock step cost 0.35 ms at decode 64 x 4096
+# (H200), about one copy of the whole 134 MB cache, which an in-place write into a functionalised
 # input would explain.
 _rope_compiled = None
 
@@ -357,10 +359,10 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
 
 
 # Prefill tilings: (block_m, block_n, warps, stages, prerotate_q, page_prefetch). The first two are
-# pick_config's choices before GPU run 69 (3 / 4 stages, no page prefetch; the 32-key tile was its
-# choice for sequences over 1024 tokens), the third its choice since. Without page_prefetch the K/V
+# earlier pick_config choices (3 / 4 stages, no page prefetch; the 32-key tile for sequences over
+# 1024 tokens), the third its current choice. Without page_prefetch the K/V
 # addresses come from a block-table load in the same loop iteration, and Triton 3.6's pipeliner
-# gives such indirect loads about (stages - 2) // 2 tiles of lookahead (run 61 measured 5-8 stages:
+# gives such indirect loads about (stages - 2) // 2 tiles of lookahead (5-8 stages measured
 # not faster); with it the entries are loaded a tile ahead and stages - 1 tiles are in flight.
 PREFILL_SWEEP = (
     (128, 64, 8, 3, True, False), (128, 32, 4, 4, True, False), (128, 64, 8, 3, True, True),
@@ -368,12 +370,9 @@ PREFILL_SWEEP = (
 )
 PREFILL_SWEEP_SHAPES = ([16384], [4096] * 4, [256] * 4, [128] * 4)
 # --short-prefill-sweep: batches of short sequences, where the full path (write kernel + attention)
-# trailed SDPA. Optional 7th field: more AttentionConfig fields (pdl). Run 85 (before the per-token
-# q prologue and the approximate cos/sin) measured q pre-rotation off at 0.31-0.50x SDPA and 64-row
-# tiles slower; runs 170/171 (nvidia-h200) measured PDL on/off and q pre-rotation on/off again:
-# PDL saves ~1 us per launch pair, pre-rotation stays ahead or ties. (An attention kernel that took
-# the new keys from the qkv rows instead of a write kernel, re-transforming them in every q tile,
-# was 0.31-0.72x SDPA in run 171 and was dropped.)
+# trailed SDPA. Optional 7th field: more AttentionConfig fields (pdl). On one H200, PDL saves ~1 us per
+# launch pair and q pre-rotation stays ahead of or ties with the unrotated path; 64-row tiles are
+# slower.
 SHORT_PREFILL_SWEEP_SHAPES = ([128] * 4, [256] * 4, [512] * 4, [1024] * 4, [512], [1024], [2048])
 SHORT_PREFILL_SWEEP = (
     (128, 64, 8, 3, True, True, {"pdl": False}), (128, 64, 8, 3, True, True),
@@ -381,8 +380,8 @@ SHORT_PREFILL_SWEEP = (
     (64, 64, 4, 3, True, True),
 )
 # Decode tilings, block_m 16: (block_n, warps, stages, num_splits, page_prefetch). 8 x 4096 is the
-# layer benchmark's decode case. The first of each is the pick before run 69 (_attend_tiles, 4
-# stages, splits >= 4 tiles long), the second pick_config's choice since (page prefetch, 2 stages,
+# layer benchmark's decode case. The first of each is an earlier pick (_attend_tiles, 4
+# stages, splits >= 4 tiles long), the second pick_config's current choice (page prefetch, 2 stages,
 # ~4 programs per SM).
 DECODE_SWEEP = {
     1: ((64, 4, 4, 17, False), (64, 4, 2, 64, True), (32, 4, 3, 64, True), (64, 4, 1, 64, True)),
@@ -435,7 +434,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="perf/results/attention.json")
     args = p.parse_args(argv)
     if args.iters < 20:
-        print(f"note: --iters {args.iters} is below the protocol's 20 (DESIGN.md section 9)")
+        print(f"note: --iters {args.iters} is below the protocol's 20")
     return args
 
 

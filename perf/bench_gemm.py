@@ -1,7 +1,7 @@
 """Benchmark: persistent Triton GEMM (fusedpar.kernels.gemm) vs cuBLAS, per-rank GEMMs of one TP=4 layer.
 
 For each model (Llama-3-70B, Qwen3-32B) and token count M, times C[M, N] = A[M, K] @ W[N, K]^T
-for the four per-rank GEMMs of a TP=4 decoder layer (DESIGN.md section 9):
+for the four per-rank GEMMs of a TP=4 decoder layer:
     qkv      N = (h + 2 h_kv) d / 4,  K = hidden      (column-parallel)
     o        N = hidden,              K = h d / 4      (row-parallel)
     gate_up  N = 2 I / 4,             K = hidden      (column-parallel)
@@ -36,17 +36,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # setup, timing and records shared by the benchmarks
+import shapes
 
 TP = 4  # per-rank shapes of a TP=4 layer; the shift view is block SHIFT_BLOCK of TP blocks
 SHIFT_BLOCK = 1  # not 0, so the view really starts at an offset
 SLEEP_CYCLES = 1_000_000  # ~0.5 ms GPU spin ahead of each timed call: longer than a launch (~0.1 ms of host
-# time per launch on the lent hosts at times, GPU runs 54-55, which a 0.1 ms spin let into the timings)
+# time per launch on some hosts, which a 0.1 ms spin let into the timings)
 BASELINE = "cuBLAS torch.nn.functional.linear"
 
-MODELS = {
-    "llama70b": {"hidden": 8192, "heads": 64, "kv_heads": 8, "head_dim": 128, "intermediate": 28672},
-    "qwen32b": {"hidden": 5120, "heads": 64, "kv_heads": 8, "head_dim": 128, "intermediate": 25600},
-}
+MODELS = ("llama70b", "qwen32b")  # keys of shapes.SHAPES
 DEFAULT_TOKENS = [2**i for i in range(3, 15)]  # 8 .. 16384
 
 
@@ -64,13 +62,13 @@ class Case:
 
 
 def layer_cases(model: str) -> list[Case]:
-    m = MODELS[model]
-    hidden, d = m["hidden"], m["head_dim"]
+    m = shapes.shape(model)
+    hidden, d = m.hidden, m.head_dim
     return [
-        Case(model, "qkv", (m["heads"] + 2 * m["kv_heads"]) * d // TP, hidden, "column"),
-        Case(model, "o", hidden, m["heads"] * d // TP, "row"),
-        Case(model, "gate_up", 2 * m["intermediate"] // TP, hidden, "column"),
-        Case(model, "down", hidden, m["intermediate"] // TP, "row"),
+        Case(model, "qkv", (m.heads + 2 * m.kv_heads) * d // TP, hidden, "column"),
+        Case(model, "o", hidden, m.heads * d // TP, "row"),
+        Case(model, "gate_up", 2 * m.intermediate // TP, hidden, "column"),
+        Case(model, "down", hidden, m.intermediate // TP, "row"),
     ]
 
 
@@ -232,7 +230,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown --shapes {sorted(unknown)}; known: {sorted(MODELS)}")
     if args.iters < 20:
-        print(f"note: --iters {args.iters} is below the protocol's 20 (DESIGN.md section 9)")
+        print(f"note: --iters {args.iters} is below the protocol's 20")
     return args
 
 

@@ -16,7 +16,7 @@ Paths timed in the same run, same shapes, same inputs:
     cublas+nccl graph      F.linear + dist.all_reduce
     fused graph            our one_shot
 
-Protocol (DESIGN.md section 9): warm-up (Triton compilation, NCCL/graph setup) first; every sample
+Protocol: warm-up (Triton compilation, NCCL/graph setup) first; every sample
 is a stream-ordered device barrier across the ranks, a CUDA event, the calls (CALLS for decode
 sizes, 1 above, rotating over operand sets whose weights together exceed the L2 cache), a CUDA
 event; per-call time = sample / calls; median of --iters (>= 20) samples per rank; the reported
@@ -73,16 +73,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # setup, timing and records shared by the benchmarks
+import shapes
 from _bench import BarrierTimer, max_over_ranks
 
 _bench.add_repo_to_path()  # run as a script from anywhere
 
 TP = 4  # the layer's shapes are per rank of a TP=4 split, whatever the world size
 SHIFT_BLOCK = 1
-MODELS = {
-    "llama70b": {"hidden": 8192, "attn": 64 * 128, "intermediate": 28672},
-    "qwen32b": {"hidden": 5120, "attn": 64 * 128, "intermediate": 25600},
-}
+MODELS = ("llama70b", "qwen32b")  # keys of shapes.SHAPES
 DEFAULT_TOKENS = [2**i for i in range(3, 15)]  # 8 .. 16384
 DECODE_MAX = 64  # tokens <= this: one_shot forced path and the graph comparison
 CALLS_DECODE = 10  # calls per sample / per captured graph at decode sizes
@@ -94,11 +92,11 @@ def layer_cases(models: list[str], gemms: set[str]) -> list[tuple[str, int, int]
     """(name, N, K_local) of the row-parallel GEMMs of one TP=4 layer."""
     out = []
     for model in models:
-        m = MODELS[model]
+        m = shapes.shape(model)
         if "o" in gemms:
-            out.append((f"{model}.o", m["hidden"], m["attn"] // TP))
+            out.append((f"{model}.o", m.hidden, m.q_size // TP))
         if "down" in gemms:
-            out.append((f"{model}.down", m["hidden"], m["intermediate"] // TP))
+            out.append((f"{model}.down", m.hidden, m.intermediate // TP))
     return out
 
 
@@ -462,7 +460,7 @@ def main() -> int:
     p.add_argument("--out", default="perf/results/gemm_all_reduce.json")
     args = p.parse_args()
     if args.iters < 20:
-        p.error("--iters must be >= 20 (DESIGN.md section 9)")
+        p.error("--iters must be >= 20")
     unknown = set(args.shapes.split(",")) - set(MODELS)
     if unknown:
         p.error(f"unknown --shapes {sorted(unknown)}; known: {sorted(MODELS)}")

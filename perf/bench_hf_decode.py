@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench
+import shapes
 
 _bench.add_repo_to_path()
 
@@ -42,8 +43,9 @@ BASELINE = "fusedpar HF adapter, every decode step eager (cuda_graphs=False), sa
 def build_model(args, device):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    shape = shapes.shape("llama8b")
+    cfg = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=args.layers,
+                      num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
                       max_position_embeddings=8192, tie_word_embeddings=False)
     torch.manual_seed(0)  # every rank builds the same weights (parallelize needs them identical)
     with torch.device(device):

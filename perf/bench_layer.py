@@ -11,9 +11,6 @@ Modes on P GPUs, all with the same Triton paged attention (so only the communica
   fused base o-a2a   the same stack with o_scatter=False (prefill sizes; --no-o-scatter-ab skips it):
                 attention into a local buffer, then all_to_all_o_proj (routed by size): the A/B of
                 the return all-to-all's two plans, records layer_base with case "... o-a2a"
-  fused base qkv-ce  (--qkv-copy-engine-ab, prefill sizes) the stack with every base-mode qkv exchange
-                through qkv_all_to_all's copy-engine path (per-owner cuBLAS GEMMs, copy-engine
-                transfers): records layer_base with case "... qkv-ce"
   fused shift   sp=P layout run in shift mode (TP=P over zero-copy views), fused reductions
   fused policy  the ShiftPolicy's choice at that size (--threshold)
 Steps: tokens <= 64 -> decode: that many sequences, one new token each, against --context cached
@@ -24,9 +21,8 @@ timed as PrefillGraphs replays, plain TP (NCCL) and fused shift, with the same g
 replay pipelined records as decode; their layer_shift_policy "replay pipelined (shift)" record takes
 the better of plain TP's replays and plain SP's eager layer pipelined (base mode is never captured).
 Decode sizes are also timed as CUDA-graph replays
-(DecodeGraphs; the time includes the host's input staging): plain TP with NCCL, plain TP with
-torch's symm_mem one-shot all-reduce, and fused shift; the layer_shift "decode graph" record
-compares fused shift with the faster plain-TP graph (the best stock decode, DESIGN.md 9); the
+(DecodeGraphs; the time includes the host's input staging): plain TP with NCCL and fused shift;
+the layer_shift "decode graph" record compares fused shift with the plain-TP graph; the
 "decode replay" record times the graph replay alone (inputs staged once: the layer's GPU time,
 which a 64-layer model pays per layer, while the host staging is paid once per step); "decode replay
 pipelined" replays it 8 times back to back per sample (per replay): one replay after a barrier carries
@@ -59,19 +55,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # the shared torchrun / record helpers
 import bench_gemm  # measure_ceilings: cuBLAS TFLOP/s and HBM bandwidth, this run
+import shapes
 
 _bench.add_repo_to_path()
 
-MODELS = {  # DESIGN.md section 9 shapes
-    "llama70b": dict(hidden_size=8192, num_q_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=28672,
-                     rope_theta=500000.0),
-    # Qwen3-30B-A3B's attention (32 q / 4 kv heads of 128, hidden 2048) with a dense MLP as wide as its
-    # 8 active experts (8 x 768): the kv-replication case of the 8-GPU issue (SP=8 > 4 kv heads)
-    "qwen30b_a3b_attn": dict(hidden_size=2048, num_q_heads=32, num_kv_heads=4, head_dim=128,
-                             intermediate_size=6144, rope_theta=1000000.0, qk_norm=True),
-    "qwen32b": dict(hidden_size=5120, num_q_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=25600,
-                    rope_theta=1000000.0, qk_norm=True),
-}
+MODELS = ("llama70b", "qwen30b_a3b_attn", "qwen32b")  # keys of shapes.SHAPES
 
 
 def full_weights(cfg, device, dtype, seed: int) -> dict[str, torch.Tensor]:
@@ -134,7 +122,7 @@ def layer_time_ms(stack, cache, x: torch.Tensor, n: int, mode: str | None, iters
     layer's launch cost is below its GPU time, so that skew is paid once per step, not per layer).
     Third: the host time to launch one call in the pipelined samples (max over ranks). Where it
     reaches the pipelined GPU time the layer is host-bound: the GPU waits for the slowest rank's
-    Python, and the time says more about the lent machine's CPU than about the kernels."""
+    Python, and the time says more about the host's CPU than about the kernels."""
     from fusedpar.layers import StepBatch
 
     sid = -1 - n  # a sequence id of its own, freed below
@@ -165,11 +153,9 @@ def main() -> int:
                    help="TP degree of the fused modes' base layout (SP = world / base TP; default 1: pure SP). "
                         "E.g. 2 on 8 GPUs: base (SP=4, TP=2) <-> shift TP=8; plain TP / plain SP stay TP=P / SP=P")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
-                   help="skip the CUDA-graph decode runs (plain TP with NCCL / symm_mem one-shot, fused shift)")
+                   help="skip the CUDA-graph decode runs (plain TP with NCCL, fused shift)")
     p.add_argument("--no-o-scatter-ab", dest="o_scatter_ab", action="store_false",
                    help="skip the fused base stack with o_scatter=False (the previous return all-to-all plan)")
-    p.add_argument("--qkv-copy-engine-ab", action="store_true",
-                   help="also time the fused base stack with qkv_copy_engine=True (the copy-engine qkv exchange)")
     p.add_argument("--out", default="perf/results/layer.json")
     args = p.parse_args()
     if not _bench.torchrun_available():
@@ -183,7 +169,7 @@ def main() -> int:
     from fusedpar.layers import DecoderConfig, ShiftParallelStack, ShiftPolicy, StepBatch
 
     dev, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
-    cfg = DecoderConfig(**MODELS[args.model])
+    cfg = DecoderConfig(**shapes.decoder_config_kwargs(args.model))
     tokens = [int(t) for t in args.tokens.split(",")]
     max_tokens = max(tokens)
     full = full_weights(cfg, dev, dtype, seed=0)
@@ -194,12 +180,11 @@ def main() -> int:
     prefill_graph_sizes = tuple(t for t in tokens if 64 < t <= args.threshold) if args.graphs else ()
     max_context = args.context + 2 * iters_total + 8
 
-    def build(sp: int, tp: int, fuse_comm: bool, weights: dict[str, torch.Tensor], plain_all_reduce="nccl",
-              o_scatter=True, graphs_ok=True, prefill_graphs_ok=False, qkv_copy_engine=None):
+    def build(sp: int, tp: int, fuse_comm: bool, weights: dict[str, torch.Tensor], o_scatter=True,
+              graphs_ok=True, prefill_graphs_ok=False):
         ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
         stack = ShiftParallelStack.from_full_weights(cfg, ctx, [weights], ShiftPolicy(args.threshold))
-        stack.enable_fused(max_tokens=max_tokens, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce,
-                           o_scatter=o_scatter, qkv_copy_engine=qkv_copy_engine)
+        stack.enable_fused(max_tokens=max_tokens, fuse_comm=fuse_comm, o_scatter=o_scatter)
         need = max(max([t for t in tokens if t > 64], default=1),
                    max(decode_sizes, default=1) * (max_context + 16))
         cache = stack.make_cache(block_size=16, num_blocks=2 * need // 16 + 64, dtype=dtype)
@@ -216,14 +201,9 @@ def main() -> int:
     stacks = {"plain TP": build(1, world, False, full, prefill_graphs_ok=True),
               "plain SP": build(world, 1, False, full),
               "fused": build(world // args.base_tp, args.base_tp, True, full, prefill_graphs_ok=True)}
-    if args.graphs and decode_sizes:
-        stacks["plain TP symm_mem"] = build(1, world, False, full, "symm_mem")
     if args.o_scatter_ab and any(t > 64 for t in tokens):
         stacks["fused o-a2a"] = build(world // args.base_tp, args.base_tp, True, full, o_scatter=False,
                                       graphs_ok=False)
-    if args.qkv_copy_engine_ab and any(t > 64 for t in tokens):
-        stacks["fused qkv-ce"] = build(world // args.base_tp, args.base_tp, True, full, graphs_ok=False,
-                                       qkv_copy_engine=True)
     del full
     torch.cuda.empty_cache()
     peak, hbm = bench_gemm.measure_ceilings(dtype, 10, dev)
@@ -242,16 +222,13 @@ def main() -> int:
     diffs: dict[int, dict[str, float]] = {}
     host_ms: dict[int, dict[str, float]] = {}  # per prefill size and mode: host launch ms per pipelined call
     sid = iter(range(10**9))
-    graph_runs = [("plain TP graph", "plain TP"), ("plain TP graph symm_mem", "plain TP symm_mem"),
-                  ("fused shift graph", "fused")]
+    graph_runs = [("plain TP graph", "plain TP"), ("fused shift graph", "fused")]
     for n in tokens:
         x = torch.randn((n, cfg.hidden_size), generator=gen, device=dev, dtype=dtype)
         results[n], diffs[n], outs, host_ms[n] = {}, {}, {}, {}
         todo = [(label, key, mode, False) for label, key, mode in runs]
         if n > 64 and "fused o-a2a" in stacks:
             todo.insert(3, ("fused base o-a2a", "fused o-a2a", "base", False))
-        if n > 64 and "fused qkv-ce" in stacks:
-            todo.insert(3, ("fused base qkv-ce", "fused qkv-ce", "base", False))
         if n <= 64 and args.graphs:
             todo += [(label, key, "shift", True) for label, key in graph_runs if key in stacks]
         if n in prefill_graph_sizes:
@@ -305,7 +282,7 @@ def main() -> int:
                     layer_time_ms(stack, cache, x, n, mode, args.iters, args.warmup)
         if n > 64:  # fused vs plain on the same input (prefill: fresh cache state, comparable)
             for label, ref in (("fused base", "plain SP"), ("fused shift", "plain TP"), ("fused policy", "plain SP"),
-                               ("fused base o-a2a", "plain SP"), ("fused base qkv-ce", "plain SP"),
+                               ("fused base o-a2a", "plain SP"),
                                ("fused shift graph", "plain TP"),
                                ("plain TP graph", "plain TP")):
                 if label not in outs:
@@ -348,12 +325,6 @@ def main() -> int:
                          r[f"plain TP{kind}"], f"{kind.strip() or 'eager'} o-a2a")
                         for kind in ("", " layer", " layer pipelined")
                     ]
-                if "fused base qkv-ce layer" in r:  # the A/B of the qkv exchange's two paths
-                    runs_here += [
-                        ("layer_base", f"fused base qkv-ce{kind}", f"plain TP{kind} (cuBLAS + NCCL, Triton attention)",
-                         r[f"plain TP{kind}"], f"{kind.strip() or 'eager'} qkv-ce")
-                        for kind in ("", " layer", " layer pipelined")
-                    ]
                 pipe = f"plain TP layer pipelined ({PIPELINED_CALLS} calls back to back, per call)"
                 runs_here += [
                     ("layer_base", "fused base layer pipelined", pipe, r["plain TP layer pipelined"],
@@ -364,10 +335,10 @@ def main() -> int:
                      "layer pipelined"),
                 ]
             for kind in ("graph", "replay", "replay pipelined"):
-                stock = [r[k] for k in (f"plain TP {kind}", f"plain TP {kind} symm_mem") if k in r]
-                if f"fused shift {kind}" in r and stock:
-                    runs_here.append(("layer_shift", f"fused shift {kind}", f"plain TP in a CUDA graph ({kind}), "
-                                      "faster of NCCL and torch symm_mem one-shot all-reduce", min(stock), kind))
+                if f"fused shift {kind}" in r and f"plain TP {kind}" in r:
+                    runs_here.append(("layer_shift", f"fused shift {kind}",
+                                      f"plain TP in a CUDA graph ({kind}), NCCL all-reduce",
+                                      r[f"plain TP {kind}"], kind))
             # The policy in the steady state of a deep model: its mode's per-layer time against the
             # faster plain mode's, measured the same way (the "eager" policy record above charges a
             # one-layer stack the whole step's host work, which swings by 10-30% between samples).
@@ -378,12 +349,12 @@ def main() -> int:
                     f"better of plain TP and plain SP, layer pipelined ({PIPELINED_CALLS} calls back to back, "
                     "per call)", min(r["plain TP layer pipelined"], r["plain SP layer pipelined"]),
                     f"layer pipelined ({policy_mode})"))
-            stock = [r[k] for k in ("plain TP replay pipelined", "plain TP replay pipelined symm_mem") if k in r]
+            stock = [r[k] for k in ("plain TP replay pipelined",) if k in r]
             if policy_mode == "shift" and "fused shift replay pipelined" in r and stock and n <= 64:
                 runs_here.append((
                     "layer_shift_policy", "fused shift replay pipelined",
                     f"better of plain TP and plain SP: plain TP in a CUDA graph, {PIPELINED_CALLS} replays back to "
-                    "back, faster of NCCL and torch symm_mem one-shot (plain SP reads every weight on every rank: "
+                    "back, NCCL all-reduce (plain SP reads every weight on every rank: "
                     "slower at decode sizes, see the eager records)", min(stock), "replay pipelined (shift)"))
             elif policy_mode == "shift" and "fused shift replay pipelined" in r and stock:
                 # shift-mode prefill in PrefillGraphs; plain SP's base mode is not captured, so its

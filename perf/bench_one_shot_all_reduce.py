@@ -9,7 +9,7 @@ eager and as a CUDA graph of 10 calls:
     routed     fusedpar all_reduce(x, group, workspace, inplace=True): the library's router (one-shot
                inside a graph up to DEFAULT_ONE_SHOT_MAX_BYTES, NCCL otherwise and always eager)
 
-Protocol (DESIGN.md section 9): warm-up first (Triton compilation, NCCL/graph setup); every
+Protocol: warm-up first (Triton compilation, NCCL/graph setup); every
 sample is a stream-ordered device barrier, a CUDA event, 10 calls (or one replay of a 10-call
 graph), a CUDA event; per-call time = sample / 10; median of --iters samples per rank; the
 reported figure is the MAX over ranks of those medians (an all-reduce is as slow as its slowest
@@ -51,12 +51,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # setup, timing and records shared by the benchmarks
+import shapes
 from _bench import max_over_ranks
 
 _bench.add_repo_to_path()  # run as a script from anywhere
 
 CALLS = 10  # calls per sample / per captured graph
-HIDDEN = 8192  # Llama-3-70B hidden size: tokens = bytes / (2 * HIDDEN)
+HIDDEN = shapes.shape("llama70b").hidden  # tokens = bytes / (2 * HIDDEN)
 DEFAULT_SIZES = "16K,32K,64K,128K,256K,512K,1M,2M,4M,8M,16M"
 TINY_BYTES = 16  # message for t_fixed
 BUS_BYTES = 256 << 20  # message for B_bus
@@ -91,7 +92,7 @@ def main() -> int:
     p.add_argument("--out", default="perf/results/one_shot_all_reduce.json")
     args = p.parse_args()
     if args.iters < 20:
-        p.error("--iters must be >= 20 (DESIGN.md section 9)")
+        p.error("--iters must be >= 20")
     if not _bench.torchrun_available():
         print("bench_one_shot_all_reduce: needs CUDA GPUs and torchrun (torchrun --nproc-per-node N ...); skipped")
         return 0

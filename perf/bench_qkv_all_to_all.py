@@ -7,17 +7,13 @@ Base-mode QKV projection of one decoder layer with SP = world (TP = 1), per-rank
 Paths, each on the same inputs in the same process:
     baseline     comm.seq_to_head_all_to_all(F.linear(x, w), sp): cuBLAS GEMM, pack
                  (reshape/transpose/contiguous), NCCL all_to_all_single - what the reference layer does
-    fused        qkv_all_to_all(x, w, workspace, fused=True): the library's symmetric-memory exchange,
-                 completion included (the result is ready to read), which by size
-                 (QKV_COPY_ENGINE_TOKEN_RANGES) is one of:
-    kernel       copy_engine=False: the fused Triton kernel, tiles stored into the owners' receive buffers
-    copy_engine  copy_engine=True: one cuBLAS GEMM per owner block, remote blocks staged and copied to
-                 their owners by the copy engines on a side stream (ulysses.launch_qkv_copy_engine)
+    fused        qkv_all_to_all(x, w, workspace, fused=True): the fused Triton kernel, GEMM tiles stored
+                 into the owners' symmetric receive buffers, completion included (the result is ready to read)
     gemm_cublas  F.linear(x, w) alone: the target is fused <= 1.10 x this at m >= 1024
     gemm_triton  fusedpar.kernels.gemm.matmul(x, w) alone: the fused kernel's GEMM core
-Targets (issue 3): fused >= 1.25x baseline and <= 1.10x gemm_cublas at m >= 1024.
+Targets: fused >= 1.25x baseline and <= 1.10x gemm_cublas at m >= 1024.
 
-Protocol (DESIGN.md section 9): per sample a stream-ordered device barrier across ranks, a GPU
+Protocol: per sample a stream-ordered device barrier across ranks, a GPU
 spin (torch.cuda._sleep, so host launch cost is off the clock and ranks start together), CUDA
 events around ONE call; warm-up first (Triton compilation, NCCL setup); median of --iters
 samples per rank, then the MAX over ranks (an all-to-all is as slow as its slowest rank).
@@ -34,10 +30,9 @@ roofline_pct = 100 * floor / fused_ms.
 Records (rank 0 writes --out, a JSON list), one per (model, tokens): bench, case, tokens (rows per
 rank in the GEMM), world, gpu, baseline, baseline_ms, fused_ms, speedup, roofline_pct, torch,
 triton, date, command, plus gemm_cublas_ms, gemm_triton_ms, fused_over_gemm, floor terms,
-routed (the path the size-based router takes now), kernel_ms, copy_engine_ms, symm_path (the
-exchange `fused` took), max_rel_diff_vs_baseline (of each), triton_config.
+routed (the path the size-based router takes now), max_rel_diff_vs_baseline, triton_config.
 At the end it prints the token ranges where the fused path wins on every model, in the form of
-fusedpar.kernels.ulysses.QKV_FUSED_TOKEN_RANGES, and where the copy-engine path beats the kernel.
+fusedpar.kernels.ulysses.QKV_FUSED_TOKEN_RANGES.
 
 Usage (GPU machine, repo root):
     torchrun --nproc-per-node 4 perf/bench_qkv_all_to_all.py [--shapes llama70b,qwen32b]
@@ -58,16 +53,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # setup, timing and records shared by the benchmarks
+import shapes
 from _bench import max_over_ranks
 
 _bench.add_repo_to_path()
 
 BENCH = "qkv_all_to_all"
 BASELINE = "cuBLAS F.linear + pack + NCCL all_to_all_single (comm.seq_to_head_all_to_all)"
-MODELS = {
-    "llama70b": {"hidden": 8192, "heads": 64, "kv_heads": 8, "head_dim": 128},
-    "qwen32b": {"hidden": 5120, "heads": 64, "kv_heads": 8, "head_dim": 128},
-}
+MODELS = ("llama70b", "qwen32b")  # keys of shapes.SHAPES
 DEFAULT_TOKENS = ",".join(str(2**i) for i in range(3, 15))  # 8 .. 16384
 SETS = 2
 # --sweep-configs: tilings tried for the fused kernel, each within Hopper's 227 KiB of shared memory in bf16:
@@ -89,10 +82,10 @@ SWEEP_CONFIGS = ((128, 128, 64, 4, 5, 0, 0), (128, 128, 64, 8, 4, 0, 0), (128, 2
 
 
 def dims(model: str, sp: int) -> dict[str, int]:
-    cfg = MODELS[model]
-    q = cfg["heads"] // sp
-    kv = max(1, cfg["kv_heads"] // sp)
-    return {"d": cfg["hidden"], "blk": (q + 2 * kv) * cfg["head_dim"], "q": q, "kv": kv}
+    cfg = shapes.shape(model)
+    q = cfg.heads // sp
+    kv = max(1, cfg.kv_heads // sp)
+    return {"d": cfg.hidden, "blk": (q + 2 * kv) * cfg.head_dim, "q": q, "kv": kv}
 
 
 def operands(model: str, m: int, W: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -153,12 +146,6 @@ def bench_case(model, m, W, group, ws, timer, ceil) -> dict:
     def fused(i):
         return u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True)
 
-    def kernel(i):
-        return u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True, copy_engine=False)
-
-    def copy_engine(i):
-        return u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True, copy_engine=True)
-
     def gemm_cublas(i):
         return F.linear(xs[i % SETS], wts[i % SETS])
 
@@ -167,7 +154,7 @@ def bench_case(model, m, W, group, ws, timer, ceil) -> dict:
 
     ref = baseline(0).float()
     rel = {}
-    for name, fn in (("fused", fused), ("kernel", kernel), ("copy_engine", copy_engine)):
+    for name, fn in (("fused", fused),):
         ws.table.buffer.fill_(0xFF)  # NaN: an element nobody wrote fails the comparison
         got = fn(0).float()
         torch.cuda.synchronize()
@@ -177,8 +164,7 @@ def bench_case(model, m, W, group, ws, timer, ceil) -> dict:
         del got
     u.check_status(ws)
     del ref
-    res = {name: timer(fn) for name, fn in (("baseline", baseline), ("fused", fused), ("kernel", kernel),
-                                              ("copy_engine", copy_engine), ("gemm_cublas", gemm_cublas),
+    res = {name: timer(fn) for name, fn in (("baseline", baseline), ("fused", fused), ("gemm_cublas", gemm_cublas),
                                               ("gemm_triton", gemm_triton))}
     u.check_status(ws)
 
@@ -210,12 +196,7 @@ def bench_case(model, m, W, group, ws, timer, ceil) -> dict:
         "bound": max(terms, key=terms.get).removesuffix("_ms"),
         "routed": routed,
         "routed_ms": res["fused"] if routed == "fused" else res["baseline"],
-        "kernel_ms": res["kernel"],
-        "copy_engine_ms": res["copy_engine"],
-        "symm_path": "copy_engine" if u.use_fused(m, u.QKV_COPY_ENGINE_TOKEN_RANGES) else "kernel",
         "max_rel_diff_vs_baseline": rel["fused"],
-        "max_rel_diff_kernel": rel["kernel"],
-        "max_rel_diff_copy_engine": rel["copy_engine"],
         "triton_config": vars(cfg),
     }
 
@@ -235,7 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=f"perf/results/{BENCH}.json")
     args = p.parse_args(argv)
     if args.iters < 20:
-        p.error("--iters must be >= 20 (DESIGN.md section 9)")
+        p.error("--iters must be >= 20")
     unknown = set(args.shapes.split(",")) - set(MODELS)
     if unknown:
         p.error(f"unknown --shapes {sorted(unknown)}; known {sorted(MODELS)}")
@@ -272,22 +253,14 @@ def main(argv=None) -> int:
     ceil = _bench.measure_link_ceilings(timer, group)
     common = _bench.sp_common(BENCH, W, BASELINE, ceil)
     if rank == 0:
-        _bench.print_sp_header(common, extra="kernel ms  copy-eng ms  path         ")
+        _bench.print_sp_header(common)
     records = _bench.run_sp_cases(
         models, tokens, W, rank, common,
         lambda model, m: bench_case(model, m, W, group, ws, timer, ceil),
-        lambda r: _bench.sp_row(
-            r, extra=f"{r['kernel_ms']:>9.4f}  {r['copy_engine_ms']:>11.4f}  {r['symm_path']:<12} "),
+        _bench.sp_row,
     )
     if rank == 0:
         _bench.print_fused_wins(records, "QKV_FUSED_TOKEN_RANGES")
-        ce = {}
-        for r in records:
-            if "error" not in r:
-                ce[r["tokens"]] = ce.get(r["tokens"], True) and r["copy_engine_ms"] < r["kernel_ms"]
-        faster = sorted(m for m, w in ce.items() if w)
-        print(f"copy-engine path faster than the kernel (every model) at tokens {faster}; "
-              f"QKV_COPY_ENGINE_TOKEN_RANGES now {u.QKV_COPY_ENGINE_TOKEN_RANGES}")
         _bench.write_records(records, args.out)
     _bench.finish_distributed()
     return 0

@@ -5,14 +5,13 @@ plain SP=P vs fusedpar shift (SP=P <-> TP=P), on P GPUs in one run.
         [--prompt 4096] [--decode-steps 64] [--requests 64 --request-prompt 2000 --request-output 250]
         [--max-batch-tokens 8192] [--threshold 1024] [--out perf/results/model.json]
 
-The model: the --model layer shape (DESIGN.md section 9; qwen32b = Qwen3-32B: hidden 5120, 64 q /
+The model: the --model layer shape (perf/shapes.py; qwen32b = Qwen3-32B: hidden 5120, 64 q /
 8 kv heads of 128, MLP 25600, q/k-norm, vocab 151936) x --layers, random bf16 weights made on the
 GPUs (no checkpoint), a replicated embedding table and a vocab-parallel lm_head (each rank scores
 V/P tokens; the greedy token is the max over ranks) - identical in every mode, so only the
 decoder stack differs:
   plain TP      layout sp=1, tp=P: cuBLAS GEMMs + NCCL all-reduce, Triton paged attention; decode
-                steps replay CUDA graphs, timed with both NCCL and torch's symm_mem one-shot
-                all-reduce; the baseline is the faster (the best stock decode, DESIGN.md 9)
+                steps replay CUDA graphs
   plain SP      layout sp=P: Ulysses with cuBLAS + NCCL all-to-all, every step (eager; base mode
                 is never captured)
   fusedpar      layout sp=P, ShiftPolicy(--threshold): base mode on the fused kernels above the
@@ -21,7 +20,7 @@ decoder stack differs:
   fusedpar o-a2a  (only when named in --modes) fusedpar with FusedKernels o_scatter=False: base-mode
                 attention into a local buffer, then all_to_all_o_proj, instead of the attention
                 storing its rows into the owners' o staging (the A/B of that change; all_modes only)
-plain SP and fusedpar share one copy of the SP=P weights; the two plain-TP variants share theirs.
+plain SP and fusedpar share one copy of the SP=P weights; plain TP has its own.
 
 Workloads (each mode, same token ids):
   TTFT        one --prompt-token prompt on an empty cache: prefill + the first greedy token
@@ -32,13 +31,13 @@ Workloads (each mode, same token ids):
               without the step's staging, lm_head and token sync; None for eager modes)
               TTFT and TPOT are measured in --rounds rounds, each round visiting every mode in
               turn, and reported as the median over rounds (per-round values in all_modes): a
-              lent host's speed drifts over a run, and timing each mode once, one after another,
-              put that drift into the ratios (TPOT 1.057x and 1.022x in two runs of the same code)
+              host's speed drifts over a run, and timing each mode once, one after another,
+              put that drift into the ratios (a few % of TPOT between runs of the same code)
   throughput  --requests requests of --request-prompt prompt / --request-output output tokens:
               prompts prefilled whole, packed into steps of <= --max-batch-tokens tokens, then
               every request decodes together; (prompt + output tokens) / wall time (after one
               untimed pass of the same prefill steps and a decode step: Triton compiles per shape)
-Records (perf/results/model.json, the kernels issue's schema): bench model_ttft / model_tpot /
+Records (perf/results/model.json, the schema of every benchmark): bench model_ttft / model_tpot /
 model_throughput, case "<mode> <model>", baseline plain TP, speedup = plain TP ms / mode ms
 (throughput: mode tokens/s / plain TP tokens/s), roofline_pct = the GEMM-FLOP / weight-read floor
 of the same work (measured cuBLAS TFLOP/s and HBM bandwidth of this run) over the measured time.
@@ -57,11 +56,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # the shared torchrun / record helpers
 import bench_gemm  # measure_ceilings
+import shapes
 from bench_layer import MODELS
 
 _bench.add_repo_to_path()
-
-VOCAB = {"qwen32b": 151936, "llama70b": 128256}
 
 
 class Model:
@@ -247,7 +245,8 @@ def main() -> int:
     from fusedpar.layers.policy import DEFAULT_SHIFT_THRESHOLD
 
     dev, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
-    cfg = DecoderConfig(**MODELS[args.model])
+    cfg = DecoderConfig(**shapes.decoder_config_kwargs(args.model))
+    vocab = shapes.shape(args.model).vocab
     threshold = DEFAULT_SHIFT_THRESHOLD if args.threshold is None else args.threshold
     modes = [m.strip() for m in args.modes.split(",")]
     t_start = time.perf_counter()
@@ -273,7 +272,7 @@ def main() -> int:
         if i % 16 == 15 or i == args.layers - 1:
             log(f"weights: {i + 1}/{args.layers} layers")
     torch.cuda.empty_cache()
-    model = Model(cfg, VOCAB[args.model], rank, world, dev, dtype, seed=7)
+    model = Model(cfg, vocab, rank, world, dev, dtype, seed=7)
 
     decode_batch = args.requests
     max_context = max(args.prompt + args.decode_steps + 8, args.request_prompt + args.request_output + 8)
@@ -281,11 +280,10 @@ def main() -> int:
     block = 16
     num_blocks = tokens_needed // block + args.requests + 64
 
-    def stack_of(key: str, policy, fuse_comm: bool, plain_all_reduce: str = "nccl", o_scatter: bool = True):
+    def stack_of(key: str, policy, fuse_comm: bool, o_scatter: bool = True):
         layers = [ShiftParallelDecoderLayer(cfg, ctxs[key], w, i) for i, w in enumerate(shards[key])]
         stack = ShiftParallelStack(cfg, ctxs[key], layers, policy)
-        return stack.enable_fused(max_tokens=args.max_batch_tokens, fuse_comm=fuse_comm,
-                                  plain_all_reduce=plain_all_reduce, o_scatter=o_scatter)
+        return stack.enable_fused(max_tokens=args.max_batch_tokens, fuse_comm=fuse_comm, o_scatter=o_scatter)
 
     caches = {}
 
@@ -298,12 +296,11 @@ def main() -> int:
     stacks_any: dict[str, ShiftParallelStack] = {}
     graph_sizes = tuple(sorted({1, decode_batch}))
     if need_tp:
-        for label, ar in (("plain TP nccl", "nccl"), ("plain TP symm_mem", "symm_mem")):
-            st = stack_of("tp", ShiftPolicy(), False, ar)
-            stacks_any["tp"] = st
-            engines[label] = Engine(label, st, cache_of("tp"), model)
-            st.capture_decode_graphs(cache_of("tp"), max_context=max_context, sizes=graph_sizes)
-            log(f"{label}: decode graphs captured for batch sizes {graph_sizes}")
+        st = stack_of("tp", ShiftPolicy(), False)
+        stacks_any["tp"] = st
+        engines["plain TP"] = Engine("plain TP", st, cache_of("tp"), model)
+        st.capture_decode_graphs(cache_of("tp"), max_context=max_context, sizes=graph_sizes)
+        log(f"plain TP: decode graphs captured for batch sizes {graph_sizes}")
     if "plain SP" in modes:
         st = stack_of("sp", ShiftPolicy(0), False)
         stacks_any["sp"] = st
@@ -330,8 +327,8 @@ def main() -> int:
         return max(2 * tokens * params / world / peak, 2 * params / world / hbm) * 1e3
 
     gen = torch.Generator(device=dev).manual_seed(11)
-    prompt = torch.randint(0, VOCAB[args.model], (args.prompt,), generator=gen, device=dev)
-    prompts = torch.randint(0, VOCAB[args.model], (args.requests, args.request_prompt), generator=gen, device=dev)
+    prompt = torch.randint(0, vocab, (args.prompt,), generator=gen, device=dev)
+    prompts = torch.randint(0, vocab, (args.requests, args.request_prompt), generator=gen, device=dev)
     results: dict[str, dict[str, float]] = {}
     firsts: dict[str, list[int]] = {}
     for label in engines:
@@ -367,16 +364,6 @@ def main() -> int:
         log(f"{label}: throughput {tps:.0f} tokens/s ({secs:.2f} s; steps {steps}, graph steps "
             f"{eng.stack.graph_steps})")
 
-    # plain TP = the faster stock variant, per metric
-    tp_labels = [k for k in results if k.startswith("plain TP")]
-    if tp_labels:
-        best = {
-            "ttft_ms": min(results[k]["ttft_ms"] for k in tp_labels),
-            "tpot_ms": min(results[k]["tpot_ms"] for k in tp_labels),
-            "tokens_per_s": max(results[k]["tokens_per_s"] for k in tp_labels),
-            "throughput_s": min(results[k]["throughput_s"] for k in tp_labels),
-        }
-        results["plain TP"] = best
     if rank == 0:
         print("\nmode                 TTFT ms   TPOT ms   tokens/s   first tokens (greedy, agreement check)")
         for k, r in results.items():
@@ -393,8 +380,8 @@ def main() -> int:
             if label not in results or base is None:
                 continue
             r = results[label]
-            common = {"world": world, "gpu": gpu, "baseline": "plain TP (faster of NCCL / torch symm_mem "
-                      "one-shot all-reduce; decode in CUDA graphs)", **info,
+            common = {"world": world, "gpu": gpu, "baseline": "plain TP (NCCL all-reduce; decode in CUDA graphs)",
+                      **info,
                       "model": args.model, "layers": args.layers, "all_modes": {k: {m: v for m, v in x.items()
                                                                                   if m != "steps"}
                                                                                for k, x in results.items()}}

@@ -3,20 +3,23 @@
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo profile host_cost
 #                                              tune_gemm qkv_sweep pdl_probe qkv_stores launch hf_decode
-#                                              hf_probe qkv_cublas
-#                                              (default: all but profile, host_cost, the sweeps and probes)
+#                                              hf_probe
+#                                              (default: all but profile, host_cost, the sweeps and probes;
+#                                              those run the tools in perf/tools/)
 # MODEL_ARGS / LAYER_ARGS / ATTN_ARGS / GAR_ARGS / PROFILE_ARGS pass extra arguments to perf/model_bench.py /
-# perf/bench_layer.py / perf/bench_attention.py / perf/bench_gemm_all_reduce.py / perf/profile_layer.py (e.g.
+# perf/bench_layer.py / perf/bench_attention.py / perf/bench_gemm_all_reduce.py / perf/tools/profile_layer.py (e.g.
 # MODEL_ARGS="--layers 4" for a smoke run); MODEL_TIMEOUT / LAYER_TIMEOUT / ATTN_TIMEOUT / GAR_TIMEOUT /
 # PROFILE_TIMEOUT / TEST_TIMEOUT / HF_TIMEOUT their limits; TEST_PATHS narrows the GPU tests; TORCHRUN_ARGS adds torchrun
 # options (per-rank logs: TORCHRUN_ARGS="--log-dir /tmp/ranks --tee 3", then copy the logs you need into $OUT:
 # the device tool brings back files at most two folders below it).
 # A device call lasts at most 600 s: "all" does not fit one call; pass a subset per call, e.g.
-#   bash perf/run_gpu.sh tests hf          # the GPU tests: 226 s on one lent 4x H200 host, ~400 s on a
+#   bash perf/run_gpu.sh tests hf          # the GPU tests: 226 s on a 4x H200 host, ~400 s on a
 #                                          # slower one (Triton compiles on the CPU), hence TEST_TIMEOUT 520
 #   bash perf/run_gpu.sh qkv_all_to_all all_to_all_o_proj gemm one_shot
-# Results: $OUT if set (the device tool brings it back), else perf/results/. Each run writes
-# gpu_run.log (environment, every command and its output) and one JSON per benchmark.
+# Results: $OUT if set, else perf/results/ (the tools' outputs: perf/tools/out/). Each run writes
+# gpu_run.log (environment, every command and its output; not committed) and one JSON per benchmark;
+# `python perf/report.py` then regenerates docs/performance.md from perf/results/. The records carry
+# the git commit; in a copy of the tree without .git, pass it: FUSEDPAR_COMMIT=<sha> bash perf/run_gpu.sh ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -33,6 +36,7 @@ if [ ! -e fusedpar/integrations ]; then
   trap 'rm -f fusedpar/integrations' EXIT
 fi
 RES=$(mkdir -p "${OUT:-perf/results}" && cd "${OUT:-perf/results}" && pwd)  # absolute: items may cd
+TOOLS_RES=$(mkdir -p "${OUT:-perf/tools/out}" && cd "${OUT:-perf/tools/out}" && pwd)
 LOG="$RES/gpu_run.log"
 ITEMS=("$@")
 [ ${#ITEMS[@]} -eq 0 ] && ITEMS=(tests hf gemm one_shot gemm_all_reduce attention qkv_all_to_all all_to_all_o_proj layer model demo)
@@ -50,7 +54,8 @@ run() {  # run CMD..., logging the command and its output; remember failures
 }
 
 {
-  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  date -u; echo "commit: ${FUSEDPAR_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "nccl", torch.cuda.nccl.version())'
   echo "GPUs: $NGPU; items: ${ITEMS[*]}"
 } 2>&1 | tee -a "$LOG"
@@ -69,9 +74,9 @@ for item in "${ITEMS[@]}"; do
     hf_decode) run timeout "${HF_DECODE_TIMEOUT:-400}" "${TRUN[@]}" perf/bench_hf_decode.py ${HF_DECODE_ARGS:-} \
                  --out "$RES/hf_decode.json" ;;
     # where an HF decode step's time goes with decode graphs (diagnosis, printed)
-    hf_probe) run timeout "${HF_PROBE_TIMEOUT:-300}" "${TRUN[@]}" perf/probe_hf_decode.py ${HF_PROBE_ARGS:-} ;;
+    hf_probe) run timeout "${HF_PROBE_TIMEOUT:-300}" "${TRUN[@]}" perf/tools/probe_hf_decode.py ${HF_PROBE_ARGS:-} ;;
     # host cost of a Triton launch and of each launcher (one GPU)
-    launch) run timeout 120 python3 perf/probe_launch.py ;;
+    launch) run timeout 120 python3 perf/tools/probe_launch.py ;;
     gemm) run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json" ;;
     one_shot) run timeout 120 "${TRUN[@]}" perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json" ;;
     gemm_all_reduce) run timeout "${GAR_TIMEOUT:-150}" "${TRUN[@]}" perf/bench_gemm_all_reduce.py ${GAR_ARGS:-} \
@@ -79,7 +84,8 @@ for item in "${ITEMS[@]}"; do
     attention) run timeout "${ATTN_TIMEOUT:-240}" python3 perf/bench_attention.py ${ATTN_ARGS:-} --out "$RES/attention.json" ;;
     qkv_all_to_all) run timeout 120 "${TRUN[@]}" perf/bench_qkv_all_to_all.py --out "$RES/qkv_all_to_all.json" ;;
     # tiling sweeps behind the heuristics (printed tables; tune_gemm also writes its JSON)
-    tune_gemm) run timeout "${TUNE_TIMEOUT:-300}" python3 perf/tune_gemm.py ${TUNE_ARGS:-} --out "$RES/gemm_tune.json" ;;
+    tune_gemm) run timeout "${TUNE_TIMEOUT:-300}" python3 perf/tools/tune_gemm.py ${TUNE_ARGS:-} \
+                 --out "$TOOLS_RES/gemm_tune.json" ;;
     qkv_sweep) run timeout "${SWEEP_TIMEOUT:-200}" "${TRUN[@]}" perf/bench_qkv_all_to_all.py --sweep-configs \
                  ${SWEEP_ARGS:---tokens 512,1024,2048,4096} ;;
     all_to_all_o_proj) run timeout 120 "${TRUN[@]}" perf/bench_all_to_all_o_proj.py \
@@ -87,15 +93,14 @@ for item in "${ITEMS[@]}"; do
     layer) run timeout "${LAYER_TIMEOUT:-300}" "${TRUN[@]}" perf/bench_layer.py ${LAYER_ARGS:-} --out "$RES/layer.json" ;;
     # the main job on GPUs: fusedpar demo --device cuda (one process per GPU, bf16, fused kernels)
     demo) (cd "$OVERLAY" && run timeout 240 python3 -m fusedpar demo --device cuda --world-size "$NGPU") || status=1 ;;
-    profile) run timeout "${PROFILE_TIMEOUT:-200}" "${TRUN[@]}" perf/profile_layer.py ${PROFILE_ARGS:-} \
-               --out "$RES/profile_layer.txt" ;;
+    profile) run timeout "${PROFILE_TIMEOUT:-200}" "${TRUN[@]}" perf/tools/profile_layer.py ${PROFILE_ARGS:-} \
+               --out "$TOOLS_RES/profile_layer.txt" ;;
     # host cost per eager call of each all-reduce / GEMM + all-reduce path (diagnosis, no records)
-    host_cost) run timeout 120 "${TRUN[@]}" perf/host_cost.py ${HOST_COST_ARGS:-} ;;
+    host_cost) run timeout 120 "${TRUN[@]}" perf/tools/host_cost.py ${HOST_COST_ARGS:-} ;;
     # what Programmatic Dependent Launch saves per kernel boundary in a CUDA graph (one GPU)
-    pdl_probe) run timeout 120 python3 perf/probe_pdl.py --out "$RES/pdl_probe.json" ;;
+    pdl_probe) run timeout 120 python3 perf/tools/probe_pdl.py --out "$TOOLS_RES/pdl_probe.json" ;;
     # fused qkv all-to-all vs its own GEMM: flags, remote stores and kernel structure apart (printed)
-    qkv_stores) run timeout "${PROBE_TIMEOUT:-200}" "${TRUN[@]}" perf/probe_qkv_stores.py ${PROBE_ARGS:-} ;;
-    qkv_cublas) run timeout "${PROBE_TIMEOUT:-200}" "${TRUN[@]}" perf/probe_qkv_cublas.py ${PROBE_ARGS:-} ;;
+    qkv_stores) run timeout "${PROBE_TIMEOUT:-200}" "${TRUN[@]}" perf/tools/probe_qkv_stores.py ${PROBE_ARGS:-} ;;
     model) run timeout "${MODEL_TIMEOUT:-480}" "${TRUN[@]}" perf/model_bench.py ${MODEL_ARGS:-} --out "$RES/model.json" ;;
     *) echo "unknown item $item" | tee -a "$LOG"; status=1 ;;
   esac

@@ -1,0 +1,220 @@
+"""Generate docs/performance.md, its plots and README.md's summary from perf/results/*.json.
+
+    python perf/report.py            # write docs/performance.md, the README summary, the plots
+    python perf/report.py --check    # exit 1 if docs/performance.md or the README summary is stale
+
+docs/performance.md: per benchmark and bench name, a table of fused vs baseline (ms, speedup,
+% of the roofline floor where the records have it), with the GPU, torch / triton, dates and commit
+stated once per table; sweep records (tiling searches) are counted, not listed. README.md: the
+lines between `<!-- performance:begin -->` and `<!-- performance:end -->` become a short summary
+table (min / median / max speedup of the fused path per bench name); without the markers README.md is left alone.
+Plots (perf/_plots.py, needs matplotlib) go to perf/results/*.png; --check and --no-plots skip them.
+The output depends on the records alone (no clock, sorted keys), so the same records give the same
+text. Importing this module does nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "perf" / "results"
+DOC = REPO / "docs" / "performance.md"
+README = REPO / "README.md"
+BEGIN, END = "<!-- performance:begin -->", "<!-- performance:end -->"
+COMMAND = "python perf/report.py"
+
+# file stem -> (title, what the fused side is, the benchmark script); the order of the document
+BENCHMARKS = {
+    "gemm": ("GEMM", "fusedpar.kernels.gemm (Triton, one GPU) on the per-rank TP=4 layer GEMMs",
+             "perf/bench_gemm.py"),
+    "qkv_all_to_all": ("QKV projection + Ulysses all-to-all",
+                       "fused qkv_all_to_all: GEMM tiles stored into the owners' symmetric buffers",
+                       "perf/bench_qkv_all_to_all.py"),
+    "all_to_all_o_proj": ("Ulysses return all-to-all + o projection",
+                          "fused all_to_all_o_proj (and with the attention in front)",
+                          "perf/bench_all_to_all_o_proj.py"),
+    "gemm_all_reduce": ("Row-parallel GEMM + all-reduce", "fused gemm_all_reduce (eager and in CUDA graphs)",
+                        "perf/bench_gemm_all_reduce.py"),
+    "one_shot_all_reduce": ("One-shot all-reduce", "fusedpar.kernels.allreduce one-shot (Triton, symmetric memory)",
+                            "perf/bench_one_shot_all_reduce.py"),
+    "attention": ("Paged attention", "fused RoPE + KV-cache write + paged attention (Triton, one GPU)",
+                  "perf/bench_attention.py"),
+    "layer": ("Decoder layer", "one decoder layer per step in each mode", "perf/bench_layer.py"),
+    "model": ("Whole model", "TTFT, TPOT and throughput of a whole random-weight model", "perf/model_bench.py"),
+    "hf_decode": ("Hugging Face generate", "HF generate TPOT with decode CUDA graphs vs eager",
+                  "perf/bench_hf_decode.py"),
+}
+# bench names whose records compare two plain paths (no fused side): in the document, not the summary
+REFERENCE_ONLY = {"layer_plain_sp"}
+PLOTS = {"speedup_vs_tokens.png": "gemm", "layer_ms_vs_tokens.png": "layer", "model_bars.png": "model"}
+
+
+def load(results: Path = RESULTS) -> dict[str, list[dict]]:
+    """file stem -> its records, for every perf/results/*.json, sorted by name."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
+
+
+def _num(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not v.is_integer():
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    return str(int(v))
+
+
+def _span(values: list[str]) -> str:
+    vals = sorted(set(values))
+    return vals[0] if len(vals) == 1 else f"{vals[0]} .. {vals[-1]}"
+
+
+def _machine(recs: list[dict]) -> str:
+    """GPU, versions, dates and commit of a table's records, stated once."""
+    gpus = ", ".join(f"{w}x {g}" for w, g in sorted({(r["world"], r["gpu"]) for r in recs}))
+    torch_v = _span([r.get("torch", "?") for r in recs])
+    triton_v = _span([r.get("triton", "?") for r in recs])
+    dates = _span([r["date"][:10] for r in recs])
+    commits = sorted({r["commit"] for r in recs if r.get("commit")})
+    missing = sum(1 for r in recs if not r.get("commit"))
+    commit = ", ".join(commits) if commits else "not recorded"
+    if commits and missing:
+        commit += f" ({missing} records without one)"
+    return f"GPU: {gpus}; torch {torch_v}, triton {triton_v}; date {dates}; commit: {commit}."
+
+
+def _table(recs: list[dict]) -> list[str]:
+    shown = [r for r in recs if not r.get("sweep")]
+    baselines = sorted({r.get("baseline", "") for r in shown if "error" not in r})
+    one_baseline = len(baselines) == 1
+    has_roof = any(r.get("roofline_pct") is not None for r in shown)
+    head = ["case", "tokens"] + ([] if one_baseline else ["baseline"]) + ["baseline ms", "fused ms", "speedup"]
+    head += ["% roofline"] if has_roof else []
+    lines = [f"Baseline: {baselines[0]}." if one_baseline else "Baselines: per row.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in shown:
+        if "error" in r:
+            cells = [r.get("case", ""), _num(r.get("tokens"))] + [""] * (len(head) - 3) + [
+                "error: " + r["error"].splitlines()[0][:80].replace("|", "/")]
+        else:
+            cells = [r["case"], _num(r["tokens"])] + ([] if one_baseline else [r["baseline"]])
+            cells += [_num(r["baseline_ms"]), _num(r["fused_ms"]), f"{r['speedup']:.2f}x"]
+            if has_roof:
+                roof = r.get("roofline_pct")
+                cells.append("-" if roof is None else f"{roof:.0f}%")
+        lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    swept = len(recs) - len(shown)
+    if swept:
+        lines += ["", f"{swept} sweep records (tiling searches) in the same file are not listed."]
+    return lines
+
+
+def _by_bench(recs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in recs:
+        out.setdefault(r["bench"], []).append(r)
+    return out
+
+
+def _order(records: dict[str, list[dict]]) -> list[str]:
+    return [s for s in BENCHMARKS if s in records] + sorted(s for s in records if s not in BENCHMARKS)
+
+
+def performance_md(records: dict[str, list[dict]]) -> str:
+    lines = ["# Performance", "",
+             "<!-- Generated by perf/report.py from perf/results/*.json: do not edit by hand. -->",
+             f"Generated from `perf/results/*.json` by `{COMMAND}`; do not edit by hand "
+             "(`python perf/report.py --check` fails when this page is stale).", "",
+             "Each benchmark times fusedpar's fused path against the plain path it replaces, in the same "
+             "process on the same inputs: speedup = baseline ms / fused ms (throughput: fused tokens/s / "
+             "baseline tokens/s); % roofline = the floor of the work (GEMM FLOPs at the measured cuBLAS "
+             "peak, bytes at the measured HBM or link bandwidth) over the fused time. How each benchmark "
+             "measures: perf/README.md and the scripts' docstrings.", ""]
+    for stem in _order(records):
+        title, what, script = BENCHMARKS.get(stem, (stem, "", ""))
+        lines += [f"## {title}", "", f"`perf/results/{stem}.json`" + (f", from `{script}`: {what}." if script else "."),
+                  ""]
+        for png, owner in PLOTS.items():
+            if owner == stem:
+                lines += [f"![{png}](../perf/results/{png})", ""]
+        for bench, recs in _by_bench(records[stem]).items():
+            lines += [f"### {bench}", "", _machine(recs), "", *_table(recs), ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def summary_md(records: dict[str, list[dict]]) -> str:
+    lines = [f"Speedup of the fused path over its baseline (generated by `{COMMAND}` from `perf/results/`; "
+             "details in [docs/performance.md](docs/performance.md)):", "",
+             "| benchmark | GPU | records | speedup min / median / max |", "|---|---|---|---|"]
+    for stem in _order(records):
+        for bench, recs in _by_bench(records[stem]).items():
+            if bench in REFERENCE_ONLY:
+                continue
+            ok = [r for r in recs if not r.get("sweep") and "error" not in r
+                  and not (bench.startswith("model_") and not r["case"].startswith("fusedpar "))]
+            if not ok:
+                continue
+            sp = [r["speedup"] for r in ok]
+            gpus = ", ".join(f"{w}x {g}" for w, g in sorted({(r["world"], r["gpu"]) for r in ok}))
+            lines.append(f"| {bench} | {gpus} | {len(ok)} | "
+                         f"{min(sp):.2f}x / {statistics.median(sp):.2f}x / {max(sp):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def with_summary(readme: str, summary: str) -> str | None:
+    """README text with the lines between the markers replaced by `summary`; None without markers."""
+    if BEGIN not in readme or END not in readme or readme.index(BEGIN) > readme.index(END):
+        return None
+    head, rest = readme.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{summary}{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if an output is out of date")
+    p.add_argument("--no-plots", action="store_true", help="leave the PNGs alone")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--doc", type=Path, default=DOC)
+    p.add_argument("--readme", type=Path, default=README)
+    args = p.parse_args(argv)
+    records = load(args.results)
+    doc = performance_md(records)
+    readme_old = args.readme.read_text() if args.readme.is_file() else ""
+    readme_new = with_summary(readme_old, summary_md(records))
+    if readme_new is None:
+        print(f"{args.readme}: no {BEGIN} / {END} markers; left alone")
+    if args.check:
+        stale = []
+        if not args.doc.is_file() or args.doc.read_text() != doc:
+            stale.append(str(args.doc))
+        if readme_new is not None and readme_new != readme_old:
+            stale.append(f"{args.readme} (performance summary)")
+        if stale:
+            print(f"out of date: {', '.join(stale)}; run `{COMMAND}`", file=sys.stderr)
+            return 1
+        print("docs/performance.md and the README summary match perf/results")
+        return 0
+    args.doc.parent.mkdir(parents=True, exist_ok=True)
+    args.doc.write_text(doc)
+    print(f"wrote {args.doc}")
+    if readme_new is not None and readme_new != readme_old:
+        args.readme.write_text(readme_new)
+        print(f"wrote the performance summary in {args.readme}")
+    if not args.no_plots:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import _plots
+
+        written = _plots.draw(records, args.results)
+        if written is None:
+            print("plots skipped: matplotlib is not installed (pip install matplotlib)")
+        for path in written or ():
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

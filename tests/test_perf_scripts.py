@@ -1,0 +1,73 @@
+"""Every perf/ script and tool imports on CPU without running (no work at import), and
+perf/report.py's output is deterministic and touches README.md only between its markers."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+PERF = Path(__file__).resolve().parents[1] / "perf"
+SCRIPTS = sorted(p for p in [*PERF.glob("*.py"), *(PERF / "tools").glob("*.py")])
+
+
+@pytest.fixture
+def perf_on_path(monkeypatch):
+    """perf/ first on sys.path (the scripts import their siblings); sys.path and sys.modules restored after."""
+    monkeypatch.setattr(sys, "path", [str(PERF), *sys.path])
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:  # the perf modules only; libraries they loaded stay
+        if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(PERF)):
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(PERF)))
+def test_script_imports_without_running(path, perf_on_path, capsys):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # as `python perf/x.py` has it: dataclasses look their module up
+    spec.loader.exec_module(module)
+    assert capsys.readouterr().out == "", f"{path.name} printed at import"
+    if path.name not in ("_bench.py", "_plots.py", "shapes.py"):
+        assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
+
+
+def test_shapes_are_the_models(perf_on_path):
+    shapes = importlib.import_module("shapes")
+    s = shapes.shape("llama70b")
+    assert (s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, s.layers) == (8192, 64, 8, 128, 28672, 80)
+    s = shapes.shape("qwen32b")
+    assert (s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, s.layers) == (5120, 64, 8, 128, 25600, 64)
+    s = shapes.shape("llama8b")
+    assert (s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, s.layers) == (4096, 32, 8, 128, 14336, 32)
+    kw = shapes.decoder_config_kwargs("qwen32b")
+    assert kw["hidden_size"] == 5120 and kw["qk_norm"] is True
+    with pytest.raises(ValueError, match="unknown model shape"):
+        shapes.shape("gpt5")
+
+
+def test_report_is_deterministic_and_keeps_readme_outside_markers(perf_on_path, tmp_path):
+    report = importlib.import_module("report")
+    records = report.load()
+    assert report.performance_md(records) == report.performance_md(report.load())
+    doc = report.performance_md(records)
+    assert "do not edit by hand" in doc and "python perf/report.py" in doc
+    summary = report.summary_md(records)
+    readme = tmp_path / "README.md"
+    text = f"# title\n\nintro\n\n{report.BEGIN}\nold table\n{report.END}\n\nrest\n"
+    readme.write_text(text)
+    args = ["--no-plots", "--doc", str(tmp_path / "performance.md"), "--readme", str(readme)]
+    assert report.main(args) == 0
+    got = readme.read_text()
+    assert got == f"# title\n\nintro\n\n{report.BEGIN}\n{summary}{report.END}\n\nrest\n"
+    assert (tmp_path / "performance.md").read_text() == doc
+    assert report.main([*args, "--check"]) == 0
+    readme.write_text(got.replace("| gemm |", "| gemm (edited) |"))
+    assert report.main([*args, "--check"]) == 1
+    plain = tmp_path / "PLAIN.md"
+    plain.write_text("# no markers\n")
+    assert report.main(["--no-plots", "--doc", str(tmp_path / "p.md"), "--readme", str(plain)]) == 0
+    assert plain.read_text() == "# no markers\n"
