@@ -65,7 +65,7 @@ def test_report_is_deterministic_and_keeps_readme_outside_markers(perf_on_path, 
     assert got == f"# title\n\nintro\n\n{report.BEGIN}\n{summary}{report.END}\n\nrest\n"
     assert (tmp_path / "performance.md").read_text() == doc
     assert report.main([*args, "--check"]) == 0
-    readme.write_text(got.replace("| gemm |", "| gemm (edited) |"))
+    readme.write_text(got.replace("| model_ttft", "| model_ttft (edited)"))
     assert report.main([*args, "--check"]) == 1
     plain = tmp_path / "PLAIN.md"
     plain.write_text("# no markers\n")

@@ -80,6 +80,7 @@ class _CountingOpen:
 def _load_counting_reads(path, layout, **kwargs):
     """load_parallel with safetensors reads counted independently of the loader's own stats."""
     import safetensors
+
     from fusedpar.integrations.hf import load_parallel
 
     safetensors._fusedpar_real_safe_open = safetensors.safe_open

@@ -174,7 +174,6 @@ def test_rope_table_is_the_hf_rotary_modules(rope, scaled):
     """DecoderConfig carries the HF rotary module's inv_freq and attention_scaling, and the core's
     cos/sin equal HF's (fp32 angles in HF, fp64 in the core: ~1 ulp)."""
     from fusedpar.integrations.hf import inspect_model
-
     from fusedpar.layers.functional import rope_cos_sin
 
     model = make_model("llama", rope_parameters=rope)
@@ -316,7 +315,6 @@ def test_decode_graph_size():
     """A step replays a decode graph only when every sequence adds one token, at the smallest capture
     size that holds its sequences, within the stack's cap (shift threshold / max_tokens)."""
     from fusedpar.integrations.hf.adapter import decode_graph_size
-
     from fusedpar.layers import StepBatch
 
     def decode(n, ctx=5):

@@ -22,8 +22,8 @@ from fusedpar.testing.dist import run_distributed
 def _tiny_parallel_llama(world: int):
     """A tiny random Llama parallelized over `world` ranks (TP), on 4-token cache blocks."""
     import torch
-    from fusedpar.integrations.hf import parallelize
 
+    from fusedpar.integrations.hf import parallelize
     from fusedpar.layouts import ParallelLayout
     from tests.integrations.hf_models import make_model
 

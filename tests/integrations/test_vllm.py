@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from fusedpar.integrations.vllm import (
     DeploymentInfo,
     FusedparConfigError,
@@ -168,9 +169,10 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm (the CPU build, vllm-
 
 @needs_vllm
 def test_register_is_idempotent_and_inert():
+    from vllm.model_executor.custom_op import op_registry_oot
+
     from fusedpar.integrations.vllm import register
     from fusedpar.integrations.vllm.layers import _OOT
-    from vllm.model_executor.custom_op import op_registry_oot
 
     register()
     register()
