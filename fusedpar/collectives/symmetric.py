@@ -11,8 +11,7 @@ that, and it is the only thing kernel launchers look at, so they take either bac
     EmulatedWorld(world_size, nbytes)   every rank's buffers as CPU tensors in one process; the
                                         pointer tables hold their data_ptr()s, so a kernel run by
                                         the Triton interpreter (TRITON_INTERPRET=1) reads and
-                                        writes "peer" memory exactly as on the GPU
-                                        (DESIGN.md section 6).
+                                        writes "peer" memory exactly as on the GPU.
 
 In a kernel: `tl.load(buffer_ptrs + peer).to(tl.pointer_type(tl.bfloat16))` is peer `peer`'s
 data buffer; `tl.load(signal_ptrs + peer).to(tl.pointer_type(tl.int64))` its flag words.
@@ -21,8 +20,7 @@ Flag words and the epoch protocol (what every kernel that uses a PeerTable must 
 ---------------------------------------------------------------------------------------
 Each rank owns `max_blocks * world_size` int64 flag words: word [b * world_size + src] is
 written only by program (CTA) b of rank `src` - one word per (block, source rank), so flags
-from different GPUs never share a word (DESIGN.md section 5, pitfall b). Flags carry EPOCHS,
-they are never reset:
+from different GPUs never share a word. Flags carry EPOCHS, they are never reset:
 
   * `counters[EPOCH]` (local, int64) is the number of completed launches. A launch uses epoch
     e = counters[EPOCH] + 1, read from device memory by every program at kernel start, and its
@@ -109,10 +107,6 @@ class PeerTable:
     owner: whatever owns the memory the address tables point at (the symmetric allocation and
         its handle, or the emulated world's tensors). Raw addresses keep nothing alive, so the
         table holds it: a table outliving its workspace must not point at freed memory.
-    peer_buffers: optional, every rank's data buffer as a uint8 [buffer_bytes] tensor this process
-        can hand to host-launched work (cuBLAS output, cudaMemcpy): on the GPU torch's peer
-        mappings of the symmetric allocation, in an EmulatedWorld the ranks' CPU buffers. None
-        (tables rebuilt from kernel arguments) disables the paths that need them (`peer_view`).
     """
 
     rank: int
@@ -123,11 +117,6 @@ class PeerTable:
     counters: torch.Tensor
     max_blocks: int
     owner: object = field(default=None, repr=False)
-    peer_buffers: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
-    # Host-side objects derived from this table that launchers build once, not per call (e.g. typed
-    # views of peer_buffers); keyed by the launcher. Not part of the table's identity.
-    # (init=False: dataclasses.replace / copy give a new table an empty cache, not this one's views.)
-    host_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -145,19 +134,6 @@ class PeerTable:
             raise ValueError(f"PeerTable: all tensors must be on one device, got {sorted(map(str, devices))}")
         if self.max_blocks < 1:
             raise ValueError(f"PeerTable: max_blocks must be >= 1, got {self.max_blocks}")
-        if self.peer_buffers is not None:
-            bufs = tuple(self.peer_buffers)
-            if len(bufs) != self.world_size or any(
-                b.dtype != torch.uint8 or b.dim() != 1 or b.numel() != self.buffer_bytes or b.device != self.device
-                for b in bufs
-            ):
-                raise ValueError(
-                    f"PeerTable: peer_buffers must be {self.world_size} uint8 [{self.buffer_bytes}] tensors on "
-                    f"{self.device}, got {[(b.dtype, tuple(b.shape), str(b.device)) for b in bufs]}"
-                )
-            if bufs[self.rank].data_ptr() != self.buffer.data_ptr():
-                raise ValueError("PeerTable: peer_buffers[rank] must be this rank's own buffer")
-            object.__setattr__(self, "peer_buffers", bufs)
 
     @property
     def device(self) -> torch.device:
@@ -187,21 +163,6 @@ class PeerTable:
         if byte_offset < 0 or end > self.buffer_bytes or byte_offset > self.buffer_bytes:
             raise ValueError(f"view: bytes [{byte_offset}, {end}) do not fit the {self.buffer_bytes}-byte buffer")
         return self.buffer[byte_offset:end].view(dtype)
-
-    def peer_view(self, peer: int, dtype: torch.dtype, numel: int, byte_offset: int = 0) -> torch.Tensor:
-        """Rank `peer`'s data buffer as a 1-D `dtype` tensor of `numel` elements from `byte_offset`,
-        addressable by work this process launches (needs peer_buffers)."""
-        if self.peer_buffers is None:
-            raise ValueError("peer_view: this PeerTable has no peer_buffers (a table rebuilt from kernel arguments)")
-        if not 0 <= peer < self.world_size:
-            raise ValueError(f"peer_view: peer {peer} is outside [0, world_size={self.world_size})")
-        esize = torch.empty((), dtype=dtype).element_size()
-        if byte_offset % esize:
-            raise ValueError(f"peer_view: byte_offset {byte_offset} is not a multiple of {dtype} size {esize}")
-        end = byte_offset + numel * esize
-        if numel < 0 or byte_offset < 0 or end > self.buffer_bytes:
-            raise ValueError(f"peer_view: bytes [{byte_offset}, {end}) do not fit the {self.buffer_bytes}-byte buffer")
-        return self.peer_buffers[peer][byte_offset:end].view(dtype)
 
     def epoch(self) -> int:
         """Launches completed on this table (host sync: tests and debugging only)."""
@@ -319,13 +280,6 @@ class SymmetricWorkspace:
             counters=counters,
             max_blocks=max_blocks,
             owner=(self._raw, self.handle),
-            # torch's mapping of each peer's allocation into this process: a tensor cuBLAS or a copy
-            # can write to (the data region starts at the same offset, flag_bytes, on every rank).
-            peer_buffers=tuple(
-                buffer if p == self.handle.rank
-                else self.handle.get_buffer(p, (data_bytes,), torch.uint8, self.flag_bytes)
-                for p in range(world_size)
-            ),
         )
 
     # The PeerTable attributes, forwarded so a workspace reads like its table.
@@ -362,10 +316,6 @@ class SymmetricWorkspace:
     def view(self, dtype: torch.dtype, numel: int | None = None, byte_offset: int = 0) -> torch.Tensor:
         """This rank's data buffer as a typed 1-D tensor (see PeerTable.view)."""
         return self.table.view(dtype, numel, byte_offset)
-
-    def peer_view(self, peer: int, dtype: torch.dtype, numel: int, byte_offset: int = 0) -> torch.Tensor:
-        """Peer `peer`'s data buffer as a typed 1-D tensor mapped into this process (PeerTable.peer_view)."""
-        return self.table.peer_view(peer, dtype, numel, byte_offset)
 
     def barrier(self) -> None:
         """Device barrier across the group on the current stream (torch's signal pad, channel 0).
@@ -424,7 +374,6 @@ class EmulatedWorld:
                 counters=torch.zeros(NUM_COUNTERS, dtype=torch.int64),
                 max_blocks=max_blocks,
                 owner=(self.buffers, self.signals),
-                peer_buffers=tuple(self.buffers),
             )
             for r in range(world_size)
         ]

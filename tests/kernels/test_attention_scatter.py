@@ -22,8 +22,9 @@ import torch
 from fusedpar.collectives.symmetric import COUNTER_EPOCH, EmulatedWorld
 from fusedpar.kernels import attention
 from fusedpar.kernels.attention import AttentionConfig, ScatterOut
-from fusedpar.kernels.ulysses import o_proj_workspace_bytes, o_scatter_target, scattered_o_proj_emulated
+from fusedpar.kernels.ulysses import o_proj_workspace_bytes, o_scatter_target
 from fusedpar.testing.numerics import assert_close
+from fusedpar.testing.ulysses_emulation import emulated_check, scattered_o_proj_emulated
 from tests.kernels.test_attention import Case, Run, out_tolerance
 from tests.kernels.test_ulysses import head_to_seq_reference
 
@@ -122,15 +123,15 @@ def test_consecutive_steps_reuse_the_staging_and_advance_the_epoch():
 
 def test_missing_arrival_is_reported():
     """A rank whose peer never published: its bounded wait gives up and the driver raises."""
-    from fusedpar.kernels import ulysses
+    from fusedpar.kernels.ulysses.launch import launch_o_arrival
 
     W, dtype, C, m = 2, torch.float16, 32, 2
     world = EmulatedWorld(W, o_proj_workspace_bytes(m, C, W, dtype))
-    ulysses._launch_arrival(world[0], wait=False)  # rank 1 never publishes
-    ulysses._launch_arrival(world[0], publish=False)
+    launch_o_arrival(world[0], wait=False)  # rank 1 never publishes
+    launch_o_arrival(world[0], publish=False)
     assert world[0].status() != 0
     with pytest.raises(RuntimeError, match="never came"):
-        ulysses._emulated_check(world, "scattered_o_proj")
+        emulated_check(world, "scattered_o_proj")
 
 
 def test_scatter_argument_errors():
@@ -179,7 +180,7 @@ def test_registered_ops_compile_and_match_eager():
     for r in range(W):
         compiled_attend(runs[r], o_scatter_target(world[r], m, C, dtype))
     for r in range(W):
-        ulysses._launch_arrival(world[r], wait=False)
+        ulysses.launch.launch_o_arrival(world[r], wait=False)
     compiled_o = torch.compile(
         lambda w, table: ulysses.scattered_o_proj(w, table, tokens=m, num_tokens=8, c=C),
         backend="aot_eager", fullgraph=True)

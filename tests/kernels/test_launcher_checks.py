@@ -24,13 +24,8 @@ from fusedpar.kernels.allreduce import (
 from fusedpar.kernels.gemm import GemmConfig, matmul
 from fusedpar.kernels.gemm_all_reduce import FusedConfig, gemm_all_reduce, gemm_all_reduce_emulated
 from fusedpar.kernels.rmsnorm import add_rms_norm, rms_norm
-from fusedpar.kernels.ulysses import (
-    OProjConfig,
-    all_to_all_o_proj_emulated,
-    o_proj_workspace_bytes,
-    qkv_all_to_all_emulated,
-    qkv_workspace_bytes,
-)
+from fusedpar.kernels.ulysses import OProjConfig, o_proj_workspace_bytes, qkv_workspace_bytes
+from fusedpar.testing.ulysses_emulation import all_to_all_o_proj_emulated, qkv_all_to_all_emulated
 
 EPS = 1e-6
 _G = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1)

@@ -26,7 +26,7 @@ _COMPILE = textwrap.dedent(
     from fusedpar.kernels import ulysses
 
     spec = json.loads(sys.argv[1])
-    fn = ulysses._qkv_all_to_all_kernel
+    fn = ulysses.kernels._qkv_all_to_all_kernel
     names = list(fn.arg_names)
     consts = spec["constexprs"]
     missing = [n for n in names if n not in consts and n not in spec["types"]]
@@ -48,7 +48,7 @@ _QKV_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "buffer_ptrs": "*i64", "signal
 def _qkv_constexprs(timeline: bool, tma: bool, split: bool) -> dict:
     consts = {"WORLD": 4, "WORLD_P2": 4, "BLOCK_M": 64 if split else 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8,
               "NUM_SMS": 132, "EVEN_K": True, "INPUT_PRECISION": "tf32", "EPOCH_AHEAD": 1, "SEND_READY": True,
-              "PRODUCE": True, "WAIT": True, "USE_FLAGS": True, "SPIN_LIMIT": 1 << 24, "TIMELINE": timeline,
+              "PRODUCE": True, "WAIT": True, "USE_FLAGS": True, "SPIN_LIMIT": 1 << 25, "TIMELINE": timeline,
               "TMA": tma, "FLATTEN": not tma, "BLOCK_N2": 64 if split else 0, "ROTATE": split}
     if not tma:
         consts.update(x_desc=None, w_desc=None)  # what the launcher passes without TMA
@@ -57,7 +57,7 @@ def _qkv_constexprs(timeline: bool, tma: bool, split: bool) -> dict:
     return consts
 
 
-# (timeline, TMA, split 64 x (256 + 64) tiles as _qkv_config picks them at 512-1024 rows; those build with
+# (timeline, TMA, split 64 x (256 + 64) tiles as pick_qkv_config picks them at 512-1024 rows; those build with
 # the rotated tile order, as the launcher picks it at 1024 rows)
 @pytest.mark.parametrize(("timeline", "tma", "split"),
                          [(False, False, False), (True, False, False), (False, True, False), (False, True, True),
@@ -193,8 +193,9 @@ _ATTN_COMPILE = textwrap.dedent(
                      "rows_per_rank": "i32", "out_col0": "i32"}
     out["combine"] = build(attention._combine_kernel, combine_types,
                            dict(NQ=16, HD=128, SPLITS_P2=8, SCATTER=scatter, PDL=True), 2)
-    out["arrival"] = build(ulysses._o_arrival_kernel, {"signal_ptrs": "*i64", "counters_ptr": "*i64", "rank": "i32"},
-                           dict(WORLD=4, WORLD_P2=4, PUBLISH=True, WAIT=True, SPIN_LIMIT=1 << 24), 1)
+    out["arrival"] = build(ulysses.kernels._o_arrival_kernel,
+                           {"signal_ptrs": "*i64", "counters_ptr": "*i64", "rank": "i32"},
+                           dict(WORLD=4, WORLD_P2=4, PUBLISH=True, WAIT=True, SPIN_LIMIT=1 << 25), 1)
     print(json.dumps(out))
     """
 )

@@ -26,24 +26,32 @@ from hypothesis import strategies as st
 from fusedpar.collectives import comm
 from fusedpar.collectives.symmetric import COUNTER_EPOCH, EmulatedWorld, SymmetricWorkspace
 from fusedpar.kernels import ulysses as u
+from fusedpar.kernels._host import INTERPRETED
 from fusedpar.kernels.gemm import GemmConfig, tma_compatible
+from fusedpar.kernels.routing import Thresholds, in_ranges, thresholds
 from fusedpar.kernels.ulysses import (
     OProjConfig,
+    UlyssesOptions,
     all_to_all_o_proj,
-    all_to_all_o_proj_emulated,
     launch_all_to_all_o_proj,
     launch_qkv_all_to_all,
     o_proj_workspace_bytes,
     qkv_all_to_all,
-    qkv_all_to_all_emulated,
     qkv_all_to_all_wait,
     qkv_recv_view,
     qkv_workspace_bytes,
 )
+from fusedpar.kernels.ulysses import config as ucfg
+from fusedpar.kernels.ulysses import kernels as ukernels
+from fusedpar.kernels.ulysses import launch as ulaunch
+from fusedpar.kernels.ulysses import ops as uops
 from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 from fusedpar.testing.numerics import assert_close, poison_
+from fusedpar.testing.ulysses_emulation import all_to_all_o_proj_emulated, qkv_all_to_all_emulated
 
 CPU_DTYPES = (torch.float16, torch.float32)
+FUSED = UlyssesOptions(path="fused")
+PLAIN = UlyssesOptions(path="plain")
 TAIL = 512  # workspace bytes past the data region: must stay poisoned (never written)
 
 
@@ -81,7 +89,7 @@ def o_proj_reference(attns, ws) -> list[torch.Tensor]:
 
 
 def _weight(n: int, k: int, dtype, gen, kind: str, col_offset: int = 3) -> torch.Tensor:
-    """[n, k], entries ~ N(0, 1/k), stored as `kind` (the shift views of DESIGN.md section 3).
+    """[n, k], entries ~ N(0, 1/k), stored as `kind` (the strided weight views shift mode uses).
     The view is taken last: arithmetic on a view returns a new contiguous tensor."""
     scale = 1.0 / math.sqrt(k)
 
@@ -207,8 +215,8 @@ def test_qkv_split_tile_rule(monkeypatch):
     # GPU picks (the interpreter keeps its small tiles): 16-bit, TMA-able operands at 512-1024 rows per
     # rank take 64 x (256 + 64) tiles where 320 columns tile the block (blk 2560); elsewhere the
     # previous picks (one column block).
-    monkeypatch.setattr(u, "_INTERPRETED", False)
-    pick = u._qkv_config.__wrapped__  # uncached: the module-level cache holds interpreter picks
+    monkeypatch.setattr(ucfg, "INTERPRETED", False)
+    pick = ucfg.pick_qkv_config.__wrapped__  # uncached: the module-level cache holds interpreter picks
     for m in (512, 700, 1024):
         for k in (8192, 5120):
             cfg = pick(m, 4 * 2560, k, 2560, torch.bfloat16, 132, tma_ok=True)
@@ -244,8 +252,8 @@ def test_qkv_tma_loads(kind, schedule, monkeypatch):
     assert all(tma_compatible(x, w) for x, w in zip(xs, ws, strict=True))
     assert (kind == "contiguous") == (ws[0].is_contiguous() and ws[0].storage_offset() == 0)
     made = []
-    real = u.tma_descriptors
-    monkeypatch.setattr(u, "tma_descriptors", lambda *a: made.append(a[2:]) or real(*a))
+    real = ulaunch.tma_descriptors
+    monkeypatch.setattr(ulaunch, "tma_descriptors", lambda *a: made.append(a[2:]) or real(*a))
     world = qkv_world(W, m, blk, torch.float16)
     for flatten in (True, False):  # consecutive calls on one world: epochs 1 and 2
         cfg = GemmConfig(32, 32, 32, group_m=2, num_stages=1, tma=True, flatten=flatten)
@@ -294,12 +302,12 @@ def test_qkv_rotation_rule(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: seen.append(kw["ROTATE"])
 
-    monkeypatch.setattr(u, "_qkv_all_to_all_kernel", _Kernel())
-    lo, hi = u.QKV_ROTATE_ROWS
+    monkeypatch.setattr(ulaunch, "_qkv_all_to_all_kernel", _Kernel())
+    lo, hi = ucfg.QKV_ROTATE_ROWS
     world = EmulatedWorld(2, qkv_workspace_bytes(hi + 1, 16, 2, torch.float32))
     w = torch.randn(32, 16)
     for m, rotate in ((lo - 1, None), (lo, None), (hi, None), (hi + 1, None), (lo, False), (hi + 1, True)):
-        u.launch_qkv_all_to_all(torch.randn(m, 16), w, world[0], use_flags=False, rotate=rotate)
+        launch_qkv_all_to_all(torch.randn(m, 16), w, world[0], use_flags=False, rotate=rotate)
     assert seen == [False, True, True, False, False, True]
 
 
@@ -331,7 +339,7 @@ def test_qkv_wait_false_then_explicit_wait():
     for r in range(W - 1):
         launch_qkv_all_to_all(xs[r], ws[r], world[r], send_ready=False, wait=False)
     # The public eager entry point (all phases but the wait, one launch), then the consumer step.
-    view = qkv_all_to_all(xs[W - 1], ws[W - 1], world[W - 1], fused=True, wait=False)
+    view = qkv_all_to_all(xs[W - 1], ws[W - 1], world[W - 1], options=FUSED, wait=False)
     assert view.data_ptr() == world[W - 1].buffer.data_ptr()
     qkv_all_to_all_wait(world[W - 1])
     for r in range(W - 1):
@@ -415,138 +423,6 @@ def test_qkv_property(W, m, d, heads, hd, dtype, kind, schedule, seed):
     check_qkv(world, xs, ws, recvs, dtype=dtype)
 
 
-# ------------------------------------------------------------- qkv_all_to_all, copy-engine path
-
-
-@pytest.mark.parametrize("W", [2, 3, 4])
-@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
-@pytest.mark.parametrize("schedule", ["phased", "staggered"])
-@pytest.mark.parametrize(("m", "kind"), [(1, "col_view"), (13, "row_view"), (6, "transposed")])
-def test_qkv_copy_engine_matches_reference(W, dtype, schedule, m, kind):
-    d, blk = 40, 56
-    xs, ws = qkv_inputs(W, m, d, blk, dtype, seed=100 * W + m, kind=kind)
-    world = qkv_world(W, m, blk, dtype)  # data buffers start as NaN bytes
-    recvs = qkv_all_to_all_emulated(world, xs, ws, schedule=schedule, copy_engine=True)
-    check_qkv(world, xs, ws, recvs, dtype=dtype)
-    for r in range(W):
-        assert world[r].epoch() == 2, "READY and DONE: two arrival epochs per call"
-        flags = world.signals[r].view(-1, W)
-        assert bool((flags[1] == 2).all()), "every source's DONE-row word carries the call's last epoch"
-        assert not flags[0].any() and not flags[2:].any(), "only the DONE row's words are written"
-
-
-def test_qkv_copy_engine_and_kernel_share_a_table():
-    W, m, d, blk = 3, 5, 24, 40
-    world = qkv_world(W, m, blk, torch.float32)
-    addr = None
-    for c, (copy_engine, epoch) in enumerate(((True, 2), (False, 3), (True, 5), (True, 7), (False, 8))):
-        xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=60 + c)
-        for r in range(W):
-            poison_(qkv_recv_view(world[r], m, blk, torch.float32))  # every element must be rewritten
-        recvs = qkv_all_to_all_emulated(world, xs, ws, copy_engine=copy_engine)
-        check_qkv(world, xs, ws, recvs, dtype=torch.float32)
-        assert all(world[r].epoch() == epoch for r in range(W)), (c, [world[r].epoch() for r in range(W)])
-        addr = addr or [v.data_ptr() for v in recvs]
-        assert [v.data_ptr() for v in recvs] == addr
-
-
-def test_qkv_copy_engine_waits_for_ready_and_done():
-    W, m, d, blk = 2, 3, 24, 40
-    xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=70)
-    # READY: after a completed call, rank 0 starts the next one while rank 1 has not entered it.
-    world = qkv_world(W, m, blk, torch.float32)
-    qkv_all_to_all_emulated(world, xs, ws, copy_engine=True)
-    xs2, _ = qkv_inputs(W, m, d, blk, torch.float32, seed=71)
-    u.launch_qkv_copy_engine(xs2[0], ws[0], world[0], spin_limit=3)
-    assert world[0].status() == 1, "rank 0 passed READY before rank 1 entered the call"
-    # DONE: rank 0 produces and waits before rank 1 produced: its wait times out, rank 1's rows are poison.
-    world = qkv_world(W, m, blk, torch.float32)
-    for r in range(W):
-        u.launch_qkv_copy_engine(xs[r], ws[r], world[r], produce=False, wait=False)
-    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], send_ready=False, spin_limit=3)
-    recv0 = qkv_recv_view(world[0], m, blk, torch.float32)
-    assert world[0].status() == 1
-    assert recv0[m:].isnan().all() and not recv0[:m].isnan().any()
-
-
-def test_qkv_copy_engine_phases_wait_for_their_flags(monkeypatch):
-    W, m, d, blk = 2, 3, 24, 40
-    xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=72)
-    # The produce phase alone (its DONE only published) before rank 1 sent READY: its READY wait times out.
-    world = qkv_world(W, m, blk, torch.float32)
-    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], produce=False, wait=False)
-    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], send_ready=False, wait=False, spin_limit=3)
-    assert world[0].status() == 1, "rank 0 produced before rank 1 entered the call"
-    # The wait-only phase before rank 1 produced: times out.
-    world = qkv_world(W, m, blk, torch.float32)
-    for r in range(W):
-        u.launch_qkv_copy_engine(xs[r], ws[r], world[r], produce=False, wait=False)
-    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], send_ready=False, wait=False)
-    assert world[0].status() == 0
-    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], send_ready=False, produce=False, spin_limit=3)
-    assert world[0].status() == 1, "rank 0's wait returned before rank 1 produced"
-    # Order inside the produce phase: READY waited for before rank 0's block reaches rank 1, DONE
-    # published after it landed (a spy on the arrival barrier looks at rank 1's buffer each time).
-    world = qkv_world(W, m, blk, torch.float32)
-    for r in range(W):
-        u.launch_qkv_copy_engine(xs[r], ws[r], world[r], produce=False, wait=False)
-    log, real = [], u._launch_arrival
-
-    def spy(table, *, publish=True, wait=True, spin_limit=None):
-        landed = not bool(qkv_recv_view(world[1], m, blk, torch.float32)[:m].isnan().any())
-        log.append((table.rank, publish, wait, landed))
-        return real(table, publish=publish, wait=wait, spin_limit=spin_limit)
-
-    monkeypatch.setattr(u, "_launch_arrival", spy)
-    u.launch_qkv_copy_engine(xs[0], ws[0], world[0], send_ready=False, wait=False)
-    assert log == [(0, False, True, False), (0, True, False, True)], log
-    with pytest.raises(ValueError, match="would wait for READY"):
-        u.launch_qkv_copy_engine(xs[0], ws[0], world[0], produce=False)
-
-
-def test_qkv_copy_engine_routing(monkeypatch):
-    W, m, d, blk = 2, 6, 24, 40
-    xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=80)
-    ran = []
-    real = u.launch_qkv_copy_engine
-
-    def spy(x, *a, **k):
-        real(x, *a, **k)
-        ran.append(x.shape[0])  # calls that completed
-
-    monkeypatch.setattr(u, "launch_qkv_copy_engine", spy)
-    # Single-rank tables complete without peers: each call runs all phases alone.
-    w_solo = ws[0]  # one rank: its block is the whole [W * blk, d] weight
-    solo = EmulatedWorld(1, qkv_workspace_bytes(m, W * blk, 1, torch.float32))[0]
-    monkeypatch.setattr(u, "QKV_COPY_ENGINE_TOKEN_RANGES", ((4, 6),))
-    for rows, expect in ((3, False), (4, True), (6, True)):
-        before = (solo.epoch(), len(ran))
-        y = qkv_all_to_all(xs[0][:rows], w_solo, solo, fused=True)
-        assert (len(ran) == before[1] + 1) == expect and solo.epoch() == before[0] + (2 if expect else 1), rows
-        assert_close(y, xs[0][:rows].double() @ w_solo.double().T, dtype=torch.float32)
-    # The fused kernel's own options select it; combined with copy_engine=True they are refused.
-    n = len(ran)
-    qkv_all_to_all(xs[0][:4], w_solo, solo, fused=True, config=GemmConfig(32, 32, 32, group_m=2, num_stages=1))
-    qkv_all_to_all(xs[0][:4], w_solo, solo, fused=True, use_flags=False)
-    assert len(ran) == n
-    with pytest.raises(ValueError, match="cannot be combined with copy_engine=True"):
-        qkv_all_to_all(xs[0][:4], w_solo, solo, fused=True, copy_engine=True, use_flags=False)
-    # A table without peer_buffers (rebuilt from kernel arguments) takes the kernel, and refuses copy_engine=True.
-    bare = u._table_from(solo.buffer, solo.buffer_ptrs, solo.signal_ptrs, solo.counters, 0, 1, solo.max_blocks)
-    qkv_all_to_all(xs[0][:4], w_solo, bare, fused=True)
-    assert len(ran) == n
-    with pytest.raises(ValueError, match="peer_buffers"):
-        qkv_all_to_all(xs[0][:4], w_solo, bare, fused=True, copy_engine=True)
-    # copy_engine=False forces the kernel inside the range; True forces the copy engines outside it.
-    qkv_all_to_all(xs[0][:4], w_solo, solo, fused=True, copy_engine=False)
-    assert len(ran) == n
-    y = qkv_all_to_all(xs[0][:2], w_solo, solo, fused=True, copy_engine=True)
-    assert len(ran) == n + 1
-    assert_close(y, xs[0][:2].double() @ w_solo.double().T, dtype=torch.float32)
-    with pytest.raises(ValueError, match="fused=False asks for the plain path"):
-        qkv_all_to_all(xs[0][:2], w_solo, solo, SimpleNamespace(size=1, pg=None), fused=False, copy_engine=True)
-
-
 # ===================================================================== all_to_all_o_proj, CPU
 
 
@@ -604,7 +480,7 @@ def test_o_proj_consecutive_calls():
         outs = all_to_all_o_proj_emulated(world, attns, ws)
         check_o(world, attns, ws, outs, dtype=torch.float32)
         assert [world[r].epoch() for r in range(W)] == [c] * W
-        assert all(int(world[r].counters[u.COUNTER_TILE]) == 0 for r in range(W)), "tile counter rewound"
+        assert all(int(world[r].counters[ukernels.COUNTER_TILE]) == 0 for r in range(W)), "tile counter rewound"
 
 
 @pytest.mark.parametrize("use_flags", [True, False])
@@ -669,16 +545,16 @@ def test_single_rank_fused_paths_are_linear():
     x = torch.randn(7, 24, generator=gen)
     w = _weight(40, 24, torch.float32, gen, "col_view")
     t = EmulatedWorld(1, qkv_workspace_bytes(7, 40, 1, torch.float32))[0]
-    v1 = qkv_all_to_all(x, w, t, fused=True)
+    v1 = qkv_all_to_all(x, w, t, options=FUSED)
     assert v1.data_ptr() == t.buffer.data_ptr() and v1.shape == (7, 40)
     assert_close(v1, x.double() @ w.double().T, dtype=torch.float32)
-    v2 = qkv_all_to_all(x * 2, w, t, fused=True)
+    v2 = qkv_all_to_all(x * 2, w, t, options=FUSED)
     assert v2.data_ptr() == v1.data_ptr() and t.epoch() == 2
     assert_close(v2, 2 * x.double() @ w.double().T, dtype=torch.float32)
 
     to = EmulatedWorld(1, o_proj_workspace_bytes(7, 24, 1, torch.float32))[0]
     out = poison_(torch.empty(7, 40))
-    assert all_to_all_o_proj(x, w, to, fused=True, out=out) is out
+    assert all_to_all_o_proj(x, w, to, options=FUSED, out=out) is out
     assert_close(out, x.double() @ w.double().T, dtype=torch.float32)
     assert to.epoch() == 1
 
@@ -696,8 +572,7 @@ def test_routing_by_size(monkeypatch):
 
     monkeypatch.setattr(comm, "seq_to_head_all_to_all", fake_seq_to_head)
     monkeypatch.setattr(comm, "head_to_seq_all_to_all", fake_head_to_seq)
-    monkeypatch.setattr(u, "QKV_FUSED_TOKEN_RANGES", ((2, 4), (9, None)))
-    monkeypatch.setattr(u, "O_PROJ_FUSED_TOKEN_RANGES", ((1, 3),))
+    opts = UlyssesOptions(qkv_fused_rows=((2, 4), (9, None)), o_proj_fused_rows=((1, 3),))
     group = SimpleNamespace(size=1, pg=None)  # a CommGroup-like object
     gen = torch.Generator().manual_seed(32)
     w = _weight(16, 8, torch.float32, gen, "contiguous")
@@ -706,33 +581,59 @@ def test_routing_by_size(monkeypatch):
     for m, fused in ((1, False), (2, True), (4, True), (5, False), (9, True), (30, True)):
         x = torch.randn(m, 8, generator=gen)
         before = (tq.epoch(), len(calls))
-        y = qkv_all_to_all(x, w, tq, group)
+        y = qkv_all_to_all(x, w, tq, group, options=opts)
         assert (tq.epoch() == before[0] + 1) == fused and (len(calls) == before[1] + 1) == (not fused), m
         assert_close(y, x.double() @ w.double().T, dtype=torch.float32)
     for m, fused in ((3, True), (4, False)):
         a = torch.randn(m, 8, generator=gen)
         before = (to.epoch(), len(calls))
-        y = all_to_all_o_proj(a, w, to, group)
+        y = all_to_all_o_proj(a, w, to, group, options=opts)
         assert (to.epoch() == before[0] + 1) == fused and (len(calls) == before[1] + 1) == (not fused), m
         assert_close(y, a.double() @ w.double().T, dtype=torch.float32)
     # No workspace: plain path; unsupported dtype: plain path; no group and no workspace: error.
     x = torch.randn(2, 8, generator=gen)
-    qkv_all_to_all(x, w, None, group)
-    qkv_all_to_all(x.double(), w.double(), tq, group)
+    qkv_all_to_all(x, w, None, group, options=opts)
+    qkv_all_to_all(x.double(), w.double(), tq, group, options=opts)
     assert [c[0] for c in calls[-2:]] == ["seq_to_head", "seq_to_head"]
     with pytest.raises(ValueError, match="needs the SP group's workspace"):
         qkv_all_to_all(x, w)
     with pytest.raises(ValueError, match="plain path needs the SP group"):
-        all_to_all_o_proj(x, w, to, fused=False)
-    assert u.use_fused(10, ((1, 4), (10, 10))) and not u.use_fused(5, ((1, 4), (10, None)))
+        all_to_all_o_proj(x, w, to, options=PLAIN)
+    assert in_ranges(10, ((1, 4), (10, 10))) and not in_ranges(5, ((1, 4), (10, None)))
     # A step too big for the workspace takes the plain path instead of failing.
-    monkeypatch.setattr(u, "O_PROJ_FUSED_TOKEN_RANGES", ((1, None),))
+    opts = UlyssesOptions(qkv_fused_rows=((2, 4), (9, None)), o_proj_fused_rows=((1, None),))
     small = EmulatedWorld(1, 256)[0]
     n_calls = len(calls)
     x = torch.randn(30, 8, generator=gen)
-    assert_close(qkv_all_to_all(x, w, small, group), x.double() @ w.double().T, dtype=torch.float32)
-    assert_close(all_to_all_o_proj(x, w, small, group), x.double() @ w.double().T, dtype=torch.float32)
+    assert_close(qkv_all_to_all(x, w, small, group, options=opts), x.double() @ w.double().T, dtype=torch.float32)
+    assert_close(all_to_all_o_proj(x, w, small, group, options=opts), x.double() @ w.double().T,
+                 dtype=torch.float32)
     assert len(calls) == n_calls + 2 and small.epoch() == 0
+
+
+def test_default_routing_reads_the_routing_table(monkeypatch):
+    # Without overrides the routers take fusedpar.kernels.routing.thresholds(device, SP size).
+    seen = []
+    fake = Thresholds(qkv_fused_rows=((3, 3),), o_proj_fused_rows=((2, 2),), one_shot_max_rows=0,
+                      two_shot_min_rows=0, all_reduce_one_shot_max_bytes=0, measured="test")
+
+    def fake_thresholds(device, world):
+        seen.append((device.type, world))
+        return fake
+
+    monkeypatch.setattr(u, "thresholds", fake_thresholds)
+    monkeypatch.setattr(comm, "seq_to_head_all_to_all", lambda x, group: x)
+    monkeypatch.setattr(comm, "head_to_seq_all_to_all", lambda x, group: x)
+    group = SimpleNamespace(size=1, pg=None)
+    w = torch.randn(16, 8)
+    tq, to = EmulatedWorld(1, 4096)[0], EmulatedWorld(1, 4096)[0]
+    for m in (2, 3, 4):
+        qkv_all_to_all(torch.randn(m, 8), w, tq, group)
+        all_to_all_o_proj(torch.randn(m, 8), w, to, group)
+    assert (tq.epoch(), to.epoch()) == (1, 1) and set(seen) == {("cpu", 1)}
+    assert thresholds(torch.device("cpu"), 4).qkv_fused_rows  # the real table has an entry for every device
+    with pytest.raises(ValueError, match="path must be one of"):
+        UlyssesOptions(path="copy_engine")
 
 
 def test_plain_reference_is_the_comm_permutation():
@@ -768,12 +669,12 @@ def test_registered_ops_pass_opcheck():
     t = EmulatedWorld(1, 8192)[0]
     tables = (t.buffer, t.buffer_ptrs, t.signal_ptrs, t.counters, 0, 1, t.max_blocks, True)
     # test_schema is left out for the qkv op on purpose: its receive buffer is written through
-    # the peer pointer table, deliberately undeclared (module docstring: functionalization would
+    # the peer pointer table, deliberately undeclared (ulysses/ops.py: functionalization would
     # copy a stale clone over what the peers wrote); the op returns a copy instead.
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.fusedpar.qkv_all_to_all.default, (x, w, *tables, [0] * 6), test_utils=utils)
     torch.library.opcheck(torch.ops.fusedpar.qkv_all_to_all_wait.default, (t.signal_ptrs, t.counters, 0, 1))
-    meta = u._o_meta(u._INTERPRETER_O_CONFIG)
+    meta = uops.o_meta(ucfg.INTERPRETER_O_CONFIG)
     torch.library.opcheck(torch.ops.fusedpar.all_to_all_o_proj.default, (x, w, *tables, meta))
     out = torch.empty(5, 40)
     torch.library.opcheck(torch.ops.fusedpar.all_to_all_o_proj_out.default, (x, w, out, *tables, meta))
@@ -788,7 +689,7 @@ def test_torch_compile_sees_the_ops():
     to = EmulatedWorld(1, 8192)[0]
 
     def f(a):
-        return all_to_all_o_proj(qkv_all_to_all(a, w, tq, fused=True), w_o, to, fused=True) * 2.0
+        return all_to_all_o_proj(qkv_all_to_all(a, w, tq, options=FUSED), w_o, to, options=FUSED) * 2.0
 
     # aot_eager: the graph is captured (fullgraph: no break at the ops) but not code-generated.
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
@@ -817,21 +718,21 @@ def test_argument_errors():
     t2 = EmulatedWorld(2, 1024)[0]
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="not a multiple of the SP size"):
-        qkv_all_to_all(x, torch.randn(5, 8), t2, fused=True)
+        qkv_all_to_all(x, torch.randn(5, 8), t2, options=FUSED)
     with pytest.raises(ValueError, match="disagree on d"):
-        qkv_all_to_all(x, torch.randn(6, 9), t2, fused=True)
+        qkv_all_to_all(x, torch.randn(6, 9), t2, options=FUSED)
     with pytest.raises(TypeError, match="share one dtype"):
-        qkv_all_to_all(x, torch.randn(6, 8).half(), t2, fused=True)
+        qkv_all_to_all(x, torch.randn(6, 8).half(), t2, options=FUSED)
     with pytest.raises(ValueError, match=r"needs \d+ bytes"):
-        qkv_all_to_all(torch.randn(100, 8), torch.randn(64, 8), t2, fused=True)
+        qkv_all_to_all(torch.randn(100, 8), torch.randn(64, 8), t2, options=FUSED)
     with pytest.raises(ValueError, match="max_blocks >= 2"):
-        qkv_all_to_all(x, torch.randn(6, 8), EmulatedWorld(2, 1024, max_blocks=1)[0], fused=True)
+        qkv_all_to_all(x, torch.randn(6, 8), EmulatedWorld(2, 1024, max_blocks=1)[0], options=FUSED)
     with pytest.raises(ValueError, match="not divisible by the SP size"):
-        all_to_all_o_proj(torch.randn(5, 8), torch.randn(3, 16), t2, fused=True)
+        all_to_all_o_proj(torch.randn(5, 8), torch.randn(3, 16), t2, options=FUSED)
     with pytest.raises(ValueError, match="W\\*C"):
-        all_to_all_o_proj(torch.randn(4, 8), torch.randn(3, 8), t2, fused=True)
+        all_to_all_o_proj(torch.randn(4, 8), torch.randn(3, 8), t2, options=FUSED)
     with pytest.raises(ValueError, match="out must be"):
-        all_to_all_o_proj(torch.randn(4, 8), torch.randn(3, 16), t2, fused=True, out=torch.empty(3, 3))
+        all_to_all_o_proj(torch.randn(4, 8), torch.randn(3, 16), t2, options=FUSED, out=torch.empty(3, 3))
     with pytest.raises(ValueError, match="nothing to do"):
         launch_qkv_all_to_all(x, torch.randn(6, 8), t2, send_ready=False, produce=False, wait=False)
     with pytest.raises(ValueError, match="inputs"):
@@ -845,15 +746,15 @@ def test_timeline_argument_errors():
     t2 = EmulatedWorld(2, 4096)[0]
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     with pytest.raises(ValueError, match="int64"):
-        qkv_all_to_all(x, w, t2, fused=True, timeline=torch.zeros(64, 4))
+        launch_qkv_all_to_all(x, w, t2, timeline=torch.zeros(64, 4))
     with pytest.raises(ValueError, match=r"has 4 elements; this launch has \d+ programs x 4 points"):
-        qkv_all_to_all(x, w, t2, fused=True, timeline=torch.zeros(4, dtype=torch.int64))
+        launch_qkv_all_to_all(x, w, t2, timeline=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="times the produce phase"):
         launch_qkv_all_to_all(x, w, t2, send_ready=False, produce=False, wait=True,
                               timeline=torch.zeros(64, 4, dtype=torch.int64))
-    assert u._INTERPRETED  # CPU tests run on the interpreter (tests/conftest.py)
+    assert INTERPRETED  # CPU tests run on the interpreter (tests/conftest.py)
     with pytest.raises(ValueError, match="globaltimer"):
-        qkv_all_to_all(x, w, t2, fused=True, timeline=torch.zeros(64, 4, dtype=torch.int64))
+        launch_qkv_all_to_all(x, w, t2, timeline=torch.zeros(64, 4, dtype=torch.int64))
     assert t2.epoch() == 0  # rejected before any launch
 
 
@@ -865,22 +766,22 @@ def test_timeline_summary_phases():
         [2_000, 52_000, 262_000, 263_000],
         [-1, -1, -1, -1],
     ]
-    got = u.qkv_timeline_summary(torch.tensor(rows, dtype=torch.int64))
+    got = ulaunch.qkv_timeline_summary(torch.tensor(rows, dtype=torch.int64))
     want = {"programs": 3.0, "enter_spread_us": 2.0, "ready_wait_median_us": 50.0, "ready_wait_max_us": 50.0,
             "gemm_median_us": 200.0, "gemm_max_us": 210.0, "done_wait_us": 159.0, "total_us": 399.0}
     assert got == pytest.approx(want)
-    assert u.qkv_timeline_summary(torch.tensor(rows).flatten())["programs"] == 3.0  # flat [P * 4] works too
+    assert ulaunch.qkv_timeline_summary(torch.tensor(rows).flatten())["programs"] == 3.0  # flat [P * 4] works too
     with pytest.raises(ValueError, match="no program wrote"):
-        u.qkv_timeline_summary(torch.full((5, 4), -1, dtype=torch.int64))
+        ulaunch.qkv_timeline_summary(torch.full((5, 4), -1, dtype=torch.int64))
     with pytest.raises(ValueError, match="out of order"):
-        u.qkv_timeline_summary(torch.tensor([[5, 4, 6, 7]]))
+        ulaunch.qkv_timeline_summary(torch.tensor([[5, 4, 6, 7]]))
 
 
 def test_empty_step():
     t = EmulatedWorld(2, 1024)[0]
-    v = qkv_all_to_all(torch.empty(0, 8), torch.randn(6, 8), t, fused=True)
+    v = qkv_all_to_all(torch.empty(0, 8), torch.randn(6, 8), t, options=FUSED)
     assert v.shape == (0, 3) and t.epoch() == 0
-    o = all_to_all_o_proj(torch.empty(0, 4), torch.randn(5, 8), t, fused=True)
+    o = all_to_all_o_proj(torch.empty(0, 4), torch.randn(5, 8), t, options=FUSED)
     assert o.shape == (0, 5) and t.epoch() == 0
 
 
@@ -966,9 +867,8 @@ def _assert_ok_on_all_ranks(errors: list[str], ws, limit: int | None = None) -> 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("copy_engine", [False, True], ids=["kernel", "copy_engine"])
 @pytest.mark.parametrize("m", [1, 8, 13, 256, 1024])
-def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m, copy_engine):
+def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m):
     errors = []
     x, w = _gpu_qkv_operands(gpu_ws, m, salt=m)
     blk, W = gpu_ws.dims["blk"], gpu_ws.W
@@ -976,11 +876,10 @@ def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m, copy_engine):
     buf = gpu_ws.qkv.table.buffer
     buf.fill_(0xFF)  # NaN everywhere: peers write only after our READY, which follows this fill
     before = gpu_ws.qkv.table.epoch()
-    got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, copy_engine=copy_engine)
+    got = qkv_all_to_all(x, w, gpu_ws.qkv, options=FUSED)
     torch.cuda.synchronize()
-    if gpu_ws.qkv.table.epoch() != before + (2 if copy_engine else 1):
-        path = "copy-engine" if copy_engine else "kernel"
-        errors.append(f"epoch {before} -> {gpu_ws.qkv.table.epoch()}: not the {path} path")
+    if gpu_ws.qkv.table.epoch() != before + 1:
+        errors.append(f"epoch {before} -> {gpu_ws.qkv.table.epoch()}: not the kernel path")
     if got.data_ptr() != buf.data_ptr():
         errors.append("fused path did not return the receive buffer view")
     if not bool((buf[region:] == 0xFF).all()):
@@ -990,7 +889,7 @@ def test_gpu_qkv_matches_fp64_and_plain(gpu_world, gpu_ws, m, copy_engine):
     err = _qkv_err(got.clone(), x, w, gpu_ws, f"qkv m={m} vs fp64")
     if err:
         errors.append(err)
-    plain = qkv_all_to_all(x, w, None, gpu_ws.group, fused=False)
+    plain = qkv_all_to_all(x, w, None, gpu_ws.group, options=PLAIN)
     rel = ((got.float() - plain.float()).abs().max() / plain.float().abs().max()).item()
     if rel > 2e-2:
         errors.append(f"qkv m={m}: rel diff {rel:.3g} vs the plain bf16 path")
@@ -1010,7 +909,7 @@ def test_gpu_qkv_tma_matches_fp64(gpu_world, gpu_ws, m, flatten):
     for cfg in (GemmConfig(128, 128, 64, 8, 8, 4, tma=True, flatten=flatten),
                 GemmConfig(128, 256, 64, 8, 8, 3, tma=True, flatten=flatten),
                 GemmConfig(64, 256, 64, 8, 4, 4, tma=True, flatten=flatten, block_n2=64)):
-        got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, config=cfg)
+        got = qkv_all_to_all(x, w, gpu_ws.qkv, options=UlyssesOptions(path="fused", qkv_config=cfg))
         torch.cuda.synchronize()
         if got.isnan().any():
             errors.append(f"m={m} {cfg}: NaN in the receive buffer")
@@ -1029,7 +928,8 @@ def test_gpu_qkv_timeline_stamps_every_program_and_keeps_the_result(gpu_world, g
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     timeline = torch.full((num_sms + 8, 4), -1, dtype=torch.int64, device=x.device)  # 8 rows no program owns
     gpu_ws.qkv.table.buffer.fill_(0xFF)
-    got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, timeline=timeline)
+    launch_qkv_all_to_all(x, w, gpu_ws.qkv.table, timeline=timeline)
+    got = qkv_recv_view(gpu_ws.qkv, m, gpu_ws.dims["blk"], x.dtype)
     torch.cuda.synchronize()
     err = _qkv_err(got.clone(), x, w, gpu_ws, "qkv with timeline vs fp64")
     if err:
@@ -1040,7 +940,7 @@ def test_gpu_qkv_timeline_stamps_every_program_and_keeps_the_result(gpu_world, g
     if not bool(written[:num_sms].all()) or bool(written[num_sms:].any()):
         errors.append(f"programs that stamped: {written.nonzero().flatten().tolist()}, want 0..{num_sms - 1}")
     try:
-        s = u.qkv_timeline_summary(timeline)
+        s = ulaunch.qkv_timeline_summary(timeline)
         if s["programs"] != num_sms or not 0 < s["gemm_median_us"] <= s["total_us"] < 1e6:
             errors.append(f"implausible timeline summary {s}")
     except ValueError as e:
@@ -1055,14 +955,14 @@ def test_gpu_o_proj_matches_fp64_and_plain(gpu_world, gpu_ws, m):
     attn, w_o = _gpu_o_operands(gpu_ws, m, salt=100 + m)
     gpu_ws.o.table.buffer.fill_(0xFF)
     out = torch.full((m, gpu_ws.dims["d"]), float("nan"), dtype=torch.bfloat16, device="cuda")
-    all_to_all_o_proj(attn, w_o, gpu_ws.o, fused=True, out=out)
+    all_to_all_o_proj(attn, w_o, gpu_ws.o, options=FUSED, out=out)
     torch.cuda.synchronize()
     if out.isnan().any():
         errors.append(f"m={m}: NaN in the output")
     err = _o_err(out, attn, w_o, gpu_ws, f"o_proj m={m} vs fp64")
     if err:
         errors.append(err)
-    plain = all_to_all_o_proj(attn, w_o, None, gpu_ws.group, fused=False)
+    plain = all_to_all_o_proj(attn, w_o, None, gpu_ws.group, options=PLAIN)
     rel = ((out.float() - plain.float()).abs().max() / plain.float().abs().max()).item()
     if rel > 2e-2:
         errors.append(f"o_proj m={m}: rel diff {rel:.3g} vs the plain bf16 path")
@@ -1073,7 +973,7 @@ def test_gpu_o_proj_matches_fp64_and_plain(gpu_world, gpu_ws, m):
 def test_gpu_wait_false_then_wait_and_routing(gpu_world, gpu_ws):
     errors = []
     x, w = _gpu_qkv_operands(gpu_ws, 64, salt=5)
-    got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, wait=False)
+    got = qkv_all_to_all(x, w, gpu_ws.qkv, options=FUSED, wait=False)
     qkv_all_to_all_wait(gpu_ws.qkv)
     err = _qkv_err(got.clone(), x, w, gpu_ws, "qkv wait=False + qkv_all_to_all_wait")
     if err:
@@ -1083,8 +983,8 @@ def test_gpu_wait_false_then_wait_and_routing(gpu_world, gpu_ws):
         before = gpu_ws.qkv.table.epoch()
         got = qkv_all_to_all(x, w, gpu_ws.qkv, gpu_ws.group)
         fused = gpu_ws.qkv.table.epoch() == before + 1
-        if fused != u.use_fused(m, u.QKV_FUSED_TOKEN_RANGES):
-            errors.append(f"qkv m={m}: routed fused={fused} against QKV_FUSED_TOKEN_RANGES")
+        if fused != in_ranges(m, thresholds(x.device, gpu_ws.W).qkv_fused_rows):
+            errors.append(f"qkv m={m}: routed fused={fused} against routing.thresholds' qkv_fused_rows")
         err = _qkv_err(got.clone(), x, w, gpu_ws, f"routed qkv m={m}")
         if err:
             errors.append(err)
@@ -1104,14 +1004,14 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_ws):
     attn, w_o = _gpu_o_operands(gpu_ws, m, salt=400)
     out = torch.empty((m, gpu_ws.dims["d"]), dtype=torch.bfloat16, device="cuda")
     for x, w in qkv_ops:  # compile outside the capture
-        qkv_all_to_all(x, w, gpu_ws.qkv, fused=True)
-    all_to_all_o_proj(attn, w_o, gpu_ws.o, fused=True, out=out)
+        qkv_all_to_all(x, w, gpu_ws.qkv, options=FUSED)
+    all_to_all_o_proj(attn, w_o, gpu_ws.o, options=FUSED, out=out)
     torch.cuda.synchronize()
     e_q, e_o = gpu_ws.qkv.table.epoch(), gpu_ws.o.table.epoch()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        copies = [qkv_all_to_all(x, w, gpu_ws.qkv, fused=True).clone() for x, w in qkv_ops]
-        all_to_all_o_proj(attn, w_o, gpu_ws.o, fused=True, out=out)
+        copies = [qkv_all_to_all(x, w, gpu_ws.qkv, options=FUSED).clone() for x, w in qkv_ops]
+        all_to_all_o_proj(attn, w_o, gpu_ws.o, options=FUSED, out=out)
     torch.cuda.synchronize()
     errors = []
     for rep in range(3):
@@ -1129,73 +1029,6 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_ws):
             errors.append(err)
         if (gpu_ws.qkv.table.epoch(), gpu_ws.o.table.epoch()) != (e_q + 3 * (rep + 1), e_o + rep + 1):
             errors.append(f"replay {rep}: epochs {gpu_ws.qkv.table.epoch()}, {gpu_ws.o.table.epoch()}")
-    _assert_ok_on_all_ranks(errors, gpu_ws, limit=6)
-
-
-@pytest.mark.gpu
-def test_gpu_qkv_copy_engine_waits_for_a_late_peer(gpu_world, gpu_ws):
-    # One rank at a time is late: its stream spins ~20 ms, then poisons its receive buffer (standing
-    # for a reader of the last call's data), then enters the call. The others must not copy into it
-    # before its READY (their blocks would be poisoned), and the late rank's blocks reach the others
-    # only after their own calls were launched: each rank's copy of its result, taken in stream
-    # order right after the call, shows whether DONE waited for them.
-    import torch.distributed as dist
-
-    errors = []
-    m = 128
-    for late in range(gpu_ws.W):
-        x, w = _gpu_qkv_operands(gpu_ws, m, salt=700 + late)
-        gpu_ws.qkv.table.buffer.fill_(0xFF)
-        torch.cuda.synchronize()
-        dist.barrier()
-        if dist.get_rank() == late:
-            torch.cuda._sleep(40_000_000)
-            gpu_ws.qkv.table.buffer.fill_(0xFF)
-        got = qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, copy_engine=True).clone()
-        torch.cuda.synchronize()
-        if got.isnan().any():
-            errors.append(f"late rank {late}: NaN rows {got.isnan().any(dim=1).nonzero().flatten().tolist()[:8]}")
-        err = _qkv_err(got, x, w, gpu_ws, f"late rank {late}")
-        if err:
-            errors.append(err)
-    _assert_ok_on_all_ranks(errors, gpu_ws, limit=6)
-
-
-@pytest.mark.gpu
-def test_gpu_qkv_copy_engine_in_a_cuda_graph_and_after_the_kernel(gpu_world, gpu_ws):
-    # The side stream forks from and joins the capturing stream; the graph holds three calls (two
-    # arrival epochs each, advanced on the device) and is replayed with fresh inputs into a
-    # poisoned buffer, between eager kernel calls on the same table.
-    m = 200
-    ops = [_gpu_qkv_operands(gpu_ws, m, salt=500 + i) for i in range(3)]
-    for x, w in ops:
-        qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, copy_engine=True)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        copies = [qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, copy_engine=True).clone() for x, w in ops]
-    torch.cuda.synchronize()
-    errors = []
-    for rep in range(3):
-        for i, (x, _) in enumerate(ops):
-            x.copy_((_rank_randn(x.shape, 2000 * rep + i) + 0.1).to(x.dtype))
-        gpu_ws.qkv.table.buffer.fill_(0xFF)
-        e = gpu_ws.qkv.table.epoch()
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, ((x, w), c) in enumerate(zip(ops, copies, strict=True)):
-            if c.isnan().any():
-                errors.append(f"replay {rep} call {i}: NaN (an owner block never arrived)")
-            err = _qkv_err(c, x, w, gpu_ws, f"replay {rep} copy-engine call {i}")
-            if err:
-                errors.append(err)
-        if gpu_ws.qkv.table.epoch() != e + 6:
-            errors.append(f"replay {rep}: epoch {e} -> {gpu_ws.qkv.table.epoch()}, want +6")
-        x, w = _gpu_qkv_operands(gpu_ws, 64, salt=600 + rep)  # the kernel on the same table in between
-        err = _qkv_err(qkv_all_to_all(x, w, gpu_ws.qkv, fused=True, copy_engine=False).clone(), x, w, gpu_ws,
-                       f"kernel call after replay {rep}")
-        if err:
-            errors.append(err)
     _assert_ok_on_all_ranks(errors, gpu_ws, limit=6)
 
 

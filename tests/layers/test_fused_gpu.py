@@ -74,25 +74,3 @@ def test_fused_decoder_with_qkv_bias_and_rope_tables(nccl_world, dtype):
                         rope_attention_scaling=1.1)
     assert not cfg.rope_is_default
     _check_fused_against_oracle_and_plain(rank, world, cfg, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_fused_decoder_with_the_copy_engine_qkv_exchange(nccl_world, dtype, monkeypatch):
-    """Every base step's qkv exchange through the copy-engine path (QKV_COPY_ENGINE_TOKEN_RANGES
-    widened to all sizes; the real range starts at 1024 rows per rank), GQA with q/k norm."""
-    from fusedpar.kernels import ulysses
-
-    rank, world = nccl_world
-    ran = []
-    real = ulysses.launch_qkv_copy_engine
-
-    def spy(x, *a, **k):
-        ran.append(x.shape[0])
-        return real(x, *a, **k)
-
-    monkeypatch.setattr(ulysses, "QKV_COPY_ENGINE_TOKEN_RANGES", ((1, None),))
-    monkeypatch.setattr(ulysses, "launch_qkv_copy_engine", spy)
-    cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=2, head_dim=128,
-                        intermediate_size=2048, qk_norm=True, rope_theta=1e6)
-    _check_fused_against_oracle_and_plain(rank, world, cfg, dtype)
-    assert ran, "no base step took the copy-engine path"
