@@ -7,7 +7,7 @@ Base-mode O projection of one decoder layer with SP = world (TP = 1), per-rank s
 Paths, same inputs, same process:
     baseline     F.linear(comm.head_to_seq_all_to_all(attn, sp), w_o): NCCL all_to_all_single,
                  unpack (reshape/transpose/reshape), cuBLAS GEMM - what the reference layer does
-    fused        all_to_all_o_proj(attn, w_o, workspace, fused=True, out=out): one kernel; comm
+    fused        all_to_all_o_proj(attn, w_o, workspace, out=out, options=FUSED): one kernel; comm
                  programs push rows to their owners band by band, GEMM programs start on their
                  own chunk and wait per band (the best --comm-programs value is reported)
     gemm_cublas  F.linear(a, w_o) on an [m, SP*C] operand: the GEMM alone
@@ -33,7 +33,7 @@ measured in this run; hbm_bytes = attn + w_o + out + staging written and read, l
 Records (rank 0 writes --out): bench, case, tokens, world, gpu, baseline, baseline_ms, fused_ms,
 speedup, roofline_pct, torch, triton, date, command, plus gemm_cublas_ms, gemm_triton_ms,
 fused_by_comm_programs, floor terms, routed, max_rel_diff_vs_baseline, triton_config. At the end
-it prints the token ranges where the fused path wins (O_PROJ_FUSED_TOKEN_RANGES form).
+it prints the token ranges where the fused path wins (fusedpar.kernels.routing's o_proj_fused_rows form).
 
 Usage (GPU machine, repo root):
     torchrun --nproc-per-node 4 perf/bench_all_to_all_o_proj.py [--shapes llama70b,qwen32b]
@@ -77,7 +77,7 @@ def dims(model: str, sp: int) -> dict[str, int]:
 
 def bench_case(model, m, W, group, ws, timer, ceil, comm_programs: list[int]) -> dict:
     from fusedpar.collectives import comm
-    from fusedpar.kernels import gemm
+    from fusedpar.kernels import gemm, routing
     from fusedpar.kernels import ulysses as u
 
     dm = dims(model, W)
@@ -93,7 +93,8 @@ def bench_case(model, m, W, group, ws, timer, ceil, comm_programs: list[int]) ->
         return F.linear(comm.head_to_seq_all_to_all(attns[i % SETS], group), wts[i % SETS])
 
     def fused_with(cfg):
-        return lambda i: u.all_to_all_o_proj(attns[i % SETS], wts[i % SETS], ws, fused=True, out=out, config=cfg)
+        opts = u.UlyssesOptions(path="fused", o_config=cfg)
+        return lambda i: u.all_to_all_o_proj(attns[i % SETS], wts[i % SETS], ws, out=out, options=opts)
 
     def gemm_cublas(i):
         return F.linear(a_local[i % SETS], wts[i % SETS])
@@ -124,7 +125,7 @@ def bench_case(model, m, W, group, ws, timer, ceil, comm_programs: list[int]) ->
     floor = max(terms.values())
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gcfg = gemm.pick_config(m, d, W * C, dtype=torch.bfloat16, num_sms=num_sms, interpret=False)
-    routed = "fused" if u.use_fused(m, u.O_PROJ_FUSED_TOKEN_RANGES) else "plain"
+    routed = "fused" if routing.in_ranges(m, routing.thresholds(out.device, W).o_proj_fused_rows) else "plain"
     return {
         "case": f"{model}.sp{W}",
         "tokens": m,
@@ -265,7 +266,7 @@ def main(argv=None) -> int:
         lambda r: _bench.sp_row(r, f"{r['comm_programs']:>4} "),
     )
     if rank == 0:
-        _bench.print_fused_wins(records, "O_PROJ_FUSED_TOKEN_RANGES")
+        _bench.print_fused_wins(records, "routing.Thresholds.o_proj_fused_rows")
     if args.with_attention:
         for model in models:
             for m in (t for t in tokens if t <= 4096):

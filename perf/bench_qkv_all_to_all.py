@@ -7,7 +7,7 @@ Base-mode QKV projection of one decoder layer with SP = world (TP = 1), per-rank
 Paths, each on the same inputs in the same process:
     baseline     comm.seq_to_head_all_to_all(F.linear(x, w), sp): cuBLAS GEMM, pack
                  (reshape/transpose/contiguous), NCCL all_to_all_single - what the reference layer does
-    fused        qkv_all_to_all(x, w, workspace, fused=True): the fused Triton kernel, GEMM tiles stored
+    fused        qkv_all_to_all(x, w, workspace, options=FUSED): the fused Triton kernel, GEMM tiles stored
                  into the owners' symmetric receive buffers, completion included (the result is ready to read)
     gemm_cublas  F.linear(x, w) alone: the target is fused <= 1.10 x this at m >= 1024
     gemm_triton  fusedpar.kernels.gemm.matmul(x, w) alone: the fused kernel's GEMM core
@@ -32,7 +32,7 @@ rank in the GEMM), world, gpu, baseline, baseline_ms, fused_ms, speedup, rooflin
 triton, date, command, plus gemm_cublas_ms, gemm_triton_ms, fused_over_gemm, floor terms,
 routed (the path the size-based router takes now), max_rel_diff_vs_baseline, triton_config.
 At the end it prints the token ranges where the fused path wins on every model, in the form of
-fusedpar.kernels.ulysses.QKV_FUSED_TOKEN_RANGES.
+fusedpar.kernels.routing (qkv_fused_rows).
 
 Usage (GPU machine, repo root):
     torchrun --nproc-per-node 4 perf/bench_qkv_all_to_all.py [--shapes llama70b,qwen32b]
@@ -102,11 +102,12 @@ def sweep_configs(model, m, W, ws, timer, match: str = "") -> list[tuple[str, fl
     """The fused kernel's time (max over ranks) with its default tiling and each of SWEEP_CONFIGS
     (those whose name contains `match`)."""
     from fusedpar.kernels import ulysses as u
+    FUSED = u.UlyssesOptions(path="fused")
     from fusedpar.kernels.gemm import GemmConfig
 
     xs, wts = operands(model, m, W)
-    ref = u.qkv_all_to_all(xs[0], wts[0], ws, fused=True).clone()
-    out = [("default", timer(lambda i: u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True)))]
+    ref = u.qkv_all_to_all(xs[0], wts[0], ws, options=FUSED).clone()
+    out = [("default", timer(lambda i: u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, options=FUSED)))]
     for bm, bn, bk, warps, stages, tma, nested, *rest in SWEEP_CONFIGS:
         n2 = rest[0] if rest else 0
         group_m = rest[1] if len(rest) > 1 else 8
@@ -117,14 +118,15 @@ def sweep_configs(model, m, W, ws, timer, match: str = "") -> list[tuple[str, fl
         cfg = GemmConfig(bm, bn, bk, group_m=group_m, num_warps=warps, num_stages=stages, tma=bool(tma),
                          flatten=not nested, block_n2=n2)
         try:
-            got = u.qkv_all_to_all(xs[0], wts[0], ws, fused=True, config=cfg)
+            got = u.qkv_all_to_all(xs[0], wts[0], ws, options=u.UlyssesOptions(path="fused", qkv_config=cfg))
         except Exception as e:  # a tiling Triton cannot compile fails before any launch, on every rank
             print(f"rank {dist.get_rank()}: {model} m={m} {cfg}: {type(e).__name__}: {str(e)[:200]}")
             continue
         rel = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         if rel > 1e-2:  # tilings only reorder the fp32 accumulation: anything larger is a bug
             print(f"rank {dist.get_rank()}: {model} m={m} {cfg}: differs from the default tiling by {rel:.3g} (rel)")
-        ms = timer(lambda i, c=cfg: u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True, config=c))
+        opts = u.UlyssesOptions(path="fused", qkv_config=cfg)
+        ms = timer(lambda i, o=opts: u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, options=o))
         out.append((name, ms))
     u.check_status(ws)
     return out
@@ -132,8 +134,10 @@ def sweep_configs(model, m, W, ws, timer, match: str = "") -> list[tuple[str, fl
 
 def bench_case(model, m, W, group, ws, timer, ceil) -> dict:
     from fusedpar.collectives import comm
-    from fusedpar.kernels import gemm
+    from fusedpar.kernels import gemm, routing
     from fusedpar.kernels import ulysses as u
+    from fusedpar.kernels.ulysses.config import pick_qkv_config
+    FUSED = u.UlyssesOptions(path="fused")
 
     dm = dims(model, W)
     d, blk = dm["d"], dm["blk"]
@@ -144,7 +148,7 @@ def bench_case(model, m, W, group, ws, timer, ceil) -> dict:
         return comm.seq_to_head_all_to_all(F.linear(xs[i % SETS], wts[i % SETS]), group)
 
     def fused(i):
-        return u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, fused=True)
+        return u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, options=FUSED)
 
     def gemm_cublas(i):
         return F.linear(xs[i % SETS], wts[i % SETS])
@@ -178,8 +182,8 @@ def bench_case(model, m, W, group, ws, timer, ceil) -> dict:
     }
     floor = max(terms.values())
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = u._qkv_config(m, n, d, blk, torch.bfloat16, num_sms, tma_ok=True)  # contiguous x and w
-    routed = "fused" if u.use_fused(m, u.QKV_FUSED_TOKEN_RANGES) else "plain"
+    cfg = pick_qkv_config(m, n, d, blk, torch.bfloat16, num_sms, tma_ok=True)  # contiguous x and w
+    routed = "fused" if routing.in_ranges(m, routing.thresholds(xs[0].device, W).qkv_fused_rows) else "plain"
     return {
         "case": f"{model}.sp{W}",
         "tokens": m,
@@ -209,7 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sweep-configs", action="store_true",
                    help="instead of the benchmark: time the fused kernel with each tiling of SWEEP_CONFIGS at every "
-                        "--tokens (printed, no records): the data behind ulysses._qkv_config")
+                        "--tokens (printed, no records): the data behind ulysses.config.pick_qkv_config")
     p.add_argument("--sweep-match", default="",
                    help="with --sweep-configs: only the tilings whose printed name contains this (e.g. '+64' for "
                         "the split tiles); the default tiling is always timed")
@@ -226,6 +230,7 @@ def main(argv=None) -> int:
 
     from fusedpar.collectives.symmetric import SymmetricWorkspace
     from fusedpar.kernels import ulysses as u
+    from fusedpar.kernels.ulysses.config import pick_qkv_config
 
     _, rank, W = _bench.init_distributed()
     group = SimpleNamespace(size=W, pg=dist.group.WORLD)
@@ -239,7 +244,7 @@ def main(argv=None) -> int:
         for model in models:
             for m in tokens:
                 dm = dims(model, W)
-                default = u._qkv_config(m, W * dm["blk"], dm["d"], dm["blk"], torch.bfloat16, num_sms, tma_ok=True)
+                default = pick_qkv_config(m, W * dm["blk"], dm["d"], dm["blk"], torch.bfloat16, num_sms, tma_ok=True)
                 row = sweep_configs(model, m, W, ws, timer, args.sweep_match)
                 if rank == 0:
                     best = min(row, key=lambda r: r[1])
@@ -260,7 +265,7 @@ def main(argv=None) -> int:
         _bench.sp_row,
     )
     if rank == 0:
-        _bench.print_fused_wins(records, "QKV_FUSED_TOKEN_RANGES")
+        _bench.print_fused_wins(records, "routing.Thresholds.qkv_fused_rows")
         _bench.write_records(records, args.out)
     _bench.finish_distributed()
     return 0

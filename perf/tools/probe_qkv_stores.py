@@ -2,7 +2,7 @@
 
 On 4x H200 the fused kernel ran 16-28% slower than the GEMM alone at 1024-2048 rows per rank but
 within 1% at 4096 (Llama-3-70B). This times, on the same
-inputs and tiling (ulysses._qkv_config's pick), one call per sample after a device barrier and a
+inputs and tiling (ulysses.config.pick_qkv_config), one call per sample after a device barrier and a
 GPU spin (_bench.SpinTimer, max over ranks of the per-rank medians):
     fused            the kernel in the plain tile order (READY wait, GEMM + peer stores, DONE wait)
     fused_rotated    the same with each rank's tile order rotated to start at its own block (the
@@ -49,13 +49,14 @@ def probe(model: str, m: int, W: int, ws, timer) -> dict[str, float]:
     from fusedpar.collectives.symmetric import as_peer_table
     from fusedpar.kernels import gemm
     from fusedpar.kernels import ulysses as u
+    from fusedpar.kernels.ulysses.config import pick_qkv_config
 
     dm = dims(model, W)
     d, blk = dm["d"], dm["blk"]
     n = W * blk
     xs, wts = operands(model, m, W)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = u._qkv_config(m, n, d, blk, torch.bfloat16, num_sms, tma_ok=True)
+    cfg = pick_qkv_config(m, n, d, blk, torch.bfloat16, num_sms, tma_ok=True)
     table = as_peer_table(ws)
     own = table.buffer_ptrs[table.rank].item()
     local = dataclasses.replace(table, buffer_ptrs=torch.full_like(table.buffer_ptrs, own))
