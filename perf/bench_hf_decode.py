@@ -130,8 +130,7 @@ def main() -> int:
     if not _bench.torchrun_available():
         print("bench_hf_decode: needs CUDA GPUs and a torchrun launch; nothing to do")
         return 0
-    from fusedpar.integrations.hf import parallelize
-    from fusedpar.integrations.hf.adapter import resident_decoder_bytes
+    from fusedpar.integrations.hf import parallelize, resident_decoder_bytes
 
     rank, world, device, lay = start(args)
     bw = _bench.max_over_ranks(-copy_bandwidth(device)) * -1  # the slowest rank's

@@ -10,12 +10,22 @@
     model = load_parallel("/ckpt/dir", layout, dtype=torch.bfloat16)  # read only this rank's shards
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
 
-Modules: spec (what is supported, checks), adapter (parallelize, forward, KV-cache state),
-loader (meta-device build + sliced safetensors reads). The core never imports this package.
+Modules: spec (what is supported, checks), model (parallelize: sharding, the model's forward),
+runtime (one fusedpar step per call, decode graphs), padding (padded columns, positions), cache
+(the past_key_values bookkeeping), loader (meta-device build + sliced safetensors reads).
+The core never imports this package.
 """
 
-from .adapter import ShiftParallelCache, base_shard_bytes, parallelize, resident_decoder_bytes
+try:
+    import transformers  # noqa: F401
+except ModuleNotFoundError as e:
+    if e.name != "transformers":
+        raise
+    raise ImportError('fusedpar.integrations.hf needs transformers: pip install "fusedpar[hf]"') from e
+
+from .cache import ShiftParallelCache
 from .loader import CheckpointReader, load_parallel
+from .model import base_shard_bytes, parallelize, resident_decoder_bytes
 from .spec import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, HFModelSpec, UnsupportedModelError, inspect_model
 
 __all__ = [

@@ -36,7 +36,7 @@ from fusedpar.layers import ShardedDecoderWeights, weight_shapes
 from fusedpar.layers.weights import REPLICATED
 from fusedpar.layouts import WEIGHT_NAMES, ParallelLayout
 
-from .adapter import assemble, check_shift_threshold, fused_decision, graphs_decision
+from .model import assemble, check_arguments, fused_decision, graphs_decision
 from .spec import HFModelSpec, UnsupportedModelError, inspect_model, rotary_tables
 
 __all__ = ["CheckpointReader", "load_parallel"]
@@ -287,10 +287,25 @@ def _layer_shards(reader: CheckpointReader, spec: HFModelSpec, layout: ParallelL
         progress.update(f"layer {i}")
 
 
-def _default_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _resolve_device(device) -> torch.device:
+    """device as passed to load_parallel, checked against this machine before any work; None: the
+    CUDA current device under NCCL, else CPU."""
+    if device is None:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"load_parallel: device={device!r} is not a torch device ({e})") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"load_parallel: device={device!r}, but CUDA is not available on this machine "
+                             "(torch.cuda.is_available() is False); pass device='cpu' (gloo process group)")
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise ValueError(f"load_parallel: device={device!r}, but this machine has {count} CUDA device(s)")
+    return resolved
 
 
 def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: torch.dtype | None = None,
@@ -301,14 +316,18 @@ def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: tor
 
     Call on every rank of an initialised process group (world size = layout.world_size).
     dtype: weights' dtype, a torch.dtype or its name (default / "auto": the config's dtype, else
-    float32); checkpoint tensors are converted to it. device: default CUDA
-    current device under NCCL, else CPU. shift_threshold / max_seq_len / block_size / fused /
-    fused_max_tokens / cuda_graphs: as for `parallelize`. progress: show a progress bar on global
-    rank 0. No network: `path` must be a local directory with config.json and safetensors files.
+    float32); checkpoint tensors are converted to it. device: default CUDA current device under
+    NCCL, else CPU; a device this machine lacks is refused before any work. shift_threshold /
+    max_seq_len / block_size / fused / fused_max_tokens / cuda_graphs: as for `parallelize`
+    (checked before anything is read). progress: show a progress bar on global rank 0. No network:
+    `path` must be a local directory with config.json and safetensors files.
     Returns the same kind of model as `parallelize` (forward / generate as the unsharded model).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_arguments(shift_threshold=shift_threshold, block_size=block_size, fused=fused,
+                    fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs)  # before reading anything
+    device = _resolve_device(device)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a local checkpoint directory")
@@ -319,7 +338,6 @@ def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: tor
         raise RuntimeError("load_parallel needs torch.distributed initialised (init_process_group) on every rank")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     dtype = _resolve_dtype(dtype, config)
-    device = torch.device(device) if device is not None else _default_device()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if (path / "generation_config.json").is_file():  # eos / pad ids etc., as from_pretrained would load them
@@ -327,7 +345,6 @@ def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: tor
 
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     spec = inspect_model(model, layout, max_seq_len=max_seq_len)
-    check_shift_threshold(shift_threshold)  # validate before reading anything
     graphs_decision(fused_decision(spec, device, fused), device, cuda_graphs)
     world = dist.get_world_size()
     if world != layout.world_size:  # ParallelContext checks it too, but only after the embeddings were read

@@ -114,18 +114,17 @@ class SplitTimer:
 
 
 def split_parts(pm) -> dict[str, tuple[object, str]]:
-    from fusedpar.integrations.hf import adapter
+    from fusedpar.integrations.hf import model, runtime
     from fusedpar.layers import graphs, stack
 
     return {
         "model forward": (type(pm), "forward"),
         "  embed_tokens": (pm.model.embed_tokens, "forward"),
-        "  _run_step": (adapter, "_run_step"),
-        "    _check_positions": (adapter, "_check_positions"),
-        "    _Runtime._reserve": (adapter._Runtime, "_reserve"),
-        "      _replica_min": (adapter._Runtime, "_replica_min"),
-        "      _free_collected": (adapter._Runtime, "_free_collected"),
-        "    _Runtime._ready_graphs": (adapter._Runtime, "_ready_graphs"),
+        "  _run_step": (model, "_run_step"),
+        "    _check_positions": (runtime, "_check_positions"),
+        "    _Runtime._reserve": (runtime._Runtime, "_reserve"),
+        "      _free_collected": (runtime._Runtime, "_free_collected"),
+        "    _Runtime._ready_graphs": (runtime._Runtime, "_ready_graphs"),
         "    stack.forward": (stack.ShiftParallelStack, "forward"),
         "      graphs.stage": (graphs._StackGraphs, "stage"),
         "      CUDAGraph.replay": (torch.cuda.CUDAGraph, "replay"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)

@@ -297,3 +297,44 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> dict:
         except Exception:
             out[case["name"]] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
     return out
+
+
+# ---- helpers of the per-subject test files (test_hf_cache / _padding / _model / _loader) ----------
+def parallel_pair(family: str, layout: ParallelLayout, threshold: int = 4, **overrides):
+    """(unsharded reference, parallelized copy) of the same seeded model; threshold 4 on 2 ranks: prefills
+    run base (SP=2), decode steps of 1-3 rows shift."""
+    from fusedpar.integrations.hf import parallelize
+
+    ref = make_model(family, **overrides)
+    return ref, parallelize(make_model(family, **overrides), layout, shift_threshold=threshold)
+
+
+def raises(fn) -> str | None:
+    """'ExceptionType: message' of what fn raised, None when it returned."""
+    try:
+        fn()
+    except Exception as e:  # the tests name the type they expect
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def run_named(cases: dict, rank: int, seed: int | None = 0) -> dict:
+    """Run every case (name -> no-argument callable) in this rank's process; a case that raises records
+    its traceback instead of stopping the others. seed: torch.manual_seed before each case."""
+    out = {}
+    for name, fn in cases.items():
+        try:
+            if seed is not None:
+                torch.manual_seed(seed)
+            out[name] = fn()
+        except Exception:
+            out[name] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
+    return out
+
+
+def case_results(results: list[dict], name: str) -> list[dict]:
+    """One case's result on every rank, after checking that no rank recorded an error."""
+    per_rank = [r[name] for r in results]
+    for res in per_rank:
+        assert "error" not in res, res.get("error")
+    return per_rank

@@ -1,13 +1,14 @@
-"""The HF adapter's paged-cache pool across ranks on CPU (gloo): what can be checked without capturing.
+"""fusedpar.integrations.hf decode graphs on CPU: the choices, and what can be checked without capturing.
 
-With decode graphs, a paged-cache grow makes the graphs stale and their recapture is collective, so
-every rank of a replica must grow at the same step. A fork (a deep-copied past_key_values) can be
-garbage-collected on one rank steps before another; were its blocks freed at once, the ranks' free
-counts, and so their grow decisions, would part. Collected forks are therefore freed only at a step
-that would otherwise grow (and only those every rank has collected), or when a call starts new
-sequences: the pools stay identical on every rank, with no per-step collective. Also: a 0-row call,
-and the final norm + lm_head graph refused while hooks observe those modules. The captures themselves
-need CUDA (tests/integrations/hf_gpu_check.py).
+In-process: when decode steps replay CUDA graphs (cuda_graphs; auto = on the fused path) and at
+which size (decode_graph_size). Across ranks (gloo): a paged-cache grow makes the graphs stale and
+their recapture is collective, so every rank of a replica must grow at the same step. A fork (a
+deep-copied past_key_values) can be garbage-collected on one rank steps before another; were its
+blocks freed at once, the ranks' free counts, and so their grow decisions, would part. Collected
+forks are therefore freed only at a step that would otherwise grow (and only those every rank has
+collected), or when a call starts new sequences: the pools stay identical on every rank, with no
+per-step collective. Also: a 0-row call, and the final norm + lm_head graph refused while hooks
+observe those modules. The captures themselves need CUDA (tests/integrations/hf_gpu_check.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import torch
+
+from fusedpar.layouts import ParallelLayout
 from fusedpar.testing.dist import run_distributed
+from tests.integrations.hf_models import make_model
 
 
 def _tiny_parallel_llama(world: int):
@@ -179,3 +184,42 @@ def test_empty_batch_and_head_graph_refused_under_hooks():
     for res in run_distributed(_edges_worker, 2):
         assert res["empty batch"] == (0, 3, res["vocab"])
         assert res["skipped under hooks"] == [True] * 5
+
+
+def test_cuda_graphs_choice_and_refusals():
+    """cuda_graphs: auto = on exactly when the fused path is; True without it is refused, before any
+    collective (no process group here); only None / True / False are accepted."""
+    from fusedpar.integrations.hf import UnsupportedModelError, parallelize
+    from fusedpar.integrations.hf.model import graphs_decision
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert graphs_decision(True, cuda, None) and not graphs_decision(False, cpu, None)
+    assert graphs_decision(True, cuda, True) and not graphs_decision(True, cuda, False)
+    assert not graphs_decision(False, cpu, False)
+    with pytest.raises(UnsupportedModelError, match="cuda_graphs=True needs the fused kernels"):
+        graphs_decision(False, cpu, True)
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="cuda_graphs must be None, True or False"):
+            graphs_decision(True, cuda, bad)
+    with pytest.raises(UnsupportedModelError, match="cuda_graphs=True needs the fused kernels"):
+        parallelize(make_model("llama"), ParallelLayout(4, sp=2, tp=2), cuda_graphs=True)  # CPU model: reference path
+
+
+def test_decode_graph_size():
+    """A step replays a decode graph only when every sequence adds one token, at the smallest capture
+    size that holds its sequences, within the stack's cap (shift threshold / max_tokens)."""
+    from fusedpar.integrations.hf.runtime import decode_graph_size
+    from fusedpar.layers import StepBatch
+
+    def decode(n, ctx=5):
+        return StepBatch(tuple(range(n)), (1,) * n, (ctx,) * n)
+
+    assert decode_graph_size(decode(1), 64) == 1
+    assert decode_graph_size(decode(3), 64) == 4
+    assert decode_graph_size(decode(17), 64) == 24
+    assert decode_graph_size(decode(64), 64) == 64
+    assert decode_graph_size(decode(65), 4096) is None  # beyond the largest capture size
+    assert decode_graph_size(decode(3), 3) is None  # size 4 > cap 3: that step would run in base mode
+    assert decode_graph_size(decode(3), 4) == 4
+    assert decode_graph_size(StepBatch((0, 1), (1, 2), (5, 0)), 64) is None  # a prefill row: eager
+    assert decode_graph_size(StepBatch((0,), (7,), (0,)), 64) is None

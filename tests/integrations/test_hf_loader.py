@@ -1,4 +1,4 @@
-"""fusedpar.integrations.hf: the big-checkpoint loader and parallelize's input checks (second review).
+"""fusedpar.integrations.hf.load_parallel: a local safetensors checkpoint read straight into shards (loader.py).
 
 One spawn (gloo, 2 CPU ranks, fp32) runs every load_parallel case; each test checks one case:
 - a checkpoint holding tensors its config.json has no place for (a layer beyond
@@ -6,20 +6,17 @@ One spawn (gloo, 2 CPU ranks, fp32) runs every load_parallel case; each test che
   not loaded without them; the per-layer RoPE tables of old checkpoints are ignored as
   from_pretrained ignores them;
 - a missing tensor or shard file, or a layout for another world size, is refused before any tensor
-  data is read
-  (a big checkpoint would otherwise be read for minutes before the error);
+  data is read (a big checkpoint would otherwise be read for minutes before the error);
 - a directory without config.json says so; dtype="auto" / "float32" are taken as from_pretrained
   takes them;
 - kv-head replication (MQA, TP=2) from a sharded checkpoint: logits equal parallelize(full
   model)'s bit for bit and the unsharded model's within 1e-4, every rank holds only its shard,
   nothing is left on the meta device.
-In-process: models whose configs lack Llama fields (no rms_norm_eps, a decoder layer without
-self_attn) and arguments of the wrong kind fail at parallelize time naming what is wrong.
+In-process: CheckpointReader checks an index against its files. Loading per family and layout,
+with the bytes each rank reads: test_hf.py (loader_* cases).
 """
 
 from __future__ import annotations
-
-import traceback
 
 import pytest
 import torch
@@ -31,6 +28,7 @@ from fusedpar.layouts import ParallelLayout  # noqa: E402
 from fusedpar.testing.dist import run_distributed  # noqa: E402
 from fusedpar.testing.scenarios import rel_error  # noqa: E402
 from tests.integrations.hf_models import left_padded, make_model  # noqa: E402
+from tests.integrations.hf_workers import case_results, run_named  # noqa: E402
 
 REL_TOL = 1e-4
 SEED = 3
@@ -154,25 +152,12 @@ def run_loader_cases(rank: int, world: int, paths: dict) -> dict:
         "dtype_names": lambda: _dtype_names(paths["bf16"], tp2),
         "mqa_sharded": lambda: _mqa_sharded(paths["mqa_sharded"], tp2, rank),
     }
-    out = {}
-    for name, fn in cases.items():
-        try:
-            out[name] = fn()
-        except Exception:
-            out[name] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
-    return out
+    return run_named(cases, rank, seed=None)
 
 
 @pytest.fixture(scope="module")
 def results(checkpoints):
     return run_distributed(run_loader_cases, 2, checkpoints, timeout=300)
-
-
-def _case(results, name) -> list[dict]:
-    per_rank = [r[name] for r in results]
-    for res in per_rank:
-        assert "error" not in res, res.get("error")
-    return per_rank
 
 
 # ---- loader tests ---------------------------------------------------------------------------------
@@ -182,7 +167,7 @@ def _case(results, name) -> list[dict]:
 ])
 def test_loader_refuses_tensors_the_config_has_no_place_for(results, name, key):
     """Loading would silently drop them (a different model than the checkpoint's)."""
-    for res in _case(results, name):
+    for res in case_results(results, name):
         assert res["type"] == "ValueError", res
         assert key in res["message"] and "no place for" in res["message"], res
         assert res["bytes_read"] == 0, res
@@ -190,7 +175,7 @@ def test_loader_refuses_tensors_the_config_has_no_place_for(results, name, key):
 
 def test_loader_ignores_old_per_layer_rope_tables(results):
     """rotary_emb.inv_freq of old checkpoints: from_pretrained drops it silently, and so does the loader."""
-    for res in _case(results, "old_inv_freq"):
+    for res in case_results(results, "old_inv_freq"):
         assert res[torch.float32] == "torch.float32", res
         assert res["err"] < REL_TOL and res["equal_to_parallelize"], res
 
@@ -205,79 +190,39 @@ def test_loader_ignores_old_per_layer_rope_tables(results):
 )
 def test_loader_refuses_before_reading(results, case, exc, fragments):
     """A checkpoint or layout the loader cannot use fails naming the problem before any tensor data is read."""
-    for res in _case(results, case):
+    for res in case_results(results, case):
         assert res["type"] == exc, res
         assert all(f in res["message"] for f in fragments), res
         assert res["bytes_read"] == 0, f"{case}: read {res['bytes_read']} bytes before noticing"
 
 
 def test_loader_without_config_json(results):
-    for res in _case(results, "no_config"):
+    for res in case_results(results, "no_config"):
         assert res["type"] == "FileNotFoundError" and "config.json" in res["message"], res
 
 
 def test_loader_threshold_bool_refused(results):
-    for res in _case(results, "threshold_bool"):
+    for res in case_results(results, "threshold_bool"):
         assert res["type"] == "ValueError" and "shift threshold" in res["message"], res
         assert res["bytes_read"] == 0, res
 
 
 def test_loader_dtype_names(results):
     """A bf16 checkpoint: "auto" keeps bf16; "float32" upcasts and matches from_pretrained(dtype=float32)."""
-    for res in _case(results, "dtype_names"):
+    for res in case_results(results, "dtype_names"):
         assert res["auto"] == "torch.bfloat16" and res["float32"] == "torch.float32", res
         assert res["err"] < REL_TOL and res["equal_to_parallelize"], res
 
 
 def test_loader_kv_replication_sharded_checkpoint(results):
     """1 kv head over TP=2 (each rank keeps a copy of it), checkpoint in >= 3 files."""
-    per_rank = _case(results, "mqa_sharded")
+    per_rank = case_results(results, "mqa_sharded")
     for res in per_rank:
         assert res["equal_to_parallelize"] and res["err"] < REL_TOL, res
         assert res["meta"] == [], res
         assert res["shapes"] == res["expected_shapes"], res
         assert res["shapes"]["qkv"][0] < 64 + 2 * 8, "qkv shard is not smaller than the full q/k/v rows"
     assert [r["kv_heads"] for r in per_rank] == [(0,), (0,)]
-
-
-# ---- parallelize input checks (in-process: they fail before any process group is needed) --------
-LAYOUT2 = ParallelLayout(2, sp=2)
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-
-
-@pytest.mark.parametrize(("model_type", "named"), [
-    ("olmo", "model_type 'olmo'"),          # LayerNorm without weights: no rms_norm_eps
-    ("cohere", "model_type 'cohere'"),      # LayerNorm, parallel attention + MLP
-    ("starcoder2", "model_type 'starcoder2'"),
-    ("qwen3_next", "model_type 'qwen3_next'"),  # linear-attention layers have no self_attn
-])
-def test_other_families_fail_naming_the_model_type(model_type, named):
-    from fusedpar.integrations.hf import UnsupportedModelError, parallelize
-
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **SMALL)
-    except ValueError:
-        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(UnsupportedModelError, match=named):
-        parallelize(model, LAYOUT2)
-
-
-def test_layout_must_be_a_parallel_layout():
-    from fusedpar.integrations.hf import parallelize
-
-    with pytest.raises(TypeError, match=r"ParallelLayout.*int"):
-        parallelize(make_model("llama"), 2)
-
-
-@pytest.mark.parametrize("threshold", [True, False, 2.0, "8", -1])
-def test_shift_threshold_must_be_an_int(threshold):
-    """Checked before the process group is: True would otherwise quietly mean threshold 1."""
-    from fusedpar.integrations.hf import parallelize
-
-    with pytest.raises(ValueError, match="shift threshold must be an int >= 0"):
-        parallelize(make_model("llama"), LAYOUT2, shift_threshold=threshold)
 
 
 def test_reader_checks_the_index_against_the_files(tmp_path):
