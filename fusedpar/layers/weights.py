@@ -1,4 +1,4 @@
-"""One rank's decoder weights: base shards plus zero-copy shift views (DESIGN.md section 3)."""
+"""One rank's decoder weights: base shards plus zero-copy shift views."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The rank grid: which global rank plays which (dp, sp, tp) role, and the groups that follow.
 
-Canonical order (DESIGN.md section 2). P = sp * tp ranks form one model replica; DP replicas
-are outermost, so replica d owns ranks d*P .. d*P+P-1. Inside a replica, local rank r has
+Canonical order: P = sp * tp ranks form one model replica; DP replicas are outermost, so
+replica d owns ranks d*P .. d*P+P-1. Inside a replica, local rank r has
     s = r % sp      (position in its SP group: SP groups are contiguous)
     t = r // sp     (position in its TP group: TP groups are strided by sp)
 and the shift group is the replica's ranks in natural order, which makes the shift config

@@ -1,14 +1,20 @@
 """Head placement: which q and kv heads each rank computes and caches, in base and shift mode.
 
+Contract: h q heads, h_kv kv heads on a replica of P = SP*TP ranks need h_kv | h, P | h, and
+h_kv | P or P | h_kv. TP alone need not fit h_kv.
+
 The two modes are derived independently, so that tests prove KV-cache invariance rather than
 assume it:
 
-- base (SP x TP): TP shard t of the weights holds q heads [t*h/TP, (t+1)*h/TP) and the kv heads
-  plain TP would give it (a contiguous range, or one replicated head when TP > h_kv). The
-  Ulysses all-to-all cuts the shard's head columns into SP equal chunks in column order and
-  delivers chunk s to SP rank s; kv heads follow their q heads (when the shard has fewer kv
-  heads than SP ranks, SP rank s receives the shard's kv head (s * n_kv_shard) // SP, i.e. the
-  one its q heads attend to: the replicated-kv plan).
+- base (SP x TP): TP shard t of the weights holds q heads [t*h/TP, (t+1)*h/TP). The Ulysses
+  all-to-all cuts the shard's head columns into SP equal chunks in column order and delivers
+  chunk s to SP rank s; kv heads follow their q heads:
+  * TP | h_kv or h_kv | TP: the shard holds the kv heads plain TP would give it (a contiguous
+    range, or one replicated head); SP rank s receives its 1/SP of them, or, when the shard has
+    fewer kv heads than SP ranks, the one its q heads attend to, (s * n_kv_shard) // SP.
+  * otherwise (then h_kv | P, e.g. 6 q / 2 kv heads on SP=2 x TP=3) the shard's q heads
+    straddle kv groups; each SP chunk lies inside one group (h/P divides h/h_kv), and SP rank s
+    receives that group's kv head: the shard carries each SP block's own kv columns.
 - shift (TP = P = SP*TP over the replica, natural rank order): plain TP=P sharding.
 
 With the canonical rank order (local rank r = t*SP + s) both give rank r the q heads
@@ -35,7 +41,7 @@ def tp_kv_heads(num_kv_heads: int, tp: int, t: int) -> tuple[int, ...]:
 
 def head_count_problems(num_q_heads: int, num_kv_heads: int, sp: int, tp: int) -> list[str]:
     """Every constraint (h, h_kv) breaks on an SP x TP replica, one message each (empty: placeable).
-    Non-positive counts or sizes raise ValueError at once."""
+    Only P = sp*tp matters; tp is taken to name it. Non-positive counts or sizes raise ValueError."""
     positive_int("num_q_heads", num_q_heads)
     positive_int("num_kv_heads", num_kv_heads)
     positive_int("sp", sp)
@@ -55,11 +61,6 @@ def head_count_problems(num_q_heads: int, num_kv_heads: int, sp: int, tp: int) -
         problems.append(
             f"num_kv_heads={num_kv_heads} is neither a multiple nor a divisor of sp*tp={sp}*{tp}={P}: kv heads "
             "are either split evenly or replicated evenly across the replica"
-        )
-    if num_kv_heads % tp and tp % num_kv_heads:
-        problems.append(
-            f"num_kv_heads={num_kv_heads} is neither a multiple nor a divisor of tp={tp}: the base-mode TP "
-            "shards must split or replicate kv heads evenly"
         )
     return problems
 
@@ -129,7 +130,10 @@ class HeadPlacement:
 
     def _base_kv(self, rank: int) -> tuple[int, ...]:
         c = self.layout.coords(rank)
-        shard = tp_kv_heads(self.num_kv_heads, self.layout.tp, c.tp)
+        h_kv, tp = self.num_kv_heads, self.layout.tp
+        if h_kv % tp and tp % h_kv:  # the shard straddles kv groups; this SP chunk lies inside one
+            return (self._base_q(rank)[0] // self.group_size,)
+        shard = tp_kv_heads(h_kv, tp, c.tp)
         m, sp = len(shard), self.layout.sp
         if m >= sp:
             per = m // sp

@@ -3,7 +3,7 @@
 Weights use the Hugging Face / nn.Linear orientation [out_features, in_features]. A shard is
 built by concatenating global row (dim "out") or column (dim "in") ranges of named source
 weights; its shift view is one contiguous range of the shard along the same dim, so in torch
-it is a `narrow` of the base tensor: zero extra bytes (DESIGN.md section 3).
+it is a `narrow` of the base tensor: zero extra bytes.
 
 Column-parallel weights are laid out as SP blocks, block s = what SP peer s needs:
     qkv      block s = [q rows of chunk c | k rows of chunk c | v rows of chunk c], c = t*SP + s
@@ -14,8 +14,11 @@ contiguous input columns of TP shard t; the shift view is sub-range s of them.
 
 kv heads shared by several chunks (kv replication, SP*TP > h_kv) are duplicated in each
 block that needs them ("duplicate_columns" plan): every block stays self-contained and the
-shift view stays one contiguous range. The alternative (unique kv columns, replication in the
-network, paper Algorithm 1) would change only the qkv map; `kv_plan` names the plan in use.
+shift view stays one contiguous range. The same plan covers a TP shard whose q heads straddle
+kv groups (TP neither divides nor is a multiple of h_kv, e.g. 6 q / 2 kv heads on SP=2 x TP=3):
+each SP block carries its own chunk's kv head, so the blocks of one shard hold different kv
+heads. The alternative (unique kv columns, replication in the network, paper Algorithm 1)
+would change only the qkv map; `kv_plan` names the plan in use.
 
 Why duplicate_columns (per rank, base mode, n tokens, SP = SP_AA x SP_AG, SP_AA = h_kv/TP kv
 heads per TP shard, r = SP_AG replicas of each kv head, kv row = 2*hd values):

@@ -1,4 +1,4 @@
-"""Rank grid: groups, coordinates and argument checks of ParallelLayout (DESIGN.md section 2)."""
+"""Rank grid: groups, coordinates and argument checks of ParallelLayout."""
 
 from __future__ import annotations
 

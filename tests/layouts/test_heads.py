@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusedpar import HeadPlacement, ParallelLayout
-from fusedpar.layouts import MODES, check_head_counts, check_mode
+from fusedpar.layouts import MODES, check_head_counts, check_mode, head_count_problems
 
 
 def mentions(msg: str, *numbers: int) -> bool:
@@ -26,18 +26,41 @@ def divisors(n: int) -> list[int]:
 @st.composite
 def accepted_head_configs(draw, max_sp: int = 6, max_tp: int = 6, max_dp: int = 2):
     """(dp, sp, tp, h, h_kv) built to satisfy every constraint, covering the whole accepted set
-    within the bounds: h_kv a multiple of P, or a divisor of P that divides or is a multiple of tp;
-    h a multiple of h_kv and of P."""
+    within the bounds: h_kv a multiple or a divisor of P (whatever tp); h a multiple of h_kv and of P."""
     sp = draw(st.integers(1, max_sp))
     tp = draw(st.integers(1, max_tp))
     dp = draw(st.integers(1, max_dp))
     P = sp * tp
-    small = [k for k in divisors(P) if k % tp == 0 or tp % k == 0]
     big = [P * m for m in (1, 2, 3)]
-    h_kv = draw(st.sampled_from(sorted(set(small + big))))
+    h_kv = draw(st.sampled_from(sorted(set(divisors(P) + big))))
     g_unit = P // math.gcd(P, h_kv)  # smallest GQA group size that makes h divisible by P
     h = h_kv * g_unit * draw(st.integers(1, 3))
     return dp, sp, tp, h, h_kv
+
+
+def contract_configs(max_world: int = 8, max_heads: int = 64) -> list[tuple[int, int, int, int, int]]:
+    """Every (world, sp, tp, h, h_kv) the contract accepts with world <= max_world and h <= max_heads:
+    sp*tp | world, h_kv | h, sp*tp | h, and h_kv | sp*tp or sp*tp | h_kv."""
+    out = []
+    for world in range(1, max_world + 1):
+        for sp in divisors(world):
+            for tp in divisors(world // sp):
+                P = sp * tp
+                for h_kv in range(1, max_heads + 1):
+                    if P % h_kv and h_kv % P:
+                        continue
+                    out += [(world, sp, tp, h, h_kv) for h in range(h_kv, max_heads + 1, h_kv) if h % P == 0]
+    return out
+
+
+CONTRACT = contract_configs()
+# kv heads neither a multiple nor a divisor of tp: a base-mode TP shard straddles kv groups
+STRADDLING = [c for c in CONTRACT if c[4] % c[2] and c[2] % c[4]]
+
+
+def tp_shard_kv_heads(h: int, h_kv: int, tp: int, t: int) -> tuple[int, ...]:
+    """The kv heads the q heads of TP shard t read (plain TP's kv heads whenever tp fits h_kv)."""
+    return tuple(sorted({x // (h // h_kv) for x in plain_tp_q_heads(h, tp, t)}))
 
 
 def plain_tp_q_heads(h: int, n: int, r: int) -> tuple[int, ...]:
@@ -102,7 +125,9 @@ def check_placement(lay: ParallelLayout, hp: HeadPlacement, h: int, h_kv: int) -
         assert shift_kv == plain_tp_kv_heads(h_kv, P, c.local)
         # base mode only uses heads that the rank's TP=tp weight shard t holds
         assert set(base_q) <= set(plain_tp_q_heads(h, tp, c.tp))
-        assert set(base_kv) <= set(plain_tp_kv_heads(h_kv, tp, c.tp))
+        assert set(base_kv) <= set(tp_shard_kv_heads(h, h_kv, tp, c.tp))
+        if h_kv % tp == 0 or tp % h_kv == 0:
+            assert tp_shard_kv_heads(h, h_kv, tp, c.tp) == plain_tp_kv_heads(h_kv, tp, c.tp)
         # dp peers hold the same heads
         peer = c.local
         for mode in MODES:
@@ -114,7 +139,7 @@ def check_placement(lay: ParallelLayout, hp: HeadPlacement, h: int, h_kv: int) -
         t = lay.coords(g[0]).tp
         joined = tuple(x for r in g for x in hp.q_heads(r, "base"))
         assert joined == plain_tp_q_heads(h, tp, t)
-        assert {x for r in g for x in hp.kv_heads(r, "base")} == set(plain_tp_kv_heads(h_kv, tp, t))
+        assert {x for r in g for x in hp.kv_heads(r, "base")} == set(tp_shard_kv_heads(h, h_kv, tp, t))
 
 
 # --------------------------------------------------------------------------- properties
@@ -131,6 +156,40 @@ def test_accepted_configs_place_every_head_consistently(cfg):
     check_placement(lay, hp, h, h_kv)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(CONTRACT))
+def test_every_contract_config_places_every_head_consistently(cfg):
+    world, sp, tp, h, h_kv = cfg
+    lay = ParallelLayout(world, sp=sp, tp=tp)
+    check_placement(lay, lay.head_placement(h, h_kv), h, h_kv)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(STRADDLING))
+def test_straddling_kv_heads_are_placed_consistently(cfg):
+    world, sp, tp, h, h_kv = cfg
+    lay = ParallelLayout(world, sp=sp, tp=tp)
+    check_placement(lay, lay.head_placement(h, h_kv), h, h_kv)
+
+
+def test_no_contract_config_is_rejected():
+    """Every configuration of world <= 8, <= 64 heads that the contract accepts is placed, with
+    KV-cache invariance on every rank; among them the ones whose kv heads straddle TP shards."""
+    assert len(CONTRACT) == 4866
+    assert {(w, sp, tp, h_kv) for w, sp, tp, _, h_kv in STRADDLING} == {(6, 2, 3, 2), (6, 3, 2, 3)}
+    assert len(STRADDLING) == 20
+    for world, sp, tp, h, h_kv in CONTRACT:
+        assert head_count_problems(h, h_kv, sp, tp) == []
+        hp = ParallelLayout(world, sp=sp, tp=tp).head_placement(h, h_kv)
+        for rank in range(world):
+            assert hp.q_heads(rank, "base") == hp.q_heads(rank, "shift")
+            assert hp.kv_heads(rank, "base") == hp.kv_heads(rank, "shift")
+    # one written out for each kind: q heads of each world=6, SP x TP replica, kv heads per rank
+    for rank in range(6):
+        assert ParallelLayout(6, sp=2, tp=3).head_placement(6, 2).kv_heads(rank, "base") == (rank // 3,)
+        assert ParallelLayout(6, sp=3, tp=2).head_placement(6, 3).kv_heads(rank, "base") == (rank // 2,)
+
+
 def violations(sp: int, tp: int, h: int, h_kv: int) -> list[tuple[int, ...]]:
     """The constraints (h, h_kv) break on an sp x tp replica, each as the numbers to be named."""
     P = sp * tp
@@ -141,8 +200,6 @@ def violations(sp: int, tp: int, h: int, h_kv: int) -> list[tuple[int, ...]]:
         out.append((h, P))
     if h_kv % P and P % h_kv:
         out.append((h_kv, P))
-    if h_kv % tp and tp % h_kv:
-        out.append((h_kv, tp))
     return out
 
 
@@ -162,7 +219,8 @@ def test_arbitrary_head_counts_are_placed_or_rejected_with_numbers(sp, tp, h, h_
     with pytest.raises(ValueError) as err:
         lay.head_placement(h, h_kv)
     msg = str(err.value)
-    assert any(mentions(msg, *nums) for nums in broken), (msg, broken)
+    assert all(mentions(msg, *nums) for nums in broken), (msg, broken)
+    assert len(head_count_problems(h, h_kv, sp, tp)) == len(broken) == msg.count(";") + 1
     with pytest.raises(ValueError):
         check_head_counts(h, h_kv, sp, tp)
 
@@ -232,12 +290,23 @@ def test_rejects_kv_heads_incompatible_with_replica():
         ParallelLayout(6, sp=3, tp=2).head_placement(12, 4)
 
 
-def test_rejects_kv_heads_incompatible_with_tp():
-    # h_kv=2 divides P=6, but a TP=3 shard would hold 2/3 of a kv head
-    with pytest.raises(ValueError, match=r"num_kv_heads=2.*tp=3"):
-        ParallelLayout(6, sp=2, tp=3).head_placement(6, 2)
-    with pytest.raises(ValueError, match=r"num_kv_heads=3.*tp=2"):
-        ParallelLayout(6, sp=3, tp=2).head_placement(6, 3)
+def test_example_kv_heads_straddling_tp_shards():
+    # h_kv=2 divides P=6 but not TP=3: TP shard 1 (ranks 2, 3) holds q heads 2 and 3, which read
+    # kv heads 0 and 1; each SP rank receives its own chunk's kv head
+    hp = ParallelLayout(6, sp=2, tp=3).head_placement(6, 2)
+    assert hp.kv_replication == 3
+    for mode in MODES:
+        assert [hp.q_heads(r, mode) for r in range(6)] == [(r,) for r in range(6)]
+        assert [hp.kv_heads(r, mode) for r in range(6)] == [(0,), (0,), (0,), (1,), (1,), (1,)]
+        assert all(hp.q_to_kv_index(r, mode) == (0,) for r in range(6))
+    # h_kv=3 divides P=6 but TP=2 does not divide it: TP shard 0 (ranks 0-2) reads kv heads 0 and 1
+    hp = ParallelLayout(12, sp=3, tp=2).head_placement(12, 3)
+    for mode in MODES:
+        assert [hp.q_heads(r, mode) for r in range(12)] == [(2 * r, 2 * r + 1) for r in range(6)] * 2
+        assert [hp.kv_heads(r, mode) for r in range(12)] == [(r // 2,) for r in range(6)] * 2
+    # the tp rule is gone; the replica rule still names its numbers
+    with pytest.raises(ValueError, match=r"num_kv_heads=4 is neither a multiple nor a divisor of sp\*tp=2\*3=6"):
+        ParallelLayout(6, sp=2, tp=3).head_placement(12, 4)
 
 
 @pytest.mark.parametrize(
@@ -276,26 +345,26 @@ def test_rejects_bad_mode_and_rank():
 
 def test_every_broken_constraint_is_named():
     """head_count_problems / check_head_counts name every constraint a head count breaks, not the first."""
-    from fusedpar.layouts import head_count_problems
-
     assert head_count_problems(16, 4, 2, 2) == []
-    problems = head_count_problems(9, 3, 2, 2)  # 9 q heads on 4 ranks; 3 kv heads vs P=4 and vs tp=2
-    assert len(problems) == 3
+    problems = head_count_problems(9, 3, 2, 2)  # 9 q heads on 4 ranks; 3 kv heads vs P=4
+    assert len(problems) == 2
     assert "num_q_heads=9 is not divisible by sp*tp=2*2=4" in problems[0]
     assert "num_kv_heads=3 is neither a multiple nor a divisor of sp*tp=2*2=4" in problems[1]
-    assert "num_kv_heads=3 is neither a multiple nor a divisor of tp=2" in problems[2]
-    with pytest.raises(ValueError, match=r"not divisible by sp\*tp=2\*2=4: .*; num_kv_heads=3 .*; num_kv_heads=3"):
+    with pytest.raises(ValueError, match=r"not divisible by sp\*tp=2\*2=4: .*; num_kv_heads=3 .*sp\*tp=2\*2=4"):
         ParallelLayout(4, sp=2, tp=2).head_placement(9, 3)
+    problems = head_count_problems(10, 4, 2, 3)  # all three: 10 % 4, 10 % 6, 4 vs 6
+    assert len(problems) == 3
+    assert "num_q_heads=10 is not a multiple of num_kv_heads=4" in problems[0]
+    assert "num_q_heads=10 is not divisible by sp*tp=2*3=6" in problems[1]
+    assert "num_kv_heads=4 is neither a multiple nor a divisor of sp*tp=2*3=6" in problems[2]
 
 
 @pytest.mark.parametrize(("sp", "tp", "needle"), [(-2, -2, "sp must be >= 1, got -2"), (2, 0, "tp must be >= 1, got 0"),
                                                   (0, 2, "sp must be >= 1, got 0"), (1.5, 2, "sp must be an int"),
                                                   (True, 2, "sp must be an int, got True")])
 def test_head_count_checks_refuse_bad_sizes(sp, tp, needle):
-    """The exported checks validate sp and tp themselves (a probe found negative sizes reported as
-    placeable, and sp=0 a ZeroDivisionError)."""
-    from fusedpar.layouts import head_count_problems
-
+    """The exported checks validate sp and tp themselves (no negative size is placeable, sp=0 is no
+    ZeroDivisionError)."""
     for call in (head_count_problems, check_head_counts):
         with pytest.raises(ValueError, match=needle):
             call(8, 2, sp, tp)

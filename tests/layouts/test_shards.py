@@ -1,4 +1,4 @@
-"""Weight shard maps: base shards and zero-copy shift views (DESIGN.md section 3).
+"""Weight shard maps: base shards and zero-copy shift views.
 
 Every expectation is computed here from first principles (plain tensor parallelism of degree n
 over global [out, in] weights), never taken from fusedpar.
@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 from fusedpar import ModelDims, ParallelLayout, WeightShardMap
 from fusedpar.layouts import WEIGHT_NAMES, Segment, WeightShard
-from tests.layouts.test_heads import accepted_head_configs, plain_tp_kv_heads
+from tests.layouts.test_heads import (
+    CONTRACT,
+    STRADDLING,
+    accepted_head_configs,
+    plain_tp_kv_heads,
+    tp_shard_kv_heads,
+)
 
 Row = tuple[str, int]
 
@@ -28,6 +34,15 @@ def shard_configs(draw, max_sp: int = 5, max_tp: int = 5, sp_one: bool = False):
     head_dim = draw(st.integers(1, 3))
     intermediate = sp * tp * draw(st.integers(1, 4))
     return ParallelLayout(dp * sp * tp, sp=sp, tp=tp), ModelDims(h, h_kv, head_dim, intermediate)
+
+
+@st.composite
+def contract_shard_configs(draw, pool=tuple(CONTRACT)):
+    """A configuration the contract accepts (world <= 8, heads <= 64) with a head_dim and MLP size."""
+    world, sp, tp, h, h_kv = draw(st.sampled_from(pool))
+    head_dim = draw(st.integers(1, 2))
+    intermediate = sp * tp * draw(st.integers(1, 3))
+    return ParallelLayout(world, sp=sp, tp=tp), ModelDims(h, h_kv, head_dim, intermediate)
 
 
 def global_sizes(dims: ModelDims) -> dict[str, int]:
@@ -78,7 +93,10 @@ def all_shards(lay: ParallelLayout, wsm: WeightShardMap) -> dict[tuple[int, str]
 @settings(max_examples=120, deadline=None)
 @given(shard_configs())
 def test_shift_view_is_plain_tp_over_the_replica(cfg):
-    lay, dims = cfg
+    check_shift_view_is_plain_tp(*cfg)
+
+
+def check_shift_view_is_plain_tp(lay: ParallelLayout, dims: ModelDims) -> None:
     P, sizes = lay.replica_size, global_sizes(dims)
     wsm = lay.weight_shards(dims)
     for (rank, name), sh in all_shards(lay, wsm).items():
@@ -100,8 +118,11 @@ def test_shift_view_is_plain_tp_over_the_replica(cfg):
 @settings(max_examples=120, deadline=None)
 @given(shard_configs())
 def test_base_shard_is_chunked_for_the_all_to_all(cfg):
+    check_base_shard_is_chunked(*cfg)
+
+
+def check_base_shard_is_chunked(lay: ParallelLayout, dims: ModelDims) -> None:
     # SP peers share one base tensor; block j of it is exactly SP peer j's shift view.
-    lay, dims = cfg
     wsm = lay.weight_shards(dims)
     shards = all_shards(lay, wsm)
     sp = lay.sp
@@ -126,9 +147,12 @@ def test_base_shard_is_chunked_for_the_all_to_all(cfg):
 @settings(max_examples=120, deadline=None)
 @given(shard_configs())
 def test_base_covers_tp_shard_and_tp_group_covers_weight(cfg):
-    lay, dims = cfg
+    check_base_covers_tp_shard_and_tp_group_covers_weight(*cfg)
+
+
+def check_base_covers_tp_shard_and_tp_group_covers_weight(lay: ParallelLayout, dims: ModelDims) -> None:
     tp, sizes = lay.tp, global_sizes(dims)
-    d = dims.head_dim
+    h, h_kv, d = dims.num_q_heads, dims.num_kv_heads, dims.head_dim
     wsm = lay.weight_shards(dims)
     shards = all_shards(lay, wsm)
     # one SP group = one TP shard t of the weights
@@ -141,8 +165,9 @@ def test_base_covers_tp_shard_and_tp_group_covers_weight(cfg):
                 q_got = Counter({k: v for k, v in got.items() if k[0] == "q"})
                 q_want = Counter({k: v for k, v in want.items() if k[0] == "q"})
                 assert q_got == q_want, "each q row of the TP shard exactly once"
+                # k/v: the kv heads the shard's q heads read (plain TP's whenever tp fits h_kv)
                 for src in "kv":
-                    assert {k for k in got if k[0] == src} == {k for k in want if k[0] == src}
+                    assert {k for k in got if k[0] == src} == set(head_rows(src, tp_shard_kv_heads(h, h_kv, tp, t), d))
             else:
                 assert got == want, name
     # a TP group (fixed dp, sp) holds every row/column of every weight
@@ -180,6 +205,49 @@ def test_qkv_shift_block_is_q_then_k_then_v_of_the_rank_heads(cfg):
         assert [r for r in rr if r[0] == "v"] == head_rows("v", kv, d)
         o_cols = rows(wsm.shard(rank, "o").shift_segments())
         assert o_cols == head_rows("o", heads, d), "o columns follow the rank's q heads"
+
+
+def check_shift_views_cover_each_weight(lay: ParallelLayout, dims: ModelDims) -> None:
+    """Over one replica the shift views hold every element once, the k/v rows once per kv replica."""
+    sizes, wsm = global_sizes(dims), lay.weight_shards(dims)
+    rep = max(1, lay.replica_size // dims.num_kv_heads)
+    for g in lay.shift_groups:
+        for name in WEIGHT_NAMES:
+            got = Counter(r for rank in g for r in rows(wsm.shard(rank, name).shift_segments()))
+            want = Counter({r: rep if src in "kv" else 1 for src in SOURCES_OF[name] for r in span(src, 0, sizes[src])})
+            assert got == want, name
+
+
+def check_kv_invariance(lay: ParallelLayout, dims: ModelDims) -> None:
+    """Each rank's base and shift qkv blocks carry the same heads, the ones HeadPlacement assigns it."""
+    hp, wsm, d = lay.head_placement(dims.num_q_heads, dims.num_kv_heads), lay.weight_shards(dims), dims.head_dim
+    for rank in range(lay.world_size):
+        kv = hp.kv_heads(rank, "base")
+        assert kv == hp.kv_heads(rank, "shift") and hp.q_heads(rank, "base") == hp.q_heads(rank, "shift")
+        sh = wsm.shard(rank, "qkv")
+        lo, hi = sh.shift
+        block = rows(sh.base)[lo:hi]  # what this rank receives in base mode = its shift weight
+        assert block == (head_rows("q", hp.q_heads(rank, "base"), d) + head_rows("k", kv, d) + head_rows("v", kv, d))
+
+
+CONTRACT_CHECKS = (check_shift_view_is_plain_tp, check_base_shard_is_chunked,
+                   check_base_covers_tp_shard_and_tp_group_covers_weight, check_shift_views_cover_each_weight,
+                   check_kv_invariance)
+
+
+@settings(max_examples=150, deadline=None)
+@given(contract_shard_configs())
+def test_every_contract_config_shards_every_weight(cfg):
+    """world <= 8, heads <= 64: KV invariance, shift views inside the base shards, full coverage."""
+    for check in CONTRACT_CHECKS:
+        check(*cfg)
+
+
+@settings(max_examples=60, deadline=None)
+@given(contract_shard_configs(pool=tuple(STRADDLING)))
+def test_straddling_kv_heads_shard_every_weight(cfg):
+    for check in CONTRACT_CHECKS:
+        check(*cfg)
 
 
 @settings(max_examples=80, deadline=None)
@@ -230,6 +298,8 @@ def test_memory_is_plain_tp_plus_only_duplicated_kv(cfg, hidden, bpe):
         (8, 2, 4, ModelDims(16, 2, 2, 16)),  # tp > h_kv
         (4, 4, 1, ModelDims(8, 4, 2, 8)),
         (3, 1, 3, ModelDims(6, 3, 2, 9)),
+        (6, 2, 3, ModelDims(6, 2, 2, 6)),  # TP shards straddle the 2 kv heads
+        (6, 3, 2, ModelDims(12, 3, 2, 12)),  # TP shards straddle the 3 kv heads
     ],
 )
 def test_shift_view_is_a_narrow_of_the_base_tensor(world, sp, tp, dims):
@@ -282,6 +352,22 @@ def test_example_sp2_tp2_h8_kv2():
     down3 = wsm.shard(3, "down")
     assert (down3.dim, down3.base, down3.shift) == ("in", (S("down", 4, 8),), (2, 4))
     assert down3.shift_segments() == (S("down", 6, 8),)
+
+
+def test_example_sp2_tp3_h6_kv2():
+    # TP shard 1 = ranks 2, 3 holds q heads 2 and 3, which read kv heads 0 and 1: each SP block
+    # carries its own chunk's kv head
+    lay = ParallelLayout(6, sp=2, tp=3)
+    wsm = lay.weight_shards(ModelDims(num_q_heads=6, num_kv_heads=2, head_dim=2, intermediate_size=6))
+    S = Segment
+    qkv2 = wsm.shard(2, "qkv")
+    assert qkv2.base == (S("q", 4, 6), S("k", 0, 2), S("v", 0, 2), S("q", 6, 8), S("k", 2, 4), S("v", 2, 4))
+    assert (qkv2.shift, wsm.shard(3, "qkv").shift) == ((0, 6), (6, 12))
+    assert wsm.shard(3, "qkv").shift_segments() == (S("q", 6, 8), S("k", 2, 4), S("v", 2, 4))
+    assert wsm.shard(0, "qkv").base == (
+        S("q", 0, 2), S("k", 0, 2), S("v", 0, 2), S("q", 2, 4), S("k", 0, 2), S("v", 0, 2))
+    o3 = wsm.shard(3, "o")
+    assert (o3.base, o3.shift, o3.shift_segments()) == ((S("o", 4, 8),), (2, 4), (S("o", 6, 8),))
 
 
 # --------------------------------------------------------------------------- rejections
