@@ -11,6 +11,7 @@ allreduce doubles the tensor), for routing tests that need no second process.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import tempfile
@@ -36,7 +37,9 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
         # a rank that returned and destroyed its groups then makes the peer fail with "Connection closed by
         # peer" (seen once in CI on test_shape_errors_name_the_numbers). Leave only when every rank is done.
         dist.barrier()
-        results.put((rank, "ok", out))
+        # Pickled by value here: a tensor put on the queue as is travels as a shared-memory handle
+        # that dies with this process, which may exit before the parent unpickles it.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report anything, including KeyboardInterrupt, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -66,7 +69,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 if status == "error":
                     errors.append(f"rank {rank} failed:\n{payload}")
                     break  # the others are likely blocked in a collective; do not wait for them
-                out[rank] = payload
+                out[rank] = pickle.loads(payload)
         except queue.Empty:
             errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
         finally:
