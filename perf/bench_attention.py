@@ -267,14 +267,15 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
     causal = kind == "prefill"
 
     # Accuracy vs SDPA on identical q/k/v: no RoPE, and the cache holds raw k/v (written by the call).
-    fused_out = attention.paged_attention(probe.qkv, **probe.kwargs(rope=False, write_kv=True), config=config)
+    options = attention.AttentionOptions(config=config)
+    fused_out = attention.paged_attention(probe.qkv, **probe.kwargs(rope=False, write_kv=True), options=options)
     q, k, v = probe.sdpa_tensors()  # re-read: decode's new token is now in the cache
     ref = sdpa(q, k, v, causal).transpose(1, 2).reshape(fused_out.shape)
     max_rel_diff = ((fused_out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     del ref, q, k, v
 
     def run_fused(s, rope=True, write_kv=True):
-        attention.paged_attention(s.qkv, **s.kwargs(rope=rope, write_kv=write_kv), config=config)
+        attention.paged_attention(s.qkv, **s.kwargs(rope=rope, write_kv=write_kv), options=options)
 
     baseline_ms = time_ms(lambda qq, kk, vv: sdpa(qq, kk, vv, causal), sdpa_sets, args.iters, args.warmup)
     # The like-for-like baseline of the full path: the same RoPE + cache write done by stock ops.

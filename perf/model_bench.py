@@ -81,7 +81,7 @@ class Model:
         """[S, d] final hidden states -> [S] greedy token ids (int64), identical on every rank."""
         import torch.distributed as dist
 
-        from fusedpar.layers.functional import rms_norm
+        from fusedpar.kernels.reference import rms_norm
 
         logits = torch.nn.functional.linear(rms_norm(h_last, self.norm, self.cfg.rms_norm_eps), self.lm_head)
         best, idx = logits.float().max(dim=-1)

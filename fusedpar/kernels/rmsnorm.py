@@ -10,12 +10,11 @@ and one write, with exactly the reference's rounding points:
     add_rms_norm(x, d, w):     s = (x + d) in dtype (one rounding, as torch's add); y = rms_norm(s, w)
                                returns (s, y): the new residual stream and the normed input
 
-Layers (DESIGN.md section 1): _rms_norm_kernel (@triton.jit) -> rms_norm / add_rms_norm launchers
-(shape/dtype checks, block size, allocation) -> reference functions (rms_norm_reference,
-fusedpar.layers.functional.rms_norm) for tests and the CPU path. Rows of any count, hidden size
-up to 65536 (one row per program, masked to the next power of two). Under TRITON_INTERPRET=1
-the kernel runs on CPU tensors (fp16/fp32; the interpreter has no bf16 arithmetic issue here,
-but tests use fp16/fp32 to match the rest of the suite).
+_rms_norm_kernel (@triton.jit) -> rms_norm / add_rms_norm launchers (shape/dtype checks, block
+size, allocation); rms_norm_reference (fusedpar.kernels.reference.rms_norm) for tests and the CPU
+path. Rows of any count, hidden size up to 65536 (one row per program, masked to the next power
+of two). Under TRITON_INTERPRET=1 the kernel runs on CPU tensors (tests use fp16/fp32, like the
+rest of the suite).
 """
 
 from __future__ import annotations
@@ -24,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedpar.kernels._host import has_internal_overlap, next_pow2, overlaps_other_view
+from fusedpar.kernels import reference
+from fusedpar.kernels._host import SUPPORTED_DTYPES, has_internal_overlap, next_pow2, overlaps_other_view
 
-_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 65536
 
 
@@ -53,8 +52,8 @@ def _check(x: torch.Tensor, w: torch.Tensor, delta: torch.Tensor | None) -> None
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"rms_norm: x must be 2-D [rows, hidden] with contiguous rows, got {tuple(x.shape)} "
                          f"strides {x.stride()}")
-    if x.dtype not in _SUPPORTED or w.dtype != x.dtype:
-        raise TypeError(f"rms_norm: x and weight must share a dtype in {_SUPPORTED}, got {x.dtype} / {w.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
+        raise TypeError(f"rms_norm: x and weight must share a dtype in {SUPPORTED_DTYPES}, got {x.dtype} / {w.dtype}")
     if w.shape != (x.shape[1],):
         raise ValueError(f"rms_norm: weight must be [{x.shape[1]}], got {tuple(w.shape)}")
     if w.stride(0) != 1 and x.shape[1] > 1:  # the kernel reads the weight as w_ptr + column
@@ -120,6 +119,4 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The plain-PyTorch definition (HF Llama semantics), the layers' CPU path."""
-    from fusedpar.layers.functional import rms_norm as reference
-
-    return reference(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)

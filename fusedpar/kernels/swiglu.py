@@ -10,8 +10,8 @@ with torch's roundings: silu in fp32 rounded to the dtype, then the product roun
 (F.silu(gate) * up). In plain PyTorch that is two kernels and a [rows, blocks * I] temporary;
 here one program per (row, column tile) reads gate and up once and writes act once.
 
-Layers (DESIGN.md section 1): _silu_mul_kernel (@triton.jit) -> silu_mul launcher (checks,
-tiling, allocation) -> silu_mul_reference (the plain path; CPU and tests).
+_silu_mul_kernel (@triton.jit) -> silu_mul launcher (checks, tiling, allocation); silu_mul_reference
+(fusedpar.kernels.reference.blocked_swiglu: the plain path, CPU and tests).
 Computing the same thing inside the down projection's GEMM operand load instead (no act tensor)
 was measured 2x slower on the decode path (fusedpar.kernels.gemm_all_reduce docstring).
 """
@@ -21,11 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from fusedpar.kernels._host import cdiv, next_pow2
-
-_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+from fusedpar.kernels import reference
+from fusedpar.kernels._host import INTERPRETED, SUPPORTED_DTYPES, cdiv, next_pow2
 
 
 @triton.jit
@@ -44,16 +42,12 @@ def _silu_mul_kernel(gu_ptr, act_ptr, K, I, stride_gm, stride_gk, stride_am, BLO
              mask=mask)
 
 
-# Triton picks interpreter vs compiler when @triton.jit runs (see gemm.py).
-_INTERPRETED = not isinstance(_silu_mul_kernel, JITFunction)
-
-
 def _check(gu: torch.Tensor, block: int) -> int:
     """Validate and return K = the activation width."""
     if gu.dim() != 2:
         raise ValueError(f"silu_mul: gate_up must be 2-D [rows, blocks * 2 * I], got {tuple(gu.shape)}")
-    if gu.dtype not in _SUPPORTED:
-        raise TypeError(f"silu_mul: dtype must be one of {_SUPPORTED}, got {gu.dtype}")
+    if gu.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"silu_mul: dtype must be one of {SUPPORTED_DTYPES}, got {gu.dtype}")
     if block < 1 or gu.shape[1] % (2 * block):
         raise ValueError(f"silu_mul: gate_up width {gu.shape[1]} is not a multiple of 2 * block ({2 * block}): "
                          "expected per-block [gate | up] chunks of `block` columns each")
@@ -61,11 +55,9 @@ def _check(gu: torch.Tensor, block: int) -> int:
 
 
 def silu_mul_reference(gu: torch.Tensor, block: int) -> torch.Tensor:
-    """The plain-PyTorch definition (fusedpar.layers.functional.blocked_swiglu, the layers' CPU path)."""
-    from fusedpar.layers.functional import blocked_swiglu
-
+    """The plain-PyTorch definition (fusedpar.kernels.reference.blocked_swiglu, the layers' CPU path)."""
     _check(gu, block)
-    return blocked_swiglu(gu, block)
+    return reference.blocked_swiglu(gu, block)
 
 
 def silu_mul(gu: torch.Tensor, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,7 +67,7 @@ def silu_mul(gu: torch.Tensor, block: int, out: torch.Tensor | None = None) -> t
     out: optional [rows, blocks * block] destination with contiguous columns; else a new tensor.
     """
     k = _check(gu, block)
-    if gu.device.type == "cpu" and not _INTERPRETED:
+    if gu.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError("silu_mul on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                            "fusedpar.kernels.swiglu is first imported (or use silu_mul_reference)")
     act = out if out is not None else torch.empty((gu.shape[0], k), dtype=gu.dtype, device=gu.device)

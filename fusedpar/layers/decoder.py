@@ -43,8 +43,7 @@ from fusedpar.collectives import (
     head_to_seq_all_to_all,
     seq_to_head_all_to_all,
 )
-from fusedpar.layers.config import DecoderConfig
-from fusedpar.layers.functional import (
+from fusedpar.kernels.reference import (
     apply_rope,
     blocked_swiglu,
     causal_gqa_attention,
@@ -52,6 +51,7 @@ from fusedpar.layers.functional import (
     rms_norm,
     rope_cos_sin,
 )
+from fusedpar.layers.config import DecoderConfig
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import StepBatch
 from fusedpar.layers.weights import ShardedDecoderWeights
@@ -203,7 +203,8 @@ class ShiftParallelDecoderLayer(nn.Module):
                          ) -> torch.Tensor | None:
         """Triton paged attention of qkv [rows >= n, blk] -> [rows, q*hd] (padding rows zero); with
         scatter (a ScatterOut) the rows go to their owner ranks' staging instead (returns None)."""
-        from fusedpar.kernels.attention import AttentionMetadata, attention_step, paged_attention
+        from fusedpar.kernels.attention import paged_attention
+        from fusedpar.layers.attention import attention_step, step_metadata
 
         cfg, rep = self.cfg, self.w.replicated
         if step.rope_tables is None and cfg.rope_is_default:
@@ -214,7 +215,7 @@ class ShiftParallelDecoderLayer(nn.Module):
         cos, sin = step.rope_tables if step.rope_tables is not None else rope_tables(cfg, step.positions)
         md = step.attn_metadata
         if md is None:
-            md = AttentionMetadata.from_step(step.batch, cache, qkv.device)
+            md = step_metadata(step.batch, cache, qkv.device)
         return paged_attention(
             qkv, num_tokens=step.num_tokens, num_q_heads=self.nq, cu_seqlens_q=md.cu_seqlens_q,
             context_lens=md.context_lens, block_tables=md.block_tables, k_cache=cache.k[self.layer_idx],

@@ -239,8 +239,8 @@ class _StackGraphs:
 
     # ---- capture ------------------------------------------------------------------------------
     def _run(self, st: _StaticStep) -> torch.Tensor:
+        from fusedpar.kernels.reference import rope_cos_sin
         from fusedpar.layers.decoder import StepState
-        from fusedpar.layers.functional import rope_cos_sin
 
         stack = self.stack
         positions, slots = st.index64[0], st.index64[1]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusedpar.kernels.reference import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin, swiglu
 from fusedpar.layers.config import DecoderConfig
-from fusedpar.layers.functional import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin, swiglu
 from fusedpar.layers.policy import StepBatch
 
 

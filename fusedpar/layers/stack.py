@@ -145,9 +145,9 @@ class ShiftParallelStack(nn.Module):
         positions = batch.positions(self.ctx.device)
         metadata = tables = None
         if self.fused is not None:
-            from fusedpar.kernels.attention import AttentionMetadata
+            from fusedpar.layers.attention import step_metadata
 
-            metadata = AttentionMetadata.from_step(batch, cache, device=self.ctx.device)
+            metadata = step_metadata(batch, cache, device=self.ctx.device)
             # scaled RoPE, or positions past the kernel's angle range: cos/sin tables once per step
             if needs_rope_tables(self.cfg, metadata.max_kv_len):
                 tables = rope_tables(self.cfg, positions)

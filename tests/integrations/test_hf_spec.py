@@ -36,7 +36,7 @@ def test_rope_table_is_the_hf_rotary_modules(rope, scaled):
     """DecoderConfig carries the HF rotary module's inv_freq and attention_scaling, and the core's
     cos/sin equal HF's (fp32 angles in HF, fp64 in the core: ~1 ulp)."""
     from fusedpar.integrations.hf import inspect_model
-    from fusedpar.layers.functional import rope_cos_sin
+    from fusedpar.kernels.reference import rope_cos_sin
 
     model = make_model("llama", rope_parameters=rope)
     cfg = inspect_model(model, LAYOUT4).decoder

@@ -3,7 +3,7 @@
 Without a GPU they run on the Triton interpreter (conftest.py sets TRITON_INTERPRET=1) in fp16 and
 fp32; bf16, head_dim 128 and Llama-70B per-rank shapes are `gpu` tests.
 
-The oracle is float64 and built from the reference layer's own math (fusedpar.layers.functional:
+The oracle is float64 and built from the reference layer's own math (fusedpar.kernels.reference:
 rms_norm, rope_cos_sin/apply_rope, causal_gqa_attention), with one deliberate rounding step: new
 k/v are rounded to the cache dtype when stored and q to the model dtype before the products, as
 both the kernel and ShiftParallelDecoderLayer._attention do. Every run poisons what must not be
@@ -24,9 +24,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fusedpar.kernels import attention
-from fusedpar.kernels.attention import AttentionConfig, AttentionMetadata, attention_step, paged_attention
+from fusedpar.kernels._host import INTERPRETED
+from fusedpar.kernels.attention import AttentionConfig, AttentionOptions, paged_attention
+from fusedpar.kernels.attention import config as attention_config
+from fusedpar.kernels.attention import launch as attention_launch
+from fusedpar.kernels.attention import ops as attention_ops
+from fusedpar.kernels.reference import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin
+from fusedpar.layers.attention import attention_step, step_metadata
 from fusedpar.layers.decoder import StepState
-from fusedpar.layers.functional import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import StepBatch, padded_token_count
 from fusedpar.testing.gpu import local_device
@@ -34,7 +39,7 @@ from fusedpar.testing.numerics import assert_close, poison_
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(
-    not (HAS_CUDA or attention._INTERPRETED),
+    not (HAS_CUDA or INTERPRETED),
     reason="no CUDA and fusedpar.kernels.attention was imported without TRITON_INTERPRET=1",
 )
 
@@ -173,6 +178,9 @@ class Run:
             rope_sin=self.sin,
             out=self.out,
         )
+        config = overrides.pop("config", None)
+        if config is not None:
+            kwargs["options"] = AttentionOptions(config=config)
         kwargs.update(overrides)
         return paged_attention(self.qkv, **kwargs)
 
@@ -267,7 +275,7 @@ def test_decode_scattered_cache(nq, nkv, page, dtype):
     r = run_case(Case(seqs, nq, nkv, 16, page=page, dtype=dtype, seed=page))
     assert attention.pick_config(
         head_dim=16, group=nq // nkv, num_seqs=5, num_kv_heads=nkv, max_query_len=1,
-        max_kv_len=max(c for _, c in seqs) + 1, dtype=dtype, num_sms=attention._INTERPRETER_NUM_SMS,
+        max_kv_len=max(c for _, c in seqs) + 1, dtype=dtype, num_sms=attention_config.ATTENTION_INTERPRETER_NUM_SMS,
         interpret=True,
     ).num_splits > 1, "the interpreter heuristic should exercise split-KV here"
     del r
@@ -377,9 +385,9 @@ class _LaunchSpy:
 @pytest.fixture
 def spies(monkeypatch):
     """(write kernel spy, attention kernel spy): which path each launch took."""
-    write, attend = _LaunchSpy(attention._write_kv_kernel), _LaunchSpy(attention._attention_kernel)
-    monkeypatch.setattr(attention, "_write_kv_kernel", write)
-    monkeypatch.setattr(attention, "_attention_kernel", attend)
+    write, attend = _LaunchSpy(attention_launch._write_kv_kernel), _LaunchSpy(attention_launch._attention_kernel)
+    monkeypatch.setattr(attention_launch, "_write_kv_kernel", write)
+    monkeypatch.setattr(attention_launch, "_attention_kernel", attend)
     return write, attend
 
 
@@ -488,7 +496,8 @@ def test_prerotated_q_is_bit_identical_to_in_kernel_q(qk_norm, rope, nq, group, 
         pre = prerotate and transformed
         assert [c["WRITE_Q"] for c in write.calls] == [pre] and write.calls[0]["WRITE_KV"]
         assert attend.calls[0]["HAS_Q_NORM"] == (qk_norm and not pre)
-        assert attend.calls[0]["ROPE"] == (attention.ROPE_NONE if pre or rope is None else write.calls[0]["ROPE"])
+        want_rope = attention_config.ROPE_NONE if pre or rope is None else write.calls[0]["ROPE"]
+        assert attend.calls[0]["ROPE"] == want_rope
         assert attend.calls[0]["Q_BY_TOKEN"] == (transformed and not pre and group == 4)
         assert attend.calls[0]["PDL"] == 0 and not write.calls[0]["LAUNCH_DEPENDENTS"], "no PDL in the interpreter"
         results.append((out.clone(), r.k_cache.clone(), r.v_cache.clone()))
@@ -543,7 +552,7 @@ def test_prerotated_q_without_cache_write(dtype, spies):
     write.calls.clear()
     out = r.launch(write_kv=False, slots=None, config=_prefill_config(4, True))
     assert [(c["WRITE_KV"], c["WRITE_Q"]) for c in write.calls] == [(False, True)]
-    assert not attend.calls[-1]["HAS_Q_NORM"] and attend.calls[-1]["ROPE"] == attention.ROPE_NONE
+    assert not attend.calls[-1]["HAS_Q_NORM"] and attend.calls[-1]["ROPE"] == attention_config.ROPE_NONE
     assert torch.equal(_bits(r.k_cache), _bits(k_after)) and torch.equal(_bits(r.v_cache), _bits(v_after))
     r.check(out)
 
@@ -647,7 +656,7 @@ def test_attention_step_base_and_shift_steps_share_one_cache(nq, nkv, qk_norm):
         step = StepState(mode, batch, rows, batch.positions(DEVICE), slots)
         qkv = torch.full((rows, width), float("nan"), dtype=dtype, device=DEVICE)
         qkv[:n] = torch.randn((n, width), generator=gen).to(DEVICE)
-        md = AttentionMetadata.from_step(batch, cache)
+        md = step_metadata(batch, cache)
         out = attention_step(qkv, step, cache, layer, q_norm=q_norm, k_norm=k_norm, eps=EPS, rope_theta=THETA,
                              kv_index=kv_index, metadata=md if mode == "base" else None)
         assert out.shape == (rows, nq * hd)
@@ -661,15 +670,15 @@ def test_attention_step_base_and_shift_steps_share_one_cache(nq, nkv, qk_norm):
     assert cache.k[0].isnan().all(), "attention_step wrote into another layer"
 
 
-def test_metadata_from_step_layout_and_errors():
+def test_step_metadata_layout_and_errors():
     cache = PagedKVCache(num_layers=1, kv_heads=(0,), head_dim=16, block_size=4, num_blocks=16, dtype=torch.float32)
     first = StepBatch((7, 3), (5, 2), (0, 0))
     cache.begin_step(first)
     batch = StepBatch((3, 9, 7), (1, 6, 1), (2, 0, 5))
     with pytest.raises(ValueError, match=r"sequence 9 has 0 cache blocks but needs 2.*begin_step"):
-        AttentionMetadata.from_step(batch, cache)
+        step_metadata(batch, cache)
     cache.begin_step(batch)
-    md = AttentionMetadata.from_step(batch, cache, "cpu")
+    md = step_metadata(batch, cache, "cpu")
     assert md.cu_seqlens_q.tolist() == [0, 1, 7, 8]
     assert md.context_lens.tolist() == [2, 0, 5]
     assert md.block_tables.dtype == torch.int32 and md.block_tables.shape == (3, 2)
@@ -728,7 +737,7 @@ def test_cpu_tensors_without_interpreter_fail_clearly(monkeypatch):
     if HAS_CUDA:
         pytest.skip("CPU-only check")
     r = _small_run()
-    monkeypatch.setattr(attention, "_INTERPRETED", False)
+    monkeypatch.setattr(attention_launch, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         r.launch()
 
@@ -820,6 +829,7 @@ def test_public_call_eager_launches_directly_and_compiles_to_the_op():
 
 
 def test_reimport_is_idempotent():
+    importlib.reload(attention_ops)  # registers the torch.library ops again
     module = importlib.reload(attention)
     r = _small_run()
     out = module.paged_attention(r.qkv, num_tokens=4, num_q_heads=4, cu_seqlens_q=r.cu, context_lens=r.ctx,
@@ -979,15 +989,15 @@ def test_gpu_pdl_launch_matches_back_to_back_and_survives_capture(nq, nkv, prero
     PDL run the blocks of the launcher's scratch (q scratch, split partials) are refilled with NaN, so
     a read ahead of the wait cannot find the first run's values there; the new cache slots start as
     NaN in every run. (A read ahead of the wait only shows when it beats the write grid, which this
-    GPU may not let happen: with the pre-rotated q's wait removed this test still passed in GPU run
-    179. tests/kernels/test_sm90_compile.py checks the waits and where they sit in the PTX.)
+    GPU may not let happen: with the pre-rotated q's wait removed this test still passed on an H200;
+    tests/kernels/test_sm90_compile.py checks the waits and where they sit in the PTX.)
     (12, 2): G = 6 takes the row-wise q prologue. Decode transforms q in the kernel (pick_config's
     decode choice)."""
-    if torch.cuda.get_device_capability(DEVICE)[0] < 9 or not attention._device_has_pdl(DEVICE):
+    if torch.cuda.get_device_capability(DEVICE)[0] < 9 or not attention_launch._device_has_pdl(DEVICE):
         pytest.skip("PDL needs sm_90+ and a Triton with gdc_wait: the launcher runs the kernels back to back")
     write, attend = spies
-    combine = _LaunchSpy(attention._combine_kernel)
-    monkeypatch.setattr(attention, "_combine_kernel", combine)
+    combine = _LaunchSpy(attention_launch._combine_kernel)
+    monkeypatch.setattr(attention_launch, "_combine_kernel", combine)
     seqs = _PDL_BATCHES[batch]
     case = Case(seqs, nq, nkv, 128, page=16, dtype=torch.bfloat16, qk_norm=True, pad_rows=3, seed=nq)
     max_q, max_kv = max(q for q, _ in seqs), max(q + c for q, c in seqs)
@@ -1021,7 +1031,8 @@ def test_gpu_pdl_launch_matches_back_to_back_and_survives_capture(nq, nkv, prero
         assert split == (max_q == 1), "decode splits its keys here, the prefill does not"
         assert a["LAUNCH_DEPENDENTS"] == (pdl and split)
         assert [(c["PDL"], c.get("launch_pdl", False)) for c in combine.calls] == ([(pdl, pdl)] if split else [])
-        assert a["ROPE"] in (attention.ROPE_NONE, attention.ROPE_THETA_FAST), "bf16 RoPE uses the fast cos/sin"
+        fast_or_none = (attention_config.ROPE_NONE, attention_config.ROPE_THETA_FAST)
+        assert a["ROPE"] in fast_or_none, "bf16 RoPE uses the fast cos/sin"
     assert torch.equal(_bits(outs[0][0]), _bits(outs[1][0])), "PDL changed the attention output"
     assert torch.equal(_bits(outs[0][1]), _bits(outs[1][1])), "PDL changed the cached keys"
 

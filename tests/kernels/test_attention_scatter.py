@@ -21,6 +21,7 @@ import torch
 
 from fusedpar.collectives.symmetric import COUNTER_EPOCH, EmulatedWorld
 from fusedpar.kernels import attention
+from fusedpar.kernels._host import INTERPRETED
 from fusedpar.kernels.attention import AttentionConfig, ScatterOut
 from fusedpar.kernels.ulysses import o_proj_workspace_bytes, o_scatter_target
 from fusedpar.testing.numerics import assert_close
@@ -28,7 +29,7 @@ from fusedpar.testing.ulysses_emulation import emulated_check, scattered_o_proj_
 from tests.kernels.test_attention import Case, Run, out_tolerance
 from tests.kernels.test_ulysses import head_to_seq_reference
 
-pytestmark = pytest.mark.skipif(not attention._INTERPRETED and not torch.cuda.is_available(),
+pytestmark = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1) or a GPU")
 
 TAIL = 512  # staging bytes past the data region: must stay poisoned
@@ -90,7 +91,7 @@ def test_scatter_stores_the_return_all_to_all(W, extra_pad, dtype):
 )
 def test_scatter_through_the_combine_kernel(config):
     """Split-KV: the partials are merged by the combine kernel, which is then the one storing remotely."""
-    if not attention._INTERPRETED:
+    if not INTERPRETED:
         pytest.skip("explicit tilings are an interpreter check of the schedule")
     seqs = [(1, 50), (1, 17), (1, 0), (1, 33), (1, 8)] if config.block_q == 1 else [(1, 50), (3, 17), (12, 30)]
     _check(*_scatter_step(4, seqs, nq=8, nkv=2, hd=16, dtype=torch.float16, config=config, seed=7),

@@ -148,7 +148,8 @@ _ATTN_COMPILE = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from fusedpar.kernels import attention, ulysses
+    from fusedpar.kernels import ulysses
+    from fusedpar.kernels.attention import kernels as attention
 
     def build(fn, types, consts, num_warps, num_stages=2):
         names = list(fn.arg_names)
@@ -226,7 +227,7 @@ _ATTENTION_COMPILE = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from fusedpar.kernels import attention
+    from fusedpar.kernels.attention import kernels as attention
 
     FLOAT_PTRS = {"inv_freq_ptr", "cos_ptr", "sin_ptr", "part_acc_ptr", "part_m_ptr", "part_l_ptr"}
     INT32_PTRS = {"block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr"}
@@ -264,7 +265,7 @@ def test_attention_fast_rope_and_pdl_build_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    fast = 3  # attention.ROPE_THETA_FAST (not imported here: the module is interpreted in this process)
+    fast = 3  # attention.config.ROPE_THETA_FAST (not imported here: the module is interpreted in this process)
     write = {"NQ": 16, "NQ_P2": 16, "NKV": 2, "NKV_P2": 2, "HD": 128, "PAGE": 16, "HAS_Q_NORM": True,
              "HAS_K_NORM": True, "ROPE": fast, "WRITE_KV": True, "WRITE_Q": True, "LAUNCH_DEPENDENTS": True}
     attend = {"NQ": 16, "G": 8, "HD": 128, "PAGE": 16, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_Q": 16,

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
+from fusedpar.kernels.reference import rope_cos_sin
 from fusedpar.layers import DecoderConfig, DenseDecoderStack, StepBatch, random_decoder_weights, weight_shapes
-from fusedpar.layers.functional import rope_cos_sin
 
 CFG = DecoderConfig(hidden_size=16, num_q_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=32,
                     rope_theta=500.0)

@@ -25,7 +25,7 @@ def _staging(size, max_blocks):
 
 @pytest.mark.parametrize(("lengths", "size"), [((5, 1, 12, 7), 4), ((3, 8, 4), 8), ((15,), 1), ((2, 9, 4), 6)])
 def test_fill_decode_inputs_matches_eager_metadata(lengths, size):
-    from fusedpar.kernels.attention import AttentionMetadata
+    from fusedpar.layers.attention import step_metadata
 
     cache, max_blocks = _cache(), 6
     scratch = cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))
@@ -38,7 +38,7 @@ def test_fill_decode_inputs_matches_eager_metadata(lengths, size):
     slots = cache.begin_step(batch, device="cpu")
     host64, host32 = _staging(size, max_blocks)  # poisoned: every element must be written
     fill_decode_inputs(batch, slots, cache, size, max_blocks, scratch_block, host64, host32)
-    md = AttentionMetadata.from_step(batch, cache, device="cpu")
+    md = step_metadata(batch, cache, device="cpu")
     n = len(ids)
     assert host64[0, :n].tolist() == batch.positions().tolist()
     assert host64[1, :n].tolist() == slots.tolist()
@@ -310,7 +310,7 @@ def _split_prefill_staging(host32, max_seqs, max_blocks):
 @pytest.mark.parametrize(("query_lens", "contexts", "size", "max_seqs"),
                          [((7, 1, 4), (0, 5, 9), 24, 4), ((5, 3), (2, 0), 8, 2), ((13,), (0,), 13, 3)])
 def test_fill_prefill_inputs_matches_eager_metadata(query_lens, contexts, size, max_seqs):
-    from fusedpar.kernels.attention import AttentionMetadata
+    from fusedpar.layers.attention import step_metadata
     from fusedpar.layers.graphs import fill_prefill_inputs
 
     cache, max_blocks = _cache(), 7
@@ -325,7 +325,7 @@ def test_fill_prefill_inputs_matches_eager_metadata(query_lens, contexts, size, 
     slots = cache.begin_step(batch, device="cpu")
     host64, host32 = _prefill_staging(size, max_seqs, max_blocks)  # poisoned: every element must be written
     fill_prefill_inputs(batch, slots, cache, size, max_seqs, max_blocks, scratch_block, host64, host32)
-    md = AttentionMetadata.from_step(batch, cache, device="cpu")
+    md = step_metadata(batch, cache, device="cpu")
     n, m = batch.num_tokens, len(ids)
     cu, ctx, tables = _split_prefill_staging(host32, max_seqs, max_blocks)
     assert host64[0, :n].tolist() == batch.positions().tolist() and host64[1, :n].tolist() == slots.tolist()
@@ -369,12 +369,13 @@ def test_prefill_staging_attends_like_the_eager_step(dtype, query_lens, contexts
     """The Triton attention (interpreter) on the padded graph inputs - empty sequence slots, a padding
     sequence over the scratch block, slot -1 - gives the real rows the eager step's outputs and
     writes the cache exactly where the eager step does (nothing else changes: padding writes none)."""
-    from fusedpar.kernels import attention
-    from fusedpar.kernels.attention import AttentionMetadata, paged_attention
+    from fusedpar.kernels._host import INTERPRETED
+    from fusedpar.kernels.attention import paged_attention
+    from fusedpar.layers.attention import step_metadata
     from fusedpar.layers.graphs import fill_prefill_inputs
     from fusedpar.testing.numerics import assert_close, poison_
 
-    if not attention._INTERPRETED:
+    if not INTERPRETED:
         pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1 before fusedpar.kernels.attention loads)")
     nq, nkv, hd = 4, 2, 16
     cache = PagedKVCache(num_layers=1, kv_heads=(0, 1), head_dim=hd, block_size=4, num_blocks=40, dtype=dtype)
@@ -394,7 +395,7 @@ def test_prefill_staging_attends_like_the_eager_step(dtype, query_lens, contexts
                   k_norm=(1 + 0.2 * torch.randn(hd, generator=gen)).to(dtype))
 
     k_eager, v_eager = cache.k[0].clone(), cache.v[0].clone()
-    md = AttentionMetadata.from_step(batch, cache, device="cpu")
+    md = step_metadata(batch, cache, device="cpu")
     out_eager = poison_(torch.empty((n, nq * hd), dtype=dtype))
     paged_attention(qkv[:n], num_tokens=n, cu_seqlens_q=md.cu_seqlens_q, context_lens=md.context_lens,
                     block_tables=md.block_tables, k_cache=k_eager, v_cache=v_eager, slots=slots,

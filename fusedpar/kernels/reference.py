@@ -1,4 +1,10 @@
-"""Plain PyTorch math shared by the reference paths: RMSNorm, RoPE, SwiGLU, causal GQA attention."""
+"""The plain-PyTorch reference of the kernels' math, shared by the layers' reference paths and the tests.
+
+rms_norm (fusedpar.kernels.rmsnorm), swiglu / blocked_swiglu (fusedpar.kernels.swiglu),
+rope_cos_sin / apply_rope and causal_gqa_attention / gqa_attention (the q/k transforms and the
+attention of fusedpar.kernels.attention). Half-precision inputs compute in fp32 like the kernels;
+float64 inputs stay float64 (the tests' oracles).
+"""
 
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, with torch's roundings (silu rounded to the dtype, then the product)."""
     return F.silu(gate) * up
 
 
