@@ -86,7 +86,7 @@ def launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pla
         # The interpreter runs a launch's programs one after another, so a reducer would wait for
         # a unit of a program that has not run yet (on GPUs every program is resident).
         raise ValueError("gemm_all_reduce: split_k > 1 under the interpreter needs the GEMM and reduce phases in "
-                         "separate launches (gemm_all_reduce_emulated with schedule='phased')")
+                         "separate launches (fusedpar.testing.gemm_all_reduce_emulation, schedule='phased')")
     with device_guard(x.device):
         return _gemm_all_reduce_kernel[(min(cfg.num_sms, tiles * split),)](
             x,
@@ -183,10 +183,10 @@ def launch_gemm_all_reduce(
     gemm_all_reduce().
 
     A subset of the phases needs a one-chunk plan: the epoch only advances in the last phase, so
-    the next chunk's phases must wait for it (gemm_all_reduce_emulated interleaves chunks and
-    phases properly). use_flags=False skips the flag protocol: correct only when something else
-    orders the ranks (the phased emulation); a data race on GPUs. Returns the last launch's
-    compiled handle (GPU; PTX/TTGIR inspection).
+    the next chunk's phases must wait for it (fusedpar.testing.gemm_all_reduce_emulation
+    interleaves chunks and phases properly). use_flags=False skips the flag protocol: correct only
+    when something else orders the ranks (the phased emulation); a data race on GPUs. Returns the
+    last launch's compiled handle (GPU; PTX/TTGIR inspection).
     """
     if path not in ("one_shot", "two_shot"):
         raise ValueError(f"launch_gemm_all_reduce: path must be 'one_shot' or 'two_shot', got {path!r}")
@@ -197,7 +197,7 @@ def launch_gemm_all_reduce(
     if len(plan.chunks) > 1 and not (gemm and reduce and (copy or path == "one_shot")):
         raise ValueError(
             f"launch_gemm_all_reduce: a subset of the phases needs a one-chunk plan, this call runs "
-            f"{len(plan.chunks)} chunks (use gemm_all_reduce_emulated, or a bigger workspace)"
+            f"{len(plan.chunks)} chunks (use fusedpar.testing.gemm_all_reduce_emulation, or a bigger workspace)"
         )
     return _run_plan(x, w, out, table.buffer_ptrs, table.signal_ptrs, table.counters, table.rank, table.world_size,
                      plan, gemm=gemm, reduce=reduce, copy=copy, use_flags=use_flags, spin_limit=spin_limit,
