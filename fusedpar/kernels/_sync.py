@@ -152,6 +152,11 @@ def esize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
+def align_up(nbytes: int) -> int:
+    """nbytes rounded up to a multiple of ALIGN_BYTES (the workspace's region alignment)."""
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
 def slot_size(table) -> int:
     """Bytes of one double-buffer slot of a PeerTable: half the data buffer, ALIGN_BYTES-aligned.
 

@@ -1,37 +1,27 @@
 """One-shot all-reduce over a PeerTable: the decode-sized all-reduce of the row-parallel layers.
 
-out = sum over ranks of x, identical bits on every rank (DESIGN.md section 5, item 3).
+out = sum over ranks of x, in fp32 in rank order 0..W-1, identical bits on every rank.
 
-Three layers (DESIGN.md section 1, "@triton.jit kernel -> launcher -> registered torch op"):
-    _one_shot_all_reduce_kernel     the @triton.jit kernel, phases switchable by constexpr
-    one_shot_all_reduce(x, peers)   launcher: checks, config, grid; launches directly in eager,
-                                    goes through the registered op under torch.compile
-    torch.ops.fusedpar.one_shot_all_reduce / one_shot_all_reduce_out
-                                    custom ops with fake impls (torch.compile, CUDA graphs)
-    all_reduce(x, group, workspace) size-based choice: one-shot for small messages, NCCL above.
+Protocol of one launch with epoch e (the PeerTable epoch protocol, fusedpar/kernels/_sync.py):
+program b of rank r, over its tiles t = b, b + G, ... (G programs on every rank):
+    1. COPY_IN: copy x's tiles into r's own data buffer, slot e % 2 (double buffering); CTA
+       barrier; exchange e into flag word [b, r] of every rank (release, system scope).
+    2. REDUCE: wait until flag words [b, 0..W-1] of r's own flags are >= e (acquire, system
+       scope); sum the W ranks' slot-(e % 2) copies of each tile in fp32, in rank order, into
+       out; retire (the last program stores counters[EPOCH] = e).
+One flag round per launch suffices: a rank rewrites slot e % 2 only at launch e + 2, which it
+cannot reach before every peer finished reading launch e.
 
-Protocol of one launch with epoch e (the PeerTable epoch protocol, fusedpar/collectives/symmetric.py;
-its device primitives: fusedpar/kernels/_sync.py)
-    program b of rank r, over its tiles t = b, b + G, b + 2G, ... (G programs on every rank):
-    1. COPY_IN: copy x's tiles into r's own data buffer, slot e % 2 (double buffering);
-       CTA barrier; exchange e into flag word [b, r] of every rank, release, system scope.
-    2. REDUCE: spin (RMW atomics, acquire, system scope) until flag words [b, 0..W-1] of r's
-       own flags are all >= e; CTA barrier; for each tile: sum the W ranks' slot-(e % 2) copies
-       in fp32, in rank order 0..W-1 (same order everywhere -> bitwise-identical results), and
-       store to out; retire (the last program stores counters[EPOCH] = e).
-    One flag round per launch suffices because of the slot parity: a rank rewrites slot e % 2
-    only at launch e + 2, which it cannot reach before every peer finished reading launch e.
+Sections: kernel -> configs and options -> checks and launchers (`launch_one_shot_all_reduce`:
+the raw launcher, phases switchable for the CPU emulation) -> registered ops
+`torch.ops.fusedpar.one_shot_all_reduce` / `_out` (fake impls: torch.compile, CUDA graphs) ->
+`one_shot_all_reduce` -> the router `all_reduce` (one-shot for small messages inside CUDA graphs,
+NCCL otherwise) and `sum_over_group_` (the process group's allreduce without dist's wrapper).
 
-CPU emulation: interpreted programs run one after another, so a rank waiting for a peer would
-spin forever if both phases ran in one launch before the peer's copy-in. The launcher therefore
-runs the phases as separate launches when asked (`launch_one_shot_all_reduce(..., copy_in=...,
-reduce=...)`), and `one_shot_all_reduce_emulated` drives every rank of an EmulatedWorld through
-them: all copy-ins first, then all reduces. The flag code still runs (USE_FLAGS): the flags are
-simply already set when the waits start. Under the interpreter the spin is bounded (SPIN_LIMIT)
-and a missing flag sets counters[STATUS] instead of hanging, so tests can prove the wait is real.
-
-CPU: set TRITON_INTERPRET=1 before this module is first imported (Triton reads it when
-@triton.jit runs); bf16 is fine here (no tl.dot involved).
+CPU: interpreted programs run one after another, so the emulation (fusedpar.testing.
+allreduce_emulation) runs the phases as separate launches, every rank's copy-in first; the flag
+code still runs, and the interpreter's bounded spin turns a missing flag into counters[STATUS].
+Set TRITON_INTERPRET=1 before the first import; bf16 is fine here (no tl.dot).
 """
 
 from __future__ import annotations
@@ -42,12 +32,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from fusedpar.collectives.symmetric import EmulatedWorld, PeerTable, as_peer_table
-from fusedpar.kernels._host import cdiv, require_pow2, require_same_on_ranks
+from fusedpar.collectives.symmetric import PeerTable, as_peer_table
+from fusedpar.kernels._host import INTERPRETED, SUPPORTED_DTYPES, cdiv, require_pow2
 from fusedpar.kernels._sync import (
-    check_emulated_rank,
     flags_of,
     group_size_and_pg,
     launch_epoch,
@@ -59,26 +47,21 @@ from fusedpar.kernels._sync import (
     slot_size,
     wait_flags,
 )
+from fusedpar.kernels.routing import thresholds
 
 __all__ = [
-    "DEFAULT_ONE_SHOT_MAX_BYTES",
+    "AllReduceOptions",
     "OneShotConfig",
     "all_reduce",
+    "default_config",
     "launch_one_shot_all_reduce",
     "one_shot_all_reduce",
-    "one_shot_all_reduce_emulated",
     "one_shot_capacity_bytes",
     "sum_over_group_",
 ]
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Measured on 4 x H200 in CUDA graphs (perf/results/one_shot_all_reduce.json, 2026-11-21): ours
-# beats torch's symm_mem one-shot and NCCL up to 256 KiB (10.4 vs 11.2 / 13.6 us); at 512 KiB
-# torch's one-shot wins (13.3 vs 14.8 us) and from 2 MiB NCCL does. Above this size: NCCL.
-# Eager (no capture) the Triton launch's host cost decides: 20 us vs NCCL's 18-19 us at every
-# size up to 256 KiB, so eager CUDA calls take NCCL (routes_as_captured).
-DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
+# ==================================================================================== kernel
 
 
 @triton.jit
@@ -158,9 +141,7 @@ def _one_shot_all_reduce_kernel(
         retire(counters_ptr, epoch, nprog)
 
 
-# Triton picks interpreter vs compiler when @triton.jit runs, so the kind of object the
-# decorator returned tells whether this process interprets.
-_INTERPRETED = not isinstance(_one_shot_all_reduce_kernel, JITFunction)
+# ======================================================================= configs and options
 
 
 @dataclass(frozen=True)
@@ -169,7 +150,7 @@ class OneShotConfig:
 
     GPU default: 2048 elements = 8 per thread with 8 warps = one 16-byte access per rank per
     thread for bf16; at most 32 programs, well under the 132 SMs of an H200, so every program is
-    co-resident with the peer programs it waits for. Tune with perf/bench_one_shot_all_reduce.py.
+    co-resident with the peer programs it waits for.
     """
 
     block: int = 2048
@@ -191,8 +172,28 @@ _INTERPRETER_CONFIG = OneShotConfig(block=256, num_warps=1, max_blocks=4)
 _GPU_CONFIG = OneShotConfig()  # one instance: the default is taken per call
 
 
-def _default_config() -> OneShotConfig:
-    return _INTERPRETER_CONFIG if _INTERPRETED else _GPU_CONFIG
+def default_config() -> OneShotConfig:
+    """The launch shape used when none is given: small under the interpreter, OneShotConfig() on GPUs."""
+    return _INTERPRETER_CONFIG if INTERPRETED else _GPU_CONFIG
+
+
+@dataclass(frozen=True)
+class AllReduceOptions:
+    """Tuning and A/B switches of all_reduce and one_shot_all_reduce (the defaults: None / True).
+
+    max_one_shot_bytes: all_reduce takes the one-shot up to this many bytes (None: the routing
+        table's all_reduce_one_shot_max_bytes, fusedpar.kernels.routing).
+    config: the one-shot's launch shape (None: default_config()).
+    use_flags: False skips the flag protocol: correct only when something else orders the ranks
+        (a phased emulation); a data race on GPUs.
+    """
+
+    max_one_shot_bytes: int | None = None
+    config: OneShotConfig | None = None
+    use_flags: bool = True
+
+
+_DEFAULT_OPTIONS = AllReduceOptions()
 
 
 def one_shot_capacity_bytes(peers: PeerTable) -> int:
@@ -200,12 +201,15 @@ def one_shot_capacity_bytes(peers: PeerTable) -> int:
     return slot_size(peers)
 
 
+# ==================================================================== checks and launchers
+
+
 def _check(x: torch.Tensor, device: torch.device, slot_bytes: int, out: torch.Tensor | None) -> None:
-    if x.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"one-shot all-reduce supports {_SUPPORTED_DTYPES}, got {x.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"one-shot all-reduce supports {SUPPORTED_DTYPES}, got {x.dtype}")
     if x.device != device:
         raise ValueError(f"one-shot all-reduce: x is on {x.device} but the peer table is on {device}")
-    if x.device.type == "cpu" and not _INTERPRETED:
+    if x.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
             "one-shot all-reduce on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
             "before fusedpar.kernels.allreduce is first imported"
@@ -248,7 +252,7 @@ def _launch(
     n = x.numel()
     if n == 0:
         return None
-    cfg = config or _default_config()
+    cfg = config or default_config()
     grid = min(cdiv(n, cfg.block), cfg.max_blocks, max_blocks)
     return _one_shot_all_reduce_kernel[(grid,)](
         x.contiguous(),
@@ -265,7 +269,7 @@ def _launch(
         COPY_IN=copy_in,
         REDUCE=reduce,
         USE_FLAGS=use_flags,
-        SPIN_LIMIT=resolve_spin_limit(spin_limit, _INTERPRETED, 0),
+        SPIN_LIMIT=resolve_spin_limit(spin_limit, INTERPRETED, 0),
         num_warps=cfg.num_warps,
     )
 
@@ -320,7 +324,7 @@ def launch_one_shot_all_reduce(
     )
 
 
-# ---- registered ops: one opaque node for torch.compile / CUDA graphs --------------------------
+# ============================================================================ registered ops
 # The peer table travels as its tensors + ints (no registry of workspaces: no module globals).
 # counters is declared mutated: it is (the epoch advances), and it keeps the op from being
 # dead-code eliminated or reordered across another launch on the same table, which would
@@ -428,13 +432,15 @@ def _call_op(
     return out
 
 
+# ========================================================================== public functions
+
+
 def one_shot_all_reduce(
     x: torch.Tensor,
     peers,
     *,
     out: torch.Tensor | None = None,
-    use_flags: bool = True,
-    config: OneShotConfig | None = None,
+    options: AllReduceOptions | None = None,
 ) -> torch.Tensor:
     """Sum of x over the ranks of `peers` (a SymmetricWorkspace or PeerTable), one kernel, one flag round.
 
@@ -444,60 +450,23 @@ def one_shot_all_reduce(
     (in place). Capture-safe: allocates only `out` (nothing when out is given).
     Under torch.compile it is the registered op; in eager it launches directly, because the
     custom-op dispatcher's host cost is a sizeable part of a ~10 us decode all-reduce.
+    options: AllReduceOptions (config, use_flags); None: defaults.
     """
+    opts = options or _DEFAULT_OPTIONS
     table = as_peer_table(peers)
     slot_bytes = one_shot_capacity_bytes(table)
     _check(x, table.device, slot_bytes, out)
-    cfg = config or _default_config()
+    cfg = opts.config or default_config()
     if torch.compiler.is_compiling():
-        return _call_op(x, table, out, use_flags, cfg)
+        return _call_op(x, table, out, opts.use_flags, cfg)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_both(x, out, table.buffer_ptrs, table.signal_ptrs, table.counters, table.rank, table.world_size,
-                 slot_bytes, table.max_blocks, use_flags, cfg)
+                 slot_bytes, table.max_blocks, opts.use_flags, cfg)
     return out
 
 
-def one_shot_all_reduce_emulated(
-    world: EmulatedWorld,
-    inputs: list[torch.Tensor],
-    *,
-    outs: list[torch.Tensor] | None = None,
-    use_flags: bool = True,
-    schedule: str = "phased",
-    config: OneShotConfig | None = None,
-) -> list[torch.Tensor]:
-    """One all-reduce on every rank of an EmulatedWorld (CPU, interpreter); rank r's output at [r].
-
-    schedule "phased": every rank's copy-in, then every rank's reduce (two launches per rank).
-    schedule "staggered": copy-in for ranks 0..W-2, the registered op (both phases in ONE launch,
-    the GPU path) for rank W-1, then reduce for ranks 0..W-2: a legal interleaving of the real
-    protocol that exercises the registered op with live flags.
-    Raises RuntimeError if a bounded flag wait timed out (a protocol bug).
-    """
-    W = world.world_size
-    if len(inputs) != W:
-        raise ValueError(f"one_shot_all_reduce_emulated: {len(inputs)} inputs for {W} ranks")
-    require_same_on_ranks("one_shot_all_reduce_emulated", "inputs", inputs)
-    if outs is None:
-        # Contiguous, as the launcher requires (empty_like would keep a transposed input's strides).
-        outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in inputs]
-    if schedule not in ("phased", "staggered"):
-        raise ValueError(f"one_shot_all_reduce_emulated: unknown schedule {schedule!r}")
-
-    def checked(r: int) -> None:
-        check_emulated_rank(world[r], r, "one-shot all-reduce")
-
-    first = range(W) if schedule == "phased" else range(W - 1)
-    for r in first:
-        launch_one_shot_all_reduce(inputs[r], world[r], outs[r], reduce=False, use_flags=use_flags, config=config)
-    if schedule == "staggered":
-        _call_op(inputs[W - 1], world[W - 1], outs[W - 1], use_flags, config or _default_config())
-        checked(W - 1)
-    for r in first:
-        launch_one_shot_all_reduce(inputs[r], world[r], outs[r], copy_in=False, use_flags=use_flags, config=config)
-        checked(r)
-    return outs
+# ==================================================================================== router
 
 
 def all_reduce(
@@ -505,9 +474,8 @@ def all_reduce(
     group,
     workspace=None,
     *,
-    max_one_shot_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
     inplace: bool = False,
-    config: OneShotConfig | None = None,
+    options: AllReduceOptions | None = None,
 ) -> torch.Tensor:
     """Sum of x over `group`: one-shot through `workspace` for small messages, NCCL otherwise.
 
@@ -515,8 +483,10 @@ def all_reduce(
     workspace: SymmetricWorkspace / PeerTable of the same group, or None (always NCCL).
     On CUDA the one-shot is taken only inside a CUDA-graph capture (or routing_as_captured()):
     eager, NCCL's launch is cheaper than ours. The choice depends only on x's size and dtype, the
-    arguments and the capture state, so every rank makes the same one. inplace=True reduces into
-    x (both paths) and returns x; otherwise x is untouched.
+    arguments and the capture state, so every rank makes the same one. Size limit: options'
+    max_one_shot_bytes, else fusedpar.kernels.routing's all_reduce_one_shot_max_bytes (where ours
+    beat torch's symm_mem one-shot and NCCL in CUDA graphs). inplace=True reduces into x (both
+    paths) and returns x; otherwise x is untouched.
     """
     size, pg = group_size_and_pg(group)
     if size == 1:
@@ -525,15 +495,19 @@ def all_reduce(
         table = as_peer_table(workspace)
         if table.world_size != size:
             raise ValueError(f"all_reduce: workspace spans {table.world_size} ranks but the group has {size}")
+        opts = options or _DEFAULT_OPTIONS
+        max_bytes = opts.max_one_shot_bytes
+        if max_bytes is None:
+            max_bytes = thresholds(x.device, size).all_reduce_one_shot_max_bytes
         nbytes = x.numel() * x.element_size()
         if (
-            x.dtype in _SUPPORTED_DTYPES
+            x.dtype in SUPPORTED_DTYPES
             and x.device == table.device
-            and nbytes <= min(max_one_shot_bytes, one_shot_capacity_bytes(table))
+            and nbytes <= min(max_bytes, one_shot_capacity_bytes(table))
         ):
             if inplace and not x.is_contiguous():  # the kernel writes a contiguous out
-                return x.copy_(one_shot_all_reduce(x, table, config=config))
-            return one_shot_all_reduce(x, table, out=x if inplace else None, config=config)
+                return x.copy_(one_shot_all_reduce(x, table, options=opts))
+            return one_shot_all_reduce(x, table, out=x if inplace else None, options=opts)
     return sum_over_group_(x if inplace else x.clone(), pg)
 
 
@@ -545,8 +519,7 @@ def _sum_options():
     opts.reduceOp = dist.ReduceOp.SUM
     # What dist.all_reduce(async_op=False) sets. The default (True) makes NCCL run the collective
     # on its internal stream, fenced by events both ways: the same host cost, but 10-25% more GPU
-    # time per eager decode-size GEMM + all-reduce than the plain path in GPU run 108 (interleaved
-    # samples), where the synchronous form runs on the caller's stream.
+    # time per eager decode-size GEMM + all-reduce than the synchronous form on the caller's stream.
     if hasattr(opts, "asyncOp"):
         opts.asyncOp = False
     return opts
@@ -558,8 +531,8 @@ def sum_over_group_(y: torch.Tensor, pg) -> torch.Tensor:
     What dist.all_reduce(y, group=pg) does, minus its Python wrapper (logging decorator, argument
     and membership checks): the process group's own allreduce with the same options (synchronous,
     asyncOp=False), then wait() (on NCCL: the current stream waits for the collective, no host
-    block). That wrapper is about half of an eager decode all-reduce's host cost
-    (perf/host_cost.py), and eager decode is host-bound. Under torch.compile it is dist.all_reduce
+    block). That wrapper is about half of an eager decode all-reduce's host cost, and eager decode
+    is host-bound. Under torch.compile it is dist.all_reduce
     itself, which dynamo knows how to trace.
     y may be any strided tensor: a non-contiguous one is reduced through a contiguous copy, since the
     process groups want dense tensors (gloo reduced a column slice's storage from its first element as

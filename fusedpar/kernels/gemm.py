@@ -1,36 +1,28 @@
-"""Persistent Triton GEMM over strided weight views: the base of the fused GEMM+collective ops.
+"""Persistent Triton GEMM over strided weight views: the base of the fused GEMM + collective ops.
 
 Math and layout
-    C[M, N] = A[M, K] @ W[N, K]^T, i.e. C[m, n] = sum_k A[m, k] * W[n, k]  (torch.nn.functional.linear
-    without bias). W is in nn.Linear orientation [out_features, in_features]. A, W and C may have
-    ANY strides: shift-mode weights are `narrow` views of the rank's base weight (DESIGN.md
-    section 3) - a row sub-range for column-parallel weights (qkv, gate_up) and a column sub-range
-    for row-parallel ones (o, down; non-contiguous, stride(0) = the base width) - and the kernel
-    reads them in place, so the shift config costs zero weight bytes.
-    Inputs are fp16, bf16 or fp32 (A and W the same); the accumulator is always fp32; C is stored
-    in C's own dtype (the input dtype, or fp32).
+    C[M, N] = A[M, K] @ W[N, K]^T, i.e. C[m, n] = sum_k A[m, k] W[n, k] (F.linear without bias), W in
+    nn.Linear orientation [out_features, in_features]. A, W and C may have ANY strides: shift-mode
+    weights are `narrow` views of the rank's base weight (a row range for column-parallel weights, a
+    column range for row-parallel ones), read in place, so the shift config costs no weight bytes.
+    Inputs fp16 / bf16 / fp32 (A and W alike); fp32 accumulator; C stored in its own dtype (the
+    input dtype or fp32).
 
-Three layers (DESIGN.md section 1, "@triton.jit kernel -> launcher -> registered torch op"):
-    _persistent_matmul_kernel   the @triton.jit kernel
-    matmul(a, w, out=None)      launcher: checks, block-size heuristics, output allocation, grid
-    torch.ops.fusedpar.matmul / torch.ops.fusedpar.matmul_out
-                                custom ops (with fake impls) so torch.compile and CUDA graphs see
-                                one opaque op instead of tracing into Triton.
+Persistence: the grid is min(#SMs, #tiles); program p handles tiles p, p + #SMs, ... in a
+GROUP_M-swizzled order (GROUP_M tile rows sweep the N tiles together, so a band of A rows and the
+W tiles they meet stay in L2). The fused kernels reuse this loop (`tile_coords`, `load_k_tile`,
+`load_w_tile`): resident programs owning a known tile sequence can publish each finished tile.
 
-Persistence: the grid is min(#SMs, #tiles) programs; program p handles output tiles p, p + #SMs,
-p + 2 #SMs, ... in a GROUP_M-swizzled order (GROUP_M consecutive tile rows sweep the N tiles
-together, so a band of A rows and the W tiles they meet stay in L2). The fused ops built on top
-of this kernel need exactly this shape: a fixed set of resident CTAs that own a known sequence of
-tiles and can publish each finished tile (flags, peer stores) from the epilogue.
+Sections: device helpers and kernel -> tiling (GemmConfig, pick_config) -> checks and TMA
+descriptors -> launcher -> registered ops `torch.ops.fusedpar.matmul` / `matmul_out` (fake impls:
+torch.compile and CUDA graphs see one opaque node) -> `matmul` and its reference.
 
-CPU: with TRITON_INTERPRET=1 set before this module is first imported (Triton reads it when
-@triton.jit runs), the same kernel runs on CPU tensors through the Triton interpreter, which
-cannot do tl.dot on bf16: interpret in fp16/fp32, test bf16 on a GPU (DESIGN.md section 6).
+CPU: under TRITON_INTERPRET=1 (set before the first import) the kernel runs on the interpreter,
+which cannot tl.dot bf16: interpret fp16/fp32, test bf16 on a GPU.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -38,25 +30,22 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusedpar.kernels._host import cdiv, check_out_overlap, next_pow2, require_pow2
+from fusedpar.kernels._host import INTERPRETED, SUPPORTED_DTYPES, cdiv, check_out_overlap, next_pow2, require_pow2
+from fusedpar.kernels._sync import device_guard, sm_count
 
-__all__ = ["GemmConfig", "matmul", "matmul_reference", "pick_config", "require_one_block", "split_w_descriptor",
-           "tma_compatible", "tma_descriptors"]
+__all__ = ["GemmConfig", "load_k_tile", "load_w_tile", "matmul", "matmul_reference", "pick_config",
+           "require_one_block", "split_w_descriptor", "tile_coords", "tma_compatible", "tma_descriptors"]
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SMEM_BYTES = 227 * 1024  # Hopper: dynamic shared memory per CTA
 
-_SMEM_BYTES = 227 * 1024  # Hopper: dynamic shared memory per CTA
 
-# Interpreter: a few "SMs" so the persistent loop runs several tiles per program even on the
-# small shapes the CPU tests use.
-_INTERPRETER_NUM_SMS = 4
+# ================================================================================ device side
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
+def tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of linear tile `tile_id` in the GROUP_M-swizzled order.
 
     Tiles are numbered in groups of GROUP_M tile rows; inside a group the order is column-major,
@@ -72,7 +61,7 @@ def _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, stride_ak, stride_wk, stride_wn,
+def load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, stride_ak, stride_wk, stride_wn,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """K step `ki` of the persistent GEMMs by pointer loads: the A tile [rows offs_am, BLOCK_K] and the
     B = W^T tile [BLOCK_K, cols offs_wn] (W read in place through its strides). Past K both are zero,
@@ -92,9 +81,9 @@ def _load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, 
 
 
 @triton.jit
-def _load_w_tile(w_ptr, offs_wn, offs_k_base, ki, K, stride_wk, stride_wn, BLOCK_K: tl.constexpr,
+def load_w_tile(w_ptr, offs_wn, offs_k_base, ki, K, stride_wk, stride_wn, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr):
-    """K step `ki`'s B = W^T tile [BLOCK_K, cols offs_wn] alone (zero past K), as in _load_k_tile."""
+    """K step `ki`'s B = W^T tile [BLOCK_K, cols offs_wn] alone (zero past K), as in load_k_tile."""
     offs_k = ki * BLOCK_K + offs_k_base
     b_ptrs = w_ptr + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
     if EVEN_K:
@@ -144,16 +133,14 @@ def _persistent_matmul_kernel(
     M/N/K edges so no masks) instead of per-thread pointer loads. Needs both operands row-major
     in K (stride 1) with 16-byte aligned bases and row strides (`tma_compatible`).
     FLATTEN: fuse the tile loop and the K loop into one loop for the software pipeliner (the
-    next tile's loads are in flight during this tile's epilogue); False keeps them nested, which
-    with TMA loads was the qkv kernel's fastest tiling at 1024 rows per rank (GPU runs 52-54); the
-    plain GEMM's picks stay flattened (its TMA sweep, run 53, rarely ranked nested first).
+    next tile's loads are in flight during this tile's epilogue); False keeps them nested (with
+    TMA loads the qkv kernel's fastest tiling at 1024 rows per rank).
     BLOCK_N2: a second, narrower column block per tile, so one tile is BLOCK_M x (BLOCK_N + BLOCK_N2)
-    with two accumulators (Triton blocks are powers of two; 256 + 64 = 320 columns is not). Its point
-    is wave quantisation: N = 2560 (Llama-70B / Qwen3-32B qkv at TP=4) and 5120 cut into 320-wide
-    tiles of 64 rows give 128 or 256 tiles at 1024-2048 rows (~97% of 132 SMs), where 128 x 256
-    tiles fill 61% (80 / 160 tiles). 0 = one block (pick_config says when it picks two).
-    (Triton's Hopper warp specialisation is not offered: with 4 warps it failed to build the qkv
-    kernel, GPU run 52, and with 8 it leaves the loop unpartitioned.)
+    with two accumulators (Triton blocks are powers of two; 256 + 64 = 320 columns is not), against
+    wave quantisation: N = 2560 (Llama-70B / Qwen3-32B qkv at TP=4) and 5120 in 64 x 320 tiles give
+    128 or 256 tiles at 1024-2048 rows (~97% of 132 SMs), where 128 x 256 tiles fill 61%.
+    0 = one block (pick_config says when it picks two). Triton's Hopper warp specialisation is not
+    offered: with 4 warps it failed to build the qkv kernel, with 8 it leaves the loop unpartitioned.
     """
     start_pid = tl.program_id(axis=0)
     TILE_N: tl.constexpr = BLOCK_N + BLOCK_N2
@@ -171,7 +158,7 @@ def _persistent_matmul_kernel(
     offs_k_base = tl.arange(0, BLOCK_K)
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
         offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_wn = pid_n * TILE_N + tl.arange(0, BLOCK_N)
         # Ragged M/N edges: clamp out-of-range rows/columns to index 0 (always valid memory)
@@ -192,16 +179,16 @@ def _persistent_matmul_kernel(
                 if BLOCK_N2 > 0:
                     b2 = w2_desc.load([pid_n * TILE_N + BLOCK_N, ki * BLOCK_K]).T
             else:
-                a, b = _load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, stride_ak,
+                a, b = load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, stride_ak,
                                     stride_wk, stride_wn, BLOCK_K, EVEN_K)
                 if BLOCK_N2 > 0:
-                    b2 = _load_w_tile(w_ptr, offs_wn2, offs_k_base, ki, K, stride_wk, stride_wn, BLOCK_K, EVEN_K)
+                    b2 = load_w_tile(w_ptr, offs_wn2, offs_k_base, ki, K, stride_wk, stride_wn, BLOCK_K, EVEN_K)
             accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
             if BLOCK_N2 > 0:
                 accumulator2 = tl.dot(a, b2, accumulator2, input_precision=INPUT_PRECISION)
 
         tile_id_c += NUM_SMS
-        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
         offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_cn = pid_n * TILE_N + tl.arange(0, BLOCK_N)
         c_ptrs = c_ptr + (offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn)
@@ -214,9 +201,7 @@ def _persistent_matmul_kernel(
             tl.store(c2_ptrs, accumulator2.to(c_ptr.dtype.element_ty), mask=c2_mask)
 
 
-# Triton decides interpreter vs compiler when @triton.jit runs (triton/runtime/jit.py reads
-# knobs.runtime.interpret there), so what matters is the kind of object the decorator returned.
-_INTERPRETED = not isinstance(_persistent_matmul_kernel, JITFunction)
+# ==================================================================================== tiling
 
 
 @dataclass(frozen=True)
@@ -258,8 +243,8 @@ def require_one_block(cfg: GemmConfig, op: str) -> None:
         )
 
 
-# Every launch asks for its tiling: cached, since a Python heuristic run per call cost 28-48 us of host
-# time (this CPU), as much as the launch itself; arguments are ints, dtypes and bools.
+# Every launch asks for its tiling: cached, since running the heuristic per call costs tens of us of host
+# time, as much as the launch itself; arguments are ints, dtypes and bools.
 @functools.lru_cache(maxsize=4096)
 def pick_config(
     m: int,
@@ -277,55 +262,30 @@ def pick_config(
     Interpreter: 32x32x32 tiles, GROUP_M=2, so CPU tests are quick yet still see several tiles,
     ragged edges and more than one swizzle group per program.
 
-    GPU: measured on one H200 (perf/tune_gemm.py sweep of 40-70 tilings per shape over the Llama-3-70B
-    and Qwen3-32B TP=4 shapes, perf/results/gemm_tune.json). Hopper has 227 KiB of shared memory
-    per CTA; a config needs num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + BLOCK_M * BLOCK_N * 2.
-      - m <= 64 (decode): weight-read bound, so the grid must cover the SMs: BLOCK_M = next
-        power of two >= m (min 16); BLOCK_N the widest of 128/64/32 that still gives >= 0.6 x #SMs
-        column tiles; BLOCK_K 256 (m <= 16, BLOCK_N <= 64) or 128; 4 warps; as many stages
-        (<= 5) as fit.
+    GPU (tuned on H200 over the Llama-3-70B and Qwen3-32B TP=4 shapes, perf/tune_gemm.py). A config
+    needs num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + BLOCK_M * BLOCK_N * 2 bytes of the 227 KiB
+    of shared memory per CTA.
+      - m <= 64 (decode): weight-read bound, so the grid must cover the SMs: BLOCK_M = next power
+        of two >= m (min 16); BLOCK_N the widest of 128/64/32 that still gives >= 0.6 x #SMs
+        column tiles; BLOCK_K 256 (m <= 16, BLOCK_N <= 64) or 128; 4 warps; as many stages (<= 5)
+        as fit.
       - otherwise by wave quantisation of 128x256 tiles (the fastest tile when it fills the
-        machine): 128x256x64 (8 warps, 3 stages) when those tiles fill their waves >= 84% or
-        form one wave of >= 60% of the SMs; else 128x128x64 (4 warps, 5 stages) when that gives
-        >= 0.6 x #SMs tiles; else 64x128x128 (4 warps, 4 stages). fp32 output never takes
-        128x256 (its epilogue tile alone is 128 KiB).
-    Narrow-N shapes at 512-2048 rows (the qkv GEMM) trail cuBLAS (0.7-0.8x) with these tilings.
-    Cutting K so that such shapes fill all SMs was built and measured slower, so it is not offered
-    (GPU runs 58-59, perf/results/gpu_run_h200x4_run58.log / run59.log, commits 0ded2bf / 12143da,
-    reverted). Stream-K (each SM an equal run of K steps across tile boundaries, partials summed by
-    the last contributor): best stream-K tiling 0.60-0.69x cuBLAS on the six shapes below 0.90x at
-    1024-2048 rows, where whole tiles give 0.70-0.85x. Likely cause: every SM starts at its own K
-    offset, so the operands shared between tiles no longer meet in L2 (Llama qkv x 1024 rows took
-    101 us, about what the 480 MB of its 80 tiles' operands take at HBM speed). A lockstep split-K of
-    the tiles past the last whole wave keeps the SMs in step, but its partial round trip (fp32 stores,
-    the last chunk's loads and sums) cost more than the fuller waves gained (Llama qkv x 1024 rows, 2
-    chunks per tile, the same K steps per SM as whole tiles: 111 us vs 82 us); best split per case
-    0.03-0.05 above whole tiles at Llama qkv x 1024-2048 and Qwen down x 1024 rows, equal or worse
-    elsewhere, all below 0.90x.
-    tma=True (16-bit operands that `tma_compatible` accepts; callers that launch this file's kernel):
-    m > 64 takes TMA loads and, per shape, the best score of four tiles, score = wave fill (tiles /
-    (waves * #SMs)) times the tile's own efficiency: 128x256x64 (8 warps, 4 stages) 1.0, 128x128x64
-    (4 warps, 5 stages) 0.97, 64x128x128 (4 warps, 4 stages) 0.82 - fitted to the TMA sweep of GPU
-    run 53 (perf/tune_gemm.py --tma-only, perf/results/gemm_tune_tma.json): on 22 of its 24 shape x
-    1024-4096-row cases this pick is within 3% of the best of 14 TMA tilings (the other two,
-    Llama-70B qkv and down at 1024 rows, fell outside the sweep's recorded top five). The sweep
-    over all sizes (run 57) put the Triton GEMM at >= 0.90x cuBLAS on 34 of the 40 cases at >= 1024
-    rows (27 before TMA); with the split tile below, 39 of 40 (run 94, perf/results/gemm.json; the
-    40th, Qwen o x 1024 rows, 0.896x there and 0.906x in run 92).
-    The fourth TMA tile is split (BLOCK_N2): 64 x (256 + 64) (4 warps, 4 stages, nested loop), score
-    0.91. 320 columns cut N = 2560 (Llama-70B / Qwen3-32B qkv at TP=4) and N = 5120 (Qwen o, down)
-    into nearly full waves where power-of-two tiles leave 40% of the SMs idle: GPU run 91
-    (perf/tune_gemm.py --split-only, perf/results/gemm_tune_split.json; the pick before it -> this
-    tile, same run) measured Llama qkv x 1024 / 2048 rows 74.3 -> 59.7 / 142.1 -> 120.5 us (cuBLAS
-    58.7 / 112.1), Qwen qkv 48.3 -> 40.4 / 88.3 -> 78.1, Qwen o x 512 / 1024 23.6 -> 19.7 / 38.3 ->
-    35.7, Qwen down x 512 / 1024 59.3 -> 49.9 / 110.4 -> 99.8. Where both fill their waves (N = 5120
-    x 2048 rows) 128x128 is 5-6% faster, which the 0.91 encodes. The narrow second block matters:
-    128 x (128 + 32) ran at ~70% of a 256-wide tile's rate (its 32-column MMAs re-read the A tile
-    from shared memory for few FLOPs; run 89).
-    With N and K both >= 4096 the split tile takes GROUP_M = 16 (all 16 tile rows of 1024 rows in one
-    swizzle group): Qwen down x 1024 rows 101.2 -> 98.1 us, gate_up 199.2 -> 193.5 (run 93); on
-    Qwen qkv (N 2560) and o (K 2048) it was 1-2% slower, so they keep 8.
+        machine): 128x256x64 (8 warps, 3 stages) when those tiles fill their waves >= 84% or form
+        one wave of >= 60% of the SMs; else 128x128x64 (4 warps, 5 stages) when that gives >= 0.6 x
+        #SMs tiles; else 64x128x128 (4 warps, 4 stages). fp32 output never takes 128x256 (its
+        epilogue tile alone is 128 KiB).
+      - tma=True (16-bit operands that `tma_compatible` accepts), m > 64: TMA loads and the best
+        score of four tiles, score = wave fill (tiles / (waves * #SMs)) x the tile's own efficiency:
+        128x256x64 (8 warps, 4 stages) 1.0, 128x128x64 (4 warps, 5 stages) 0.97, 64x128x128 (4
+        warps, 4 stages) 0.82, and the split tile 64 x (256 + 64) (BLOCK_N2; 4 warps, 4 stages,
+        nested loop) 0.91: where both fill their waves (N = 5120 x 2048 rows) 128x128 is 5-6%
+        faster. With N and K both >= 4096 the split tile takes GROUP_M = 16 (all 16 tile rows of
+        1024 rows in one swizzle group); narrower or shallower shapes keep 8.
     fp32 inputs halve BLOCK_K so the operand buffers keep the same byte size.
+    Not offered, measured slower on these shapes: cutting K so narrow-N GEMMs fill every SM,
+    stream-K (every SM starts at its own K offset, so shared operands no longer meet in L2), and
+    a lockstep split-K of the last partial wave (its fp32 partial round trip costs more than the
+    fuller wave gains).
     """
     if interpret:
         return GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1, tma=tma)
@@ -352,7 +312,7 @@ def pick_config(
 
     def max_stages(bm: int, bn: int, bk: int, cap: int = 5) -> int:
         per_stage = (bm + bn) * bk * max(2, in_bytes)
-        return max(2, min(cap, (_SMEM_BYTES - bm * bn * out_bytes) // per_stage))
+        return max(2, min(cap, (SMEM_BYTES - bm * bn * out_bytes) // per_stage))
 
     if m <= 64:
         block_m = max(16, next_pow2(m))
@@ -373,9 +333,7 @@ def pick_config(
     return cfg
 
 
-@functools.cache
-def _device_num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+# ====================================================================== checks and descriptors
 
 
 def _max_offset(t: torch.Tensor) -> int:
@@ -395,9 +353,9 @@ def _check_args(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> N
             f"fusedpar.matmul: inner dims differ: a {tuple(a.shape)} is [M, K] and w {tuple(w.shape)} "
             f"is [N, K] (nn.Linear orientation), so a.shape[1] must equal w.shape[1]"
         )
-    if a.dtype not in _SUPPORTED_DTYPES or w.dtype != a.dtype:
+    if a.dtype not in SUPPORTED_DTYPES or w.dtype != a.dtype:
         raise TypeError(
-            f"fusedpar.matmul: a and w must share one dtype of {_SUPPORTED_DTYPES}, got a {a.dtype}, w {w.dtype}"
+            f"fusedpar.matmul: a and w must share one dtype of {SUPPORTED_DTYPES}, got a {a.dtype}, w {w.dtype}"
         )
     if a.device != w.device:
         raise ValueError(f"fusedpar.matmul: a is on {a.device} but w is on {w.device}")
@@ -440,6 +398,9 @@ def split_w_descriptor(w: torch.Tensor, cfg: GemmConfig, use_tma: bool):
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n2, cfg.block_k])
 
 
+# ================================================================================== launcher
+
+
 def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig | None = None,
             *, fresh_out: bool = False) -> torch.Tensor:
     """Check the arguments and run the kernel into `out` (allocated by the caller); `config` overrides the
@@ -452,7 +413,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
     n = w.shape[0]
     if m == 0 or n == 0:
         return out
-    if a.device.type == "cpu" and not _INTERPRETED:
+    if a.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
             "fusedpar.matmul got CPU tensors but its Triton kernel was compiled for a GPU: set "
             "TRITON_INTERPRET=1 before fusedpar.kernels.gemm is first imported (Triton reads it "
@@ -468,22 +429,16 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
                 "elements; int32 offsets would overflow (split the call)"
             )
 
-    if _INTERPRETED:
-        num_sms = _INTERPRETER_NUM_SMS
-    else:
-        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-        num_sms = _device_num_sms(index)
+    num_sms = sm_count(a.device, INTERPRETED)
     tma_ok = tma_compatible(a, w)
-    cfg = config or pick_config(m, n, k, dtype=a.dtype, out_dtype=out.dtype, num_sms=num_sms, interpret=_INTERPRETED,
-                                tma=tma_ok and not _INTERPRETED)
+    cfg = config or pick_config(m, n, k, dtype=a.dtype, out_dtype=out.dtype, num_sms=num_sms, interpret=INTERPRETED,
+                                tma=tma_ok and not INTERPRETED)
     num_tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.tile_n)
     grid = (min(num_sms, num_tiles),)
     use_tma = cfg.tma and tma_ok
     a_desc, w_desc = tma_descriptors(a, w, cfg.block_m, cfg.block_n, cfg.block_k) if use_tma else (None, None)
     w2_desc = split_w_descriptor(w, cfg, use_tma)
-    # Triton launches on the current CUDA device; make it the tensors' device.
-    guard = torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext()
-    with guard:
+    with device_guard(a.device):  # Triton launches on the current CUDA device
         _persistent_matmul_kernel[grid](
             a,
             w,
@@ -516,7 +471,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmCon
     return out
 
 
-# ---- torch custom ops -------------------------------------------------------------------------
+# ============================================================================= registered ops
 # torch.library.custom_op re-registers cleanly when this module is re-imported (the new
 # definition replaces the old one), so import has no side effect beyond these registrations.
 
@@ -543,6 +498,9 @@ def _matmul_out_op(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
 @_matmul_out_op.register_fake
 def _matmul_out_fake(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     _check_args(a, w, out)
+
+
+# ================================================================================= public API
 
 
 def matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,7 +10,6 @@ real SymmetricWorkspace against NCCL, eager and replayed from a CUDA graph of 10
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -20,21 +19,24 @@ from hypothesis import strategies as st
 
 from fusedpar.collectives.symmetric import COUNTER_EPOCH, EmulatedWorld, SymmetricWorkspace
 from fusedpar.kernels import allreduce as ar
+from fusedpar.kernels import routing
+from fusedpar.kernels._host import INTERPRETED
+from fusedpar.kernels._sync import routing_as_captured
 from fusedpar.kernels.allreduce import (
+    AllReduceOptions,
     OneShotConfig,
     all_reduce,
     launch_one_shot_all_reduce,
     one_shot_all_reduce,
-    one_shot_all_reduce_emulated,
     one_shot_capacity_bytes,
 )
+from fusedpar.testing.allreduce_emulation import one_shot_all_reduce_emulated
 from fusedpar.testing.dist import TwinRankGroup
 from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 from fusedpar.testing.numerics import assert_close, poison_
 
 # Half a unit in the last place of each output dtype, relative: the rounding of the final store.
 _HALF_ULP = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _inputs(world_size: int, shape, dtype, seed: int) -> list[torch.Tensor]:
@@ -111,7 +113,7 @@ def test_bf16_within_one_ulp():
     world = EmulatedWorld(2, 16 * 1024)
     inputs = _inputs(2, (1000,), torch.bfloat16, seed=3)
     outs = one_shot_all_reduce_emulated(world, inputs, outs=_poisoned_like(inputs))
-    _check_sum(outs, inputs, rounding_ulps=2.0 if _INTERPRETED else 1.0)
+    _check_sum(outs, inputs, rounding_ulps=2.0 if INTERPRETED else 1.0)
 
 
 def test_any_shape_and_strides_in_any_shape_out():
@@ -291,7 +293,7 @@ def test_all_reduce_routes_large_messages_and_no_workspace_to_nccl():
     y = all_reduce(x, group, world[0])
     assert pg.calls[0] is y and y is not x and pg.calls[1:] == ["waited"] and torch.equal(y, 2 * x)
     small = torch.randn(10)
-    y = all_reduce(small, group, world[0], max_one_shot_bytes=16)  # over the threshold
+    y = all_reduce(small, group, world[0], options=AllReduceOptions(max_one_shot_bytes=16))  # over the threshold
     assert len(pg.calls) == 4 and torch.equal(y, 2 * small)
     z = small.clone()
     assert all_reduce(z, group, None, inplace=True) is z and torch.equal(z, 2 * small)
@@ -302,7 +304,7 @@ def test_all_reduce_routes_large_messages_and_no_workspace_to_nccl():
 def test_nccl_fallback_is_synchronous_and_needs_no_work():
     """sum_over_group_ passes dist.all_reduce's synchronous options (asyncOp=False: NCCL runs it on
     the caller's stream instead of its own, fenced by events) and accepts NCCL's answer to them, no
-    work object (GPU run 110 failed with 'NoneType' object has no attribute 'wait' before)."""
+    work object (calling wait() on NCCL's None answer failed before)."""
     pg = TwinRankGroup(returns_work=False)
     x = torch.randn(33)
     y = ar.sum_over_group_(x.clone(), pg)
@@ -444,9 +446,8 @@ def test_gpu_one_shot_in_cuda_graph(gpu_world, gpu_workspace):
 @pytest.mark.gpu
 def test_gpu_all_reduce_routes_by_size(gpu_world, gpu_workspace):
     """One-shot for small messages only as a CUDA graph would run it (eager, NCCL's launch is
-    cheaper); NCCL above DEFAULT_ONE_SHOT_MAX_BYTES either way; and inside a real capture."""
-    from fusedpar.kernels.gemm_all_reduce import routing_as_captured
-
+    cheaper); NCCL above the routing table's all_reduce_one_shot_max_bytes either way; and inside
+    a real capture."""
     errors = []
     # (numel, route as captured, expect one-shot): 8 KiB and 2 MiB of bf16
     for numel, captured, one_shot in ((4096, False, False), (4096, True, True), (1 << 20, True, False),
@@ -493,4 +494,4 @@ def test_gpu_all_reduce_routes_by_size(gpu_world, gpu_workspace):
     if err:
         errors.append(err)
     assert all_ranks_ok(not errors), "\n".join(errors)
-    assert ar.DEFAULT_ONE_SHOT_MAX_BYTES == 256 * 1024
+    assert routing.thresholds(x.device, gpu_world.size()).all_reduce_one_shot_max_bytes == 256 * 1024

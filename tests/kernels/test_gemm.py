@@ -23,7 +23,7 @@ from fusedpar.testing.numerics import assert_close, poison_
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(
-    not (HAS_CUDA or gemm._INTERPRETED),
+    not (HAS_CUDA or gemm.INTERPRETED),
     reason="no CUDA and fusedpar.kernels.gemm was imported without TRITON_INTERPRET=1",
 )
 
@@ -281,7 +281,7 @@ def test_bad_arguments_name_the_shapes(a_shape, w_shape, a_dtype, w_dtype, out, 
 
 
 def test_cpu_tensors_without_interpreter_fail_clearly(monkeypatch):
-    monkeypatch.setattr(gemm, "_INTERPRETED", False)
+    monkeypatch.setattr(gemm, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         gemm.matmul(torch.ones(2, 16), torch.ones(3, 16))
 

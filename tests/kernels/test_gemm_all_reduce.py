@@ -23,16 +23,19 @@ from hypothesis import strategies as st
 
 from fusedpar.collectives.symmetric import COUNTER_EPOCH, EmulatedWorld, SymmetricWorkspace
 from fusedpar.kernels import gemm_all_reduce as gar
+from fusedpar.kernels import routing
+from fusedpar.kernels._host import INTERPRETED
 from fusedpar.kernels.gemm import GemmConfig, pick_config
 from fusedpar.kernels.gemm_all_reduce import (
     FusedConfig,
+    GemmAllReduceOptions,
     choose_path,
     fused_plan,
     gemm_all_reduce,
-    gemm_all_reduce_emulated,
     launch_gemm_all_reduce,
 )
 from fusedpar.testing.dist import TwinRankGroup
+from fusedpar.testing.gemm_all_reduce_emulation import gemm_all_reduce_emulated
 from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 from fusedpar.testing.numerics import poison_
 
@@ -41,9 +44,14 @@ CPU_DTYPES = (torch.float16, torch.float32)
 _U = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
 pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() or gar._INTERPRETED),
+    not (torch.cuda.is_available() or INTERPRETED),
     reason="no CUDA and fusedpar.kernels.gemm_all_reduce was imported without TRITON_INTERPRET=1",
 )
+
+
+def _forced(path: str, **kw) -> GemmAllReduceOptions:
+    """Options that force the router onto `path`."""
+    return GemmAllReduceOptions(path=path, **kw)
 
 
 def _weight(kind: str, n: int, k: int, dtype, gen, blocks: int = 3) -> torch.Tensor:
@@ -456,15 +464,16 @@ def test_router_adds_the_residual_on_every_path():
     res = torch.randn((m, n), generator=torch.Generator().manual_seed(5))
     plain = torch.nn.functional.linear(xs[0], ws[0])
     for path in ("one_shot", "two_shot", "local"):
-        got = gemm_all_reduce(xs[0], ws[0], None, t, path=path, residual=res)
+        got = gemm_all_reduce(xs[0], ws[0], None, t, options=_forced(path), residual=res)
         torch.testing.assert_close(got, res + plain, rtol=1e-5, atol=1e-5, msg=lambda msg, p=path: f"{p}: {msg}")
     got = gemm_all_reduce(xs[0], ws[0], SimpleNamespace(size=2, pg=TwinRankGroup()), None, residual=res)
     assert torch.equal(got, res + 2.0 * plain)  # unfused: cuBLAS, all_reduce, then the add
     out = poison_(torch.empty((m, n)))
-    assert gemm_all_reduce(xs[0], ws[0], None, t, path="one_shot", residual=res, out=out) is out
+    assert gemm_all_reduce(xs[0], ws[0], None, t, options=_forced("one_shot"), residual=res, out=out) is out
     torch.testing.assert_close(out, res + plain, rtol=1e-5, atol=1e-5)
     # leading dims flatten for x and the residual alike
-    got3 = gemm_all_reduce(xs[0].reshape(3, 3, k), ws[0], None, t, path="one_shot", residual=res.reshape(3, 3, n))
+    got3 = gemm_all_reduce(xs[0].reshape(3, 3, k), ws[0], None, t, options=_forced("one_shot"),
+                           residual=res.reshape(3, 3, n))
     assert got3.shape == (3, 3, n) and torch.allclose(got3.reshape(m, n), res + plain, rtol=1e-5, atol=1e-5)
 
 
@@ -472,7 +481,7 @@ def test_residual_argument_errors():
     t = _world(1)[0]
     x, w = torch.ones(4, 8, dtype=torch.float16), torch.ones(6, 8, dtype=torch.float16)
     with pytest.raises(ValueError, match="residual must be"):
-        gemm_all_reduce(x, w, None, t, path="one_shot", residual=torch.ones(4, 5, dtype=torch.float16))
+        gemm_all_reduce(x, w, None, t, options=_forced("one_shot"), residual=torch.ones(4, 5, dtype=torch.float16))
     with pytest.raises(ValueError, match="residual must be"):
         launch_gemm_all_reduce(x, w, t, torch.empty(4, 6, dtype=torch.float16), path="one_shot",
                                residual=torch.ones(4, 6, dtype=torch.float32))
@@ -496,17 +505,17 @@ def test_registered_ops_with_residual_pass_opcheck():
 def test_single_rank_public_api_runs_every_phase_in_one_launch(path):
     t = _world(1)[0]
     xs, ws = _inputs(1, 33, 72, 40, torch.float16, seed=12)
-    out = gemm_all_reduce(xs[0], ws[0], None, t, path=path)
+    out = gemm_all_reduce(xs[0], ws[0], None, t, options=_forced(path))
     check_sum([out], xs, ws)
     dst = poison_(torch.empty_like(out))
-    assert gemm_all_reduce(xs[0], ws[0], None, t, path=path, out=dst) is dst
+    assert gemm_all_reduce(xs[0], ws[0], None, t, options=_forced(path), out=dst) is dst
     assert torch.equal(dst, out)
     # Leading dims flatten; out keeps them.
     x3 = xs[0].reshape(3, 11, 40)
-    out3 = gemm_all_reduce(x3, ws[0], None, t, path=path)
+    out3 = gemm_all_reduce(x3, ws[0], None, t, options=_forced(path))
     assert out3.shape == (3, 11, 72) and torch.equal(out3.reshape(33, 72), out)
     assert t.epoch() == 3 and t.status() == 0
-    assert gemm_all_reduce(xs[0][:0], ws[0], None, t, path=path).shape == (0, 72) and t.epoch() == 3
+    assert gemm_all_reduce(xs[0][:0], ws[0], None, t, options=_forced(path)).shape == (0, 72) and t.epoch() == 3
 
 
 @pytest.mark.parametrize("path", ["one_shot", "two_shot"])
@@ -524,7 +533,8 @@ def test_registered_ops_pass_opcheck(path):
 def test_traces_into_one_graph_node():
     t = _world(1)[0]
     xs, ws = _inputs(1, 9, 40, 24, torch.float32, seed=14)
-    f = torch.compile(lambda x, w: gemm_all_reduce(x, w, None, t, path="two_shot") * 2.0, backend="aot_eager",
+    f = torch.compile(lambda x, w: gemm_all_reduce(x, w, None, t, options=_forced("two_shot")) * 2.0,
+                      backend="aot_eager",
                       fullgraph=True)
     got = f(xs[0], ws[0])
     check_sum([got / 2.0], xs, ws)
@@ -549,7 +559,7 @@ def test_fake_impl_shapes():
 def test_choose_path_by_size_and_room():
     big = _world(2, 1 << 22, max_blocks=512)[0]
     tiny = _world(2, 1024)[0]
-    kw = {"one_shot_max_tokens": 8, "two_shot_min_tokens": 64}
+    kw = {"options": GemmAllReduceOptions(one_shot_max_rows=8, two_shot_min_rows=64)}
     assert choose_path(4, 72, 40, torch.float16, 1, None, **kw) == "local"
     assert choose_path(4, 72, 40, torch.float16, 2, None, **kw) == "unfused"
     assert choose_path(4, 72, 40, torch.float16, 2, big, **kw) == "one_shot"
@@ -559,8 +569,9 @@ def test_choose_path_by_size_and_room():
     assert choose_path(64, 72, 40, torch.float16, 2, tiny, **kw) == "unfused"  # no room: fall back
     assert choose_path(4, 72, 40, torch.float16, 4, big, **kw) == "unfused"  # workspace of another size
     assert choose_path(64, 72, 40, torch.int32, 2, big, **kw) == "unfused"
-    # The module's thresholds are what the router uses by default.
-    assert choose_path(gar.ONE_SHOT_MAX_TOKENS, 72, 40, torch.float16, 2, big) == "one_shot"
+    # The routing table's thresholds are what the router uses by default.
+    limit = routing.thresholds(big.device, 2).one_shot_max_rows
+    assert choose_path(limit, 72, 40, torch.float16, 2, big) == "one_shot"
 
 
 def test_auto_route_runs_the_fused_one_shot_with_a_live_peer():
@@ -652,8 +663,8 @@ def test_leading_dims_flatten_and_come_back():
     assert gemm_all_reduce(xs[0].view(2, 3, 40), ws[0], twins, out=out) is out
     assert torch.equal(out.reshape(6, 72), 2.0 * torch.nn.functional.linear(xs[0], ws[0]))
     t1 = _world(1)[0]  # a one-rank table: the fused one-shot in one launch
-    one = gemm_all_reduce(xs[0], ws[0], None, t1, path="one_shot")
-    three = gemm_all_reduce(xs[0].view(3, 2, 40), ws[0], None, t1, path="one_shot")
+    one = gemm_all_reduce(xs[0], ws[0], None, t1, options=_forced("one_shot"))
+    three = gemm_all_reduce(xs[0].view(3, 2, 40), ws[0], None, t1, options=_forced("one_shot"))
     assert three.shape == (3, 2, 72) and torch.equal(three.reshape(6, 72), one)
 
 
@@ -661,24 +672,25 @@ def test_argument_errors():
     t2 = _world(2)[0]
     x, w = torch.ones(4, 8, dtype=torch.float16), torch.ones(6, 8, dtype=torch.float16)
     with pytest.raises(ValueError, match="path must be"):
-        gemm_all_reduce(x, w, None, t2, path="bogus")
+        gemm_all_reduce(x, w, None, t2, options=_forced("bogus"))
     with pytest.raises(ValueError, match="inner dims"):
-        gemm_all_reduce(x, torch.ones(6, 9, dtype=torch.float16), None, t2, path="one_shot")
+        gemm_all_reduce(x, torch.ones(6, 9, dtype=torch.float16), None, t2, options=_forced("one_shot"))
     with pytest.raises(TypeError, match="share one dtype"):
-        gemm_all_reduce(x, w.float(), None, t2, path="one_shot")
+        gemm_all_reduce(x, w.float(), None, t2, options=_forced("one_shot"))
     with pytest.raises(ValueError, match="spans 2 ranks"):
         gemm_all_reduce(x, w, SimpleNamespace(size=4, pg=None), t2)
     with pytest.raises(ValueError, match="group=None"):
         gemm_all_reduce(x, w, None, t2)
     with pytest.raises(ValueError, match="tiles < world size"):  # 1 tile, 2 ranks
-        gemm_all_reduce(x, w, None, t2, path="two_shot")
+        gemm_all_reduce(x, w, None, t2, options=_forced("two_shot"))
     with pytest.raises(ValueError, match="slot"):
-        gemm_all_reduce(torch.ones(40, 8, dtype=torch.float16), w, None, _world(2, 1024)[0], path="one_shot")
+        gemm_all_reduce(torch.ones(40, 8, dtype=torch.float16), w, None, _world(2, 1024)[0],
+                        options=_forced("one_shot"))
     with pytest.raises(ValueError, match="nothing to do"):
         launch_gemm_all_reduce(x, w, t2, torch.empty(4, 6, dtype=torch.float16), gemm=False, reduce=False,
                                copy=False)
     with pytest.raises(ValueError, match="out must be"):
-        gemm_all_reduce(x, w, None, t2, path="one_shot", out=torch.empty(4, 5, dtype=torch.float16))
+        gemm_all_reduce(x, w, None, t2, options=_forced("one_shot"), out=torch.empty(4, 5, dtype=torch.float16))
     plan, why = fused_plan("one_shot", 4, 6, 8, torch.float32, t2, partial_dtype=torch.float16)
     assert plan is None and "partial dtype" in why
     with pytest.raises(ValueError, match="unknown path"):
@@ -818,14 +830,14 @@ def test_gpu_eager_matches_fp32_reference(gpu_world, gpu_workspace):
         for m in GPU_TOKENS:
             x, w = _gpu_operands(m, n, k, salt=m + k)
             for path in _paths_for(m):
-                out = gemm_all_reduce(x, w, gpu_world, gpu_workspace, path=path)
+                out = gemm_all_reduce(x, w, gpu_world, gpu_workspace, options=_forced(path))
                 torch.cuda.synchronize()
                 if gpu_workspace.table.status() != 0:
                     errors.append(f"[{m},{n}] K={k} {path}: a flag wait timed out (STATUS=1)")
                     break
                 # eager "auto" never takes the one-shot (it only pays inside CUDA graphs)
                 eager_route = choose_path(m, n, k, x.dtype, gpu_world.size(), gpu_workspace.table,
-                                          one_shot_max_tokens=0)
+                                          options=GemmAllReduceOptions(one_shot_max_rows=0))
                 if path == "auto" and eager_route == "unfused":
                     # The router's fallback is cuBLAS + all_reduce (NCCL above the one-shot size,
                     # accumulating in bf16): no fp32 bound applies; it must equal that plain path.
@@ -846,7 +858,7 @@ def test_gpu_eager_matches_fp32_reference(gpu_world, gpu_workspace):
 def test_gpu_fp32_partials_and_chunked_prefill(gpu_world, gpu_workspace):
     errors = []
     x, w = _gpu_operands(333, 8192, 2048, salt=7)
-    out = gemm_all_reduce(x, w, gpu_world, gpu_workspace, path="two_shot", partial_dtype=torch.float32)
+    out = gemm_all_reduce(x, w, gpu_world, gpu_workspace, options=_forced("two_shot", partial_dtype=torch.float32))
     err = _gpu_check(out, x, w, "two_shot fp32 partials")
     if err:
         errors.append(err)
@@ -855,7 +867,7 @@ def test_gpu_fp32_partials_and_chunked_prefill(gpu_world, gpu_workspace):
     if plan is None or len(plan.chunks) < 2:
         errors.append(f"expected a chunked plan for 16384 rows: {plan} {why}")
     before = gpu_workspace.table.epoch()
-    out = gemm_all_reduce(x, w, gpu_world, gpu_workspace, path="two_shot")
+    out = gemm_all_reduce(x, w, gpu_world, gpu_workspace, options=_forced("two_shot"))
     torch.cuda.synchronize()
     if plan is not None and gpu_workspace.table.epoch() != before + len(plan.chunks):
         errors.append("epoch did not advance once per chunk")
@@ -880,7 +892,7 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_workspace):
         x, w = _gpu_operands(m, n, k, salt=50 + i)
         xs.append(x)
         ws.append(w)
-        outs.append(gemm_all_reduce(x, w, gpu_world, gpu_workspace, path=path))  # compile outside capture
+        outs.append(gemm_all_reduce(x, w, gpu_world, gpu_workspace, options=_forced(path)))  # compile outside capture
     torch.cuda.synchronize()
     launches = sum(
         len(fused_plan("two_shot" if p == "two_shot" else "one_shot", m, n, k, torch.bfloat16,
@@ -891,7 +903,7 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_workspace):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for (_, path, _, _), x, w, out in zip(cases, xs, ws, outs, strict=True):
-            gemm_all_reduce(x, w, gpu_world, gpu_workspace, path=path, out=out)
+            gemm_all_reduce(x, w, gpu_world, gpu_workspace, options=_forced(path), out=out)
     torch.cuda.synchronize()
     errors = []
     for rep in range(3):
@@ -914,7 +926,7 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_workspace):
 
 @pytest.mark.gpu
 def test_gpu_kernel_pipelines_and_uses_system_scope_flags(gpu_world, gpu_workspace):
-    # DESIGN.md pitfall (e): the GEMM loop must still be software-pipelined (async copies in the
+    # The GEMM loop must still be software-pipelined (async copies in the
     # TTGIR, as in the plain GEMM kernel) with the fused epilogue; flags must be sys-scope acq/rel.
     from fusedpar.kernels import gemm
 
@@ -987,19 +999,19 @@ def test_gpu_residual_epilogue_matches_the_separate_add(gpu_world, gpu_workspace
         x, w = _gpu_operands(m, n, k, salt=500 + m)
         res = _gpu_x(m, n, salt=7).mul_(3.0)
         dist.broadcast(res, 0)  # the same on every rank, like a residual stream
-        plain = gemm_all_reduce(x, w, gpu_world, gpu_workspace, path=path)
+        plain = gemm_all_reduce(x, w, gpu_world, gpu_workspace, options=_forced(path))
         err = _gpu_check(plain, x, w, f"[{m}] {path} plain")
         if err:
             errors.append(err)
         want = res + plain
-        got = gemm_all_reduce(x, w, gpu_world, gpu_workspace, path=path, residual=res)
+        got = gemm_all_reduce(x, w, gpu_world, gpu_workspace, options=_forced(path), residual=res)
         if not torch.equal(got, want):
             errors.append(f"[{m}] {path} eager: fused differs by {(got.float() - want.float()).abs().max().item()}")
         if path == "one_shot":
             out = torch.empty_like(want)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                gemm_all_reduce(x, w, gpu_world, gpu_workspace, path=path, residual=res, out=out)
+                gemm_all_reduce(x, w, gpu_world, gpu_workspace, options=_forced(path), residual=res, out=out)
             poison_(out)
             graph.replay()
             torch.cuda.synchronize()

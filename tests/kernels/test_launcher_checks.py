@@ -14,17 +14,13 @@ import torch
 
 from fusedpar.collectives.symmetric import EmulatedWorld
 from fusedpar.kernels._host import has_internal_overlap, overlaps
-from fusedpar.kernels.allreduce import (
-    OneShotConfig,
-    all_reduce,
-    launch_one_shot_all_reduce,
-    one_shot_all_reduce,
-    one_shot_all_reduce_emulated,
-)
+from fusedpar.kernels.allreduce import OneShotConfig, all_reduce, launch_one_shot_all_reduce, one_shot_all_reduce
 from fusedpar.kernels.gemm import GemmConfig, matmul
-from fusedpar.kernels.gemm_all_reduce import FusedConfig, gemm_all_reduce, gemm_all_reduce_emulated
+from fusedpar.kernels.gemm_all_reduce import FusedConfig, GemmAllReduceOptions, gemm_all_reduce
 from fusedpar.kernels.rmsnorm import add_rms_norm, rms_norm
 from fusedpar.kernels.ulysses import OProjConfig, o_proj_workspace_bytes, qkv_workspace_bytes
+from fusedpar.testing.allreduce_emulation import one_shot_all_reduce_emulated
+from fusedpar.testing.gemm_all_reduce_emulation import gemm_all_reduce_emulated
 from fusedpar.testing.ulysses_emulation import all_to_all_o_proj_emulated, qkv_all_to_all_emulated
 
 EPS = 1e-6
@@ -135,13 +131,17 @@ def test_matmul_out_view_of_other_storage_still_works():
 # ---- gemm_all_reduce (findings 4, 6) --------------------------------------------------------------
 
 
+def _forced(path: str) -> GemmAllReduceOptions:
+    return GemmAllReduceOptions(path=path)
+
+
 @pytest.mark.parametrize("path", ["one_shot", "two_shot"])
 def test_gemm_all_reduce_refuses_out_aliasing_x_or_w(path):
     x, w = torch.randn(40, 64), torch.randn(64, 64)  # K == N, so out may be x itself
     with pytest.raises(ValueError, match="out overlaps x"):
-        gemm_all_reduce(x, w, None, EmulatedWorld(1, 1 << 20)[0], path=path, out=x)
+        gemm_all_reduce(x, w, None, EmulatedWorld(1, 1 << 20)[0], options=_forced(path), out=x)
     with pytest.raises(ValueError, match="out overlaps w"):
-        gemm_all_reduce(torch.randn(64, 64), w, None, EmulatedWorld(1, 1 << 20)[0], path=path, out=w)
+        gemm_all_reduce(torch.randn(64, 64), w, None, EmulatedWorld(1, 1 << 20)[0], options=_forced(path), out=w)
     xs = [torch.randn(40, 64) for _ in range(2)]
     with pytest.raises(ValueError, match="out overlaps x"):
         gemm_all_reduce_emulated(EmulatedWorld(2, 1 << 20), xs, [w, w.clone()], path=path, outs=list(xs))
@@ -152,12 +152,13 @@ def test_gemm_all_reduce_out_may_be_residual_but_no_other_view_of_it(path):
     x, w = torch.randn(9, 16), torch.randn(40, 16)
     res = torch.randn(9, 40)
     want = x.double() @ w.double().t() + res.double()
-    got = gemm_all_reduce(x, w, None, EmulatedWorld(1, 1 << 20)[0], path=path, out=res, residual=res)
+    got = gemm_all_reduce(x, w, None, EmulatedWorld(1, 1 << 20)[0], options=_forced(path), out=res, residual=res)
     assert got is res
     torch.testing.assert_close(res.double(), want, rtol=1e-5, atol=1e-4)
     base = torch.randn(10, 40)
     with pytest.raises(ValueError, match="overlaps residual"):
-        gemm_all_reduce(x, w, None, EmulatedWorld(1, 1 << 20)[0], path=path, out=base[1:], residual=base[:9])
+        gemm_all_reduce(x, w, None, EmulatedWorld(1, 1 << 20)[0], options=_forced(path), out=base[1:],
+                        residual=base[:9])
 
 
 @pytest.mark.parametrize(

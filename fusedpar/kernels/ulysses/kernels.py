@@ -29,7 +29,7 @@ from triton.language.extra.cuda import globaltimer
 
 from fusedpar.collectives.symmetric import NUM_COUNTERS
 from fusedpar.kernels._sync import EPOCH, flags_of, launch_epoch, publish, retire_system, wait_flags
-from fusedpar.kernels.gemm import _load_k_tile, _load_w_tile, _tile_coords
+from fusedpar.kernels.gemm import load_k_tile, load_w_tile, tile_coords
 
 # Flag rows of the tables these kernels use.
 _READY_ROW = tl.constexpr(0)
@@ -139,7 +139,7 @@ def _qkv_all_to_all_kernel(
         offs_k_base = tl.arange(0, BLOCK_K)
 
         for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN):
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+            pid_m, pid_n = tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
             if ROTATE:
                 pid_n = (pid_n + rank * tiles_per_block) % num_pid_n
             blk_id = pid_n // tiles_per_block
@@ -162,16 +162,16 @@ def _qkv_all_to_all_kernel(
                     if BLOCK_N2 > 0:
                         b2 = w2_desc.load([blk_id * BLK + c0 + BLOCK_N, ki * BLOCK_K]).T
                 else:
-                    a, b = _load_k_tile(x_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_xm, stride_xk,
+                    a, b = load_k_tile(x_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_xm, stride_xk,
                                         stride_wk, stride_wn, BLOCK_K, EVEN_K)
                     if BLOCK_N2 > 0:
-                        b2 = _load_w_tile(w_ptr, offs_wn2, offs_k_base, ki, K, stride_wk, stride_wn, BLOCK_K, EVEN_K)
+                        b2 = load_w_tile(w_ptr, offs_wn2, offs_k_base, ki, K, stride_wk, stride_wn, BLOCK_K, EVEN_K)
                 accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
                 if BLOCK_N2 > 0:
                     accumulator2 = tl.dot(a, b2, accumulator2, input_precision=INPUT_PRECISION)
 
             tile_id_c += NUM_SMS
-            pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+            pid_m, pid_n = tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
             if ROTATE:
                 pid_n = (pid_n + rank * tiles_per_block) % num_pid_n
             owner = pid_n // tiles_per_block
@@ -302,7 +302,7 @@ def _all_to_all_o_proj_kernel(
         # so the comm programs cost no GEMM throughput once the exchange is done.
         tile_id = tl.atomic_add(counters_ptr + _TILE, 1, sem="relaxed", scope="gpu")
         while tile_id < num_tiles:
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+            pid_m, pid_n = tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
             offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_wn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_am = tl.where(offs_am < M, offs_am, 0)
