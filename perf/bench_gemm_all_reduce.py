@@ -52,7 +52,7 @@ reduce epilogue).
 --split-sweep (off by default) also times, for decode sizes <= 64 rows, the one-shot in a CUDA graph
 with explicit tilings and split-K factors (SPLIT_SWEEP; records "<shape> graph split-sweep", "sweep":
 true, speedup vs the same point's stock graph baseline): the data behind
-gemm_all_reduce.SPLIT_K_MAX_ROWS, _SPLIT_TILE and the decode BLOCK_K. They carry roofline_pct and
+gemm_all_reduce.SPLIT_K_MAX_ROWS, the split tile and the decode BLOCK_K. They carry roofline_pct and
 floor_ms like the others; the stored ones (runs of 2026-11-21 and -22), written before the sweep
 recorded them, had them recomputed from their own n, k, tokens, world, peak_tflops, hbm_gbps,
 nccl_bus_gbps and fused_ms with the same formula ("roofline_recomputed": true).
@@ -157,6 +157,7 @@ def floors_ms(ctx: Context, tokens: int, n: int, k: int) -> tuple[float, float, 
 def bench_point(ctx: Context, name: str, n: int, k: int, tokens: int, ops: list[tuple[torch.Tensor, torch.Tensor]]):
     """Time every path for one (case, tokens); returns its records (max over ranks everywhere)."""
     gar, group, ws, timer = ctx.gar, ctx.group, ctx.ws, ctx.timer
+    one_shot = gar.GemmAllReduceOptions(path="one_shot")
     dtype = ops[0][0].dtype
     n_sets = len(ops)
     decode = tokens <= DECODE_MAX
@@ -175,7 +176,7 @@ def bench_point(ctx: Context, name: str, n: int, k: int, tokens: int, ops: list[
         return y
 
     def fused(x, w):
-        return gar.gemm_all_reduce(x, w, group, ws, path=fused_path)
+        return gar.gemm_all_reduce(x, w, group, ws, options=gar.GemmAllReduceOptions(path=fused_path))
 
     def routed(x, w):
         return gar.gemm_all_reduce(x, w, group, ws)
@@ -240,7 +241,7 @@ def bench_point(ctx: Context, name: str, n: int, k: int, tokens: int, ops: list[
             timed(
                 "fused graph",
                 [
-                    lambda x=x, w=w, o=o: gar.gemm_all_reduce(x, w, group, ws, path="one_shot", out=o)
+                    lambda x=x, w=w, o=o: gar.gemm_all_reduce(x, w, group, ws, out=o, options=one_shot)
                     for (x, w), o in zip(rotating, outs, strict=True)
                 ],
                 "graph",
@@ -355,9 +356,10 @@ def bench_split_sweep(ctx: Context, name: str, n: int, k: int, tokens: int, ops,
         plan, _ = gar.fused_plan("one_shot", tokens, n, k, dtype, ws.table, config=cfg)
         if plan is None:  # a pure function of shapes: every rank skips alike
             continue
+        swept = gar.GemmAllReduceOptions(path="one_shot", config=cfg)
         try:
             ms = ctx.timer.graph([
-                lambda x=x, w=w, o=o, c=cfg: gar.gemm_all_reduce(x, w, group, ws, path="one_shot", out=o, config=c)
+                lambda x=x, w=w, o=o, c=swept: gar.gemm_all_reduce(x, w, group, ws, out=o, options=c)
                 for (x, w), o in zip(rotating, outs, strict=True)
             ])
         except Exception as exc:  # a tiling that does not compile here: report, keep the others
@@ -390,6 +392,8 @@ def bench_mlp_tail(ctx: Context, name: str, n: int, k: int, tokens: int, weights
     One record, bench gemm_all_reduce, case "<shape> mlp-tail graph"."""
     from fusedpar.kernels.swiglu import silu_mul
 
+    one_shot = ctx.gar.GemmAllReduceOptions(path="one_shot")
+
     gar, group, ws, timer = ctx.gar, ctx.group, ctx.ws, ctx.timer
     if ctx.symm_buf is None:
         return []
@@ -408,7 +412,7 @@ def bench_mlp_tail(ctx: Context, name: str, n: int, k: int, tokens: int, weights
 
     variants = {
         "fused graph": [lambda g=g, w=w, o=o: gar.gemm_all_reduce(
-            silu_mul(g, k), w, group, ws, path="one_shot", residual=res, out=o)
+            silu_mul(g, k), w, group, ws, residual=res, out=o, options=one_shot)
             for (g, w), o in zip(rotating, outs, strict=True)],
         "stock graph": [lambda g=g, w=w, v=v: stock(g, w, v) for (g, w), v in zip(rotating, views, strict=True)],
     }
@@ -424,7 +428,7 @@ def bench_mlp_tail(ctx: Context, name: str, n: int, k: int, tokens: int, weights
         paths_ms[key] = None if worst == float("inf") else worst
     # Spot check (reported, not asserted): fused vs the stock tail on one operand set.
     g, w = rotating[0]
-    got = gar.gemm_all_reduce(silu_mul(g, k), w, group, ws, path="one_shot", residual=res).float()
+    got = gar.gemm_all_reduce(silu_mul(g, k), w, group, ws, residual=res, options=one_shot).float()
     want = stock(g, w, views[0]).float()
     err = max_over_ranks(((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item())
     base, fused = paths_ms.get("stock graph"), paths_ms.get("fused graph")
@@ -535,7 +539,7 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     if rank == 0:
-        # What the router thresholds (gemm_all_reduce.ONE_SHOT_MAX_TOKENS / TWO_SHOT_MIN_TOKENS) should
+        # What the router thresholds (fusedpar.kernels.routing one_shot_max_rows / two_shot_min_rows) should
         # be set from: where each fused path loses to its baseline, and where the router itself does.
         for mode, path in (("eager", "one_shot"), ("graph", "one_shot"), ("eager", "two_shot")):
             lose = sorted({(r["case"].split()[0], r["tokens"]) for r in records

@@ -7,7 +7,7 @@ eager and as a CUDA graph of 10 calls:
     symm_mem   torch.ops.symm_mem.one_shot_all_reduce on a symmetric input (if this torch has it)
     fusedpar   fusedpar one_shot_all_reduce (copies x into the workspace, out of place)
     routed     fusedpar all_reduce(x, group, workspace, inplace=True): the library's router (one-shot
-               inside a graph up to DEFAULT_ONE_SHOT_MAX_BYTES, NCCL otherwise and always eager)
+               inside a graph up to the routing table's all_reduce_one_shot_max_bytes, NCCL otherwise and always eager)
 
 Protocol: warm-up first (Triton compilation, NCCL/graph setup); every
 sample is a stream-ordered device barrier, a CUDA event, 10 calls (or one replay of a 10-call
@@ -98,7 +98,7 @@ def main() -> int:
         return 0
 
     from fusedpar.collectives.symmetric import SymmetricWorkspace
-    from fusedpar.kernels.allreduce import OneShotConfig, all_reduce, one_shot_all_reduce
+    from fusedpar.kernels.allreduce import AllReduceOptions, OneShotConfig, all_reduce, one_shot_all_reduce
 
     _, rank, world = _bench.init_distributed()
     group = dist.group.WORLD
@@ -113,6 +113,7 @@ def main() -> int:
         num_warps=args.num_warps or default_cfg.num_warps,
         max_blocks=args.max_blocks or default_cfg.max_blocks,
     )
+    opts = AllReduceOptions(config=cfg)
     ws = SymmetricWorkspace(group, 2 * max_bytes, max_blocks=max(64, cfg.max_blocks))
     timer = _bench.BarrierTimer(ws.barrier, args.iters, args.warmup)
 
@@ -136,10 +137,10 @@ def main() -> int:
         calls: dict[str, list[Callable[[], object]] | None] = {
             "nccl": [lambda x=x: dist.all_reduce(x, group=group) for x in xs],
             "fusedpar": [
-                lambda x=x, o=o: one_shot_all_reduce(x, ws, out=o, config=cfg) for x, o in zip(xs, outs, strict=True)
+                lambda x=x, o=o: one_shot_all_reduce(x, ws, out=o, options=opts) for x, o in zip(xs, outs, strict=True)
             ],
             "symm_mem": None,
-            "routed": [lambda x=x: all_reduce(x, group, ws, inplace=True, config=cfg) for x in xs],
+            "routed": [lambda x=x: all_reduce(x, group, ws, inplace=True, options=opts) for x in xs],
         }
         if symm_inputs is not None:
             views = [symm_inputs[i % 2][:n] for i in range(CALLS)]
@@ -168,7 +169,7 @@ def main() -> int:
         x = torch.randn(n, generator=gen, device="cuda").to(dtype)
         ref = x.clone()
         dist.all_reduce(ref, group=group)
-        got = one_shot_all_reduce(x, ws, config=cfg)
+        got = one_shot_all_reduce(x, ws, options=opts)
         err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
         res["max_rel_err_vs_nccl"] = max_over_ranks(err)
         return res

@@ -59,7 +59,7 @@ def main() -> int:
         return 0
     from fusedpar.collectives.symmetric import SymmetricWorkspace
     from fusedpar.kernels.allreduce import all_reduce, one_shot_all_reduce, sum_over_group_
-    from fusedpar.kernels.gemm_all_reduce import gemm_all_reduce, required_workspace
+    from fusedpar.kernels.gemm_all_reduce import GemmAllReduceOptions, gemm_all_reduce, required_workspace
 
     _, rank, world = _bench.init_distributed()
     group = dist.group.WORLD
@@ -85,7 +85,7 @@ def main() -> int:
         "pg allreduce": lambda: sum_over_group_(y, group),
         "all_reduce": lambda: all_reduce(y, group, ws, inplace=True),
         "gar routed": lambda: gemm_all_reduce(x, w, group, ws),
-        "gar one_shot": lambda: gemm_all_reduce(x, w, group, ws, path="one_shot"),
+        "gar one_shot": lambda: gemm_all_reduce(x, w, group, ws, options=GemmAllReduceOptions(path="one_shot")),
         "one_shot_ar": lambda: one_shot_all_reduce(y, ws, out=out),
         "capturing?": torch.cuda.is_current_stream_capturing,
     }

@@ -43,7 +43,7 @@ def main() -> int:
     _, rank, _ = _bench.init_distributed()
     from fusedpar.collectives.symmetric import SymmetricWorkspace
     from fusedpar.kernels.allreduce import sum_over_group_
-    from fusedpar.kernels.gemm_all_reduce import gemm_all_reduce
+    from fusedpar.kernels.gemm_all_reduce import GemmAllReduceOptions, gemm_all_reduce
 
     group = dist.group.WORLD
     ws = SymmetricWorkspace(group, 64 << 20, max_blocks=256)
@@ -69,7 +69,7 @@ def main() -> int:
             plain(x, w)
 
         def fused(x, w):
-            gemm_all_reduce(x, w, group, ws, path="one_shot")
+            gemm_all_reduce(x, w, group, ws, options=GemmAllReduceOptions(path="one_shot"))
 
         variants = {name: [lambda x=x, w=w, f=f: f(x, w) for x, w in ops]
                     for name, f in (("plain", plain), ("pg direct", pg_direct), ("routed", routed),
