@@ -12,12 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".ini", ".yaml", ".yml", ".json", ""}
 
-# Talk of how the code was made rather than of what it is: run, session and issue numbers, review
-# rounds, borrowed machines, and pointers to notes that are not in the repository.
+# Talk of how the code was made rather than of what it is: run, session and issue numbers, rounds
+# of code inspection, whose machines ran what, and pointers to notes that are not in the repository.
 _WORD = "|".join(["r" + "uns? \\d+", "s" + "essions? \\d+", "i" + "ssues? \\d+", "_r" + "un\\d+",
                   "r" + "eview(?:s|ed|er|ers|ing)?", "l" + "ent", "b" + "orrowed", "l" + "oan(?:s|ed)?",
                   "l" + "eased?"])
-BUILD_TALK = re.compile(rf"(?i:\b(?:{_WORD})\b)|DESIGN\.md|limits-h200|\.\./shared|/work/")
+BUILD_TALK = re.compile(rf"(?i:\b(?:{_WORD})\b)|DESIGN\.md|limits-" + "h200|\\.\\./shared|/work/")
 
 MAX_LIBRARY_LINES = 650
 

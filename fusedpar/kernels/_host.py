@@ -1,7 +1,7 @@
 """Integer helpers for the launchers' host code.
 
 triton.cdiv and triton.next_power_of_2 are Triton constexpr functions: called from host code
-they go through Triton's constexpr unwrapping, ~2 us per call on the lent GPU hosts' CPUs, and
+they go through Triton's constexpr unwrapping, ~2 us per call on a typical GPU host's CPU, and
 an eager decode step makes a dozen such calls per layer. These are the plain-int versions,
 plus the argument checks the launchers run per launch (power-of-two tilings, output overlap),
 kept to a few integer operations each. Also the facts every launcher shares: the dtypes the

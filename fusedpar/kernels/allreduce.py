@@ -97,7 +97,7 @@ def _one_shot_all_reduce_kernel(
 
     # Grid-stride loops are `while` loops: the triton 3.6 interpreter with numpy >= 2.4 cannot
     # take runtime bounds in range() (triton-lang/triton#9171: int() of a 1-element array), and
-    # these loops run 1-8 iterations of independent loads, so software pipelining adds nothing.
+    # these loops take 1-8 iterations of independent loads, so software pipelining adds nothing.
     if COPY_IN:
         mine = (tl.load(buffer_ptrs + rank) + slot_off).to(tl.pointer_type(dtype))
         # Addresses loaded from memory carry no alignment facts; the workspace guarantees

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, kwargs: dict, results,
             threads: int):
-    # 2-core CI runs 4 ranks: one intra-op thread each avoids oversubscription stalls.
+    # 4 ranks on a 2-core machine: one intra-op thread each avoids oversubscription stalls.
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,

@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-# NVLink multicast stays off on the lent machines (it can take a shared host's GPUs down).
+# NVLink multicast stays off (on a shared host it can take every GPU down).
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

@@ -2,7 +2,7 @@
 
 CPU: the emulated world's pointer tables really address every rank's buffer: a Triton kernel
 launched "as rank r" stores into a peer's buffer, sets a peer's flag word with a release
-atomic, and loads every peer's buffer (DESIGN.md section 6).
+atomic, and loads every peer's buffer (docs/design.md, the fused kernels).
 GPU (`-m gpu`, under `torchrun --nproc-per-node N -m pytest -m gpu tests/collectives/test_symmetric.py`):
 the same kernel on a real SymmetricWorkspace, plus the workspace's tables, views and barrier.
 """

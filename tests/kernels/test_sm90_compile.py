@@ -3,7 +3,7 @@ ptxas that ships with Triton) in a subprocess that does not interpret.
 
 CPU tests run every kernel on the Triton interpreter, which never builds the GPU code: a path
 that exists only on the GPU (bf16 tl.dot, inline PTX such as the qkv timeline's %globaltimer)
-would first fail on a lent GPU machine. This catches build errors there, not numerics.
+would first fail on a GPU machine. This catches build errors there, not numerics.
 """
 
 from __future__ import annotations

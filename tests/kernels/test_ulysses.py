@@ -202,7 +202,7 @@ def test_qkv_explicit_small_tiles_many_programs():
 def test_qkv_split_tiles(kind, blk, block_n2):
     # Split tiles (GemmConfig.block_n2): 16 + block_n2 columns per tile, two accumulators. blk 40 =
     # 24 + 16 (a ragged second tile), 56 = 32 + 24 (the second block's tail masked), 24 = one tile
-    # whose second block runs 8 columns past the block (into the next block's rows or past w).
+    # whose second block reaches 8 columns past the block (into the next block's rows or past w).
     W, m, d = 3, 13, 40
     xs, ws = qkv_inputs(W, m, d, blk, torch.float32, seed=blk + block_n2, kind=kind)
     world = qkv_world(W, m, blk, torch.float32)
