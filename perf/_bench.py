@@ -348,3 +348,49 @@ def print_fused_wins(records: list[dict], ranges_name: str) -> None:
             wins[r["tokens"]] = wins.get(r["tokens"], True) and r["speedup"] >= 1.0
     print(f"fused wins (every model) at tokens {sorted(m for m, w in wins.items() if w)}; "
           f"{ranges_name} = {token_ranges(wins)}")
+
+
+def enable_stack(stack, *, max_tokens: int, fused: bool, o_scatter: bool = True, symm_mem_rows: int = 64):
+    """stack.enable_fused for a benchmark: the fused communication, or (fused=False) the plain baseline
+    (cuBLAS + NCCL around the same attention and norms) whose shift-mode row-parallel GEMMs of up to
+    symm_mem_rows rows reduce with torch's symm_mem one-shot instead of NCCL: the fastest stock decode
+    path inside a CUDA graph, so the baseline is the best a user could assemble from stock parts."""
+    from fusedpar.layers.comm import FusedOptions
+
+    stack.enable_fused(max_tokens=max_tokens, options=FusedOptions(plain_comm=not fused, o_scatter=o_scatter))
+    if not fused and stack.ctx.shift.size > 1 and hasattr(torch.ops, "symm_mem"):
+        comm = _symm_mem_plain_comm()
+        stack.fused.plain = comm(stack.ctx, stack.cfg.hidden_size, symm_mem_rows, stack.weight_dtype)
+    return stack
+
+
+def _symm_mem_plain_comm() -> type:
+    """The PlainComm subclass (defined on first use: fusedpar is importable only after add_repo_to_path)."""
+    from fusedpar.layers.comm import PlainComm
+
+    class _SymmMemPlainComm(PlainComm):
+        """PlainComm whose shift-mode row-parallel reduce of at most `rows` rows is cuBLAS into a torch
+        symmetric-memory buffer + torch.ops.symm_mem.one_shot_all_reduce (two buffers used alternately,
+        so a GEMM never overwrites what a slow peer may still read); larger steps keep NCCL."""
+
+        def __init__(self, ctx, hidden: int, rows: int, dtype: torch.dtype):
+            import torch.distributed._symmetric_memory as symm_mem
+
+            super().__init__(ctx)
+            self.buf = symm_mem.empty((2, rows * hidden), dtype=dtype, device=ctx.device)
+            symm_mem.rendezvous(self.buf, ctx.shift.pg)
+            self.group_name, self.calls = ctx.shift.pg.group_name, 0
+
+        def row_parallel(self, x, w, mode, *, residual=None, swiglu_block=0):
+            n = x.shape[0] * w.shape[0]
+            if mode != "shift" or n > self.buf.shape[1]:
+                return super().row_parallel(x, w, mode, residual=residual, swiglu_block=swiglu_block)
+            act = self.swiglu(x, swiglu_block) if swiglu_block else x
+            view = self.buf[self.calls % 2, :n].view(x.shape[0], w.shape[0])
+            self.calls += 1
+            torch.matmul(act, w.t(), out=view)
+            y = torch.ops.symm_mem.one_shot_all_reduce(view, "sum", self.group_name)
+            return y if residual is None else residual + y
+
+    return _SymmMemPlainComm
+

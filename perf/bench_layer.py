@@ -4,7 +4,7 @@
                                                    [--out perf/results/layer.json]
 
 Modes on P GPUs, all with the same Triton paged attention (so only the communication differs):
-  plain TP      sp=1, tp=P: cuBLAS GEMMs + NCCL all-reduces
+  plain TP      sp=1, tp=P: cuBLAS GEMMs + NCCL all-reduces (torch symm_mem one-shot up to 64 rows)
   plain SP      sp=P: cuBLAS + NCCL all-to-all (Ulysses) + NCCL
   fused base    sp=P (or SP=P/--base-tp x TP=--base-tp): qkv_all_to_all, attention storing its rows
                 into the owners' o staging (the return all-to-all), cuBLAS o GEMM, gemm_all_reduce
@@ -184,7 +184,7 @@ def main() -> int:
               graphs_ok=True, prefill_graphs_ok=False):
         ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
         stack = ShiftParallelStack.from_full_weights(cfg, ctx, [weights], ShiftPolicy(args.threshold))
-        stack.enable_fused(max_tokens=max_tokens, fuse_comm=fuse_comm, o_scatter=o_scatter)
+        _bench.enable_stack(stack, max_tokens=max_tokens, fused=fuse_comm, o_scatter=o_scatter)
         need = max(max([t for t in tokens if t > 64], default=1),
                    max(decode_sizes, default=1) * (max_context + 16))
         cache = stack.make_cache(block_size=16, num_blocks=2 * need // 16 + 64, dtype=dtype)
@@ -305,23 +305,23 @@ def main() -> int:
         for n, r in results.items():
             best_plain = min(r["plain TP"], r["plain SP"])
             runs_here = [
-                ("layer_base", "fused base", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"], "eager"),
-                ("layer_shift", "fused shift", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"], "eager"),
+                ("layer_base", "fused base", "plain TP (cuBLAS + NCCL / symm_mem one-shot, Triton attention)", r["plain TP"], "eager"),
+                ("layer_shift", "fused shift", "plain TP (cuBLAS + NCCL / symm_mem one-shot, Triton attention)", r["plain TP"], "eager"),
                 ("layer_shift_policy", "fused policy", "better of plain TP and plain SP", best_plain, "eager"),
-                ("layer_plain_sp", "plain SP", "plain TP (cuBLAS + NCCL, Triton attention)", r["plain TP"], "eager"),
+                ("layer_plain_sp", "plain SP", "plain TP (cuBLAS + NCCL / symm_mem one-shot, Triton attention)", r["plain TP"], "eager"),
             ]
             if "plain TP layer" in r:  # prefill: the layer alone (layer_time_ms)
                 runs_here += [
-                    ("layer_base", "fused base layer", "plain TP layer (cuBLAS + NCCL, Triton attention)",
+                    ("layer_base", "fused base layer", "plain TP layer (cuBLAS + NCCL / symm_mem one-shot, Triton attention)",
                      r["plain TP layer"], "layer"),
-                    ("layer_shift", "fused shift layer", "plain TP layer (cuBLAS + NCCL, Triton attention)",
+                    ("layer_shift", "fused shift layer", "plain TP layer (cuBLAS + NCCL / symm_mem one-shot, Triton attention)",
                      r["plain TP layer"], "layer"),
-                    ("layer_plain_sp", "plain SP layer", "plain TP layer (cuBLAS + NCCL, Triton attention)",
+                    ("layer_plain_sp", "plain SP layer", "plain TP layer (cuBLAS + NCCL / symm_mem one-shot, Triton attention)",
                      r["plain TP layer"], "layer"),
                 ]
                 if "fused base o-a2a layer" in r:  # the A/B of the return all-to-all's plans
                     runs_here += [
-                        ("layer_base", f"fused base o-a2a{kind}", f"plain TP{kind} (cuBLAS + NCCL, Triton attention)",
+                        ("layer_base", f"fused base o-a2a{kind}", f"plain TP{kind} (cuBLAS + NCCL / symm_mem one-shot, Triton attention)",
                          r[f"plain TP{kind}"], f"{kind.strip() or 'eager'} o-a2a")
                         for kind in ("", " layer", " layer pipelined")
                     ]
@@ -337,7 +337,7 @@ def main() -> int:
             for kind in ("graph", "replay", "replay pipelined"):
                 if f"fused shift {kind}" in r and f"plain TP {kind}" in r:
                     runs_here.append(("layer_shift", f"fused shift {kind}",
-                                      f"plain TP in a CUDA graph ({kind}), NCCL all-reduce",
+                                      f"plain TP in a CUDA graph ({kind}), NCCL / symm_mem one-shot all-reduce",
                                       r[f"plain TP {kind}"], kind))
             # The policy in the steady state of a deep model: its mode's per-layer time against the
             # faster plain mode's, measured the same way (the "eager" policy record above charges a

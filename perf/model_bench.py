@@ -10,14 +10,14 @@ The model: the --model layer shape (perf/shapes.py; qwen32b = Qwen3-32B: hidden 
 GPUs (no checkpoint), a replicated embedding table and a vocab-parallel lm_head (each rank scores
 V/P tokens; the greedy token is the max over ranks) - identical in every mode, so only the
 decoder stack differs:
-  plain TP      layout sp=1, tp=P: cuBLAS GEMMs + NCCL all-reduce, Triton paged attention; decode
+  plain TP      layout sp=1, tp=P: cuBLAS GEMMs + NCCL (symm_mem one-shot <= 64 rows), Triton attention; decode
                 steps replay CUDA graphs
   plain SP      layout sp=P: Ulysses with cuBLAS + NCCL all-to-all, every step (eager; base mode
                 is never captured)
   fusedpar      layout sp=P, ShiftPolicy(--threshold): base mode on the fused kernels above the
                 threshold, shift mode (TP=P over zero-copy views of the same weights) at or below
                 it, decode replaying CUDA graphs of the fused shift step
-  fusedpar o-a2a  (only when named in --modes) fusedpar with FusedKernels o_scatter=False: base-mode
+  fusedpar o-a2a  (only when named in --modes) fusedpar with FusedOptions(o_scatter=False): base-mode
                 attention into a local buffer, then all_to_all_o_proj, instead of the attention
                 storing its rows into the owners' o staging (the A/B of that change; all_modes only)
 plain SP and fusedpar share one copy of the SP=P weights; plain TP has its own.
@@ -283,7 +283,7 @@ def main() -> int:
     def stack_of(key: str, policy, fuse_comm: bool, o_scatter: bool = True):
         layers = [ShiftParallelDecoderLayer(cfg, ctxs[key], w, i) for i, w in enumerate(shards[key])]
         stack = ShiftParallelStack(cfg, ctxs[key], layers, policy)
-        return stack.enable_fused(max_tokens=args.max_batch_tokens, fuse_comm=fuse_comm, o_scatter=o_scatter)
+        return _bench.enable_stack(stack, max_tokens=args.max_batch_tokens, fused=fuse_comm, o_scatter=o_scatter)
 
     caches = {}
 
@@ -380,7 +380,7 @@ def main() -> int:
             if label not in results or base is None:
                 continue
             r = results[label]
-            common = {"world": world, "gpu": gpu, "baseline": "plain TP (NCCL all-reduce; decode in CUDA graphs)",
+            common = {"world": world, "gpu": gpu, "baseline": "plain TP (NCCL / symm_mem one-shot all-reduce; decode in CUDA graphs)",
                       **info,
                       "model": args.model, "layers": args.layers, "all_modes": {k: {m: v for m, v in x.items()
                                                                                   if m != "steps"}

@@ -1,4 +1,4 @@
-"""Shift-parallel Llama/Qwen decoder layer: the plain-PyTorch path of both modes.
+"""Shift-parallel Llama/Qwen decoder layer: both modes, on the reference ops or the Triton kernels.
 
 Math (pre-norm, HF Llama/Qwen semantics):
     h   = x + O(attn(rope(qk_norm(Q(norm1(x)))), rope(qk_norm(K(...))), V(...)))
@@ -13,20 +13,15 @@ P = SP*TP, q/kv = local heads per rank, hd = head_dim):
   shift (TP = P): x [n, d] on every rank; the same GEMMs with the shift views; all-reduces
         over the shift group. No all-to-all, no padding.
 Both modes compute exactly the heads HeadPlacement assigns to the rank, and read/write one
-PagedKVCache.
+PagedKVCache. The communication stages (qkv exchange, o-projection, row-parallel reduce) are a
+communicator's (fusedpar.layers.comm).
 
-q/k/v bias (cfg.qkv_bias): the base bias rows follow the base qkv rows, so the reference adds
-it in the qkv GEMM before the all-to-all; the fused qkv_all_to_all has no bias input, so the
-fused path adds the rank's own block's bias (the shift view) to what it receives. Scaled RoPE
-(cfg.rope_inv_freq / rope_attention_scaling) reaches the Triton attention as cos/sin tables
-[n, head_dim] built once per step (StepState.rope_tables); plain RoPE passes rope_theta, except
-in steps that reach beyond the kernel's fp32 angle range (needs_rope_tables), which get tables too.
-
-`torch_fwd` is the reference implementation (and the CPU path); `fused_fwd` runs the same
-stages on the fused kernels (qkv GEMM + all-to-all, Triton paged attention whose stores do the
-return all-to-all, O GEMM, GEMM + all-reduce; fusedpar.layers.fused) without changing any
-layout. forward() takes the fused path when the layer was given FusedKernels and the input is
-on CUDA.
+`torch_fwd` is the reference path (and the CPU path): reference ops on PlainComm(reference=True).
+`fused_fwd` runs the same stages on the Triton norms and paged attention (whose stores may do the
+return all-to-all) with the stack's communicator, normally FusedComm. forward() takes the fused
+path when the layer has a communicator that takes the input (CUDA). Scaled RoPE reaches the Triton
+attention as cos/sin tables [n, head_dim] built once per step (StepState.rope_tables); plain RoPE
+passes rope_theta, except in steps beyond the kernel's fp32 angle range (needs_rope_tables).
 """
 
 from __future__ import annotations
@@ -37,12 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusedpar.collectives import (
-    ParallelContext,
-    all_reduce_sum,
-    head_to_seq_all_to_all,
-    seq_to_head_all_to_all,
-)
+from fusedpar.collectives import ParallelContext
 from fusedpar.kernels.reference import (
     apply_rope,
     blocked_swiglu,
@@ -51,6 +41,7 @@ from fusedpar.kernels.reference import (
     rms_norm,
     rope_cos_sin,
 )
+from fusedpar.layers.comm import PlainComm
 from fusedpar.layers.config import DecoderConfig
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import StepBatch
@@ -119,19 +110,6 @@ def _add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: f
     return s, rms_norm(s, weight, eps)
 
 
-def _row_parallel_reference(a: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
-    """sum over the group of a @ weight.T (each rank holds a K slice): the reference row-parallel GEMM.
-
-    Half-precision partials are computed, summed and rounded once in fp32 - the unsharded GEMM
-    also rounds its fp32 accumulator once - instead of rounding each rank's partial to half and
-    summing in half (P + 1 roundings, enough to flip near-tied greedy tokens against the
-    unsharded model). The fused kernels do the same (fp32 reduction, gemm_all_reduce).
-    """
-    if group.size == 1 or a.dtype not in (torch.float16, torch.bfloat16):
-        return all_reduce_sum(F.linear(a, weight), group)
-    return all_reduce_sum(F.linear(a.float(), weight.float()), group).to(a.dtype)
-
-
 class ShiftParallelDecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, weights: ShardedDecoderWeights, layer_idx: int):
         super().__init__()
@@ -149,7 +127,8 @@ class ShiftParallelDecoderLayer(nn.Module):
         self.nq, self.nkv = len(self.q_heads), len(self.kv_heads)
         # width of one [gate | up] block of the gate_up output (SP blocks in base mode, one in shift)
         self.act_block = cfg.intermediate_size // ctx.layout.replica_size
-        self.fused = None  # FusedKernels, shared by the stack's layers (set by ShiftParallelStack)
+        self.comm = PlainComm(ctx, reference=True)  # the reference path's stages
+        self.fused = None  # the fused path's communicator, shared by the stack's layers (ShiftParallelStack)
 
     @classmethod
     def from_full_weights(
@@ -159,7 +138,7 @@ class ShiftParallelDecoderLayer(nn.Module):
         return cls(cfg, ctx, w, layer_idx)
 
     def forward(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
-        if self.fused is not None and x.is_cuda:
+        if self.fused is not None and self.fused.should_use(x):
             return self.fused_fwd(x, step, cache)
         return self.torch_fwd(x, step, cache)
 
@@ -179,25 +158,24 @@ class ShiftParallelDecoderLayer(nn.Module):
     # ---- fused path -------------------------------------------------------------------------
     def fused_fwd(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
         mode, rows = self._check(x, step, cache)
-        w, rep, cfg, fk = self.w.weights(mode), self.w.replicated, self.cfg, self.fused
+        w, rep, cfg, comm = self.w.weights(mode), self.w.replicated, self.cfg, self.fused
         h = _norm(x, rep["input_norm"], cfg.rms_norm_eps)
-        # [n_pad, blk] in base (may be a view of the receive buffer), [n, blk] in shift; the bias
-        # (if any) is this rank's own block's, added out of place
-        qkv = fk.qkv(h, w["qkv"], mode, bias=self.w.shift.get("qkv_bias"))
-        target = fk.o_target(mode, rows)
+        # [n_pad, blk] in base (may be a view of the receive buffer), [n, blk] in shift
+        qkv = comm.qkv(h, w["qkv"], mode, w.get("qkv_bias"))
+        target = comm.o_target(mode, rows)
         if target is not None:  # base mode: the attention's stores are the return all-to-all
             self._fused_attention(qkv, step, cache, scatter=target)
-            o = fk.o_proj_scattered(w["o"], rows, step.num_tokens)
+            o = comm.o_proj_scattered(w["o"], rows, step.num_tokens)
             x, h = _add_norm(x, o, rep["post_norm"], cfg.rms_norm_eps)
         else:
             attn = self._fused_attention(qkv, step, cache)
-            if fk.fuses_residual(rows, w["o"], mode):  # the o-projection's reduce epilogue adds x
-                x = fk.o_proj(attn, w["o"], mode, residual=x)
+            if comm.fuses_residual(rows, w["o"], mode):  # the o-projection's reduce epilogue adds x
+                x = comm.o_proj(attn, w["o"], mode, residual=x)
                 h = _norm(x, rep["post_norm"], cfg.rms_norm_eps)
             else:  # residual add + post-attention norm in one pass (attention zero-fills padding rows)
-                x, h = _add_norm(x, fk.o_proj(attn, w["o"], mode), rep["post_norm"], cfg.rms_norm_eps)
+                x, h = _add_norm(x, comm.o_proj(attn, w["o"], mode), rep["post_norm"], cfg.rms_norm_eps)
         # SwiGLU of the [gate | up] blocks and the residual add ride on the down projection
-        return fk.row_parallel(F.linear(h, w["gate_up"]), w["down"], mode, residual=x, swiglu_block=self.act_block)
+        return comm.row_parallel(F.linear(h, w["gate_up"]), w["down"], mode, residual=x, swiglu_block=self.act_block)
 
     def _fused_attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache, scatter=None
                          ) -> torch.Tensor | None:
@@ -227,26 +205,21 @@ class ShiftParallelDecoderLayer(nn.Module):
     # ---- reference path -----------------------------------------------------------------------
     def torch_fwd(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
         mode, _ = self._check(x, step, cache)
-        w = self.w.weights(mode)
-        reduce_group = self.ctx.attention_group(mode)
+        w, comm = self.w.weights(mode), self.comm
 
         h = rms_norm(x, self.w.replicated["input_norm"], self.cfg.rms_norm_eps)
-        qkv = F.linear(h, w["qkv"], w.get("qkv_bias"))  # base bias rows follow the base block order
-        if mode == "base":
-            qkv = seq_to_head_all_to_all(qkv, self.ctx.sp)  # [n_pad, (q+2kv)*hd]
+        qkv = comm.qkv(h, w["qkv"], mode, w.get("qkv_bias"))  # [n_pad, (q+2kv)*hd] in base mode
         attn = self._attention(qkv[: step.num_tokens], step, cache)  # [n, q*hd]
         if mode == "base":
             attn = F.pad(attn, (0, 0, 0, step.padded_tokens - step.num_tokens))  # pad rows stay zero
-            attn = head_to_seq_all_to_all(attn, self.ctx.sp)  # [m, SP*q*hd]
-        x = x + _row_parallel_reference(attn, w["o"], reduce_group)
+        x = comm.o_proj(attn, w["o"], mode, residual=x)
+        return self._mlp_reference(x, w, mode)
 
-        return self._mlp_reference(x, w, reduce_group)
-
-    def _mlp_reference(self, x: torch.Tensor, w: dict, reduce_group) -> torch.Tensor:
-        """x + down(SwiGLU(gate_up(RMSNorm(x)))), the down projection all-reduced over reduce_group."""
+    def _mlp_reference(self, x: torch.Tensor, w: dict, mode: str) -> torch.Tensor:
+        """x + down(SwiGLU(gate_up(RMSNorm(x)))), the down projection reduced over the mode's group."""
         h = rms_norm(x, self.w.replicated["post_norm"], self.cfg.rms_norm_eps)
         act = blocked_swiglu(F.linear(h, w["gate_up"]), self.act_block)
-        return x + _row_parallel_reference(act, w["down"], reduce_group)
+        return self.comm.row_parallel(act, w["down"], mode, residual=x)
 
     def side_queries(self, x: torch.Tensor, positions: torch.Tensor, visible: list[tuple[int, int, int]],
                      cache: PagedKVCache) -> torch.Tensor:
@@ -292,8 +265,8 @@ class ShiftParallelDecoderLayer(nn.Module):
                 sel = torch.tensor(members, device=x.device)
                 out = gqa_attention(q[sel], kc[lo:hi], vc[lo:hi], self.kv_index, hd ** -0.5, causal=False)
                 attn[idx[sel]] = out.reshape(len(members), -1)
-            x = x + _row_parallel_reference(attn, w["o"], self.ctx.attention_group("shift"))
-        return self._mlp_reference(x, w, self.ctx.attention_group("shift"))
+            x = self.comm.row_parallel(attn, w["o"], "shift", residual=x)
+        return self._mlp_reference(x, w, "shift")
 
     def _attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
         """qkv [n, (q+2kv)*hd] of the rank's heads for the n real tokens -> [n, q*hd].

@@ -258,7 +258,7 @@ class _StackGraphs:
         return x
 
     def _capture(self, st: _StaticStep) -> None:
-        from fusedpar.kernels.gemm_all_reduce import routing_as_captured
+        from fusedpar.kernels._sync import routing_as_captured
 
         side = torch.cuda.Stream(device=self.stack.ctx.device)
         side.wait_stream(torch.cuda.current_stream())
@@ -385,9 +385,8 @@ class PrefillGraphs(_StackGraphs):
     replays the smallest captured size >= n, padded as fill_prefill_inputs describes.
 
     Why: a shift-mode step of 128-1024 tokens does ~0.1-0.5 ms of GPU work per layer, while
-    launching its ~12 kernels from Python took 0.6-1.2 ms of host time per layer on the lent
-    machines (perf/results/profile_layer_qwen32b_512_shift_run126.txt), so eagerly those steps run
-    at the host's speed. A replay costs one staging copy per step, whatever the layer count.
+    launching its ~12 kernels from Python takes 0.6-1.2 ms of host time per layer, so eagerly
+    those steps run at the host's speed. A replay costs one staging copy per step, whatever the layer count.
 
     stack, cache: as DecodeGraphs; sizes: token counts to capture (each <= the shift threshold when
     SP > 1, and <= enable_fused's max_tokens); max_seqs: the most sequences a replayed step may have;

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar.collectives import ParallelContext, all_gather_rows
+from fusedpar.layers.comm import FusedComm, FusedOptions
 from fusedpar.layers.config import DecoderConfig
 from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState, needs_rope_tables, rope_tables
-from fusedpar.layers.fused import FusedKernels
 from fusedpar.layers.graphs import SCRATCH_SEQ_ID
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import ShiftPolicy, StepBatch, padded_token_count
@@ -33,7 +33,7 @@ class ShiftParallelStack(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.policy = policy or ShiftPolicy()
         self.steps = {"base": 0, "shift": 0}
-        self.fused: FusedKernels | None = None
+        self.fused: FusedComm | None = None  # the fused path's communicator (enable_fused)
         self.graphs = None  # DecodeGraphs, once captured
         self.prefill_graphs = None  # PrefillGraphs, once captured
         self.graph_steps = 0  # steps that replayed a graph of either kind
@@ -43,23 +43,13 @@ class ShiftParallelStack(nn.Module):
         """The dtype of the layers' weights: what the hidden states and the KV cache must hold."""
         return self.layers[0].w.base["qkv"].dtype
 
-    def enable_fused(self, *, max_tokens: int, fuse_comm: bool = True, plain_all_reduce: str = "nccl",
-                     o_scatter: bool = True, qkv_copy_engine: bool | None = None) -> ShiftParallelStack:
-        """Switch the layers to the Triton path (CUDA only); steps up to max_tokens fit the
-        symmetric workspaces (larger ones fall back per op). fuse_comm=False keeps the Triton
-        attention but plain cuBLAS + NCCL communication (a baseline; plain_all_reduce="symm_mem"
-        reduces decode-sized shift steps with torch's one-shot instead). o_scatter=False: base-mode
-        attention writes a local output and the o-projection does the return all-to-all
-        (all_to_all_o_proj) instead of the attention storing into the owners' staging (FusedKernels).
-        qkv_copy_engine: the base-mode qkv exchange (None: by size; FusedKernels).
-        Collective: every rank.
-        Decode graphs captured before belong to the old kernels' workspaces: they are dropped
-        (capture_decode_graphs / capture_prefill_graphs again)."""
+    def enable_fused(self, *, max_tokens: int, options: FusedOptions | None = None) -> ShiftParallelStack:
+        """Switch the layers to the Triton path with a FusedComm (CUDA only); steps up to max_tokens
+        fit its symmetric workspaces (larger ones fall back per stage). options: benchmark switches
+        (FusedOptions, e.g. plain_comm=True for the cuBLAS + NCCL baseline). Collective: every rank.
+        CUDA graphs captured before belong to the old workspaces: they are dropped (capture again)."""
         self.graphs = self.prefill_graphs = None
-        self.fused = FusedKernels(self.ctx, self.cfg, max_tokens=max_tokens,
-                                  dtype=self.weight_dtype, fuse_comm=fuse_comm,
-                                  plain_all_reduce=plain_all_reduce, o_scatter=o_scatter,
-                                  qkv_copy_engine=qkv_copy_engine)
+        self.fused = FusedComm(self.ctx, self.cfg, max_tokens=max_tokens, dtype=self.weight_dtype, options=options)
         for layer in self.layers:
             layer.fused = self.fused
         return self

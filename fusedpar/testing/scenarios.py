@@ -83,7 +83,7 @@ def run_layer_scenario(
     fused: bool = False,
     fused_ops: Callable[[ParallelContext, DecoderConfig], object] | None = None,
 ) -> ScenarioResult:
-    """fused_ops: optional factory of a stand-in for FusedKernels (same qkv / o_proj / row_parallel
+    """fused_ops: optional factory of a stand-in for FusedComm (same qkv / o_proj / row_parallel
     methods, e.g. plain collectives); the layers then run fused_fwd, on CPU too (the Triton
     attention needs TRITON_INTERPRET=1 there). Tests the fused layer's own logic without CUDA."""
     layout = ParallelLayout(world_size, sp=sp, tp=tp)

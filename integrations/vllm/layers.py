@@ -30,8 +30,8 @@ Modes (the WorkerState decides per step; under torch.compile the shift path is t
   down_proj  base: [m, I/TP] @ base down -> all-reduce over the base TP group.
              shift: F.linear with the column view, vLLM's all-reduce (custom all-reduce kept).
 
-On CUDA with bf16/fp16 the base qkv / o / down stages use fusedpar's fused kernels
-(fusedpar.layers.fused.FusedKernels: GEMM + all-to-all, all-to-all + GEMM, GEMM + all-reduce).
+The base qkv / o / down stages are fusedpar's communicator stages (fusedpar.layers.comm):
+FusedComm's fused kernels on CUDA with bf16/fp16, PlainComm's cuBLAS + torch.distributed elsewhere.
 
 Weights are kept unpacked (vLLM's CPU backend would repack the full weight into a oneDNN
 handle and drop it, which would break the views): every GEMM here is torch.nn.functional.linear,
@@ -55,8 +55,6 @@ from vllm.model_executor.layers.linear import (
     UnquantizedLinearMethod,
 )
 from vllm.model_executor.utils import set_weight_attrs
-
-from fusedpar.collectives import all_reduce_sum, head_to_seq_all_to_all, seq_to_head_all_to_all
 
 from .config import parse_additional_config
 from .state import WorkerState, state_for
@@ -216,11 +214,7 @@ class FusedparQKVParallelLinear(_FusedparLinear, QKVParallelLinear):
         st = self._fp
         if x.shape[0] != st.local_rows:
             raise RuntimeError(f"fusedpar: {self.prefix} got {x.shape[0]} rows in base mode, expected {st.local_rows}")
-        fk = st.fused()
-        if fk is not None:
-            out = fk.qkv(x, self.weight, "base", bias=self._fp_bias("shift"))  # own block's bias after the exchange
-        else:
-            out = seq_to_head_all_to_all(F.linear(x, self.weight, self.bias), st.ctx.sp)  # [n_pad, blk]
+        out = st.comm(x).qkv(x, self.weight, "base", self.bias)  # [n_pad, blk]
         return out[: st.num_tokens]  # padding rows never reach rotary, attention or the KV cache
 
 
@@ -279,20 +273,15 @@ class FusedparRowParallelLinear(_FusedparLinear, RowParallelLinear):
         add_bias = self.bias is not None
         if self._fp_base_active():
             st = self._fp
-            fk = st.fused()
+            comm = st.comm(input_)
             if self._fp_kind == "o":
                 n = input_.shape[0]
                 if n != st.num_tokens:
                     raise RuntimeError(f"fusedpar: {self.prefix} got {n} rows, the step has {st.num_tokens}")
                 attn = F.pad(input_, (0, 0, 0, st.padded_tokens - n))  # zero padding rows
-                if fk is not None:
-                    out = fk.o_proj(attn, self.weight, "base")  # all-to-all + GEMM + TP all-reduce
-                else:
-                    out = all_reduce_sum(F.linear(head_to_seq_all_to_all(attn, st.ctx.sp), self.weight), st.ctx.tp)
-            elif fk is not None:
-                out = fk.row_parallel(input_, self.weight, "base")
+                out = comm.o_proj(attn, self.weight, "base")  # all-to-all + GEMM + TP all-reduce
             else:
-                out = all_reduce_sum(F.linear(input_, self.weight), st.ctx.tp)
+                out = comm.row_parallel(input_, self.weight, "base")
             if add_bias:
                 out = out + self.bias  # once, after the reduction
             return self._fp_return(out)

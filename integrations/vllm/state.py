@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedpar.collectives import ParallelContext, all_gather_rows
+from fusedpar.layers.comm import PlainComm, select
 from fusedpar.layers.policy import ShiftPolicy, padded_token_count
 from fusedpar.layouts import ModelDims
 
@@ -117,7 +118,8 @@ class WorkerState:
         self.ctx = ParallelContext(layout, device=device)  # collective: SP / TP / shift / DP groups
         self.dtype = vllm_config.model_config.dtype
         self.use_fused = self._fused_decision()
-        self._fused = None  # FusedKernels, built collectively at the first base step (CUDA only)
+        self._fused = None  # FusedComm, built collectively at the first base step (CUDA only)
+        self.plain = PlainComm(self.ctx)  # base-mode stages on cuBLAS + torch.distributed
         # per step
         self.mode = "shift"
         self.num_tokens = 0
@@ -152,20 +154,24 @@ class WorkerState:
             raise FusedparConfigError("fusedpar: fused_kernels=true is not possible: " + "; ".join(why))
         return not why
 
+    def comm(self, x: torch.Tensor):
+        """The communicator of the base-mode stages on x: FusedComm where it takes x, else PlainComm."""
+        return select(x, self.fused(), self.plain)
+
     def fused(self):
-        """fusedpar.layers.fused.FusedKernels for the base mode (None: plain torch collectives)."""
+        """fusedpar.layers.comm.FusedComm for the base mode (None: plain torch collectives only)."""
         if not self.use_fused:
             return None
         if self._fused is None:
             from fusedpar.layers import DecoderConfig
-            from fusedpar.layers.fused import FusedKernels
+            from fusedpar.layers.comm import FusedComm
 
             hf = self.vllm_config.model_config.hf_text_config
             cfg = DecoderConfig(hidden_size=hf.hidden_size, num_q_heads=self.dims.num_q_heads,
                                 num_kv_heads=self.dims.num_kv_heads, head_dim=self.dims.head_dim,
                                 intermediate_size=self.dims.intermediate_size)
             max_tokens = padded_token_count(self.vllm_config.scheduler_config.max_num_batched_tokens, self.layout.sp)
-            self._fused = FusedKernels(self.ctx, cfg, max_tokens=max_tokens, dtype=self.dtype)  # collective
+            self._fused = FusedComm(self.ctx, cfg, max_tokens=max_tokens, dtype=self.dtype)  # collective
         return self._fused
 
     # ---- per step -----------------------------------------------------------------------------

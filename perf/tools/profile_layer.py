@@ -125,7 +125,7 @@ def main() -> int:
     def build(sp, tp, fuse_comm, o_scatter=True):
         ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
         stack = ShiftParallelStack.from_full_weights(cfg, ctx, [full], ShiftPolicy(1024))
-        stack.enable_fused(max_tokens=args.prefill, fuse_comm=fuse_comm, o_scatter=o_scatter)
+        _bench.enable_stack(stack, max_tokens=args.prefill, fused=fuse_comm, o_scatter=o_scatter)
         cache = stack.make_cache(block_size=16, num_blocks=(args.decode * (args.context + 64) + args.prefill) // 16
                                  + 64, dtype=dtype)
         return stack, cache

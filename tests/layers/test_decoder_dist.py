@@ -128,7 +128,7 @@ def test_base_mode_pads_and_strips_13_tokens_at_sp4():
 def _row_parallel_half(rank, world, dtype, naive=False):
     from fusedpar.collectives import ParallelContext
     from fusedpar.collectives.comm import all_reduce_sum
-    from fusedpar.layers.decoder import _row_parallel_reference
+    from fusedpar.layers.comm import PlainComm
     from fusedpar.layouts import ParallelLayout
 
     gen = torch.Generator().manual_seed(5)
@@ -136,12 +136,13 @@ def _row_parallel_half(rank, world, dtype, naive=False):
     a = torch.randn(m, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
     cols = slice(rank * k // world, (rank + 1) * k // world)
-    group = ParallelContext(ParallelLayout(world, sp=1, tp=world)).attention_group("shift")
+    ctx = ParallelContext(ParallelLayout(world, sp=1, tp=world))
     a_s, w_s = a[:, cols].contiguous(), w[:, cols].contiguous()
     if naive:  # each rank's partial rounded to half, summed in half
-        y = all_reduce_sum(torch.nn.functional.linear(a_s, w_s), group)
+        y = all_reduce_sum(torch.nn.functional.linear(a_s, w_s), ctx.attention_group("shift"))
+        assert torch.equal(y, PlainComm(ctx).row_parallel(a_s, w_s, "shift"))  # the stock path
     else:
-        y = _row_parallel_reference(a_s, w_s, group)
+        y = PlainComm(ctx, reference=True).row_parallel(a_s, w_s, "shift")
     return y, (a.float() @ w.float().T).to(dtype), a.float().abs() @ w.float().abs().T, k
 
 

@@ -1,24 +1,25 @@
 """The fused layer path (ShiftParallelDecoderLayer.fused_fwd) on CPU: gloo processes, the Triton
-attention on the interpreter, and a FusedKernels stand-in whose qkv / o_proj / row_parallel are
-the plain collectives with the same contract (bias: the own block's, added after the exchange;
-row_parallel takes the blocked gate_up output + swiglu_block and an optional residual).
+attention on the interpreter, and the communicators that run on CPU: PlainComm, FusedComm with
+FusedOptions(plain_comm=True) (no workspaces: every stage falls back to its PlainComm), and a
+PlainComm whose base mode takes FusedComm's scatter plan (o_target + o_proj_scattered).
 
 It checks the layer's own fused-path logic, which the GPU tests (test_fused_gpu.py) can only
-check under torchrun: the q/k/v bias added after the all-to-all and the scaled-RoPE cos/sin
-tables handed to the attention kernel, the SwiGLU block width handed to the down projection and
-both residual branches around the o projection, and base mode's two plans for the return
-all-to-all (a local attention output, or the attention storing its rows through a ScatterOut),
-in base, shift and mixed steps against the fp64 oracle.
+check under torchrun: the q/k/v bias, the scaled-RoPE cos/sin tables handed to the attention
+kernel, the SwiGLU block width handed to the down projection and both residual branches around
+the o projection, and base mode's two plans for the return all-to-all (a local attention output,
+or the attention storing its rows through a ScatterOut), in base, shift and mixed steps against
+the fp64 oracle.
 """
 
 import os
 
 import pytest
+import torch
 import torch.nn.functional as F
 
-from fusedpar.collectives import all_reduce_sum, head_to_seq_all_to_all, seq_to_head_all_to_all
-from fusedpar.kernels.swiglu import silu_mul
+from fusedpar.collectives import all_reduce_sum, head_to_seq_all_to_all
 from fusedpar.layers import DecoderConfig
+from fusedpar.layers.comm import FusedComm, FusedOptions, PlainComm
 from fusedpar.testing.dist import run_distributed
 from fusedpar.testing.scenarios import Step, run_layer_scenario
 
@@ -37,49 +38,30 @@ STEPS = [
 ]
 
 
-class PlainCollectiveOps:
-    """FusedKernels' three stages on the plain ops (works on gloo / CPU); base mode takes a local
-    attention output (o_target None) and the o-projection does the return all-to-all."""
+class ResidualInShiftComm(PlainComm):
+    """PlainComm that reports a fused residual epilogue in shift mode, so shift steps take the layer's
+    residual-in-o_proj branch and base steps the add + norm one."""
 
     def __init__(self, ctx, cfg):
-        self.ctx, self.cfg = ctx, cfg
-
-    def o_target(self, mode, rows):
-        return None
-
-    def qkv(self, h, w, mode, bias=None):
-        if mode == "base" and self.ctx.sp.size > 1:
-            out = seq_to_head_all_to_all(F.linear(h, w), self.ctx.sp)
-            return out if bias is None else out + bias
-        return F.linear(h, w, bias)
-
-    def o_proj(self, attn, w, mode, *, residual=None):
-        if mode == "base" and self.ctx.sp.size > 1:
-            assert residual is None, "the layer asked for a residual epilogue that base mode does not have"
-            return all_reduce_sum(F.linear(head_to_seq_all_to_all(attn, self.ctx.sp), w), self.ctx.tp)
-        return self.row_parallel(attn, w, mode, residual=residual)
-
-    def row_parallel(self, x, w, mode, *, residual=None, swiglu_block=0):
-        # the Triton silu_mul (interpreter) on the blocked gate_up output, as the fused paths compute it
-        act = silu_mul(x, swiglu_block) if swiglu_block else x
-        y = all_reduce_sum(F.linear(act, w), self.ctx.attention_group(mode))
-        return y if residual is None else residual + y
+        super().__init__(ctx)
+        self.cfg = cfg
 
     def fuses_residual(self, rows, w, mode):
-        # shift steps take the residual-epilogue branch of the layer, base steps the add + norm one
         return mode == "shift"
 
 
-class ScatteringOps(PlainCollectiveOps):
-    """The same with FusedKernels' default base-mode plan: the attention kernel stores its rows
+def _plain_fused_comm(ctx, cfg):
+    return FusedComm(ctx, cfg, max_tokens=64, dtype=torch.float32, options=FusedOptions(plain_comm=True))
+
+
+class ScatteringOps(ResidualInShiftComm):
+    """The same with FusedComm's default base-mode plan: the attention kernel stores its rows
     through a ScatterOut and o_proj_scattered GEMMs the staged rows. Processes share no memory
     here, so the attention stores every destination rank's share into a local part (NaN-poisoned:
     a row it fails to store stays NaN) and o_proj_scattered ships each part to its rank over gloo,
     then zero-fills the padding rows as fusedpar.kernels.ulysses.scattered_o_proj does."""
 
     def o_target(self, mode, rows):
-        import torch
-
         from fusedpar.kernels.attention import ScatterOut
 
         if mode != "base" or self.ctx.sp.size == 1:
@@ -92,8 +74,6 @@ class ScatteringOps(PlainCollectiveOps):
         return ScatterOut(peer_ptrs=ptrs, local=self.parts[s], rows_per_rank=rows, col_offset=s * self.c)
 
     def o_proj_scattered(self, w, rows, num_tokens):
-        import torch
-
         W, s, c = self.ctx.sp.size, self.ctx.sp.rank, self.c
         sent = torch.cat([self.parts[g][:, s * c:(s + 1) * c] for g in range(W)])  # row g*m + r -> rank g
         staging = head_to_seq_all_to_all(sent, self.ctx.sp)
@@ -101,7 +81,7 @@ class ScatteringOps(PlainCollectiveOps):
         return all_reduce_sum(F.linear(staging, w), self.ctx.tp)
 
 
-def _run(rank, world, cfg, sp, tp, ops=PlainCollectiveOps):
+def _run(rank, world, cfg, sp, tp, ops):
     from tests.conftest import _fix_interpreter_for_numpy_2_4
 
     _fix_interpreter_for_numpy_2_4()  # spawned ranks do not run conftest
@@ -116,7 +96,8 @@ BASE_CFG = dict(hidden_size=32, num_q_heads=4, num_kv_heads=2, head_dim=16, inte
     dict(qkv_bias=True, rope_inv_freq=TABLE, rope_attention_scaling=0.8),  # Qwen2 bias + yarn-like RoPE
     dict(qk_norm=True),  # plain RoPE from rope_theta (attention_step), no bias
 ], ids=["bias_rope_table", "plain"])
-@pytest.mark.parametrize("ops", [PlainCollectiveOps, ScatteringOps], ids=["local_attn_out", "scatter"])
+@pytest.mark.parametrize("ops", [_plain_fused_comm, ResidualInShiftComm, ScatteringOps],
+                         ids=["fused_comm_plain", "local_attn_out", "scatter"])
 def test_fused_layer_path_matches_oracle(extra, ops):
     cfg = DecoderConfig(**BASE_CFG, **extra)
     for r in run_distributed(_run, 2, cfg, 2, 1, ops):
@@ -128,15 +109,13 @@ def test_fused_layer_path_matches_oracle(extra, ops):
 
 
 def test_spin_timeouts_names_the_workspaces_whose_wait_gave_up():
-    """FusedKernels.spin_timeouts reads every workspace's STATUS counter (a bounded flag wait that gave up)."""
+    """FusedComm.spin_timeouts reads every workspace's STATUS counter (a bounded flag wait that gave up)."""
     from types import SimpleNamespace
-
-    from fusedpar.layers.fused import FusedKernels
 
     def ws(status):
         return SimpleNamespace(table=SimpleNamespace(status=lambda: status))
 
-    fk = FusedKernels.__new__(FusedKernels)  # the state only: building one needs CUDA symmetric memory
+    fk = FusedComm.__new__(FusedComm)  # the state only: building one needs CUDA symmetric memory
     fk.qkv_ws, fk.o_ws, fk.tp_allreduce_ws = ws(0), ws(1), None
     fk.gemm_ar_ws = {"base": None, "shift": ws(1)}
     assert fk.spin_timeouts() == ["all_to_all_o_proj", "gemm_all_reduce[shift]"]

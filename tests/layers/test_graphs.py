@@ -1,6 +1,6 @@
 """CUDA-graph decode (fusedpar.layers.graphs): the host-side input staging on CPU, and on GPUs the
-captured stack vs the fp64 oracle and vs the eager fused stack, for both the fused and the stock
-(cuBLAS + torch symm_mem one-shot) communication."""
+captured stack vs the fp64 oracle and vs the eager fused stack, for both FusedComm and the plain
+(cuBLAS + NCCL, FusedOptions(plain_comm=True)) communication."""
 
 from __future__ import annotations
 
@@ -173,10 +173,11 @@ REL_TOL = {torch.bfloat16: 3e-2}
 MAX_CONTEXT = 128
 
 
-def _graph_setup(world, cfg, sp, tp, layers, dtype, *, seed, threshold, fuse_comm, plain_all_reduce):
+def _graph_setup(world, cfg, sp, tp, layers, dtype, *, seed, threshold, options):
     """(device, fp64 oracle, fused stack of `layers` random layers, eager cache, graph cache)."""
     from fusedpar.collectives import ParallelContext
     from fusedpar.layers import DenseDecoderStack, ShiftParallelStack, ShiftPolicy, random_decoder_weights
+    from fusedpar.layers.comm import FusedOptions
     from fusedpar.layouts import ParallelLayout
 
     ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
@@ -184,7 +185,7 @@ def _graph_setup(world, cfg, sp, tp, layers, dtype, *, seed, threshold, fuse_com
     full = [random_decoder_weights(cfg, seed=seed + i, dtype=torch.float64, device=dev) for i in range(layers)]
     stack = ShiftParallelStack.from_full_weights(cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full],
                                                  ShiftPolicy(threshold))
-    stack.enable_fused(max_tokens=512, fuse_comm=fuse_comm, plain_all_reduce=plain_all_reduce)
+    stack.enable_fused(max_tokens=512, options=FusedOptions(plain_comm=True) if options == "plain" else None)
     caches = [stack.make_cache(block_size=16, num_blocks=128, dtype=dtype) for _ in range(2)]
     return dev, DenseDecoderStack(cfg, full), stack, *caches
 
@@ -206,7 +207,7 @@ def _final_checks(rank, stack, graph_cache, eager_cache, lengths, layers, dtype)
     return errors
 
 
-def _gpu_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_reduce="nccl"):
+def _gpu_graph_check(rank, world, cfg, sp, tp, *, options=None):
     """Prefill 6 sequences (eager, base mode), then decode steps of 1..8 sequences through the
     captured graphs (sizes 1, 4, 8: batches of 3, 5, 6 run padded), crossing cache blocks, and
     one step past max_context (eager). Each step vs the fp64 oracle and vs the same stack run
@@ -215,8 +216,7 @@ def _gpu_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_reduce="n
 
     dtype, layers = torch.bfloat16, 2
     dev, oracle, stack, eager_cache, graph_cache = _graph_setup(world, cfg, sp, tp, layers, dtype, seed=7,
-                                                                threshold=64, fuse_comm=fuse_comm,
-                                                                plain_all_reduce=plain_all_reduce)
+                                                                threshold=64, options=options)
     graphs = stack.capture_decode_graphs(graph_cache, max_context=MAX_CONTEXT, sizes=(1, 4, 8))
     gen = torch.Generator().manual_seed(3)
     lengths = {s: n for s, n in zip(range(6), (37, 16, 5, 90, 1, 63), strict=True)}
@@ -277,22 +277,22 @@ def test_gpu_graphs_match_oracle_and_eager(nccl_world, h, hkv, qk_norm, kind):
     check = {"decode": _gpu_graph_check, "prefill": _gpu_prefill_graph_check}[kind]
     errors = []
     for sp, tp in ((world, 1), (1, world)):
-        errors += [f"sp={sp} tp={tp}: {e}" for e in check(rank, world, cfg, sp, tp, fuse_comm=True)]
+        errors += [f"sp={sp} tp={tp}: {e}" for e in check(rank, world, cfg, sp, tp)]
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
 
 
 @pytest.mark.gpu
 def test_gpu_decode_graphs_stock_baseline_and_rope_tables(nccl_world):
-    """The plain-TP baseline in a graph (cuBLAS + torch symm_mem one-shot) and a scaled RoPE table
-    (cos/sin computed inside the graph from the static positions)."""
+    """The plain-TP baseline in a graph (FusedOptions(plain_comm=True): cuBLAS + NCCL) and a scaled
+    RoPE table (cos/sin computed inside the graph from the static positions)."""
     from fusedpar.testing.gpu import all_ranks_ok
 
     rank, world = nccl_world
     inv_freq = tuple(1e6 ** (-2 * i / 128) / (1 + i / 16) for i in range(64))
     cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=4, head_dim=128, intermediate_size=2048,
                         rope_theta=1e6, rope_inv_freq=inv_freq, rope_attention_scaling=1.1)
-    errors = _gpu_graph_check(rank, world, cfg, 1, world, fuse_comm=False, plain_all_reduce="symm_mem")
-    errors += _gpu_graph_check(rank, world, cfg, world, 1, fuse_comm=True)
+    errors = _gpu_graph_check(rank, world, cfg, 1, world, options="plain")
+    errors += _gpu_graph_check(rank, world, cfg, world, 1)
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
 
 
@@ -417,7 +417,7 @@ def test_prefill_staging_attends_like_the_eager_step(dtype, query_lens, contexts
 
 
 # ---- prefill graphs: GPU ----------------------------------------------------------------------------
-def _gpu_prefill_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_reduce="nccl"):
+def _gpu_prefill_graph_check(rank, world, cfg, sp, tp, *, options=None):
     """Varlen shift-mode steps through PrefillGraphs (sizes 32 / 96 / 256, at most 4 sequences) next
     to decode graphs (sizes 1 / 4): fresh prompts, a chunked-prefill continuation, mixed prefill +
     decode, a step of exactly a captured size, and the steps that must run eagerly (base mode above
@@ -428,8 +428,7 @@ def _gpu_prefill_graph_check(rank, world, cfg, sp, tp, *, fuse_comm, plain_all_r
 
     dtype, layers, max_context = torch.bfloat16, 2, 160
     dev, oracle, stack, eager_cache, graph_cache = _graph_setup(world, cfg, sp, tp, layers, dtype, seed=11,
-                                                                threshold=256, fuse_comm=fuse_comm,
-                                                                plain_all_reduce=plain_all_reduce)
+                                                                threshold=256, options=options)
     decode = stack.capture_decode_graphs(graph_cache, max_context=max_context, sizes=(1, 4))
     prefill = stack.capture_prefill_graphs(graph_cache, max_context=max_context, sizes=(32, 96, 256), max_seqs=4)
     gen = torch.Generator().manual_seed(4)
@@ -476,6 +475,6 @@ def test_gpu_prefill_graphs_stock_baseline_and_rope_tables(nccl_world):
     inv_freq = tuple(1e6 ** (-2 * i / 128) / (1 + i / 16) for i in range(64))
     cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=4, head_dim=128, intermediate_size=2048,
                         rope_theta=1e6, rope_inv_freq=inv_freq, rope_attention_scaling=1.1)
-    errors = _gpu_prefill_graph_check(rank, world, cfg, 1, world, fuse_comm=False)
-    errors += _gpu_prefill_graph_check(rank, world, cfg, world, 1, fuse_comm=True)
+    errors = _gpu_prefill_graph_check(rank, world, cfg, 1, world, options="plain")
+    errors += _gpu_prefill_graph_check(rank, world, cfg, world, 1)
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
