@@ -59,6 +59,9 @@ import shapes
 
 _bench.add_repo_to_path()
 
+PLAIN = "(cuBLAS + NCCL / symm_mem one-shot, Triton attention)"  # perf/_bench.enable_stack
+PLAIN_TP = f"plain TP {PLAIN}"
+
 MODELS = ("llama70b", "qwen30b_a3b_attn", "qwen32b")  # keys of shapes.SHAPES
 
 
@@ -305,23 +308,23 @@ def main() -> int:
         for n, r in results.items():
             best_plain = min(r["plain TP"], r["plain SP"])
             runs_here = [
-                ("layer_base", "fused base", "plain TP (cuBLAS + NCCL / symm_mem one-shot, Triton attention)", r["plain TP"], "eager"),
-                ("layer_shift", "fused shift", "plain TP (cuBLAS + NCCL / symm_mem one-shot, Triton attention)", r["plain TP"], "eager"),
+                ("layer_base", "fused base", PLAIN_TP, r["plain TP"], "eager"),
+                ("layer_shift", "fused shift", PLAIN_TP, r["plain TP"], "eager"),
                 ("layer_shift_policy", "fused policy", "better of plain TP and plain SP", best_plain, "eager"),
-                ("layer_plain_sp", "plain SP", "plain TP (cuBLAS + NCCL / symm_mem one-shot, Triton attention)", r["plain TP"], "eager"),
+                ("layer_plain_sp", "plain SP", PLAIN_TP, r["plain TP"], "eager"),
             ]
             if "plain TP layer" in r:  # prefill: the layer alone (layer_time_ms)
                 runs_here += [
-                    ("layer_base", "fused base layer", "plain TP layer (cuBLAS + NCCL / symm_mem one-shot, Triton attention)",
+                    ("layer_base", "fused base layer", f"plain TP layer {PLAIN}",
                      r["plain TP layer"], "layer"),
-                    ("layer_shift", "fused shift layer", "plain TP layer (cuBLAS + NCCL / symm_mem one-shot, Triton attention)",
+                    ("layer_shift", "fused shift layer", f"plain TP layer {PLAIN}",
                      r["plain TP layer"], "layer"),
-                    ("layer_plain_sp", "plain SP layer", "plain TP layer (cuBLAS + NCCL / symm_mem one-shot, Triton attention)",
+                    ("layer_plain_sp", "plain SP layer", f"plain TP layer {PLAIN}",
                      r["plain TP layer"], "layer"),
                 ]
                 if "fused base o-a2a layer" in r:  # the A/B of the return all-to-all's plans
                     runs_here += [
-                        ("layer_base", f"fused base o-a2a{kind}", f"plain TP{kind} (cuBLAS + NCCL / symm_mem one-shot, Triton attention)",
+                        ("layer_base", f"fused base o-a2a{kind}", f"plain TP{kind} {PLAIN}",
                          r[f"plain TP{kind}"], f"{kind.strip() or 'eager'} o-a2a")
                         for kind in ("", " layer", " layer pipelined")
                     ]

@@ -380,7 +380,8 @@ def main() -> int:
             if label not in results or base is None:
                 continue
             r = results[label]
-            common = {"world": world, "gpu": gpu, "baseline": "plain TP (NCCL / symm_mem one-shot all-reduce; decode in CUDA graphs)",
+            common = {"world": world, "gpu": gpu,
+                      "baseline": "plain TP (NCCL / symm_mem one-shot all-reduce; decode in CUDA graphs)",
                       **info,
                       "model": args.model, "layers": args.layers, "all_modes": {k: {m: v for m, v in x.items()
                                                                                   if m != "steps"}

@@ -10,9 +10,9 @@ from fusedpar.testing.dist import run_distributed
 
 def _stages(rank, world, sp, tp, dtype):
     from fusedpar.collectives import ParallelContext, all_reduce_sum, head_to_seq_all_to_all, seq_to_head_all_to_all
+    from fusedpar.kernels.reference import blocked_swiglu
     from fusedpar.layers import DecoderConfig
     from fusedpar.layers.comm import FusedComm, FusedOptions, PlainComm, select
-    from fusedpar.kernels.reference import blocked_swiglu
     from fusedpar.layouts import ParallelLayout
 
     ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
