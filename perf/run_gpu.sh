@@ -23,18 +23,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-# fusedpar.integrations lives in ./integrations and is mapped into the package at install time;
-# without installing, a symlink overlay gives the same import layout.
-OVERLAY=$(mktemp -d)/src; mkdir -p "$OVERLAY/fusedpar"
-for e in "$PWD"/fusedpar/*; do ln -s "$e" "$OVERLAY/fusedpar/"; done
-ln -s "$PWD/integrations" "$OVERLAY/fusedpar/integrations"
-export PYTHONPATH="$OVERLAY:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# pytest puts the repo root first on sys.path (pyproject pythonpath), where ./fusedpar would
-# shadow the overlay: a temporary in-tree link gives it fusedpar.integrations too (gitignored).
-if [ ! -e fusedpar/integrations ]; then
-  ln -s ../integrations fusedpar/integrations
-  trap 'rm -f fusedpar/integrations' EXIT
-fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the tree, uninstalled
 RES=$(mkdir -p "${OUT:-perf/results}" && cd "${OUT:-perf/results}" && pwd)  # absolute: items may cd
 TOOLS_RES=$(mkdir -p "${OUT:-perf/tools/out}" && cd "${OUT:-perf/tools/out}" && pwd)
 LOG="$RES/gpu_run.log"
@@ -69,7 +58,7 @@ for item in "${ITEMS[@]}"; do
     # HF adapter on NCCL: tiny random Llama/Qwen2/Qwen3 vs the unsharded model, fp32 and bf16.
     # Run from the overlay: `python -m` puts the cwd first on sys.path, where ./fusedpar would
     # shadow the overlay's fusedpar (which has .integrations); `tests` comes from PYTHONPATH.
-    hf) (cd "$OVERLAY" && run timeout "${HF_TIMEOUT:-300}" "${TRUN[@]}" -m tests.integrations.hf_gpu_check) || status=1 ;;
+    hf) run timeout "${HF_TIMEOUT:-300}" "${TRUN[@]}" -m tests.integrations.hf_gpu_check ;;
     # HF generate TPOT with decode graphs vs eager (a random Llama-3-8B-shaped model)
     hf_decode) run timeout "${HF_DECODE_TIMEOUT:-400}" "${TRUN[@]}" perf/bench_hf_decode.py ${HF_DECODE_ARGS:-} \
                  --out "$RES/hf_decode.json" ;;
@@ -92,7 +81,7 @@ for item in "${ITEMS[@]}"; do
                          --out "$RES/all_to_all_o_proj.json" ;;
     layer) run timeout "${LAYER_TIMEOUT:-300}" "${TRUN[@]}" perf/bench_layer.py ${LAYER_ARGS:-} --out "$RES/layer.json" ;;
     # the main job on GPUs: fusedpar demo --device cuda (one process per GPU, bf16, fused kernels)
-    demo) (cd "$OVERLAY" && run timeout 240 python3 -m fusedpar demo --device cuda --world-size "$NGPU") || status=1 ;;
+    demo) run timeout 240 python3 -m fusedpar demo --device cuda --world-size "$NGPU" ;;
     profile) run timeout "${PROFILE_TIMEOUT:-200}" "${TRUN[@]}" perf/tools/profile_layer.py ${PROFILE_ARGS:-} \
                --out "$TOOLS_RES/profile_layer.txt" ;;
     # host cost per eager call of each all-reduce / GEMM + all-reduce path (diagnosis, no records)
