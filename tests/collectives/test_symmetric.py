@@ -216,8 +216,8 @@ def test_gpu_workspace_tables_views_and_barrier(gpu_world):
     ws.view(torch.float32, n).fill_(rank + 1)
     torch.cuda.synchronize()
     ws.barrier()
-    for peer in range(W):  # torch's mapping of each peer's data region into this process
-        peer_view = ws.handle.get_buffer(peer, (n,), torch.float32, ws.flag_bytes)
+    for peer in range(W):  # torch's mapping of each peer's data region (storage_offset counts elements)
+        peer_view = ws.handle.get_buffer(peer, (4 * n,), torch.uint8, ws.flag_bytes).view(torch.float32)
         ok &= bool(peer_view.eq(peer + 1).all().item())
 
     # A Triton kernel reads every peer's buffer through the device pointer table.
