@@ -2,7 +2,7 @@
 # Time the layer and model benchmarks of another source tree and of this one in one GPU session,
 # alternating A, B, A, B so drift hits both alike. Results: $OUT/compare/{a,b}{1,2}_{layer,model}.json.
 #   bash perf/tools/compare_trees.sh OTHER_TREE        # OTHER_TREE: e.g. `git archive <commit>` unpacked
-# LAYER_ARGS / MODEL_ARGS pass benchmark options (the same to both trees).
+# BENCHES picks (default "layer model"); LAYER_ARGS / MODEL_ARGS pass options (the same to both trees).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OTHER=$(cd "$1" && pwd)
@@ -19,10 +19,14 @@ bench() {  # bench TREE TAG: the layer and model benchmarks of TREE, records to 
     # a tree whose adapters live in ./integrations maps them into the package with a symlink
     if [ -d integrations ] && [ ! -e fusedpar/integrations ]; then ln -s ../integrations fusedpar/integrations; fi
     export PYTHONPATH="$tree"
-    timeout "${LAYER_TIMEOUT:-200}" torchrun --standalone --nproc-per-node "$NGPU" perf/bench_layer.py \
-      ${LAYER_ARGS:-} --out "$RES/${tag}_layer.json" || exit 1
-    timeout "${MODEL_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$NGPU" perf/model_bench.py \
-      ${MODEL_ARGS:-} --out "$RES/${tag}_model.json" || exit 1
+    for b in ${BENCHES:-layer model}; do
+      case $b in
+        layer) timeout "${LAYER_TIMEOUT:-200}" torchrun --standalone --nproc-per-node "$NGPU" perf/bench_layer.py \
+                 ${LAYER_ARGS:-} --out "$RES/${tag}_layer.json" || exit 1 ;;
+        model) timeout "${MODEL_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$NGPU" perf/model_bench.py \
+                 ${MODEL_ARGS:-} --out "$RES/${tag}_model.json" || exit 1 ;;
+      esac
+    done
   ) 2>&1 | tee "$RES/${tag}.log" | grep -E "^\||speedup|ttft|tpot|throughput|Error|error" | head -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
