@@ -17,7 +17,7 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".ini", ".yaml", 
 _WORD = "|".join(["r" + "uns? \\d+", "s" + "essions? \\d+", "i" + "ssues? \\d+", "_r" + "un\\d+",
                   "r" + "eview(?:s|ed|er|ers|ing)?", "l" + "ent", "b" + "orrowed", "l" + "oan(?:s|ed)?",
                   "l" + "eased?"])
-BUILD_TALK = re.compile(rf"(?i:\b(?:{_WORD})\b)|DESIGN\.md|limits-" + "h200|\\.\\./shared|/work/")
+BUILD_TALK = re.compile(rf"(?i:\b(?:{_WORD})\b)|DESIGN\.md|limits-" + "h200|\\.\\./shared|/" + "work/")
 
 MAX_LIBRARY_LINES = 650
 

@@ -159,6 +159,8 @@ def test_package_does_not_import_vllm():
 
 def test_core_never_imports_vllm():
     for path in (REPO / "fusedpar").rglob("*.py"):
+        if (REPO / "fusedpar" / "integrations" / "vllm") in path.parents:
+            continue  # the plugin itself
         text = path.read_text()
         assert "import vllm" not in text and "from vllm" not in text, path
 

@@ -200,6 +200,6 @@ def _rejected_steps(rank, world):
 
 def test_rejected_step_reserves_nothing_in_the_cache():
     """A bad mode or a cache of other kv heads raises before the cache reserves any room, so the
-    caller can retry the step (found by review: it used to advance the cache, then raise)."""
+    caller can retry the step (advancing the cache and then raising would lose the reserved room)."""
     for rank_errors in run_distributed(_rejected_steps, 2):
         assert not rank_errors, rank_errors

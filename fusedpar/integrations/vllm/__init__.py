@@ -7,7 +7,7 @@
               additional_config={"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 256}})
     fusedpar.integrations.vllm.stats(llm)   # one dict per worker: base/shift steps and tokens
 
-With the canonical rank order (DESIGN.md section 2) vLLM's own TP = P model *is* the shift
+With the canonical rank order (docs/design.md, section 2) vLLM's own TP = P model *is* the shift
 configuration; the plugin only adds the base (SP x TP) path on the same weights and KV cache:
 - `register` (entry point `vllm.general_plugins: fusedpar`, run by vLLM in every process)
   registers three PluggableLayer out-of-tree linear layers (layers.py). They are inert unless
