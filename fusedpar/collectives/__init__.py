@@ -1,5 +1,6 @@
 """How bytes move: ParallelContext (all groups, created once) and the plain collectives."""
 
+from fusedpar.collectives.agreement import check_agreement, tensor_checksum
 from fusedpar.collectives.comm import (
     all_gather_rows,
     all_reduce_sum,
@@ -13,6 +14,8 @@ __all__ = [
     "ParallelContext",
     "all_gather_rows",
     "all_reduce_sum",
+    "check_agreement",
     "head_to_seq_all_to_all",
     "seq_to_head_all_to_all",
+    "tensor_checksum",
 ]

@@ -31,7 +31,7 @@ from torch import nn
 from transformers.cache_utils import Cache, QuantizedCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from fusedpar.collectives import ParallelContext
+from fusedpar.collectives import ParallelContext, check_agreement, tensor_checksum
 from fusedpar.layers import ShardedDecoderWeights, ShiftParallelDecoderLayer, ShiftParallelStack, ShiftPolicy
 from fusedpar.layouts import ParallelLayout
 
@@ -339,6 +339,13 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
     policy = ShiftPolicy(shift_threshold)  # validates the threshold before any collective
     use_fused = fused_decision(spec, device, fused)
     use_graphs = graphs_decision(use_fused, device, cuda_graphs)
+    embeddings = model.get_input_embeddings().weight
+    check_agreement("fusedpar.integrations.hf", {
+        "layout": repr(layout), "shift_threshold": policy.threshold, "block_size": block_size,
+        "max_seq_len": spec.max_seq_len, "fused": use_fused, "fused_max_tokens": fused_max_tokens,
+        "cuda_graphs": use_graphs, "model": repr((type(model).__name__, spec.decoder, spec.num_layers)),
+        "embedding checksum": None if embeddings.device.type == "meta" else tensor_checksum(embeddings),
+    })
     ctx = ParallelContext(layout, device=device)
     layers = []
     for i, weights in enumerate(layer_shards):
