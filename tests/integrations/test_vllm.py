@@ -83,6 +83,14 @@ def test_parse_rejects(section, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["fusedPar", "fused_par", "FUSEDPAR", "fused-par"])
+def test_parse_rejects_a_misspelled_section_by_name(name):
+    with pytest.raises(FusedparConfigError) as e:
+        parse_additional_config({name: {"sequence_parallel_size": 2}})
+    assert repr(name) in str(e.value) and '"fusedpar"' in str(e.value)
+    assert parse_additional_config({"other_plugin": {"x": 1}}) is None
+
+
 def test_parse_rejects_non_object():
     with pytest.raises(FusedparConfigError, match="must be a JSON object"):
         parse_additional_config({"fusedpar": 2})
@@ -354,8 +362,52 @@ def test_summary_logged_at_shutdown(models, tmp_path_factory):
         assert f"fusedpar rank {rank} (SP=2 x TP=1 <-> TP=2, threshold 0): base " in fp["log"], teardown
 
 
+_BUILD_CONFIG = """
+import json, sys, time
+from vllm.engine.arg_utils import EngineArgs
+from fusedpar.integrations.vllm import FusedparConfigError
+out = {}
+for name, section in json.loads(sys.argv[2]).items():
+    t0 = time.perf_counter()
+    try:
+        EngineArgs(model=sys.argv[1], tensor_parallel_size=2, dtype="float32", skip_tokenizer_init=True,
+                   max_model_len=256, additional_config=section).create_engine_config()
+        out[name] = {"error": None}
+    except FusedparConfigError as e:
+        out[name] = {"error": str(e), "seconds": time.perf_counter() - t0}
+print("RESULT:" + json.dumps(out))
+"""
+
+
+@needs_vllm
+def test_engine_config_is_checked_where_it_is_built(models):
+    """The process that builds the engine config (LLM(...), vllm serve) refuses a bad fusedpar section
+    itself, at once, with fusedpar's message: no engine or worker starts."""
+    sections = {
+        "good": {"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 8}},
+        "unknown_key": {"fusedpar": {"sequence_parallel_size": 2, "shift_treshold": 8}},
+        "sp_not_dividing": {"fusedpar": {"sequence_parallel_size": 3}},
+        "threshold_type": {"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": "8"}},
+        "misspelled": {"fusedPar": {"sequence_parallel_size": 2}},
+        "absent": {},
+    }
+    proc = subprocess.run([sys.executable, "-c", _BUILD_CONFIG, models["llama"], json.dumps(sections)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT:"):])
+    assert res["good"]["error"] is None and res["absent"]["error"] is None, res
+    assert "unknown key(s) ['shift_treshold']" in res["unknown_key"]["error"]
+    assert "sequence_parallel_size=3 does not divide tensor_parallel_size=2" in res["sp_not_dividing"]["error"]
+    assert "shift_threshold must be an int" in res["threshold_type"]["error"]
+    assert "'fusedPar'" in res["misspelled"]["error"]
+
+
 @needs_vllm
 def test_bad_config_fails_at_engine_start(models, tmp_path_factory):
     bad = _engine(models, tmp_path_factory, "llama", {"sequence_parallel_size": 3, "shift_threshold": 0})
     assert "error" in bad, "an engine with sequence_parallel_size=3 and tensor_parallel_size=2 started"
     assert "sequence_parallel_size=3 does not divide tensor_parallel_size=2" in bad["log"], bad["log"][-4000:]
+    # refused where the config is built (LLM(...)), with fusedpar's own error, not by a failed engine core
+    assert "FusedparConfigError" in bad["log"] and "Engine core initialization failed" not in bad["log"], \
+        bad["log"][-4000:]

@@ -24,6 +24,8 @@ layers (the linear layers). Only this package imports vllm; fusedpar's core neve
 
 from __future__ import annotations
 
+import functools
+
 from .config import (
     SUPPORTED_ARCHITECTURES,
     DeploymentInfo,
@@ -39,6 +41,7 @@ __all__ = [
     "FusedparConfigError",
     "FusedparVllmConfig",
     "check_deployment",
+    "check_engine_config",
     "parse_additional_config",
     "register",
     "reset_stats",
@@ -56,7 +59,38 @@ def register() -> None:
     from .layers import register_layers
 
     register_layers()
+    _check_configs_where_built()
     _registered = True
+
+
+def check_engine_config(vllm_config) -> None:
+    """Raise FusedparConfigError naming every problem of the engine's fusedpar section (and of the
+    deployment it asks for); nothing when the engine has no fusedpar section."""
+    cfg = parse_additional_config(vllm_config.additional_config)
+    if cfg is not None:
+        from .state import deployment_info
+
+        check_deployment(cfg, deployment_info(vllm_config))
+
+
+def _check_configs_where_built() -> None:
+    """Check the fusedpar section in the process that builds the engine config (the caller of LLM(...)
+    or `vllm serve`), so a bad section fails there at once with fusedpar's message instead of in each
+    worker's log after the engine started. The workers check it again (fusedpar.integrations.vllm.state)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "_fusedpar_checks", False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = original(self, *args, **kwargs)
+        check_engine_config(vllm_config)
+        return vllm_config
+
+    create_engine_config._fusedpar_checks = True
+    EngineArgs.create_engine_config = create_engine_config
 
 
 def stats(llm) -> list[dict]:

@@ -8,6 +8,7 @@ ValueError) whose message names each constraint and its numbers.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from fusedpar.layers.policy import DEFAULT_SHIFT_THRESHOLD
@@ -52,7 +53,14 @@ def _is_int(v) -> bool:
 
 def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
     """The fusedpar section of vLLM's additional_config; None when there is none (plugin idle)."""
-    if not isinstance(additional_config, dict) or CONFIG_KEY not in additional_config:
+    if not isinstance(additional_config, dict):
+        return None
+    if CONFIG_KEY not in additional_config:
+        near = [k for k in additional_config if isinstance(k, str) and re.sub(r"[^a-z]", "", k.lower()) == CONFIG_KEY]
+        if near:
+            raise FusedparConfigError(
+                f'fusedpar: additional_config has a section {near[0]!r}, not "{CONFIG_KEY}": the section is spelled '
+                f'"{CONFIG_KEY}" (lowercase); with any other name fusedpar stays off')
         return None
     section = additional_config[CONFIG_KEY]
     if section is None:
