@@ -16,45 +16,16 @@ that, and it is the only thing kernel launchers look at, so they take either bac
 In a kernel: `tl.load(buffer_ptrs + peer).to(tl.pointer_type(tl.bfloat16))` is peer `peer`'s
 data buffer; `tl.load(signal_ptrs + peer).to(tl.pointer_type(tl.int64))` its flag words.
 
-Flag words and the epoch protocol (what every kernel that uses a PeerTable must follow)
----------------------------------------------------------------------------------------
-Each rank owns `max_blocks * world_size` int64 flag words: word [b * world_size + src] is
-written only by program (CTA) b of rank `src` - one word per (block, source rank), so flags
-from different GPUs never share a word. Flags carry EPOCHS, they are never reset:
+Memory layout. Each rank's allocation is a zeroed prefix of `max_blocks * world_size` int64 flag
+words, then the data buffer. Word [b * world_size + src] is written only by program b of rank
+`src`, so flags of different GPUs never share a word; flags carry launch epochs and are never
+reset. `counters` (local int64 words) hold EPOCH (completed launches), RETIRED (programs of the
+current launch that finished) and STATUS (set to 1 by a bounded wait that gave up: a reported
+error instead of a hang). The protocol every kernel on a PeerTable follows (epochs, release /
+acquire, slot parity, requirements) is fusedpar.kernels._sync's docstring.
 
-  * `counters[EPOCH]` (local, int64) is the number of completed launches. A launch uses epoch
-    e = counters[EPOCH] + 1, read from device memory by every program at kernel start, and its
-    last program to finish (counted in `counters[RETIRED]`) stores counters[EPOCH] = e. The
-    epoch therefore advances on the device, once per launch, so a CUDA graph that captured N
-    launches advances it N times per replay. A host-side epoch passed as a kernel argument would
-    be frozen into the graph: every replay would wait for an epoch that is already in the flag
-    words and read buffers that peers are still writing.
-  * Producer: write data, CTA barrier, then an atomic exchange of e into the flag word with
-    release semantics at system scope (cumulativity publishes the whole CTA's writes).
-    Consumer: spin on RMW atomics (stock Triton has no atomic load) with acquire semantics at
-    system scope until the word is >= e, then CTA barrier, then read peer data.
-  * ">= e" (not "== e") because a fast peer may already have published e + 1 for the next
-    launch before a slow waiter looked; int64 epochs never wrap (2^63 launches), so ">=" is safe
-    even for a block index that sat unused for billions of launches.
-  * Why epochs and not self-resetting 0/1 flags (torch's barrier, Kraken's symm_mem_sync): a
-    reset flag needs the sender to spin until the previous flag was consumed (a second round
-    trip) and a pad that is zero at every kernel boundary; epoch words need neither, and they
-    let a kernel double-buffer the data buffer by epoch parity (slot e % 2), so ONE flag round
-    per launch is enough: a rank can only start writing slot e % 2 again at launch e + 2, after
-    it passed launch e + 1's wait, which needed every peer's launch-(e + 1) flag, which every
-    peer sends only after it finished reading launch e (stream order).
-  * Requirements: every rank issues the same sequence of launches on this PeerTable with the
-    same grid (same shapes), from one stream; at most `max_blocks` programs per launch, all
-    co-resident (a waiting CTA must not starve the CTA it waits for).
-
-`counters[STATUS]` is a debug word: kernels run with a bounded spin (the interpreter does)
-set it to 1 when a flag never arrived instead of hanging.
-
-Why not torch's own signal pad: torch's `barrier()` / `put_signal()` channels live there and
-use self-resetting 0/1 values that epoch words would corrupt, and its default size (2 KiB)
-cannot hold 64 blocks x 8 ranks of int64 words without `set_signal_pad_size`, a process-wide
-setting that must precede every symmetric allocation. Our flag words are a separately zeroed
-prefix of our own symmetric allocation instead; torch's pad stays for `barrier()`.
+The flag words are our own prefix, not torch's signal pad: torch's barrier() uses that pad with
+self-resetting 0/1 values that epoch words would corrupt, and growing it is a process-wide setting.
 """
 
 from __future__ import annotations
