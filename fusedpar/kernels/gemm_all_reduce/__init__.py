@@ -33,9 +33,6 @@ import torch
 from fusedpar.collectives.symmetric import PeerTable, SymmetricWorkspace, as_peer_table
 from fusedpar.kernels._host import SUPPORTED_DTYPES
 from fusedpar.kernels._sync import group_size_and_pg, routes_as_captured
-
-# Re-exported: fusedpar.layers.graphs imports routing_as_captured from here (its home is _sync).
-from fusedpar.kernels._sync import routing_as_captured as routing_as_captured
 from fusedpar.kernels.allreduce import all_reduce, sum_over_group_
 from fusedpar.kernels.gemm_all_reduce.launch import check_operands, check_shapes, launch_gemm_all_reduce, plan_or_raise
 from fusedpar.kernels.gemm_all_reduce.ops import _call_fused
@@ -68,7 +65,6 @@ __all__ = [
     "gemm_all_reduce_reference",
     "launch_gemm_all_reduce",
     "required_workspace",
-    "routing_as_captured",
     "slot_bytes_of",
 ]
 
