@@ -3,7 +3,7 @@
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo profile host_cost
 #                                              tune_gemm qkv_sweep pdl_probe qkv_stores launch hf_decode
-#                                              hf_probe
+#                                              hf_probe vllm_tests vllm
 #                                              (default: all but profile, host_cost, the sweeps and probes;
 #                                              those run the tools in perf/tools/)
 # MODEL_ARGS / LAYER_ARGS / ATTN_ARGS / GAR_ARGS / PROFILE_ARGS pass extra arguments to perf/model_bench.py /
@@ -59,6 +59,11 @@ for item in "${ITEMS[@]}"; do
     # Run from the overlay: `python -m` puts the cwd first on sys.path, where ./fusedpar would
     # shadow the overlay's fusedpar (which has .integrations); `tests` comes from PYTHONPATH.
     hf) run timeout "${HF_TIMEOUT:-300}" "${TRUN[@]}" -m tests.integrations.hf_gpu_check ;;
+    # vLLM plugin on the GPU build of vLLM (installed beforehand, see docs/vllm.md): one process each
+    vllm_tests) run timeout "${VLLM_TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+                  tests/integrations/test_vllm_gpu.py ;;
+    vllm) run timeout "${VLLM_TIMEOUT:-580}" python3 perf/bench_vllm.py --world "$NGPU" ${VLLM_ARGS:-} \
+            --out "$RES/vllm.json" ;;
     # HF generate TPOT with decode graphs vs eager (a random Llama-3-8B-shaped model)
     hf_decode) run timeout "${HF_DECODE_TIMEOUT:-400}" "${TRUN[@]}" perf/bench_hf_decode.py ${HF_DECODE_ARGS:-} \
                  --out "$RES/hf_decode.json" ;;

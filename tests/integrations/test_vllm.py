@@ -321,17 +321,19 @@ def test_mixed_modes_match_plain(models, tmp_path_factory, family):
 
 
 @needs_vllm
-def test_eager_engine_counts_its_first_step(models, tmp_path_factory):
-    """enforce_eager on CPU: vLLM makes no warm-up forward, so the engine's first real step is the call
-    during which the plugin finds the model and installs its hooks. That step runs in shift mode
-    (exact: the tokens match) and the stats count it as the shift step it was; they used to drop it."""
+def test_first_step_honours_the_threshold(models, tmp_path_factory):
+    """enforce_eager on CPU: vLLM makes no warm-up forward, so the engine's first model call is the
+    first batch's prefill (86 tokens > threshold 8). The hooks are on the model from its construction,
+    so that step already runs in base mode; the 9 decode steps of 6 tokens shift; every step counts."""
     plain = _ok(_engine(models, tmp_path_factory, "llama", None))
     fp = _ok(_engine(models, tmp_path_factory, "llama", {"sequence_parallel_size": 2,
                                                          "shift_threshold": MIXED_THRESHOLD}, enforce_eager=True))
     assert fp["tokens"] == plain["tokens"]
     prompts = _prompts(seed=FAMILIES.index("llama"))[0]
     s = _check_stats(fp["stats"][0], prompts)
-    assert s["base_tokens"] + s["shift_tokens"] == sum(map(len, prompts)) + len(prompts) * (MAX_TOKENS - 1), s
+    prefill = sum(map(len, prompts))
+    assert (s["base_steps"], s["base_tokens"]) == (1, prefill), s
+    assert (s["shift_steps"], s["shift_tokens"]) == (MAX_TOKENS - 1, len(prompts) * (MAX_TOKENS - 1)), s
     assert s["shift_compiled"] is False, s
 
 

@@ -1,16 +1,17 @@
-"""Run one vLLM engine (CPU build) in this process and write what it produced as JSON.
+"""Run one vLLM engine in this process and write what it produced as JSON.
 
     python -m tests.integrations.vllm_engine SPEC.json OUT.json
 
 SPEC: {"model": dir, "tensor_parallel_size": 2, "fusedpar": {...} or null, "max_tokens": 8,
-       "batches": [[[token ids], ...], ...]}
-OUT:  {"tokens": [[[generated ids] per prompt] per batch], "stats": [per batch: fusedpar.stats(llm)
-       or null], "seconds": {...}}
+       "batches": [[[token ids], ...], ...], "dtype": "float32", "logprobs": false,
+       "engine_args": {more LLM(...) keywords}}
+OUT:  {"tokens": [[[generated ids] per prompt] per batch], "logprobs": [same shape: the chosen
+       tokens' logprobs] or null, "stats": [per batch: fusedpar.stats(llm) or null], "seconds": {...}}
 
-test_vllm.py runs each engine in its own process (vLLM's CPU workers bind OpenMP threads and
-keep process-wide state: one engine per process keeps the cases independent). Greedy decoding
-with ignore_eos, so every prompt generates exactly max_tokens tokens. Between batches the
-fusedpar counters are reset, so each batch's stats describe that batch alone.
+test_vllm.py (the CPU build) and test_vllm_gpu.py run each engine in its own process (vLLM's
+workers keep process-wide state: one engine per process keeps the cases independent). Greedy
+decoding with ignore_eos, so every prompt generates exactly max_tokens tokens. Between batches
+the fusedpar counters are reset, so each batch's stats describe that batch alone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import sys
 import time
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per worker
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per worker (CPU build)
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CI machines have few cores; no pinning
 # The engine core runs in this process (vLLM's in-process client), not in a child process of its
 # own. With a child, shutdown sends it SIGTERM and relies on its Python signal handler; now and
@@ -42,13 +43,15 @@ def run(spec: dict) -> dict:
     kwargs = {}
     if spec.get("fusedpar") is not None:
         kwargs["additional_config"] = {"fusedpar": spec["fusedpar"]}
-    llm = LLM(spec["model"], tensor_parallel_size=spec.get("tensor_parallel_size", 2), dtype="float32",
-              skip_tokenizer_init=True, max_model_len=spec.get("max_model_len", 256), seed=0,
-              enforce_eager=spec.get("enforce_eager", False), **kwargs)
+    llm = LLM(spec["model"], tensor_parallel_size=spec.get("tensor_parallel_size", 2),
+              dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True,
+              max_model_len=spec.get("max_model_len", 256), seed=0, enforce_eager=spec.get("enforce_eager", False),
+              **spec.get("engine_args", {}), **kwargs)
     t1 = time.perf_counter()
+    want_logprobs = spec.get("logprobs", False)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True,
-                            detokenize=False)
-    tokens, stats = [], []
+                            detokenize=False, logprobs=1 if want_logprobs else None)
+    tokens, logprobs, stats = [], [], []
     for batch in spec["batches"]:
         if spec.get("fusedpar") is not None:
             from fusedpar.integrations.vllm import reset_stats
@@ -56,6 +59,9 @@ def run(spec: dict) -> dict:
             reset_stats(llm)
         outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
         tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        if want_logprobs:
+            logprobs.append([[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                                                  strict=True)] for o in outs])
         if spec.get("fusedpar") is not None:
             from fusedpar.integrations.vllm import stats as fp_stats
 
@@ -65,7 +71,8 @@ def run(spec: dict) -> dict:
     t2 = time.perf_counter()
     # the workers log fusedpar's summary line as they exit; this waits for them
     llm.llm_engine.engine_core.shutdown()
-    return {"tokens": tokens, "stats": stats, "seconds": {"startup": t1 - t0, "generate": t2 - t1}}
+    return {"tokens": tokens, "logprobs": logprobs if want_logprobs else None, "stats": stats,
+            "seconds": {"startup": t1 - t0, "generate": t2 - t1}}
 
 
 def main() -> None:

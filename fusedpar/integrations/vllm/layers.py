@@ -24,8 +24,8 @@ Modes (the WorkerState decides per step; under torch.compile the shift path is t
   o_proj     base: attn [n, q*hd] -> zero-pad to n_pad -> head->seq all-to-all -> [m, SP*q*hd]
                    -> @ base o -> all-reduce over the base TP group -> [m, d].
              shift: F.linear with the column view, vLLM's tensor_model_parallel_all_reduce.
-  gate_up    base: [m, d] @ base gate_up -> [m, SP x (gate|up)] reordered to [gate | up] of the
-                   whole base shard (what vLLM's SiluAndMul splits in half).
+  gate_up    base: [m, d] @ base gate_up -> [m, SP x (gate c | up c)], the blocked layout the MLP's
+                   SiluAndMul takes in base steps (base_step.py) -> [m, SP x c].
              shift: F.linear with the view ([gate | up] of chunk r, vLLM's TP=P layout).
   down_proj  base: [m, I/TP] @ base down -> all-reduce over the base TP group.
              shift: F.linear with the column view, vLLM's all-reduce (custom all-reduce kept).
@@ -243,10 +243,9 @@ class FusedparMergedColumnParallelLinear(_FusedparLinear, MergedColumnParallelLi
 
     def forward(self, input_):
         if self._fp_base_active():
-            out = F.linear(input_, self.weight, self.bias)  # [m, SP blocks of (gate c | up c)]
-            m, sp = out.shape[0], self._fp.layout.sp
-            out = out.view(m, sp, 2, -1).transpose(1, 2).reshape(m, -1)  # [gate of the shard | up of the shard]
-            return self._fp_return(out)
+            # [m, SP blocks of (gate c | up c)]: the MLP's SiluAndMul takes this blocked layout in base
+            # steps (base_step.BaseKernels), so no reordering copy
+            return self._fp_return(F.linear(input_, self.weight, self.bias))
         return self._fp_return(F.linear(input_, self._fp_weight("shift"), self._fp_bias("shift")))
 
 

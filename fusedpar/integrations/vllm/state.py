@@ -8,14 +8,15 @@ process groups and before any weight is loaded. Creating it
      rank constructs the same layers in the same order, so every rank gets here together).
 Nothing else holds process groups.
 
-How a step runs (hooks installed once the model is complete, see `install_model_hooks`):
+How a step runs (hooks installed on the model as vLLM builds it, see `watch_for_root`):
 
   root model forward pre-hook (outside vLLM's compiled region)
       n = rows of input_ids / inputs_embeds (vLLM's scheduled, possibly graph-padded, token
       count: identical on every rank, so every rank takes the same decision without talking);
       mode = ShiftPolicy(threshold).mode(n, SP);
       base -> forward_context.skip_compiled = True: vLLM's own switch that makes the
-              @support_torch_compile decoder model run its plain eager forward for this step.
+              @support_torch_compile decoder model run its plain eager forward for this step;
+              vLLM's custom ops dispatch to their eager kernels for the step (base_step.py).
   decoder layer 0 forward pre-hook (base only): pad hidden [n, d] to n_pad = SP*m rows and keep
       this SP rank's m rows; the residual stream stays sequence-sharded through every layer.
   linear layers (layers.py): base = base-shard GEMM on the local rows + Ulysses exchange in
@@ -23,7 +24,10 @@ How a step runs (hooks installed once the model is complete, see `install_model_
       views of the base shard with vLLM's own all-reduce.
   final norm forward hook (base only): all-gather the m rows of every SP rank, drop the padding.
   root model forward hook: checks that a base step really ran the eager base path (the layer 0
-      hook saw it) and counts the step.
+      hook saw it), restores vLLM's custom-op dispatch and counts the step.
+
+The first base step (vLLM's memory-profiling run, at max_num_batched_tokens) builds the fused
+communicator and compiles its kernels for every row count a base step can have.
 
 Why this is compile-safe: vLLM compiles the decoder model once (DYNAMO_TRACE_ONCE on CPU,
 VLLM_COMPILE on CUDA) and drops dynamo's guards, so any Python branch on the token count inside
@@ -131,13 +135,14 @@ class WorkerState:
         self.layers_taken: dict[str, int] = {}
         self.modules: list = []  # the linear layers taken over (their weights are the base shards)
         self.root = self.decoder_model = None
-        self._finder = None
-        self._pre_missed = False
+        self.base_kernels = None  # base_step.BaseKernels, once the model is built
+        self._watchers: list = []
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         atexit.register(self.log_summary)
         logger.info(
             "fusedpar: rank %d = (sp %d, tp %d) of base SP=%d x TP=%d, shift TP=%d; shift_threshold=%d; "
-            "base mode runs eager (skip_compiled), shift mode runs vLLM's compiled/graph path; fused kernels: %s",
+            "base mode runs eager (skip_compiled) on vLLM's eager kernels, shift mode runs vLLM's compiled/graph "
+            "path; fused kernels: %s",
             rank, self.coords.sp, self.coords.tp, layout.sp, layout.tp, P, cfg.shift_threshold, self.use_fused)
 
     # ---- kernels ------------------------------------------------------------------------------
@@ -172,7 +177,24 @@ class WorkerState:
                                 intermediate_size=self.dims.intermediate_size)
             max_tokens = padded_token_count(self.vllm_config.scheduler_config.max_num_batched_tokens, self.layout.sp)
             self._fused = FusedComm(self.ctx, cfg, max_tokens=max_tokens, dtype=self.dtype)  # collective
+            self._warm_up(max_tokens)
         return self._fused
+
+    def base_rows(self, max_tokens: int) -> range:
+        """Rows per rank (m) of every base step: n in (threshold, max_tokens] tokens, m = ceil(n / SP)."""
+        sp = self.layout.sp
+        return range(-(-(self.policy.threshold + 1) // sp), -(-max_tokens // sp) + 1)
+
+    def _warm_up(self, max_tokens: int) -> None:
+        from .base_step import warm_up_fused
+
+        first = {}
+        for mod in self.modules:  # the first layer's projections
+            first.setdefault(mod._fp_kind, mod)
+        rows = self.base_rows(max_tokens)
+        seconds = warm_up_fused(self._fused, rows, first["qkv"], first["o"], first["down"])
+        logger.info("fusedpar: base-mode kernels compiled for %d row counts (%d..%d rows per rank) in %.1f s",
+                    len(rows), rows.start, rows.stop - 1, seconds)
 
     # ---- per step -----------------------------------------------------------------------------
     def begin_step(self, num_tokens: int) -> None:
@@ -193,6 +215,12 @@ class WorkerState:
                     f"--compilation-config '{{\"max_cudagraph_capture_size\": {self.policy.threshold}}}'"
                 )
             fc.skip_compiled = True  # vLLM runs the decoder model's eager forward for this step
+            if self.use_fused and self._fused is None and not self._is_capturing():
+                self.fused()  # build and compile before the step, not inside it
+        if self.base_kernels is not None:
+            self.base_kernels.end()
+            if mode == "base":
+                self.base_kernels.begin()
         self.mode = mode
         self.num_tokens = num_tokens
         self.padded_tokens = padded_token_count(num_tokens, self.layout.sp) if mode == "base" else num_tokens
@@ -201,12 +229,16 @@ class WorkerState:
         # stream: neither is a step of the workload, so neither is counted
         self._counted = self._is_workload_step(fc)
 
+    def _is_capturing(self) -> bool:
+        return self.is_cuda and torch.cuda.is_current_stream_capturing()
+
     def _is_workload_step(self, fc) -> bool:
-        capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
-        return fc is not None and bool(fc.attn_metadata) and not capturing
+        return fc is not None and bool(fc.attn_metadata) and not self._is_capturing()
 
     def end_step(self) -> None:
         mode, self.mode = self.mode, "shift"
+        if self.base_kernels is not None:
+            self.base_kernels.end()
         logger.debug("fusedpar step: %s, %d tokens (counted: %s)", mode, self.num_tokens, self._counted)
         if mode == "base" and not self._layer0_saw_base:
             raise RuntimeError(
@@ -226,62 +258,87 @@ class WorkerState:
 
     # ---- hooks --------------------------------------------------------------------------------
     def watch_for_root(self, layer_prefix: str) -> None:
-        """Remember the first decoder layer; find the root model at its first call.
+        """Remember the first decoder layer and install the per-model hooks as soon as the model that
+        holds it is assembled (before any forward: the first step already honours the threshold).
 
-        The root (e.g. LlamaForCausalLM) is the only module outside vLLM's compiled region that
-        sees every step's inputs, but layers cannot see their parents while the model is being
-        built. A global forward pre-hook therefore waits for the first module call whose
-        submodule `layer_prefix` is a layer we built (that is the root: the runner calls it
-        first), installs the per-model hooks on it and removes itself. PyTorch has already taken
-        that call's pre-hook list, so the call runs in shift mode, which is always exact. It is
-        usually vLLM's profile / warm-up run; where it is a real step (vLLM on CPU with
-        enforce_eager makes no warm-up call), _root_post counts it as the shift step it was.
+        Layers cannot see their parents while the model is being built. A module-registration hook
+        sees the root assign its decoder model (`self.model = LlamaModel(...)`), whose layers are
+        complete by then; `layer_prefix` ("model.layers.0") names that assignment. A forward pre-hook
+        guards the other way round: a model that runs before its hooks were installed (vLLM built it
+        some other way, e.g. its Transformers backend) is an error, not a silent shift-only engine.
         """
         if self.layer_prefix is not None:
             return
         self.layer_prefix = layer_prefix
-        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.nn.modules.module import register_module_forward_pre_hook, register_module_module_registration_hook
 
-        self._finder = register_module_forward_pre_hook(self._find_root)
+        self._watchers = [register_module_module_registration_hook(self._on_register),
+                          register_module_forward_pre_hook(self._unhooked_call)]
 
-    def _find_root(self, module, args):
+    def _holds_first_layer(self, module, path: str) -> bool:
         try:
-            target = module.get_submodule(self.layer_prefix + ".self_attn.qkv_proj")
+            target = module.get_submodule(f"{path}.self_attn.qkv_proj" if path else "self_attn.qkv_proj")
         except AttributeError:
-            return None
-        if getattr(target, "_fp", None) is not self:
-            return None
-        self._finder.remove()
-        self._finder = None
-        self.install_model_hooks(module)
-        self._pre_missed = True  # this call's pre-hooks were collected before _root_pre existed
+            return False
+        return getattr(target, "_fp", None) is self
+
+    def _on_register(self, parent, name, child):
+        first, _, rest = self.layer_prefix.partition(".")
+        if self.root is None and name == first and rest and self._holds_first_layer(child, rest):
+            self._stop_watching()
+            self.install_model_hooks(parent, child)
         return None
 
-    def install_model_hooks(self, root) -> None:
+    def _unhooked_call(self, module, args):
+        if self.root is None and self._holds_first_layer(module, self.layer_prefix):
+            self._stop_watching()
+            raise FusedparConfigError(
+                f"fusedpar: vLLM runs this model as {type(module).__name__}, which fusedpar did not see being "
+                f"assembled; fusedpar hooks into vLLM's own {', '.join(SUPPORTED_ARCHITECTURES)} (model_impl 'auto' "
+                "or 'vllm')")
+        return None
+
+    def _stop_watching(self) -> None:
+        for handle in self._watchers:
+            handle.remove()
+        self._watchers = []
+
+    def install_model_hooks(self, root, inner) -> None:
+        """Hooks on `root` (the causal LM) and its decoder model `inner` (root.<first part of layer_prefix>)."""
         if type(root).__name__ not in SUPPORTED_ARCHITECTURES:  # e.g. vLLM's Transformers backend
             raise FusedparConfigError(
                 f"fusedpar: vLLM runs this model as {type(root).__name__}; fusedpar hooks into vLLM's own "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_impl 'auto' or 'vllm')")
-        layers_path, _, idx = self.layer_prefix.rpartition(".")
-        model_path = layers_path.rpartition(".")[0]
-        layers = root.get_submodule(layers_path)
+        model_path, _, rest = self.layer_prefix.partition(".")
+        layers_path, _, idx = rest.rpartition(".")
+        layers = inner.get_submodule(layers_path)
         if int(idx) != 0 or len(layers) == 0:
             raise RuntimeError(f"fusedpar: expected {self.layer_prefix} to be the first decoder layer")
-        inner = root.get_submodule(model_path) if model_path else root
         norm = getattr(inner, "norm", None)
         if norm is None:
             raise RuntimeError(f"fusedpar: {type(inner).__name__} has no final norm to gather the sequence at")
-        n_taken = {k: v for k, v in self.layers_taken.items()}
+        n_taken = dict(self.layers_taken)
         expected = len(layers)
         if any(v != expected for v in n_taken.values()) or len(n_taken) != 4:
             raise RuntimeError(f"fusedpar: took over {n_taken} linear layers; expected 4 kinds x {expected} layers")
+        acts = []
+        for layer in layers:
+            mlp = getattr(layer, "mlp", None)
+            act = getattr(mlp, "act_fn", None)
+            if act is None or getattr(getattr(mlp, "gate_up_proj", None), "_fp", None) is not self:
+                raise RuntimeError(f"fusedpar: {type(layer).__name__} has no mlp.act_fn after fusedpar's gate_up_proj")
+            acts.append(act)
+        from .base_step import BaseKernels
+
+        self.base_kernels = BaseKernels(inner, acts, self.layout.sp, cuda=self.is_cuda)
         self.root, self.decoder_model = root, inner
         root.register_forward_pre_hook(self._root_pre, with_kwargs=True)
         root.register_forward_hook(self._root_post)
         layers[0].register_forward_pre_hook(self._scatter_rows, with_kwargs=True)
         norm.register_forward_hook(self._gather_rows)
-        logger.info("fusedpar: hooks on %s (mode per step), %s.%s[0] (sequence scatter) and %s.norm (gather)",
-                    type(root).__name__, model_path, layers_path.rpartition(".")[2], model_path)
+        logger.info("fusedpar: hooks on %s (mode per step), %s.%s[0] (sequence scatter) and %s.norm (gather); "
+                    "base steps switch %s", type(root).__name__, model_path, layers_path, model_path,
+                    self.base_kernels.describe())
 
     def _root_pre(self, module, args, kwargs):
         x = kwargs.get("input_ids")
@@ -295,13 +352,6 @@ class WorkerState:
         return None
 
     def _root_post(self, module, args, output):
-        if self._pre_missed:  # the call that installed the hooks ran in shift mode: count it as one
-            self._pre_missed = False
-            from vllm.forward_context import get_forward_context, is_forward_context_available
-
-            hidden = output[0] if isinstance(output, tuple) else output
-            self.num_tokens = self.padded_tokens = int(hidden.shape[0])
-            self._counted = self._is_workload_step(get_forward_context() if is_forward_context_available() else None)
         self.end_step()
         return None
 

@@ -1,0 +1,338 @@
+"""Plain vLLM (TP=P) vs vLLM with fusedpar (SP <-> TP=P) on vLLM's own engine API, dummy weights.
+
+    python perf/bench_vllm.py --world 4 [--sp 4] [--shape qwen32b] [--layers N] [--threshold 512]
+        [--benches ttft,tpot,throughput,online] [--cases plain,fusedpar] [--out perf/results/vllm.json]
+
+Each case runs one engine (vllm.v1 AsyncLLM, load_format "dummy", bf16, prefix caching off,
+max_num_batched_tokens --max-batch-tokens, CUDA graphs captured up to --threshold tokens on both
+sides) in a process of its own, on the same GPUs, one after the other; the same token ids everywhere.
+  plain     vLLM with tensor_parallel_size=P (its compiled model, CUDA graphs, custom all-reduce)
+  fusedpar  the same engine with additional_config {"fusedpar": {"sequence_parallel_size": SP,
+            "shift_threshold": T}}: steps above T tokens run base SP x TP=P/SP, the others vLLM's own
+            TP=P path
+Workloads (time from submitting a request to its outputs, as a client sees it):
+  ttft        one 4096-token prompt, 1 output token: median of --iters after 3 warm-up requests
+  tpot        batch 1 and 32 of 512-token prompts, 128 output tokens each: per request (finish - first
+              token) / 127, median over requests and --rounds rounds
+  throughput  64 requests of 2000 prompt + 250 output tokens submitted at once: (prompt + output) / wall
+  online      Poisson arrivals alternating low load (2-5 req/s) and bursts (10-30 req/s) for
+              --online-seconds, prompts 100-2000 and outputs 50-250 tokens (uniform, seeded):
+              p50 / p99 TTFT and TPOT, overall and per phase
+Records (perf/results/vllm.json): bench vllm_<workload>, case "fusedpar SP=<sp> <shape>", baseline
+plain vLLM TP=P, speedup = plain time / fusedpar time (throughput: of the fixed workload; online: p99
+TTFT), roofline_pct = the GEMM-FLOP / weight-read floor of the work (cuBLAS TFLOP/s and HBM bandwidth
+measured on GPU 0 before the engines start) over fusedpar's time; world, gpu, vllm version, commit.
+The GPU side needs vLLM installed (the `vllm` extra, or the wheel bundle docs/vllm.md describes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BENCHES = ("ttft", "tpot", "throughput", "online")
+TTFT_PROMPT = 4096
+TPOT_PROMPT, TPOT_OUTPUT, TPOT_BATCHES = 512, 128, (1, 32)
+THR_REQUESTS, THR_PROMPT, THR_OUTPUT = 64, 2000, 250
+ONLINE_LOW, ONLINE_BURST = (2.0, 5.0), (10.0, 30.0)
+ONLINE_PROMPT, ONLINE_OUTPUT = (100, 2000), (50, 250)
+ARCHITECTURE = {"qwen32b": "Qwen3ForCausalLM", "llama70b": "LlamaForCausalLM", "llama8b": "LlamaForCausalLM"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, required=True, help="GPUs = vLLM tensor_parallel_size P")
+    p.add_argument("--sp", type=int, default=None, help="fusedpar's sequence_parallel_size (default: P)")
+    p.add_argument("--shape", default="qwen32b", choices=sorted(ARCHITECTURE), help="model shape (perf/shapes.py)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
+    p.add_argument("--threshold", type=int, default=512, help="fusedpar shift_threshold and the largest CUDA graph")
+    p.add_argument("--max-batch-tokens", type=int, default=8192, help="vLLM max_num_batched_tokens")
+    p.add_argument("--benches", default=",".join(BENCHES), help=f"comma-separated subset of {BENCHES}")
+    p.add_argument("--cases", default="plain,fusedpar", help="comma-separated: plain, fusedpar")
+    p.add_argument("--iters", type=int, default=7, help="ttft: timed requests")
+    p.add_argument("--rounds", type=int, default=3, help="tpot: rounds")
+    p.add_argument("--online-seconds", type=float, default=40.0, help="online: seconds of arrivals")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--timeout", type=float, default=560.0, help="seconds for each engine process")
+    p.add_argument("--out", default=None, help="records JSON (default: print only)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.sp = args.sp or args.world
+    bad = []
+    if args.world < 2 or args.world % args.sp:
+        bad.append(f"--sp {args.sp} must divide --world {args.world} (>= 2)")
+    unknown = sorted(set(args.benches.split(",")) - set(BENCHES))
+    if unknown:
+        bad.append(f"unknown benches {unknown} (known: {list(BENCHES)})")
+    if sorted(set(args.cases.split(",")) - {"plain", "fusedpar"}):
+        bad.append(f"--cases {args.cases!r}: plain and/or fusedpar")
+    if bad:
+        p.error("; ".join(bad))
+    return args
+
+
+# ---------------------------------------------------------------------------------------- engine side
+def write_model_dir(shape_key: str, layers: int | None, path: Path) -> None:
+    """A config-only model directory (load_format "dummy" makes the weights)."""
+    from shapes import shape
+
+    s = shape(shape_key)
+    cfg = {"architectures": [ARCHITECTURE[shape_key]], "model_type": "qwen3" if shape_key.startswith("qwen") else
+           "llama", "hidden_size": s.hidden, "intermediate_size": s.intermediate,
+           "num_hidden_layers": layers or s.layers, "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
+           "head_dim": s.head_dim, "vocab_size": s.vocab, "rope_theta": s.rope_theta, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": 40960, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+           "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 30000) for _ in range(n)]
+
+
+async def _request(engine, ids: list[int], max_tokens: int, rid: str) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    async for out in engine.generate({"prompt_token_ids": ids}, params, rid):
+        n = len(out.outputs[0].token_ids)
+        if first is None and n:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return {"ttft": first - t0, "tpot": (end - first) / (n - 1) if n > 1 else None, "end": end - t0, "tokens": n}
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+async def run_engine(spec: dict) -> dict:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    extra = {}
+    if spec["case"] == "fusedpar":
+        extra["additional_config"] = {"fusedpar": {"sequence_parallel_size": spec["sp"],
+                                                   "shift_threshold": spec["threshold"]}}
+    t0 = time.perf_counter()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=spec["model_dir"], tensor_parallel_size=spec["world"], load_format="dummy", dtype="bfloat16",
+        skip_tokenizer_init=True, max_model_len=8192, enable_prefix_caching=False, seed=0,
+        gpu_memory_utilization=spec["gpu_memory_utilization"], max_num_batched_tokens=spec["max_batch_tokens"],
+        compilation_config={"max_cudagraph_capture_size": spec["threshold"]}, **extra))
+    res: dict = {"startup_s": time.perf_counter() - t0}
+    rng = random.Random(0)
+    seq = iter(range(10**9))
+    rid = lambda: f"r{next(seq)}"  # noqa: E731
+    benches = spec["benches"]
+    try:
+        if "ttft" in benches:
+            prompt = _ids(rng, TTFT_PROMPT)
+            for _ in range(3):
+                await _request(engine, prompt, 1, rid())
+            times = [(await _request(engine, _ids(rng, TTFT_PROMPT), 1, rid()))["ttft"] for _ in range(spec["iters"])]
+            res["ttft_ms"], res["ttft_ms_all"] = 1e3 * statistics.median(times), [1e3 * t for t in times]
+        if "tpot" in benches:
+            for b in TPOT_BATCHES:
+                rounds = []
+                for _ in range(spec["rounds"]):
+                    outs = await asyncio.gather(*[_request(engine, _ids(rng, TPOT_PROMPT), TPOT_OUTPUT, rid())
+                                                  for _ in range(b)])
+                    rounds.append(statistics.median(o["tpot"] for o in outs))
+                res[f"tpot_b{b}_ms"] = 1e3 * statistics.median(rounds[1:] or rounds)  # round 1 warms up
+                res[f"tpot_b{b}_ms_rounds"] = [1e3 * t for t in rounds]
+        if "throughput" in benches:
+            reqs = [_ids(rng, THR_PROMPT) for _ in range(THR_REQUESTS)]
+            await asyncio.gather(*[_request(engine, r[:256], 8, rid()) for r in reqs[:8]])  # warm the path
+            t = time.perf_counter()
+            await asyncio.gather(*[_request(engine, r, THR_OUTPUT, rid()) for r in reqs])
+            wall = time.perf_counter() - t
+            res["throughput_s"] = wall
+            res["tokens_per_s"] = THR_REQUESTS * (THR_PROMPT + THR_OUTPUT) / wall
+        if "online" in benches:
+            res["online"] = await _online(engine, spec["online_seconds"], rid)
+        if spec["case"] == "fusedpar":
+            res["fusedpar_stats"] = (await engine.collective_rpc("fusedpar_stats"))[0]
+    finally:
+        engine.shutdown()
+    return res
+
+
+def online_trace(seconds: float, seed: int = 0) -> list[tuple[float, str, int, int]]:
+    """(arrival s, phase, prompt tokens, output tokens): 10 s low-load phases alternating with 5 s bursts,
+    Poisson arrivals at a rate drawn per phase."""
+    rng = random.Random(seed)
+    out, start, burst = [], 0.0, False
+    while start < seconds:
+        end = min(start + (5.0 if burst else 10.0), seconds)
+        rate = rng.uniform(*(ONLINE_BURST if burst else ONLINE_LOW))
+        t = start + rng.expovariate(rate)
+        while t < end:
+            out.append((t, "burst" if burst else "low", rng.randint(*ONLINE_PROMPT), rng.randint(*ONLINE_OUTPUT)))
+            t += rng.expovariate(rate)
+        start, burst = end, not burst
+    return out
+
+
+async def _online(engine, seconds: float, rid) -> dict:
+    trace = online_trace(seconds)
+    rng = random.Random(1)
+    start = time.perf_counter()
+
+    async def one(at, phase, n_in, n_out):
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        return phase, await _request(engine, _ids(rng, n_in), n_out, rid())
+
+    done = await asyncio.gather(*[one(*r) for r in trace])
+    summary = {"requests": len(done), "seconds": time.perf_counter() - start}
+    for name, sel in (("all", None), ("low", "low"), ("burst", "burst")):
+        rs = [r for p, r in done if sel is None or p == sel]
+        if not rs:
+            continue
+        ttft = [1e3 * r["ttft"] for r in rs]
+        tpot = [1e3 * r["tpot"] for r in rs if r["tpot"] is not None]
+        summary[name] = {"requests": len(rs), "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99),
+                         "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p99_ms": _pct(tpot, 0.99)}
+    return summary
+
+
+def child_main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    result = asyncio.run(run_engine(spec))
+    print("RESULT:" + json.dumps(result), flush=True)
+    os._exit(0)  # engine teardown threads must not hold the process
+
+
+# ---------------------------------------------------------------------------------------- driver side
+def run_case(args, case: str, model_dir: Path, work: Path) -> dict:
+    spec = {"case": case, "world": args.world, "sp": args.sp, "threshold": args.threshold,
+            "model_dir": str(model_dir), "benches": args.benches.split(","), "iters": args.iters,
+            "rounds": args.rounds, "online_seconds": args.online_seconds, "max_batch_tokens": args.max_batch_tokens,
+            "gpu_memory_utilization": args.gpu_memory_utilization}
+    spec_path = work / f"{case}.json"
+    spec_path.write_text(json.dumps(spec))
+    print(f"== {case}: starting the engine (P={args.world}{f', SP={args.sp}' if case == 'fusedpar' else ''})",
+          flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, __file__, "--world", str(args.world), "--child", str(spec_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("RESULT:") or "fusedpar" in line or "Error" in line or "error" in line:
+                print(f"   [{case} {time.perf_counter() - t0:5.0f}s] {line.rstrip()[:400]}", flush=True)
+        proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    found = [x for x in lines if x.startswith("RESULT:")]
+    if not found:
+        tail = "".join(lines[-60:])
+        return {"error": f"{case} engine exited with {proc.returncode} and no result", "log_tail": tail}
+    return json.loads(found[-1][len("RESULT:"):])
+
+
+def ceilings() -> tuple[float, float, str]:
+    import bench_gemm
+    import torch
+
+    peak, hbm = bench_gemm.measure_ceilings(torch.bfloat16, 5, torch.device("cuda", 0))
+    name = torch.cuda.get_device_name(0)
+    torch.cuda.empty_cache()
+    return peak, hbm, name
+
+
+def records(args, results: dict, peak: float, hbm: float, gpu: str) -> list[dict]:
+    import vllm
+    from _bench import run_info
+    from shapes import shape
+
+    s = shape(args.shape)
+    layers = args.layers or s.layers
+    per_layer = (s.hidden * (s.q_size + 2 * s.kv_size) + s.q_size * s.hidden + 3 * s.hidden * s.intermediate)
+    params = per_layer * layers + 2 * s.vocab * s.hidden
+    P = args.world
+
+    def floor_ms(tokens: int, steps: int = 1) -> float:
+        return max(2 * tokens * params / P / peak, steps * 2 * params / P / hbm) * 1e3
+
+    plain, fp = results.get("plain", {}), results.get("fusedpar", {})
+    common = {"world": P, "gpu": gpu, "baseline": f"plain vLLM TP={P}", "vllm": vllm.__version__,
+              "model": args.shape, "layers": layers, "sp": args.sp, "threshold": args.threshold,
+              "max_batch_tokens": args.max_batch_tokens, **run_info(python=True)}
+    case = f"fusedpar SP={args.sp} {args.shape}"
+    out = []
+
+    def add(bench, tokens, base_ms, fused_ms, floor, **extra):
+        if base_ms and fused_ms:
+            out.append({"bench": bench, "case": case, "tokens": tokens, "baseline_ms": base_ms, "fused_ms": fused_ms,
+                        "speedup": base_ms / fused_ms, "roofline_pct": None if floor is None else
+                        100 * floor / fused_ms, **extra, **common})
+
+    add("vllm_ttft", TTFT_PROMPT, plain.get("ttft_ms"), fp.get("ttft_ms"), floor_ms(TTFT_PROMPT))
+    for b in TPOT_BATCHES:
+        add("vllm_tpot", b, plain.get(f"tpot_b{b}_ms"), fp.get(f"tpot_b{b}_ms"), floor_ms(b), batch=b,
+            prompt=TPOT_PROMPT)
+    thr_tokens = THR_REQUESTS * (THR_PROMPT + THR_OUTPUT)
+    if plain.get("throughput_s") and fp.get("throughput_s"):
+        add("vllm_throughput", thr_tokens, 1e3 * plain["throughput_s"], 1e3 * fp["throughput_s"],
+            floor_ms(thr_tokens, steps=THR_OUTPUT), plain_tokens_per_s=plain["tokens_per_s"],
+            fused_tokens_per_s=fp["tokens_per_s"])
+    po, fo = plain.get("online"), fp.get("online")
+    if po and fo and "all" in po and "all" in fo:
+        add("vllm_online", po["requests"], po["all"]["ttft_p99_ms"], fo["all"]["ttft_p99_ms"], None,
+            plain_online=po, fused_online=fo, metric="p99 TTFT over the whole trace")
+    for rec in out:
+        rec["fusedpar_stats"] = fp.get("fusedpar_stats")
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args.child)
+        return 0
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    peak, hbm, gpu = ceilings()
+    print(f"{gpu}: cuBLAS {peak / 1e12:.0f} TFLOP/s, HBM {hbm / 1e12:.2f} TB/s", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        write_model_dir(args.shape, args.layers, model_dir)
+        for case in args.cases.split(","):
+            results[case] = run_case(args, case, model_dir, Path(tmp))
+            print(f"== {case}: {json.dumps(results[case])[:1500]}", flush=True)
+    recs = records(args, results, peak, hbm, gpu)
+    for r in recs:
+        print(f"{r['bench']:16s} tokens {r['tokens']:>6}: plain {r['baseline_ms']:9.2f} ms  fusedpar "
+              f"{r['fused_ms']:9.2f} ms  speedup {r['speedup']:.3f}x", flush=True)
+    if args.out and recs:
+        from _bench import write_records
+
+        write_records(recs, args.out)
+    errors = [c for c, r in results.items() if "error" in r]
+    for c in errors:
+        print(f"{c}: {results[c]['error']}\n{results[c].get('log_tail', '')}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
