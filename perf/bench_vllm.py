@@ -11,7 +11,8 @@ sides) in a process of its own, on the same GPUs, one after the other; the same 
             "shift_threshold": T}}: steps above T tokens run base SP x TP=P/SP, the others vLLM's own
             TP=P path
 Workloads (time from submitting a request to its outputs, as a client sees it):
-  ttft        one 4096-token prompt, 1 output token: median of --iters after 3 warm-up requests
+  ttft        one prompt of each --ttft-prompts length (default 4096), 1 output token: median of
+              --iters after 3 warm-up requests (a sweep shows where base mode starts to win)
   tpot        batch 1 and 32 of 512-token prompts, 128 output tokens each: per request (finish - first
               token) / 127, median over requests and --rounds rounds
   throughput  64 requests of 2000 prompt + 250 output tokens submitted at once: (prompt + output) / wall
@@ -61,15 +62,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--benches", default=",".join(BENCHES), help=f"comma-separated subset of {BENCHES}")
     p.add_argument("--cases", default="plain,fusedpar", help="comma-separated: plain, fusedpar")
     p.add_argument("--iters", type=int, default=7, help="ttft: timed requests")
+    p.add_argument("--ttft-prompts", default=str(TTFT_PROMPT), help="ttft: comma-separated prompt lengths")
     p.add_argument("--rounds", type=int, default=3, help="tpot: rounds")
     p.add_argument("--online-seconds", type=float, default=40.0, help="online: seconds of arrivals")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--timeout", type=float, default=560.0, help="seconds for each engine process")
     p.add_argument("--out", default=None, help="records JSON (default: print only)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="ttft: also profile one request per case with vLLM's torch profiler; rank 0's table of "
+                        "kernel times goes to DIR/<case>_profiler_out_0.txt (no records are written)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sp = args.sp or args.world
     bad = []
+    try:
+        args.ttft_prompt_list = [int(x) for x in args.ttft_prompts.split(",")]
+    except ValueError:
+        args.ttft_prompt_list = []
+    if not args.ttft_prompt_list or min(args.ttft_prompt_list) < 1:
+        bad.append(f"--ttft-prompts {args.ttft_prompts!r}: comma-separated positive token counts")
+    elif max(args.ttft_prompt_list) > args.max_batch_tokens:
+        bad.append(f"--ttft-prompts up to {max(args.ttft_prompt_list)} tokens exceed --max-batch-tokens "
+                   f"{args.max_batch_tokens} (a TTFT prompt is one step)")
     if args.world < 2 or args.world % args.sp:
         bad.append(f"--sp {args.sp} must divide --world {args.world} (>= 2)")
     unknown = sorted(set(args.benches.split(",")) - set(BENCHES))
@@ -127,13 +141,16 @@ async def run_engine(spec: dict) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     extra = {}
+    if spec.get("profile"):
+        extra["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": spec["profile"],
+                                    "torch_profiler_with_stack": False}
     if spec["case"] == "fusedpar":
         extra["additional_config"] = {"fusedpar": {"sequence_parallel_size": spec["sp"],
                                                    "shift_threshold": spec["threshold"]}}
     t0 = time.perf_counter()
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=spec["model_dir"], tensor_parallel_size=spec["world"], load_format="dummy", dtype="bfloat16",
-        skip_tokenizer_init=True, max_model_len=8192, enable_prefix_caching=False, seed=0,
+        skip_tokenizer_init=True, max_model_len=spec["max_model_len"], enable_prefix_caching=False, seed=0,
         gpu_memory_utilization=spec["gpu_memory_utilization"], max_num_batched_tokens=spec["max_batch_tokens"],
         compilation_config={"max_cudagraph_capture_size": spec["threshold"]}, **extra))
     res: dict = {"startup_s": time.perf_counter() - t0}
@@ -143,11 +160,15 @@ async def run_engine(spec: dict) -> dict:
     benches = spec["benches"]
     try:
         if "ttft" in benches:
-            prompt = _ids(rng, TTFT_PROMPT)
-            for _ in range(3):
-                await _request(engine, prompt, 1, rid())
-            times = [(await _request(engine, _ids(rng, TTFT_PROMPT), 1, rid()))["ttft"] for _ in range(spec["iters"])]
-            res["ttft_ms"], res["ttft_ms_all"] = 1e3 * statistics.median(times), [1e3 * t for t in times]
+            for n in spec["ttft_prompts"]:
+                for _ in range(3):
+                    await _request(engine, _ids(rng, n), 1, rid())
+                times = [(await _request(engine, _ids(rng, n), 1, rid()))["ttft"] for _ in range(spec["iters"])]
+                res[f"ttft_{n}_ms"], res[f"ttft_{n}_ms_all"] = 1e3 * statistics.median(times), [1e3 * t for t in times]
+            if spec.get("profile"):
+                await engine.start_profile()
+                await _request(engine, _ids(rng, spec["ttft_prompts"][-1]), 1, rid())
+                await engine.stop_profile()
         if "tpot" in benches:
             for b in TPOT_BATCHES:
                 rounds = []
@@ -223,12 +244,25 @@ def child_main(spec_path: str) -> None:
 def run_case(args, case: str, model_dir: Path, work: Path) -> dict:
     spec = {"case": case, "world": args.world, "sp": args.sp, "threshold": args.threshold,
             "model_dir": str(model_dir), "benches": args.benches.split(","), "iters": args.iters,
-            "rounds": args.rounds, "online_seconds": args.online_seconds, "max_batch_tokens": args.max_batch_tokens,
-            "gpu_memory_utilization": args.gpu_memory_utilization}
+            "rounds": args.rounds, "ttft_prompts": args.ttft_prompt_list,
+            "max_model_len": max(8192, max(args.ttft_prompt_list) + 64), "online_seconds": args.online_seconds,
+            "max_batch_tokens": args.max_batch_tokens,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "profile": str(work / f"profile_{case}") if args.profile else None}
     spec_path = work / f"{case}.json"
     spec_path.write_text(json.dumps(spec))
     print(f"== {case}: starting the engine (P={args.world}{f', SP={args.sp}' if case == 'fusedpar' else ''})",
           flush=True)
+    result = _run_child(args, case, spec_path)
+    if args.profile:
+        out = Path(args.profile)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in sorted((work / f"profile_{case}").glob("profiler_out_0.txt")):
+            (out / f"{case}_{f.name}").write_text(f.read_text())
+    return result
+
+
+def _run_child(args, case: str, spec_path: Path) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, __file__, "--world", str(args.world), "--child", str(spec_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -285,7 +319,8 @@ def records(args, results: dict, peak: float, hbm: float, gpu: str) -> list[dict
                         "speedup": base_ms / fused_ms, "roofline_pct": None if floor is None else
                         100 * floor / fused_ms, **extra, **common})
 
-    add("vllm_ttft", TTFT_PROMPT, plain.get("ttft_ms"), fp.get("ttft_ms"), floor_ms(TTFT_PROMPT))
+    for n in args.ttft_prompt_list:
+        add("vllm_ttft", n, plain.get(f"ttft_{n}_ms"), fp.get(f"ttft_{n}_ms"), floor_ms(n))
     for b in TPOT_BATCHES:
         add("vllm_tpot", b, plain.get(f"tpot_b{b}_ms"), fp.get(f"tpot_b{b}_ms"), floor_ms(b), batch=b,
             prompt=TPOT_PROMPT)
@@ -324,7 +359,7 @@ def main(argv=None) -> int:
     for r in recs:
         print(f"{r['bench']:16s} tokens {r['tokens']:>6}: plain {r['baseline_ms']:9.2f} ms  fusedpar "
               f"{r['fused_ms']:9.2f} ms  speedup {r['speedup']:.3f}x", flush=True)
-    if args.out and recs:
+    if args.out and recs and not args.profile:
         from _bench import write_records
 
         write_records(recs, args.out)

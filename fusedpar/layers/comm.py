@@ -25,12 +25,16 @@ builds a FusedComm with the same arguments, in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from fusedpar.collectives import ParallelContext, all_reduce_sum, head_to_seq_all_to_all, seq_to_head_all_to_all
 from fusedpar.layers.config import DecoderConfig
+
+if TYPE_CHECKING:
+    from fusedpar.kernels.ulysses.config import UlyssesOptions
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -103,10 +107,13 @@ class FusedOptions:
         Triton attention and norms): the baseline the layer benchmarks compare against.
     o_scatter: base mode's return all-to-all is the attention's own stores into the owners'
         staging (o_target + o_proj_scattered); False: a local attention output and all_to_all_o_proj.
+    ulysses: the options of the qkv / o routers (None: their defaults, routed by the routing table's
+        GPU times; a caller whose eager steps are bound by host time can route more rows fused).
     """
 
     plain_comm: bool = False
     o_scatter: bool = True
+    ulysses: UlyssesOptions | None = None
 
 
 class FusedComm:
@@ -199,7 +206,7 @@ class FusedComm:
             return self.plain.qkv(h, w, mode, bias)
         from fusedpar.kernels.ulysses import qkv_all_to_all
 
-        out = qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp)
+        out = qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp, options=self.options.ulysses)
         if bias is None:
             return out
         return out + bias.narrow(0, self.ctx.sp.rank * self.blk, self.blk)
@@ -227,7 +234,7 @@ class FusedComm:
             return self.plain.o_proj(attn, w, mode, residual=residual)
         from fusedpar.kernels.ulysses import all_to_all_o_proj
 
-        out = self._tp_sum(all_to_all_o_proj(attn, w, self.o_ws, self.ctx.sp))
+        out = self._tp_sum(all_to_all_o_proj(attn, w, self.o_ws, self.ctx.sp, options=self.options.ulysses))
         return out if residual is None else residual + out
 
     def row_parallel(self, x: torch.Tensor, w: torch.Tensor, mode: str, *, residual: torch.Tensor | None = None,

@@ -33,6 +33,31 @@ def _overrides(mod, name: str) -> bool:
     return getattr(type(mod), name, None) is not getattr(CustomOp, name, None)
 
 
+def _direct_rms_norm(mod, fallback):
+    """vLLM's RMSNorm on its CUDA kernels called directly (what its vllm_c IR provider runs, without
+    two dispatcher round trips per call); other dtypes through `fallback`."""
+    rms_norm, fused_add = torch.ops._C.rms_norm, torch.ops._C.fused_add_rms_norm
+    eps = mod.variance_epsilon
+
+    def forward(x: torch.Tensor, residual: torch.Tensor | None = None):
+        w = mod.weight
+        if x.dtype != w.dtype or (residual is not None and residual.dtype != x.dtype):
+            return fallback(x, residual)
+        if residual is None:
+            out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+            rms_norm(out, x, w, eps)
+            return out
+        fused_add(x, residual, w, eps)  # in place: x <- norm(x + residual), residual <- x + residual
+        return x, residual
+
+    return forward
+
+
+def _has_direct_rms_norm(mod) -> bool:
+    return (type(mod).__name__ == "RMSNorm" and getattr(mod, "variance_size_override", 0) is None
+            and getattr(mod, "has_weight", False) and hasattr(torch.ops._C, "fused_add_rms_norm"))
+
+
 def _blocked_act(act, sp: int):
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -58,6 +83,8 @@ class BaseKernels:
                 continue
             vllms = mod._forward_method
             fast = mod.forward_cuda if cuda and _overrides(mod, "forward_cuda") else vllms
+            if cuda and _has_direct_rms_norm(mod):
+                fast = _direct_rms_norm(mod, fast)
             if id(mod) in act_ids:
                 self.swaps.append((mod, vllms, _blocked_act(fast, sp)))
             elif fast is not vllms:

@@ -168,15 +168,19 @@ class WorkerState:
         if not self.use_fused:
             return None
         if self._fused is None:
+            from fusedpar.kernels.ulysses import UlyssesOptions
             from fusedpar.layers import DecoderConfig
-            from fusedpar.layers.comm import FusedComm
+            from fusedpar.layers.comm import FusedComm, FusedOptions
 
             hf = self.vllm_config.model_config.hf_text_config
             cfg = DecoderConfig(hidden_size=hf.hidden_size, num_q_heads=self.dims.num_q_heads,
                                 num_kv_heads=self.dims.num_kv_heads, head_dim=self.dims.head_dim,
                                 intermediate_size=self.dims.intermediate_size)
             max_tokens = padded_token_count(self.vllm_config.scheduler_config.max_num_batched_tokens, self.layout.sp)
-            self._fused = FusedComm(self.ctx, cfg, max_tokens=max_tokens, dtype=self.dtype)  # collective
+            # Base steps run eagerly, bound by host time: the fused o kernel (one launch) at every size,
+            # rather than cuBLAS + an NCCL all-to-all where the routing table's GPU times tie
+            options = FusedOptions(ulysses=UlyssesOptions(o_proj_fused_rows=((1, None),)))
+            self._fused = FusedComm(self.ctx, cfg, max_tokens=max_tokens, dtype=self.dtype, options=options)
             self._warm_up(max_tokens)
         return self._fused
 
