@@ -60,8 +60,8 @@ for item in "${ITEMS[@]}"; do
     # shadow the overlay's fusedpar (which has .integrations); `tests` comes from PYTHONPATH.
     hf) run timeout "${HF_TIMEOUT:-300}" "${TRUN[@]}" -m tests.integrations.hf_gpu_check ;;
     # vLLM plugin on the GPU build of vLLM (installed beforehand, see docs/vllm.md): one process each
-    vllm_tests) run timeout "${VLLM_TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-                  tests/integrations/test_vllm_gpu.py ;;
+    vllm_tests) run timeout "${VLLM_TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -q -rA --tb=short -p no:cacheprovider \
+                  --timeout 240 tests/integrations/test_vllm_gpu.py ;;
     vllm) run timeout "${VLLM_TIMEOUT:-580}" python3 perf/bench_vllm.py --world "$NGPU" ${VLLM_ARGS:-} \
             --out "$RES/vllm.json" ;;
     # HF generate TPOT with decode graphs vs eager (a random Llama-3-8B-shaped model)

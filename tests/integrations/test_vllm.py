@@ -54,10 +54,12 @@ def test_parse_absent_section_is_idle():
 def test_parse_valid_section():
     cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 64}})
     assert (cfg.sequence_parallel_size, cfg.shift_threshold, cfg.fused_kernels) == (2, 64, "auto")
-    from fusedpar.layers import DEFAULT_SHIFT_THRESHOLD
+    from fusedpar.integrations.vllm.config import DEFAULT_SHIFT_THRESHOLDS, FALLBACK_SHIFT_THRESHOLD
 
-    assert parse_additional_config({"fusedpar": {"sequence_parallel_size": 4}}).shift_threshold == (
-        DEFAULT_SHIFT_THRESHOLD)
+    default = parse_additional_config({"fusedpar": {"sequence_parallel_size": 4}})
+    assert default.shift_threshold is None  # resolved per P
+    assert default.threshold(4) == DEFAULT_SHIFT_THRESHOLDS[4] and default.threshold(2) == FALLBACK_SHIFT_THRESHOLD
+    assert cfg.threshold(4) == 64
     cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "fused_kernels": False}})
     assert cfg.fused_kernels is False
     cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 2**31 - 1}})

@@ -1,10 +1,10 @@
 """vLLM plugin (the `vllm` extra): Shift Parallelism inside vLLM, switched on per engine.
 
     vllm serve MODEL --tensor-parallel-size 4 \\
-        --additional-config '{"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 256}}'
+        --additional-config '{"fusedpar": {"sequence_parallel_size": 2}}'
 
     llm = LLM(MODEL, tensor_parallel_size=4,
-              additional_config={"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 256}})
+              additional_config={"fusedpar": {"sequence_parallel_size": 2}})
     fusedpar.integrations.vllm.stats(llm)   # one dict per worker: base/shift steps and tokens
 
 With the canonical rank order (docs/design.md, section 2) vLLM's own TP = P model *is* the shift

@@ -11,13 +11,24 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from fusedpar.layers.policy import DEFAULT_SHIFT_THRESHOLD
 from fusedpar.layouts import ModelDims, ParallelLayout
 
 CONFIG_KEY = "fusedpar"
 KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels")
 MAX_SHIFT_THRESHOLD = 2**31 - 1  # any value >= max_num_batched_tokens already means "always shift"
 FUSED_KERNEL_CHOICES = ("auto", True, False)
+# shift_threshold when the section names none, by tensor_parallel_size P. Inside vLLM a base step runs
+# vLLM's decoder modules eagerly and is bound by host time up to a few thousand tokens, where vLLM's
+# compiled TP model is faster; the default keeps such steps in shift mode. P = 4: the TTFT crossover
+# measured by perf/bench_vllm.py on 4x H200 (Qwen3-32B shape: base 0.77x at 2048 tokens, 1.07x at
+# 4096, 1.08x at 8192). Other P: not measured; 4096 keeps every step up to 4096 tokens on vLLM's path.
+DEFAULT_SHIFT_THRESHOLDS = {4: 3584}
+FALLBACK_SHIFT_THRESHOLD = 4096
+
+
+def default_shift_threshold(tensor_parallel_size: int) -> int:
+    """The shift_threshold a section without one gets on `tensor_parallel_size` GPUs."""
+    return DEFAULT_SHIFT_THRESHOLDS.get(tensor_parallel_size, FALLBACK_SHIFT_THRESHOLD)
 
 # The decoder families whose layers are qkv_proj / o_proj / gate_up_proj / down_proj around one
 # full-attention module (vLLM's llama.py / qwen2.py / qwen3.py), with model.layers[i] and a final
@@ -36,15 +47,22 @@ class FusedparVllmConfig:
     sequence_parallel_size: SP of the base mode (base = SP x TP with TP = P / SP, where P is
         vLLM's tensor_parallel_size); must divide P.
     shift_threshold: steps of at most this many tokens run in shift mode (vLLM's own TP = P),
-        larger ones in base mode. 0 = always base; at most MAX_SHIFT_THRESHOLD.
+        larger ones in base mode. 0 = always base; at most MAX_SHIFT_THRESHOLD. None: the default
+        for the deployment's P (default_shift_threshold; `threshold(P)` resolves it).
     fused_kernels: "auto" (fusedpar's Triton kernels for the base mode on CUDA with bf16/fp16),
         True (required) or False (plain torch + NCCL/gloo collectives).
     """
 
     sequence_parallel_size: int
-    shift_threshold: int = DEFAULT_SHIFT_THRESHOLD
+    shift_threshold: int | None = None
     fused_kernels: str | bool = "auto"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def threshold(self, tensor_parallel_size: int) -> int:
+        """The threshold in force on `tensor_parallel_size` GPUs."""
+        if self.shift_threshold is None:
+            return default_shift_threshold(tensor_parallel_size)
+        return self.shift_threshold
 
 
 def _is_int(v) -> bool:
@@ -80,10 +98,8 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
         problems.append("sequence_parallel_size is required (the SP degree of the base mode)")
     elif not _is_int(sp) or sp < 1:
         problems.append(f"sequence_parallel_size must be an int >= 1, got {sp!r}")
-    threshold = section.get("shift_threshold", DEFAULT_SHIFT_THRESHOLD)
-    if threshold is None:
-        threshold = DEFAULT_SHIFT_THRESHOLD
-    if not _is_int(threshold) or not 0 <= threshold <= MAX_SHIFT_THRESHOLD:
+    threshold = section.get("shift_threshold")
+    if threshold is not None and (not _is_int(threshold) or not 0 <= threshold <= MAX_SHIFT_THRESHOLD):
         # bounded: the value travels in stats() through vLLM's msgpack RPC, which cannot encode
         # ints >= 2**64 (the call then never returns); any value >= max_num_batched_tokens already
         # means "always shift"
@@ -125,6 +141,7 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
     """Raise FusedparConfigError naming every problem; return the replica's ParallelLayout."""
     problems: list[str] = []
     P, sp = info.tensor_parallel_size, cfg.sequence_parallel_size
+    threshold = cfg.threshold(P)
     layout = None
     if P % sp:
         problems.append(
@@ -175,14 +192,14 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
             "switch); use the default mode or enforce_eager"
         )
     if (layout is not None and sp > 1 and info.full_cudagraphs and info.max_cudagraph_capture_size is not None
-            and info.max_cudagraph_capture_size > cfg.shift_threshold):
+            and info.max_cudagraph_capture_size > threshold):
         fix = ("pass --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' (threshold 0 runs every step in base "
-               "mode, which full graphs cannot hold), or a larger shift_threshold" if cfg.shift_threshold < 1 else
-               f"pass --compilation-config '{{\"max_cudagraph_capture_size\": {cfg.shift_threshold}}}' (or "
+               "mode, which full graphs cannot hold), or a larger shift_threshold" if threshold < 1 else
+               f"pass --compilation-config '{{\"max_cudagraph_capture_size\": {threshold}}}' (or "
                "cudagraph_mode PIECEWISE, or a larger shift_threshold)")
         problems.append(
             f"full CUDA graphs are captured up to {info.max_cudagraph_capture_size} tokens, above "
-            f"shift_threshold={cfg.shift_threshold}: a replayed graph cannot switch to base mode; {fix}"
+            f"shift_threshold={threshold}: a replayed graph cannot switch to base mode; {fix}"
         )
     if layout is not None:
         try:

@@ -116,7 +116,7 @@ class WorkerState:
                               info.intermediate_size)
         self.shards = layout.weight_shards(self.dims)
         self.placement = self.shards.placement
-        self.policy = ShiftPolicy(cfg.shift_threshold)
+        self.policy = ShiftPolicy(cfg.threshold(P))
         self.is_cuda = current_platform.is_cuda_alike()
         device = torch.device("cuda", torch.cuda.current_device()) if self.is_cuda else torch.device("cpu")
         self.ctx = ParallelContext(layout, device=device)  # collective: SP / TP / shift / DP groups
@@ -143,7 +143,7 @@ class WorkerState:
             "fusedpar: rank %d = (sp %d, tp %d) of base SP=%d x TP=%d, shift TP=%d; shift_threshold=%d; "
             "base mode runs eager (skip_compiled) on vLLM's eager kernels, shift mode runs vLLM's compiled/graph "
             "path; fused kernels: %s",
-            rank, self.coords.sp, self.coords.tp, layout.sp, layout.tp, P, cfg.shift_threshold, self.use_fused)
+            rank, self.coords.sp, self.coords.tp, layout.sp, layout.tp, P, self.policy.threshold, self.use_fused)
 
     # ---- kernels ------------------------------------------------------------------------------
     def _fused_decision(self) -> bool:
