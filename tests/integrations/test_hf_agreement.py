@@ -43,3 +43,56 @@ def test_ranks_that_disagree_are_named_on_every_rank():
         assert out["weights"] and "embedding checksum" in out["weights"], out["weights"]
         for name in ("threshold", "block_size"):
             assert "embedding checksum" not in out[name], f"rank {rank}, {name}: names a setting that agrees"
+
+
+# ---- per call: every forward / generate call checks that the ranks' inputs and settings agree ----
+CALLS = {
+    # name: (rank 0's call, rank 1's call); each a (kind, prompt seed, prompt length, batch, max_new_tokens)
+    "same": (("forward", 0, 12, 2, 0), ("forward", 0, 12, 2, 0)),
+    "tokens": (("forward", 0, 12, 2, 0), ("forward", 1, 12, 2, 0)),
+    "length": (("forward", 0, 12, 2, 0), ("forward", 0, 9, 2, 0)),
+    "batch": (("forward", 0, 12, 2, 0), ("forward", 0, 12, 3, 0)),
+    "max_new_tokens": (("generate", 0, 6, 1, 3), ("generate", 0, 6, 1, 5)),
+}
+
+
+def _calls_worker(rank, world):
+    import torch
+
+    from fusedpar import ParallelLayout
+    from fusedpar.integrations.hf import parallelize
+    from tests.integrations.hf_models import make_model
+
+    model = parallelize(make_model("llama", seed=0), ParallelLayout(world, sp=2), shift_threshold=4)
+    out = {}
+    for name, per_rank in CALLS.items():
+        kind, seed, length, batch, new = per_rank[rank]
+        ids = torch.randint(5, 200, (batch, length), generator=torch.Generator().manual_seed(seed))
+        errors = []
+        # generate with another max_new_tokens: one rank makes forward calls the other does not; its
+        # next call (here a second generate) meets them and both raise instead of hanging
+        for _ in range(2 if kind == "generate" else 1):
+            try:
+                if kind == "forward":
+                    model(ids)
+                else:
+                    model.generate(ids, max_new_tokens=new, do_sample=False)
+            except ValueError as e:
+                errors.append(str(e))
+                break
+        out[name] = errors[0] if errors else None
+    # after the errors the ranks agree again: a matching call works
+    ids = torch.randint(5, 200, (1, 7), generator=torch.Generator().manual_seed(3))
+    out["after"] = model(ids).logits.shape[1]
+    return out
+
+
+def test_calls_that_disagree_raise_on_every_rank():
+    res = run_distributed(_calls_worker, 2, timeout=300)
+    for rank, out in enumerate(res):
+        assert out["same"] is None, f"rank {rank}: agreeing calls were refused: {out['same']}"
+        assert "input ids / embeddings (hash)" in out["tokens"] and "new columns" not in out["tokens"], out["tokens"]
+        assert "new columns: rank 0: 12; rank 1: 9" in out["length"], out["length"]
+        assert "batch: rank 0: 2; rank 1: 3" in out["batch"], out["batch"]
+        assert out["max_new_tokens"] and "different calls" in out["max_new_tokens"], out["max_new_tokens"]
+        assert out["after"] == 7

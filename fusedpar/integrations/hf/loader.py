@@ -311,14 +311,15 @@ def _resolve_device(device) -> torch.device:
 def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None, shift_threshold: int | None = None,
                   max_seq_len: int | None = None, block_size: int = 16, progress: bool = True,
-                  fused: bool | None = None, fused_max_tokens: int = 4096, cuda_graphs: bool | None = None):
+                  fused: bool | None = None, fused_max_tokens: int = 4096, cuda_graphs: bool | None = None,
+                  check_inputs: bool = True):
     """Build a parallelized causal LM from a local HF checkpoint directory, reading only this rank's shards.
 
     Call on every rank of an initialised process group (world size = layout.world_size).
     dtype: weights' dtype, a torch.dtype or its name (default / "auto": the config's dtype, else
     float32); checkpoint tensors are converted to it. device: default CUDA current device under
     NCCL, else CPU; a device this machine lacks is refused before any work. shift_threshold /
-    max_seq_len / block_size / fused / fused_max_tokens / cuda_graphs: as for `parallelize`
+    max_seq_len / block_size / fused / fused_max_tokens / cuda_graphs / check_inputs: as for `parallelize`
     (checked before anything is read). progress: show a progress bar on global rank 0. No network:
     `path` must be a local directory with config.json and safetensors files.
     Returns the same kind of model as `parallelize` (forward / generate as the unsharded model).
@@ -326,7 +327,8 @@ def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: tor
     from transformers import AutoConfig, AutoModelForCausalLM
 
     check_arguments(shift_threshold=shift_threshold, block_size=block_size, fused=fused,
-                    fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs)  # before reading anything
+                    fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs,
+                    check_inputs=check_inputs)  # before reading anything
     device = _resolve_device(device)
     path = Path(path)
     if not path.is_dir():
@@ -357,7 +359,8 @@ def load_parallel(path: str | os.PathLike, layout: ParallelLayout, *, dtype: tor
             _load_replicated(model, reader, spec, dtype, device)
             model = assemble(model, spec, layout, _layer_shards(reader, spec, layout, rank, dtype, device, bar),
                              device=device, shift_threshold=shift_threshold, block_size=block_size,
-                             fused=fused, fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs)
+                             fused=fused, fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs,
+                             check_inputs=check_inputs)
             model.fusedpar_load_stats = dict(reader.bytes_read)
     finally:
         bar.close()

@@ -36,6 +36,7 @@ from fusedpar.layers import ShardedDecoderWeights, ShiftParallelDecoderLayer, Sh
 from fusedpar.layouts import ParallelLayout
 
 from .cache import ShiftParallelCache
+from .calls import check_call, fingerprint
 from .runtime import _run_step, _Runtime
 from .spec import HFModelSpec, UnsupportedModelError, inspect_model
 
@@ -59,6 +60,7 @@ def full_layer_weights(layer: nn.Module, spec: HFModelSpec) -> dict[str, torch.T
 
 # ---- the model ------------------------------------------------------------------------------
 _IGNORED_KWARGS = ("cache_position", "return_dict")
+_NO_CACHE = -1  # cached columns of a call without fusedpar's cache object
 
 
 class ShiftParallelCausalLMMixin:
@@ -114,6 +116,13 @@ class ShiftParallelCausalLMMixin:
                 raise ValueError(f"expected input_ids [batch, seq] / inputs_embeds [batch, seq, hidden], got "
                                  f"{tuple(embeds.shape)}")
             b = embeds.shape[0]
+            if rt.check_inputs:  # before any collective: ranks that differ raise here, together
+                cached = past_key_values.width if isinstance(past_key_values, ShiftParallelCache) else _NO_CACHE
+                check_call(fingerprint(batch=b, new=embeds.shape[1], cached=cached,
+                                       inputs=input_ids if inputs_embeds is None else inputs_embeds,
+                                       attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+                                       output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep,
+                                       device=embeds.device), rt.ctx.shift)
             state = _resolve_state(rt, past_key_values, b, keep=use_cache)
             temporary = not use_cache and not isinstance(past_key_values, ShiftParallelCache)
             rt.replayed = None
@@ -308,7 +317,7 @@ def graphs_decision(use_fused: bool, device: torch.device, cuda_graphs: bool | N
     return cuda_graphs
 
 
-def check_arguments(*, shift_threshold, block_size, fused, fused_max_tokens, cuda_graphs) -> None:
+def check_arguments(*, shift_threshold, block_size, fused, fused_max_tokens, cuda_graphs, check_inputs=True) -> None:
     """The options parallelize and load_parallel share, checked before any work (no collective, no
     read): ValueError naming the value passed. The shift threshold is ShiftPolicy's check (None or an
     int >= 0) with bools excluded: True would quietly mean threshold 1."""
@@ -322,6 +331,8 @@ def check_arguments(*, shift_threshold, block_size, fused, fused_max_tokens, cud
             raise ValueError(f"{name} must be None, True or False, got {value!r}")
     if not _is_int(fused_max_tokens) or fused_max_tokens < 1:
         raise ValueError(f"fused_max_tokens must be an int >= 1, got {fused_max_tokens!r}")
+    if not isinstance(check_inputs, bool):
+        raise ValueError(f"check_inputs must be True or False, got {check_inputs!r}")
 
 
 def _is_int(value) -> bool:
@@ -330,7 +341,7 @@ def _is_int(value) -> bool:
 
 def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Iterable, *, device: torch.device,
              shift_threshold: int | None, block_size: int, fused: bool | None = False, fused_max_tokens: int = 4096,
-             cuda_graphs: bool | None = None):
+             cuda_graphs: bool | None = None, check_inputs: bool = True):
     """Build the stack from per-layer ShardedDecoderWeights, attach it, swap classes.
 
     `layer_shards` is consumed lazily, one layer at a time (parallelize frees each HF layer as
@@ -359,7 +370,7 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
     inner.layers = nn.ModuleList()  # the HF layers (and any weights they still hold) are gone
     _detach_base_model(inner)
     model.__class__ = _parallel_class(type(model))
-    model._fusedpar = _Runtime(spec, ctx, stack, block_size, cuda_graphs=use_graphs)
+    model._fusedpar = _Runtime(spec, ctx, stack, block_size, cuda_graphs=use_graphs, check_inputs=check_inputs)
     gen_cfg = getattr(model, "generation_config", None)
     if gen_cfg is not None and getattr(gen_cfg, "cache_implementation", None) is not None:
         # a static/quantized HF cache would make generate build 4D masks for the first step;
@@ -371,7 +382,7 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
 
 def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = None, *,
                 max_seq_len: int | None = None, block_size: int = 16, fused: bool | None = None,
-                fused_max_tokens: int = 4096, cuda_graphs: bool | None = None):
+                fused_max_tokens: int = 4096, cuda_graphs: bool | None = None, check_inputs: bool = True):
     """Shard a transformers causal LM's decoder over `layout` and run it with shift parallelism.
 
     Call on every rank of an initialised torch.distributed process group (world size =
@@ -395,6 +406,10 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
         captured at the first decode step of a batch size (and again after the paged cache grows, or
         a context outgrows the graphs' max_context), so that step takes longer; later ones skip
         Python's per-kernel launch cost. Steps with output_hidden_states run eagerly.
+    check_inputs: each forward call first checks that every rank of the replica passed the same
+        inputs and settings (one small all-gather and a device-to-host copy; calls.py) and raises
+        ValueError on every rank, naming what differs, instead of hanging or mixing results. False
+        skips the check (ranks known to agree, e.g. fed by one scheduler).
 
     Raises ValueError naming any argument of the wrong kind, and UnsupportedModelError (a
     ValueError) naming every unsupported feature of the model or layout, before any collective runs.
@@ -403,7 +418,7 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
         raise UnsupportedModelError(f"fusedpar.integrations.hf: this model ({type(model).__name__}) is already "
                                     "parallelized")
     check_arguments(shift_threshold=shift_threshold, block_size=block_size, fused=fused,
-                    fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs)  # before any work
+                    fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs, check_inputs=check_inputs)
     spec = inspect_model(model, layout, max_seq_len=max_seq_len)
     if any(p.device.type == "meta" for p in model.parameters()):
         raise UnsupportedModelError("fusedpar.integrations.hf: the model has meta-device weights; "
@@ -424,7 +439,8 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
             layers[i] = nn.Identity()  # free this layer's full weights before the next one
 
     return assemble(model, spec, layout, shards(), device=device, shift_threshold=shift_threshold,
-                    block_size=block_size, fused=fused, fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs)
+                    block_size=block_size, fused=fused, fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs,
+                    check_inputs=check_inputs)
 
 
 def resident_decoder_bytes(model) -> int:

@@ -42,8 +42,9 @@ class _Runtime:
     """Per parallelized model: the stack, its paged cache and the live generation state."""
 
     def __init__(self, spec: HFModelSpec, ctx: ParallelContext, stack: ShiftParallelStack, block_size: int,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, check_inputs: bool = True):
         self.spec, self.ctx, self.stack, self.block_size = spec, ctx, stack, block_size
+        self.check_inputs = check_inputs  # forward's per-call agreement check (calls.py)
         self.cuda_graphs = cuda_graphs  # decode steps replay CUDA graphs of the stack (_ready_graphs)
         self.graph_captures = 0
         self.kv: PagedKVCache | None = None
