@@ -10,6 +10,10 @@ sides) in a process of its own, on the same GPUs, one after the other; the same 
   fusedpar  the same engine with additional_config {"fusedpar": {"sequence_parallel_size": SP,
             "shift_threshold": T}}: steps above T tokens run base SP x TP=P/SP, the others vLLM's own
             TP=P path
+  arctic    (only when named in --cases) Arctic Inference's shift parallelism on the same vLLM:
+            ulysses_sequence_parallel_size SP x tensor_parallel_size P/SP, enable_shift_parallel,
+            shift_parallel_threshold T; arctic_inference installed in --arctic-site (put on the path
+            of this case alone, the only vLLM plugin it loads)
 Workloads (time from submitting a request to its outputs, as a client sees it):
   ttft        one prompt of each --ttft-prompts length (default 4096), 1 output token: median of
               --iters after 3 warm-up requests (a sweep shows where base mode starts to win)
@@ -60,7 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threshold", type=int, default=512, help="fusedpar shift_threshold and the largest CUDA graph")
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="vLLM max_num_batched_tokens")
     p.add_argument("--benches", default=",".join(BENCHES), help=f"comma-separated subset of {BENCHES}")
-    p.add_argument("--cases", default="plain,fusedpar", help="comma-separated: plain, fusedpar")
+    p.add_argument("--cases", default="plain,fusedpar", help="comma-separated: plain, fusedpar, arctic")
+    p.add_argument("--arctic-site", default=None, metavar="DIR",
+                   help="a directory holding an installed arctic_inference (for the arctic case)")
     p.add_argument("--iters", type=int, default=7, help="ttft: timed requests")
     p.add_argument("--ttft-prompts", default=str(TTFT_PROMPT), help="ttft: comma-separated prompt lengths")
     p.add_argument("--rounds", type=int, default=3, help="tpot: rounds")
@@ -89,8 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.benches.split(",")) - set(BENCHES))
     if unknown:
         bad.append(f"unknown benches {unknown} (known: {list(BENCHES)})")
-    if sorted(set(args.cases.split(",")) - {"plain", "fusedpar"}):
-        bad.append(f"--cases {args.cases!r}: plain and/or fusedpar")
+    cases = args.cases.split(",")
+    if sorted(set(cases) - {"plain", "fusedpar", "arctic"}):
+        bad.append(f"--cases {args.cases!r}: plain, fusedpar and/or arctic")
+    if "arctic" in cases and not (args.arctic_site and Path(args.arctic_site, "arctic_inference").is_dir()):
+        bad.append(f"the arctic case needs --arctic-site DIR with arctic_inference in it, got {args.arctic_site!r}")
     if bad:
         p.error("; ".join(bad))
     return args
@@ -141,6 +150,16 @@ async def run_engine(spec: dict) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     extra = {}
+    Args = AsyncEngineArgs
+    if spec["case"] == "arctic":
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()  # Arctic's patches, before its engine-args class is used
+        from arctic_inference.vllm.args import ArcticAsyncEngineArgs as Args
+
+        extra.update(ulysses_sequence_parallel_size=spec["sp"], enable_shift_parallel=True,
+                     shift_parallel_threshold=spec["threshold"])
+    tp = spec["world"] // spec["sp"] if spec["case"] == "arctic" else spec["world"]
     if spec.get("profile"):
         extra["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": spec["profile"],
                                     "torch_profiler_with_stack": False}
@@ -148,8 +167,8 @@ async def run_engine(spec: dict) -> dict:
         extra["additional_config"] = {"fusedpar": {"sequence_parallel_size": spec["sp"],
                                                    "shift_threshold": spec["threshold"]}}
     t0 = time.perf_counter()
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=spec["model_dir"], tensor_parallel_size=spec["world"], load_format="dummy", dtype="bfloat16",
+    engine = AsyncLLM.from_engine_args(Args(
+        model=spec["model_dir"], tensor_parallel_size=tp, load_format="dummy", dtype="bfloat16",
         skip_tokenizer_init=True, max_model_len=spec["max_model_len"], enable_prefix_caching=False, seed=0,
         gpu_memory_utilization=spec["gpu_memory_utilization"], max_num_batched_tokens=spec["max_batch_tokens"],
         compilation_config={"max_cudagraph_capture_size": spec["threshold"]}, **extra))
@@ -264,8 +283,13 @@ def run_case(args, case: str, model_dir: Path, work: Path) -> dict:
 
 def _run_child(args, case: str, spec_path: Path) -> dict:
     t0 = time.perf_counter()
+    env = dict(os.environ)
+    if case == "arctic":  # Arctic on this case's path alone, and the only vLLM plugin loaded
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (str(Path(args.arctic_site).resolve()),
+                                                        env.get("PYTHONPATH")) if x)
+        env.update(ARCTIC_INFERENCE_ENABLED="1", VLLM_PLUGINS="arctic_inference")
     proc = subprocess.Popen([sys.executable, __file__, "--world", str(args.world), "--child", str(spec_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
     try:
         for line in proc.stdout:
@@ -335,6 +359,25 @@ def records(args, results: dict, peak: float, hbm: float, gpu: str) -> list[dict
             plain_online=po, fused_online=fo, metric="p99 TTFT over the whole trace")
     for rec in out:
         rec["fusedpar_stats"] = fp.get("fusedpar_stats")
+    arctic = results.get("arctic")
+    if arctic and "error" not in arctic:  # Arctic's times against the same plain baseline
+        mine = {(r["bench"], r["tokens"]): r["fused_ms"] for r in out}
+        fp, case = arctic, f"arctic SP={args.sp} {args.shape}"
+        before = len(out)
+        for n in args.ttft_prompt_list:
+            add("vllm_ttft", n, plain.get(f"ttft_{n}_ms"), fp.get(f"ttft_{n}_ms"), floor_ms(n))
+        for b in TPOT_BATCHES:
+            add("vllm_tpot", b, plain.get(f"tpot_b{b}_ms"), fp.get(f"tpot_b{b}_ms"), floor_ms(b), batch=b,
+                prompt=TPOT_PROMPT)
+        if plain.get("throughput_s") and fp.get("throughput_s"):
+            add("vllm_throughput", thr_tokens, 1e3 * plain["throughput_s"], 1e3 * fp["throughput_s"],
+                floor_ms(thr_tokens, steps=THR_OUTPUT))
+        ao = fp.get("online")
+        if po and ao and "all" in po and "all" in ao:
+            add("vllm_online", po["requests"], po["all"]["ttft_p99_ms"], ao["all"]["ttft_p99_ms"], None,
+                plain_online=po, arctic_online=ao, metric="p99 TTFT over the whole trace")
+        for rec in out[before:]:
+            rec["fusedpar_ms"] = mine.get((rec["bench"], rec["tokens"]))
     return out
 
 

@@ -167,7 +167,7 @@ def summary_md(records: dict[str, list[dict]]) -> str:
             if bench not in SUMMARY:
                 continue
             ok = [r for r in recs if not r.get("sweep") and "error" not in r
-                  and not (bench.startswith("model_") and not r["case"].startswith("fusedpar "))]
+                  and not (bench.startswith(("model_", "vllm_")) and not r["case"].startswith("fusedpar "))]
             if not ok:
                 continue
             sp = [r["speedup"] for r in ok]

@@ -3,14 +3,17 @@
 from fusedpar.layouts._checks import MODES, check_mode
 from fusedpar.layouts.grid import ParallelLayout, RankCoords
 from fusedpar.layouts.heads import HeadPlacement, check_head_counts, head_count_problems
+from fusedpar.layouts.reshard import KVMove, Piece, holdings, kv_plan, view_range, weight_plan
 from fusedpar.layouts.shards import WEIGHT_NAMES, ModelDims, Segment, WeightShard, WeightShardMap, shard_problems
 
 __all__ = [
     "MODES",
     "WEIGHT_NAMES",
     "HeadPlacement",
+    "KVMove",
     "ModelDims",
     "ParallelLayout",
+    "Piece",
     "RankCoords",
     "Segment",
     "WeightShard",
@@ -18,5 +21,9 @@ __all__ = [
     "check_head_counts",
     "check_mode",
     "head_count_problems",
+    "holdings",
+    "kv_plan",
     "shard_problems",
+    "view_range",
+    "weight_plan",
 ]
