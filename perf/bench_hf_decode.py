@@ -12,7 +12,8 @@ median of --repeats, max over ranks; the prefill and generate's setup cancel out
 the two are printed (random weights give flat logits, where a bf16 near-tie may part them), and
 the logits of 16 decode steps fed the same tokens (teacher forcing) are compared, with each other
 and with the unsharded HF model's (built again from the seed): the scale of bf16 rounding through
-the layers.
+the layers. A third parallelized copy with check_inputs=False times the per-call agreement check
+(calls.py: one all-gather and one device-to-host copy per step): check_inputs_ms / _pct in the records.
 
 Records (perf/results/hf_decode.json): bench hf_decode_tpot, tokens = batch rows, baseline = the
 same adapter eager, fused_ms = with graphs, speedup = eager / graphs, roofline_pct = 100 * floor /
@@ -135,9 +136,9 @@ def main() -> int:
     rank, world, device, lay = start(args)
     bw = _bench.max_over_ranks(-copy_bandwidth(device)) * -1  # the slowest rank's
     models = {}
-    for name, graphs in (("graphs", None), ("eager", False)):
+    for name, graphs, check in (("graphs", None, True), ("eager", False, True), ("unchecked", None, False)):
         model = build_model(args, device)
-        models[name] = parallelize(model, lay, shift_threshold=64, cuda_graphs=graphs)
+        models[name] = parallelize(model, lay, shift_threshold=64, cuda_graphs=graphs, check_inputs=check)
         torch.cuda.empty_cache()
     pm = models["graphs"]
     shard = resident_decoder_bytes(pm)
@@ -157,13 +158,13 @@ def main() -> int:
         mask = torch.ones_like(ids)
         mask[1:, : args.prompt // 4] = 0  # rows 1.. left-padded by a quarter: generate's usual batch
         res = {name: tpot_ms(m, ids, mask, args.new_tokens, args.repeats) for name, m in models.items()}
-        (g_ms, g_out), (e_ms, e_out) = res["graphs"], res["eager"]
+        (g_ms, g_out), (e_ms, e_out), (u_ms, _) = res["graphs"], res["eager"], res["unchecked"]
         same = bool(torch.equal(g_out, e_out))
         # Tokens may part at a near-tie (random weights give flat logits; the graphs' split-KV tiling,
         # chosen for their max_context, rounds the attention's fp32 sums in another order), so the
         # logits are compared on the same tokens: the graph model's greedy continuation, unpadded.
         seq = torch.cat([ids[:, -args.prompt // 2 :], g_out[:, args.prompt :]], dim=1)
-        fl = {name: forced_logits(m, seq, args.prompt // 2, 16) for name, m in models.items()}
+        fl = {name: forced_logits(m, seq, args.prompt // 2, 16) for name, m in models.items() if name != "unchecked"}
         ref = build_model(args, device)  # the unsharded model, HF's own attention and cache: the scale of
         with torch.no_grad():            # bf16 rounding differences through this many layers
             fl["unsharded"] = forced_logits(ref, seq, args.prompt // 2, 16)
@@ -178,14 +179,16 @@ def main() -> int:
                "baseline_roofline_pct": 100 * floor_ms / e_ms, "floor_ms": floor_ms, "prompt_tokens": args.prompt,
                "new_tokens": args.new_tokens, "tokens_equal": same, "forced_logits_rel_err": err,
                "forced_logits_rel_err_vs_unsharded": {"graphs": g_ref, "eager": e_ref},
-               "graph_replays": graph_replays,
+               "graph_replays": graph_replays, "tpot_unchecked_ms": u_ms, "check_inputs_ms": g_ms - u_ms,
+               "check_inputs_pct": 100 * (g_ms - u_ms) / u_ms,
                "graph_captures": models["graphs"]._fusedpar.graph_captures}
         records.append(rec)
         if rank == 0:
             print(f"  batch {b:3d}: TPOT graphs {g_ms:7.2f} ms  eager {e_ms:7.2f} ms  ({e_ms / g_ms:.2f}x)  "
                   f"roofline {rec['roofline_pct']:.0f}% / {rec['baseline_roofline_pct']:.0f}%  tokens equal {same}  "
                   f"teacher-forced logits rel err {err:.1e} (vs the unsharded HF model: graphs {g_ref:.1e}, eager "
-                  f"{e_ref:.1e})  graph replays so far {graph_replays}",
+                  f"{e_ref:.1e})  graph replays so far {graph_replays}  input check {g_ms - u_ms:+.3f} ms "
+                  f"({100 * (g_ms - u_ms) / u_ms:+.1f}%)",
                   flush=True)
     if rank == 0:
         _bench.write_records(records, args.out)
