@@ -8,14 +8,17 @@ from fusedpar.collectives.comm import (
     seq_to_head_all_to_all,
 )
 from fusedpar.collectives.context import CommGroup, ParallelContext
+from fusedpar.collectives.reshard import Held, reshard_weight
 
 __all__ = [
     "CommGroup",
+    "Held",
     "ParallelContext",
     "all_gather_rows",
     "all_reduce_sum",
     "check_agreement",
     "head_to_seq_all_to_all",
+    "reshard_weight",
     "seq_to_head_all_to_all",
     "tensor_checksum",
 ]
