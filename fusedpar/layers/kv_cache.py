@@ -49,6 +49,41 @@ class PagedKVCache:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self.generation = 0  # bumped by every grow(): holders of k/v views (CUDA graphs) compare it
 
+    def reinterpret(self, kv_heads: tuple[int, ...]) -> PagedKVCache:
+        """A cache for other local kv heads on this cache's memory (no allocation): each layer's bytes
+        viewed as blocks of [block_size, len(kv_heads), head_dim], as many as fit. It starts empty;
+        this cache's contents are overwritten by its use (copy what must survive first)."""
+        layers, _, bs, h_old, hd = self.k.shape
+        h = len(kv_heads)
+        if h < 1:
+            raise ValueError("PagedKVCache.reinterpret: kv_heads must not be empty")
+        per_layer = self.num_blocks * bs * h_old * hd
+        blocks = per_layer // (bs * h * hd)
+        if blocks < 1:
+            raise ValueError(f"PagedKVCache.reinterpret: {per_layer} values per layer hold no block of "
+                             f"{bs} x {h} x {hd}")
+        new = object.__new__(PagedKVCache)
+        new.kv_heads, new.block_size, new.num_blocks = tuple(kv_heads), bs, blocks
+        shape = (layers, blocks, bs, h, hd)
+        new.k = self.k.reshape(layers, per_layer)[:, : blocks * bs * h * hd].view(shape)
+        new.v = self.v.reshape(layers, per_layer)[:, : blocks * bs * h * hd].view(shape)
+        new.block_tables, new.lengths, new._table_tensors = {}, {}, {}
+        new._free = list(range(blocks - 1, -1, -1))
+        new.generation = self.generation + 1
+        return new
+
+    def fill(self, seq_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a whole sequence: k, v [layers, n, local kv heads, head_dim] into fresh blocks."""
+        layers, n = k.shape[:2]
+        if k.shape != v.shape or layers != self.k.shape[0] or tuple(k.shape[2:]) != tuple(self.k.shape[3:]):
+            raise ValueError(f"cache fill: k {tuple(k.shape)} / v {tuple(v.shape)} do not match layers x n x "
+                             f"{tuple(self.k.shape[3:])}")
+        if seq_id in self.block_tables:
+            raise ValueError(f"cache fill: sequence {seq_id} already holds blocks")
+        slots = self.begin_step(StepBatch((seq_id,), (n,), (0,)))
+        for layer in range(layers):
+            self.write(layer, slots, k[layer], v[layer])
+
     @property
     def free_blocks(self) -> int:
         """Blocks not held by any sequence."""

@@ -1,0 +1,70 @@
+"""Carry out a KV reshard plan (fusedpar.layouts.reshard.kv_plan) on the paged caches of the ranks.
+
+Each rank's paged pool keeps its memory across layouts: the target cache is the same bytes viewed
+for the target's local kv heads (PagedKVCache.reinterpret: a rank caching fewer heads per token
+gets proportionally more blocks, as Flying Serving scales block capacity with the TP degree). The
+live sequences' KV is staged first (each rank's own heads, and the heads it sends), exchanged by
+point-to-point transfers posted in plan order on both sides, then written into fresh blocks of the
+target cache. Collective over the world (global ranks): every rank calls it with the same plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from fusedpar.layers.kv_cache import PagedKVCache
+from fusedpar.layouts.reshard import KVMove
+
+
+def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads: tuple[int, ...],
+               sequences: Mapping[int, tuple[bool, bool, int]], pg: dist.ProcessGroup | None = None
+               ) -> tuple[PagedKVCache, int]:
+    """(this rank's cache for the target layout, KV bytes it received).
+
+    cache: this rank's cache in the source layout (its kv_heads: the source placement's).
+    target_heads: this rank's kv heads in the target layout.
+    sequences: seq -> (cached here in the source layout, cached here in the target layout, tokens):
+        every live sequence of the world, the same on every rank (the plan's sequences).
+    """
+    layers, hd = cache.k.shape[0], cache.k.shape[-1]
+    src_index = {h: i for i, h in enumerate(cache.kv_heads)}
+    staged: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (seq, head) -> k, v [L, n, hd]
+    needed = {(m.seq, m.head) for m in plan if m.src == rank}
+    for seq, (here, there, _) in sequences.items():
+        if not here:
+            continue
+        ks, vs = zip(*(cache.gather(layer, seq) for layer in range(layers)), strict=True)
+        k, v = torch.stack(ks), torch.stack(vs)  # [L, n, h_src, hd]
+        for h, i in src_index.items():
+            if (there and h in target_heads) or (seq, h) in needed:
+                staged[(seq, h)] = (k[:, :, i].clone(), v[:, :, i].clone())
+    ops, received = [], 0
+    for m in plan:
+        n = sequences[m.seq][2]
+        if m.src == rank:
+            k, v = staged[(m.seq, m.head)]
+            ops += [dist.P2POp(dist.isend, k.contiguous(), m.dst, group=pg),
+                    dist.P2POp(dist.isend, v.contiguous(), m.dst, group=pg)]
+        elif m.dst == rank:
+            k = torch.empty(layers, n, hd, dtype=cache.k.dtype, device=cache.k.device)
+            v = torch.empty_like(k)
+            staged[(m.seq, m.head)] = (k, v)
+            ops += [dist.P2POp(dist.irecv, k, m.src, group=pg), dist.P2POp(dist.irecv, v, m.src, group=pg)]
+            received += 2 * k.numel() * k.element_size()
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    target = cache.reinterpret(tuple(target_heads))
+    for seq, (_, there, _) in sorted(sequences.items()):
+        if not there:
+            continue
+        missing = [h for h in target_heads if (seq, h) not in staged]
+        if missing:
+            raise RuntimeError(f"rank {rank}: the plan brings no KV of sequence {seq}, kv heads {missing}")
+        k = torch.stack([staged[(seq, h)][0] for h in target_heads], dim=2)  # [L, n, h_dst, hd]
+        v = torch.stack([staged[(seq, h)][1] for h in target_heads], dim=2)
+        target.fill(seq, k, v)
+    return target, received
