@@ -5,6 +5,7 @@ from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import DEFAULT_SHIFT_THRESHOLD, ShiftPolicy, StepBatch, padded_token_count
 from fusedpar.layers.reference import DenseDecoderStack
+from fusedpar.layers.reshard import migrate_kv
 from fusedpar.layers.stack import ShiftParallelStack
 from fusedpar.layers.weights import ShardedDecoderWeights
 
@@ -19,6 +20,7 @@ __all__ = [
     "ShiftPolicy",
     "StepBatch",
     "StepState",
+    "migrate_kv",
     "padded_token_count",
     "random_decoder_weights",
     "weight_shapes",

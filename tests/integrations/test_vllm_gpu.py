@@ -133,7 +133,8 @@ def _stats_ok(result: dict, world: int) -> dict:
 
 
 FP32 = {"dtype": "float32", "enforce_eager": True, "engine_args": {"attention_config": {"backend": "TRITON_ATTN"},
-                                            "enable_prefix_caching": True, "max_num_batched_tokens": 64}}
+                                            "enable_prefix_caching": True, "max_num_batched_tokens": 64,
+                                            "max_num_seqs": 16}}  # vLLM: batched tokens >= sequences
 
 
 @pytest.mark.parametrize("family", ["qwen3"])  # Llama's layers are Qwen3's minus q/k norms (CPU tests: both)
