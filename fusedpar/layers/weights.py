@@ -72,6 +72,33 @@ class ShardedDecoderWeights:
         replicated = {n: full[n].clone() for n in REPLICATED if n in full}
         return cls(base, shift, replicated)
 
+    @classmethod
+    def viewing(cls, held: ShardedDecoderWeights, cfg: DecoderConfig, held_layout: ParallelLayout,
+                layout: ParallelLayout, rank: int) -> ShardedDecoderWeights:
+        """`layout`'s weights on `rank` as views of `held` (the rank's weights for `held_layout`): no copy.
+
+        Raises ValueError when a shard of `layout` is not one contiguous range of the held shard (see
+        fusedpar.layouts.view_range); with the canonical rank order, a replica's SP = P shard holds every
+        SP x TP shard of the same replica size that way."""
+        from fusedpar.layouts import view_range
+
+        have, want = held_layout.weight_shards(cfg.dims), layout.weight_shards(cfg.dims)
+        base, shift = {}, {}
+        sources = [(name, name) for name in WEIGHT_NAMES]
+        if cfg.qkv_bias:
+            sources.append(("qkv_bias", "qkv"))
+        for key, shard_name in sources:
+            h, w = have.shard(rank, shard_name), want.shard(rank, shard_name)
+            span = view_range(h.base, w.base)
+            if span is None:
+                raise ValueError(f"rank {rank}: the {shard_name} shard of {layout!r} is not one contiguous range of "
+                                 f"the {held_layout!r} shard it holds, so it cannot be a view")
+            dim = 0 if key == "qkv_bias" else w.torch_dim
+            base[key] = held.base[key].narrow(dim, span[0], span[1] - span[0])
+            lo, hi = w.shift
+            shift[key] = base[key].narrow(dim, lo, hi - lo)
+        return cls(base, shift, held.replicated)
+
     def weights(self, mode: str) -> dict[str, torch.Tensor]:
         return self.base if mode == "base" else self.shift
 

@@ -9,8 +9,10 @@
     model = parallelize(model, layout, shift_threshold=256)         # a model with full weights, or
     model = load_parallel("/ckpt/dir", layout, dtype=torch.bfloat16)  # read only this rank's shards
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
+    # parallelize(..., reshard_layouts=[...]) then model.reshard(layout): switch live (docs/hf.md)
 
 Modules: spec (what is supported, checks), model (parallelize: sharding, the model's forward),
+calls (the per-call agreement check),
 runtime (one fusedpar step per call, decode graphs), padding (padded columns, positions), cache
 (the past_key_values bookkeeping), loader (meta-device build + sliced safetensors reads).
 The core never imports this package.

@@ -151,6 +151,36 @@ class ShiftParallelCausalLMMixin:
                                      hidden_states=hidden_states)
         return out.to_tuple() if return_dict is False else out
 
+    def reshard(self, layout: ParallelLayout) -> dict:
+        """Switch the decoder to `layout`, one of parallelize's reshard_layouts (collective: every rank,
+        same layout). The weights of every declared layout are views of what each rank holds, and
+        layouts that split one replica size differently into SP x TP cache the same kv heads on the
+        same ranks, so the live past_key_values stay valid and nothing moves. Returns
+        {"weight_bytes_moved", "kv_bytes_moved", "seconds", "layout"}."""
+        import time
+
+        t0 = time.perf_counter()
+        rt: _Runtime = self._fusedpar
+        if not isinstance(layout, ParallelLayout):
+            raise ValueError(f"reshard needs a ParallelLayout, got {type(layout).__name__}")
+        current = rt.ctx.layout
+        if layout.world_size != current.world_size:
+            raise ValueError(f"reshard stays within the world of {current.world_size} ranks; {layout!r} has "
+                             f"{layout.world_size} ranks")
+        if layout not in rt.stacks:
+            raise ValueError(f"{layout!r} was not declared: parallelize(..., reshard_layouts=...) names the layouts "
+                             f"a model can switch among, here {sorted(map(repr, rt.stacks))}")
+        check_agreement("fusedpar.integrations.hf: reshard", {"layout": repr(layout)})
+        ctx, stack = rt.stacks[layout]
+        if rt.kv is not None and tuple(stack.layers[0].kv_heads) != tuple(rt.kv.kv_heads):
+            raise RuntimeError(f"rank {ctx.global_rank}: {layout!r} caches kv heads {stack.layers[0].kv_heads}, the "
+                               f"live cache holds {rt.kv.kv_heads}")
+        rt.ctx, rt.stack = ctx, stack
+        rt.heads.clear()
+        rt.replayed = None
+        return {"weight_bytes_moved": 0, "kv_bytes_moved": 0, "seconds": time.perf_counter() - t0,
+                "layout": repr(layout)}
+
     def save_pretrained(self, *args, **kwargs):
         """Refused: HF would write the embeddings, final norm and lm_head only (the decoder layers live
         in fusedpar's stack, each rank holding its shard), a checkpoint that loads with random layers."""
@@ -335,17 +365,39 @@ def check_arguments(*, shift_threshold, block_size, fused, fused_max_tokens, cud
         raise ValueError(f"check_inputs must be True or False, got {check_inputs!r}")
 
 
+def check_reshard_layouts(layout: ParallelLayout, reshard_layouts) -> tuple[ParallelLayout, ...]:
+    """The declared layouts as a tuple; ValueError naming every one that cannot join `layout`."""
+    try:
+        declared = tuple(reshard_layouts)
+    except TypeError:
+        raise ValueError(f"reshard_layouts must be an iterable of ParallelLayout, got {reshard_layouts!r}") from None
+    problems = []
+    for lay in declared:
+        if not isinstance(lay, ParallelLayout):
+            problems.append(f"{lay!r} is not a ParallelLayout")
+        elif lay.world_size != layout.world_size:
+            problems.append(f"{lay!r} has {lay.world_size} ranks, the model's layout {layout.world_size}")
+        elif lay.dp != 1 or layout.dp != 1:
+            problems.append(f"{lay!r} with {layout!r}: data-parallel layouts (dp > 1) cannot be resharded yet")
+    if problems:
+        raise ValueError("reshard_layouts: " + "; ".join(problems))
+    return tuple(dict.fromkeys(declared))
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Iterable, *, device: torch.device,
              shift_threshold: int | None, block_size: int, fused: bool | None = False, fused_max_tokens: int = 4096,
-             cuda_graphs: bool | None = None, check_inputs: bool = True):
+             cuda_graphs: bool | None = None, check_inputs: bool = True,
+             reshard_layouts: tuple[ParallelLayout, ...] = (), held_layout: ParallelLayout | None = None):
     """Build the stack from per-layer ShardedDecoderWeights, attach it, swap classes.
 
     `layer_shards` is consumed lazily, one layer at a time (parallelize frees each HF layer as
     it goes; the loader reads each layer's shards from disk). Shared by parallelize and the loader.
+    With reshard_layouts, `layer_shards` are `held_layout`'s, and every layout (`layout` first)
+    gets its own context and stack on views of them.
     """
     policy = ShiftPolicy(shift_threshold)  # validates the threshold before any collective
     use_fused = fused_decision(spec, device, fused)
@@ -356,21 +408,30 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
         "max_seq_len": spec.max_seq_len, "fused": use_fused, "fused_max_tokens": fused_max_tokens,
         "cuda_graphs": use_graphs, "model": repr((type(model).__name__, spec.decoder, spec.num_layers)),
         "embedding checksum": None if embeddings.device.type == "meta" else tensor_checksum(embeddings),
+        "reshard layouts": repr(list(reshard_layouts)),
     })
-    ctx = ParallelContext(layout, device=device)
-    layers = []
-    for i, weights in enumerate(layer_shards):
-        layers.append(ShiftParallelDecoderLayer(spec.decoder, ctx, weights, i))
-    if len(layers) != spec.num_layers:
-        raise RuntimeError(f"built {len(layers)} layers, the model has {spec.num_layers}")
-    stack = ShiftParallelStack(spec.decoder, ctx, layers, policy)
-    if use_fused:
-        stack.enable_fused(max_tokens=fused_max_tokens)  # collective; larger steps fall back per op
+    layouts = [layout, *(lay for lay in reshard_layouts if lay != layout)]
+    held = list(layer_shards)
+    if len(held) != spec.num_layers:
+        raise RuntimeError(f"built {len(held)} layers, the model has {spec.num_layers}")
+    stacks = {}
+    rank = torch.distributed.get_rank()
+    for lay in layouts:  # the same order on every rank: each context creates its groups collectively
+        ctx = ParallelContext(lay, device=device)
+        weights = held if not reshard_layouts else [
+            ShardedDecoderWeights.viewing(w, spec.decoder, held_layout, lay, rank) for w in held]
+        stack = ShiftParallelStack(spec.decoder, ctx, [ShiftParallelDecoderLayer(spec.decoder, ctx, w, i)
+                                                       for i, w in enumerate(weights)], policy)
+        if use_fused:
+            stack.enable_fused(max_tokens=fused_max_tokens)  # collective; larger steps fall back per op
+        stacks[lay] = (ctx, stack)
+    ctx, stack = stacks[layout]
     inner = model.model
     inner.layers = nn.ModuleList()  # the HF layers (and any weights they still hold) are gone
     _detach_base_model(inner)
     model.__class__ = _parallel_class(type(model))
     model._fusedpar = _Runtime(spec, ctx, stack, block_size, cuda_graphs=use_graphs, check_inputs=check_inputs)
+    model._fusedpar.stacks = stacks
     gen_cfg = getattr(model, "generation_config", None)
     if gen_cfg is not None and getattr(gen_cfg, "cache_implementation", None) is not None:
         # a static/quantized HF cache would make generate build 4D masks for the first step;
@@ -382,7 +443,8 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
 
 def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = None, *,
                 max_seq_len: int | None = None, block_size: int = 16, fused: bool | None = None,
-                fused_max_tokens: int = 4096, cuda_graphs: bool | None = None, check_inputs: bool = True):
+                fused_max_tokens: int = 4096, cuda_graphs: bool | None = None, check_inputs: bool = True,
+                reshard_layouts: Iterable[ParallelLayout] = ()):
     """Shard a transformers causal LM's decoder over `layout` and run it with shift parallelism.
 
     Call on every rank of an initialised torch.distributed process group (world size =
@@ -410,6 +472,11 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
         inputs and settings (one small all-gather and a device-to-host copy; calls.py) and raises
         ValueError on every rank, naming what differs, instead of hanging or mixing results. False
         skips the check (ranks known to agree, e.g. fed by one scheduler).
+    reshard_layouts: more layouts of the same world to switch among with `model.reshard(layout)`,
+        live, mid-generation. Each rank keeps the weights of the layout with the largest SP, and
+        every declared layout runs on views of them (0 bytes moved). Supported: layouts of one
+        replica (dp = 1), whose SP x TP splits cache the same kv heads on the same ranks (the KV
+        stays where it is); data-parallel layouts are not supported yet.
 
     Raises ValueError naming any argument of the wrong kind, and UnsupportedModelError (a
     ValueError) naming every unsupported feature of the model or layout, before any collective runs.
@@ -419,7 +486,11 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
                                     "parallelized")
     check_arguments(shift_threshold=shift_threshold, block_size=block_size, fused=fused,
                     fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs, check_inputs=check_inputs)
+    reshard_layouts = check_reshard_layouts(layout, reshard_layouts)
     spec = inspect_model(model, layout, max_seq_len=max_seq_len)
+    for lay in reshard_layouts:
+        inspect_model(model, lay, max_seq_len=max_seq_len)  # every declared layout must fit the model
+    held_layout = max((layout, *reshard_layouts), key=lambda lay: lay.sp)
     if any(p.device.type == "meta" for p in model.parameters()):
         raise UnsupportedModelError("fusedpar.integrations.hf: the model has meta-device weights; "
                                     "use fusedpar.integrations.hf.load_parallel for checkpoints")
@@ -434,13 +505,13 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
         for i in range(len(layers)):
             full = full_layer_weights(layers[i], spec)
             # base shards (+ shift views, q/k/v bias rows): copies, never views of `full`
-            yield ShardedDecoderWeights.from_full(spec.decoder, layout, rank, full)
+            yield ShardedDecoderWeights.from_full(spec.decoder, held_layout, rank, full)
             del full
             layers[i] = nn.Identity()  # free this layer's full weights before the next one
 
     return assemble(model, spec, layout, shards(), device=device, shift_threshold=shift_threshold,
                     block_size=block_size, fused=fused, fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs,
-                    check_inputs=check_inputs)
+                    check_inputs=check_inputs, reshard_layouts=reshard_layouts, held_layout=held_layout)
 
 
 def resident_decoder_bytes(model) -> int:

@@ -45,6 +45,7 @@ class _Runtime:
                  cuda_graphs: bool = False, check_inputs: bool = True):
         self.spec, self.ctx, self.stack, self.block_size = spec, ctx, stack, block_size
         self.check_inputs = check_inputs  # forward's per-call agreement check (calls.py)
+        self.stacks: dict = {}  # layout -> (ctx, stack): the layouts model.reshard switches among
         self.cuda_graphs = cuda_graphs  # decode steps replay CUDA graphs of the stack (_ready_graphs)
         self.graph_captures = 0
         self.kv: PagedKVCache | None = None
