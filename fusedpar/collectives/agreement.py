@@ -21,6 +21,18 @@ def tensor_checksum(t: torch.Tensor, samples: int = 1 << 20) -> int:
     return int(flat.view(bits).to(torch.int64).sum().item())
 
 
+def disagreement(name: str, values: list, ranks, show=repr) -> str | None:
+    """None if every rank's value equals the first, else "name: rank(s) a, b: value; rank c: value"
+    (`values` in the order of `ranks`; `show` renders a value)."""
+    if all(v == values[0] for v in values[1:]):
+        return None
+    holders: dict[str, list[int]] = {}
+    for rank, value in zip(ranks, values, strict=True):
+        holders.setdefault(show(value), []).append(rank)
+    return f"{name}: " + "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {value}"
+                                   for value, r in holders.items())
+
+
 def check_agreement(what: str, settings: dict[str, object], group=None) -> None:
     """Raise ValueError on every rank of `group` (default: the world) unless every rank passed equal
     `settings` (compared with ==). Collective: every rank calls it with the same keys."""
@@ -29,17 +41,8 @@ def check_agreement(what: str, settings: dict[str, object], group=None) -> None:
         return
     gathered: list[dict | None] = [None] * world
     dist.all_gather_object(gathered, settings, group=group)
-    problems = []
-    for key in sorted({k for g in gathered for k in g}, key=str):
-        values = [g.get(key) for g in gathered]
-        if all(v == values[0] for v in values[1:]):
-            continue
-        holders: dict[str, list[int]] = {}
-        for rank, value in enumerate(values):
-            holders.setdefault(repr(value), []).append(rank)
-        problems.append(f"{key}: " + "; ".join(
-            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {value}"
-            for value, ranks in holders.items()))
+    problems = [p for key in sorted({k for g in gathered for k in g}, key=str)
+                if (p := disagreement(key, [g.get(key) for g in gathered], range(world))) is not None]
     if problems:
         raise ValueError(f"{what}: the ranks disagree on {len(problems)} setting(s), and every rank must make this "
                          f"call with the same model and arguments: " + " | ".join(problems))

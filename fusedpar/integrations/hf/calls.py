@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from fusedpar.collectives import all_gather_rows
+from fusedpar.collectives.agreement import disagreement
 
 FIELDS = ("batch", "new columns", "cached columns", "input ids / embeddings (hash)", "attention_mask (hash)",
           "position_ids (hash)", "use_cache", "output_hidden_states", "logits_to_keep")
@@ -50,16 +51,9 @@ def check_call(row: torch.Tensor, group, what: str = "fusedpar.integrations.hf: 
     if group.size == 1:
         return
     rows = all_gather_rows(row.view(1, -1), group).cpu().tolist()
-    problems = []
-    for i, name in enumerate(FIELDS):
-        values = [r[i] for r in rows]
-        if all(v == values[0] for v in values[1:]):
-            continue
-        holders: dict[int, list[int]] = {}
-        for peer, value in enumerate(values):
-            holders.setdefault(value, []).append(group.ranks[peer])
-        problems.append(f"{name}: " + "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: "
-                                                 f"{'absent' if v == _ABSENT else v}" for v, r in holders.items()))
+    show = lambda v: "absent" if v == _ABSENT else str(v)  # noqa: E731
+    problems = [p for i, name in enumerate(FIELDS)
+                if (p := disagreement(name, [r[i] for r in rows], group.ranks, show)) is not None]
     if problems:
         raise ValueError(f"{what}: the ranks of this replica made different calls ({' | '.join(problems)}); every "
                          "rank must call forward / generate with the same inputs and settings")
