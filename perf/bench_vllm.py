@@ -330,54 +330,46 @@ def records(args, results: dict, peak: float, hbm: float, gpu: str) -> list[dict
     def floor_ms(tokens: int, steps: int = 1) -> float:
         return max(2 * tokens * params / P / peak, steps * 2 * params / P / hbm) * 1e3
 
-    plain, fp = results.get("plain", {}), results.get("fusedpar", {})
+    plain = results.get("plain", {})
     common = {"world": P, "gpu": gpu, "baseline": f"plain vLLM TP={P}", "vllm": vllm.__version__,
               "model": args.shape, "layers": layers, "sp": args.sp, "threshold": args.threshold,
               "max_batch_tokens": args.max_batch_tokens, **run_info(python=True)}
-    case = f"fusedpar SP={args.sp} {args.shape}"
-    out = []
-
-    def add(bench, tokens, base_ms, fused_ms, floor, **extra):
-        if base_ms and fused_ms:
-            out.append({"bench": bench, "case": case, "tokens": tokens, "baseline_ms": base_ms, "fused_ms": fused_ms,
-                        "speedup": base_ms / fused_ms, "roofline_pct": None if floor is None else
-                        100 * floor / fused_ms, **extra, **common})
-
-    for n in args.ttft_prompt_list:
-        add("vllm_ttft", n, plain.get(f"ttft_{n}_ms"), fp.get(f"ttft_{n}_ms"), floor_ms(n))
-    for b in TPOT_BATCHES:
-        add("vllm_tpot", b, plain.get(f"tpot_b{b}_ms"), fp.get(f"tpot_b{b}_ms"), floor_ms(b), batch=b,
-            prompt=TPOT_PROMPT)
     thr_tokens = THR_REQUESTS * (THR_PROMPT + THR_OUTPUT)
-    if plain.get("throughput_s") and fp.get("throughput_s"):
-        add("vllm_throughput", thr_tokens, 1e3 * plain["throughput_s"], 1e3 * fp["throughput_s"],
-            floor_ms(thr_tokens, steps=THR_OUTPUT), plain_tokens_per_s=plain["tokens_per_s"],
-            fused_tokens_per_s=fp["tokens_per_s"])
-    po, fo = plain.get("online"), fp.get("online")
-    if po and fo and "all" in po and "all" in fo:
-        add("vllm_online", po["requests"], po["all"]["ttft_p99_ms"], fo["all"]["ttft_p99_ms"], None,
-            plain_online=po, fused_online=fo, metric="p99 TTFT over the whole trace")
+
+    def side(case: str, res: dict) -> list[dict]:
+        """The records of one engine (fusedpar or arctic) against plain vLLM."""
+        out = []
+
+        def add(bench, tokens, base_ms, fused_ms, floor, **extra):
+            if base_ms and fused_ms:
+                out.append({"bench": bench, "case": case, "tokens": tokens, "baseline_ms": base_ms,
+                            "fused_ms": fused_ms, "speedup": base_ms / fused_ms,
+                            "roofline_pct": None if floor is None else 100 * floor / fused_ms, **extra, **common})
+
+        for n in args.ttft_prompt_list:
+            add("vllm_ttft", n, plain.get(f"ttft_{n}_ms"), res.get(f"ttft_{n}_ms"), floor_ms(n))
+        for b in TPOT_BATCHES:
+            add("vllm_tpot", b, plain.get(f"tpot_b{b}_ms"), res.get(f"tpot_b{b}_ms"), floor_ms(b), batch=b,
+                prompt=TPOT_PROMPT)
+        if plain.get("throughput_s") and res.get("throughput_s"):
+            add("vllm_throughput", thr_tokens, 1e3 * plain["throughput_s"], 1e3 * res["throughput_s"],
+                floor_ms(thr_tokens, steps=THR_OUTPUT), plain_tokens_per_s=plain["tokens_per_s"],
+                fused_tokens_per_s=res["tokens_per_s"])
+        po, fo = plain.get("online"), res.get("online")
+        if po and fo and "all" in po and "all" in fo:
+            add("vllm_online", po["requests"], po["all"]["ttft_p99_ms"], fo["all"]["ttft_p99_ms"], None,
+                plain_online=po, fused_online=fo, metric="p99 TTFT over the whole trace")
+        return out
+
+    fp = results.get("fusedpar", {})
+    out = side(f"fusedpar SP={args.sp} {args.shape}", fp)
     for rec in out:
         rec["fusedpar_stats"] = fp.get("fusedpar_stats")
     arctic = results.get("arctic")
     if arctic and "error" not in arctic:  # Arctic's times against the same plain baseline
         mine = {(r["bench"], r["tokens"]): r["fused_ms"] for r in out}
-        fp, case = arctic, f"arctic SP={args.sp} {args.shape}"
-        before = len(out)
-        for n in args.ttft_prompt_list:
-            add("vllm_ttft", n, plain.get(f"ttft_{n}_ms"), fp.get(f"ttft_{n}_ms"), floor_ms(n))
-        for b in TPOT_BATCHES:
-            add("vllm_tpot", b, plain.get(f"tpot_b{b}_ms"), fp.get(f"tpot_b{b}_ms"), floor_ms(b), batch=b,
-                prompt=TPOT_PROMPT)
-        if plain.get("throughput_s") and fp.get("throughput_s"):
-            add("vllm_throughput", thr_tokens, 1e3 * plain["throughput_s"], 1e3 * fp["throughput_s"],
-                floor_ms(thr_tokens, steps=THR_OUTPUT))
-        ao = fp.get("online")
-        if po and ao and "all" in po and "all" in ao:
-            add("vllm_online", po["requests"], po["all"]["ttft_p99_ms"], ao["all"]["ttft_p99_ms"], None,
-                plain_online=po, arctic_online=ao, metric="p99 TTFT over the whole trace")
-        for rec in out[before:]:
-            rec["fusedpar_ms"] = mine.get((rec["bench"], rec["tokens"]))
+        for rec in side(f"arctic SP={args.sp} {args.shape}", arctic):
+            out.append({**rec, "fusedpar_ms": mine.get((rec["bench"], rec["tokens"]))})
     return out
 
 
