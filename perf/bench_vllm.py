@@ -1,15 +1,15 @@
 """Plain vLLM (TP=P) vs vLLM with fusedpar (SP <-> TP=P) on vLLM's own engine API, dummy weights.
 
-    python perf/bench_vllm.py --world 4 [--sp 4] [--shape qwen32b] [--layers N] [--threshold 512]
+    python perf/bench_vllm.py --world 4 [--sp 4] [--shape qwen32b] [--layers N] [--threshold T]
         [--benches ttft,tpot,throughput,online] [--cases plain,fusedpar] [--out perf/results/vllm.json]
 
 Each case runs one engine (vllm.v1 AsyncLLM, load_format "dummy", bf16, prefix caching off,
-max_num_batched_tokens --max-batch-tokens, CUDA graphs captured up to --threshold tokens on both
-sides) in a process of its own, on the same GPUs, one after the other; the same token ids everywhere.
+max_num_batched_tokens --max-batch-tokens, vLLM's CUDA graphs captured up to --capture-size tokens
+on every side) in a process of its own, on the same GPUs, one after the other; the same token ids everywhere.
   plain     vLLM with tensor_parallel_size=P (its compiled model, CUDA graphs, custom all-reduce)
   fusedpar  the same engine with additional_config {"fusedpar": {"sequence_parallel_size": SP,
-            "shift_threshold": T}}: steps above T tokens run base SP x TP=P/SP, the others vLLM's own
-            TP=P path
+            "shift_threshold": T}} (no threshold: fusedpar's default for P): steps above T tokens run
+            base SP x TP=P/SP, the others vLLM's own TP=P path
   arctic    (only when named in --cases) Arctic Inference's shift parallelism on the same vLLM:
             ulysses_sequence_parallel_size SP x tensor_parallel_size P/SP, enable_shift_parallel,
             shift_parallel_threshold T; arctic_inference installed in --arctic-site (put on the path
@@ -61,7 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sp", type=int, default=None, help="fusedpar's sequence_parallel_size (default: P)")
     p.add_argument("--shape", default="qwen32b", choices=sorted(ARCHITECTURE), help="model shape (perf/shapes.py)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
-    p.add_argument("--threshold", type=int, default=512, help="fusedpar shift_threshold and the largest CUDA graph")
+    p.add_argument("--threshold", type=int, default=None,
+                   help="shift threshold of fusedpar and arctic (default: fusedpar's default for --world)")
+    p.add_argument("--capture-size", type=int, default=512,
+                   help="vLLM's max_cudagraph_capture_size on every side (vLLM's default: 512)")
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="vLLM max_num_batched_tokens")
     p.add_argument("--benches", default=",".join(BENCHES), help=f"comma-separated subset of {BENCHES}")
     p.add_argument("--cases", default="plain,fusedpar", help="comma-separated: plain, fusedpar, arctic")
@@ -80,6 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sp = args.sp or args.world
+    args.threshold_given = args.threshold is not None
+    if args.threshold is None:
+        from fusedpar.integrations.vllm.config import default_shift_threshold
+
+        args.threshold = default_shift_threshold(args.world)
     bad = []
     try:
         args.ttft_prompt_list = [int(x) for x in args.ttft_prompts.split(",")]
@@ -164,14 +172,16 @@ async def run_engine(spec: dict) -> dict:
         extra["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": spec["profile"],
                                     "torch_profiler_with_stack": False}
     if spec["case"] == "fusedpar":
-        extra["additional_config"] = {"fusedpar": {"sequence_parallel_size": spec["sp"],
-                                                   "shift_threshold": spec["threshold"]}}
+        section = {"sequence_parallel_size": spec["sp"]}
+        if spec["threshold_given"]:
+            section["shift_threshold"] = spec["threshold"]
+        extra["additional_config"] = {"fusedpar": section}
     t0 = time.perf_counter()
     engine = AsyncLLM.from_engine_args(Args(
         model=spec["model_dir"], tensor_parallel_size=tp, load_format="dummy", dtype="bfloat16",
         skip_tokenizer_init=True, max_model_len=spec["max_model_len"], enable_prefix_caching=False, seed=0,
         gpu_memory_utilization=spec["gpu_memory_utilization"], max_num_batched_tokens=spec["max_batch_tokens"],
-        compilation_config={"max_cudagraph_capture_size": spec["threshold"]}, **extra))
+        compilation_config={"max_cudagraph_capture_size": spec["capture_size"]}, **extra))
     res: dict = {"startup_s": time.perf_counter() - t0}
     rng = random.Random(0)
     seq = iter(range(10**9))
@@ -262,6 +272,7 @@ def child_main(spec_path: str) -> None:
 # ---------------------------------------------------------------------------------------- driver side
 def run_case(args, case: str, model_dir: Path, work: Path) -> dict:
     spec = {"case": case, "world": args.world, "sp": args.sp, "threshold": args.threshold,
+            "threshold_given": args.threshold_given, "capture_size": args.capture_size,
             "model_dir": str(model_dir), "benches": args.benches.split(","), "iters": args.iters,
             "rounds": args.rounds, "ttft_prompts": args.ttft_prompt_list,
             "max_model_len": max(8192, max(args.ttft_prompt_list) + 64), "online_seconds": args.online_seconds,
@@ -333,6 +344,7 @@ def records(args, results: dict, peak: float, hbm: float, gpu: str) -> list[dict
     plain = results.get("plain", {})
     common = {"world": P, "gpu": gpu, "baseline": f"plain vLLM TP={P}", "vllm": vllm.__version__,
               "model": args.shape, "layers": layers, "sp": args.sp, "threshold": args.threshold,
+              "capture_size": args.capture_size,
               "max_batch_tokens": args.max_batch_tokens, **run_info(python=True)}
     thr_tokens = THR_REQUESTS * (THR_PROMPT + THR_OUTPUT)
 

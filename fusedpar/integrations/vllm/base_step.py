@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -132,7 +133,7 @@ class BaseKernels:
         return f"{len(self.swaps)} custom-op modules ({', '.join(names)}), IR ops {ir}"
 
 
-def warm_up_fused(comm, rows: range, qkv, o_proj, down) -> float:
+def warm_up_fused(comm, rows: Sequence[int], qkv, o_proj, down) -> float:
     """Run the base stages of FusedComm `comm` once per row count in `rows` with zero inputs and the
     weights of one decoder layer (qkv / o_proj / down: fusedpar's linear layers). Collective: every
     rank passes the same rows. Returns the seconds it took."""

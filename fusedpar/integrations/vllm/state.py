@@ -15,28 +15,28 @@ How a step runs (hooks installed on the model as vLLM builds it, see `watch_for_
       count: identical on every rank, so every rank takes the same decision without talking);
       mode = ShiftPolicy(threshold).mode(n, SP);
       base -> forward_context.skip_compiled = True: vLLM's own switch that makes the
-              @support_torch_compile decoder model run its plain eager forward for this step;
-              vLLM's custom ops dispatch to their eager kernels for the step (base_step.py).
-  decoder layer 0 forward pre-hook (base only): pad hidden [n, d] to n_pad = SP*m rows and keep
-      this SP rank's m rows; the residual stream stays sequence-sharded through every layer.
+              @support_torch_compile decoder model call `self.forward` for this step, which for
+              the step is the BaseRunner's (base_runner.py: scatter the rows over SP, the layers
+              eagerly or as replayed CUDA graphs, final norm, all-gather); vLLM's custom ops
+              dispatch to their eager kernels for the step (base_step.py).
   linear layers (layers.py): base = base-shard GEMM on the local rows + Ulysses exchange in
       qkv_proj / o_proj, base-TP all-reduce in o_proj / down_proj; shift = vLLM's TP=P math on
       views of the base shard with vLLM's own all-reduce.
-  final norm forward hook (base only): all-gather the m rows of every SP rank, drop the padding.
-  root model forward hook: checks that a base step really ran the eager base path (the layer 0
-      hook saw it), restores vLLM's custom-op dispatch and counts the step.
+  root model forward hook: checks that a base step really ran the base path, restores the
+      decoder model's forward and vLLM's custom-op dispatch, and counts the step.
 
 The first base step (vLLM's memory-profiling run, at max_num_batched_tokens) builds the fused
-communicator and compiles its kernels for every row count a base step can have.
+communicator, compiles its kernels for every row count a base step can have and, where base
+steps run as CUDA graphs, captures them (so vLLM's memory profile sees their memory).
 
 Why this is compile-safe: vLLM compiles the decoder model once (DYNAMO_TRACE_ONCE on CPU,
 VLLM_COMPILE on CUDA) and drops dynamo's guards, so any Python branch on the token count inside
 the compiled region would be baked in. Here the compiled region only ever runs shift steps:
-every fusedpar hook and layer takes the shift path whenever torch.compiler.is_compiling() (so
-the traced graph is vLLM's TP=P model), and base steps never enter it (skip_compiled). Full CUDA
+every fusedpar layer takes the shift path whenever torch.compiler.is_compiling() (so the traced
+graph is vLLM's TP=P model), and base steps never enter it (skip_compiled). vLLM's full CUDA
 graphs, which replay without any Python, are only allowed up to the threshold (checked at start;
-a capture above it fails loudly). STOCK_TORCH_COMPILE (which would compile the root hooks too)
-is rejected.
+a capture above it fails loudly); base steps have their own graphs (base_runner.BaseGraphs).
+STOCK_TORCH_COMPILE (which would compile the root hooks too) is rejected.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ import contextlib
 import logging
 
 import torch
-import torch.nn.functional as F
 
-from fusedpar.collectives import ParallelContext, all_gather_rows
+from fusedpar.collectives import ParallelContext
 from fusedpar.layers.comm import PlainComm, select
 from fusedpar.layers.policy import ShiftPolicy, padded_token_count
 from fusedpar.layouts import ModelDims
 
+from .base_runner import bucket_for, row_buckets
 from .config import SUPPORTED_ARCHITECTURES, DeploymentInfo, FusedparConfigError, FusedparVllmConfig, check_deployment
 
 logger = logging.getLogger("vllm.fusedpar")
@@ -122,6 +122,11 @@ class WorkerState:
         self.ctx = ParallelContext(layout, device=device)  # collective: SP / TP / shift / DP groups
         self.dtype = vllm_config.model_config.dtype
         self.use_fused = self._fused_decision()
+        self.use_graphs = self._graphs_decision()
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        rows = self.base_rows(max_tokens)
+        # with base graphs a base step pads to a row bucket (base_runner.row_buckets)
+        self.buckets = row_buckets(rows.start, rows.stop - 1) if self.use_graphs and len(rows) else ()
         self._fused = None  # FusedComm, built collectively at the first base step (CUDA only)
         self.plain = PlainComm(self.ctx)  # base-mode stages on cuBLAS + torch.distributed
         # per step
@@ -129,13 +134,13 @@ class WorkerState:
         self.num_tokens = 0
         self.padded_tokens = 0
         self._counted = False
-        self._layer0_saw_base = False
         # model wiring
         self.layer_prefix: str | None = None  # "model.layers.0" of the first layer taken over
         self.layers_taken: dict[str, int] = {}
         self.modules: list = []  # the linear layers taken over (their weights are the base shards)
         self.root = self.decoder_model = None
         self.base_kernels = None  # base_step.BaseKernels, once the model is built
+        self.runner = None  # base_runner.BaseRunner, once the model is built
         self._watchers: list = []
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         atexit.register(self.log_summary)
@@ -159,6 +164,14 @@ class WorkerState:
             raise FusedparConfigError("fusedpar: fused_kernels=true is not possible: " + "; ".join(why))
         return not why
 
+    def _graphs_decision(self) -> bool:
+        """Base steps as CUDA graphs: fused kernels (no NCCL call inside a graph), base TP = 1, and
+        vLLM itself allowed to use graphs (not enforce_eager, cudagraph_mode not NONE)."""
+        if not self.use_fused or self.layout.tp != 1 or self.vllm_config.model_config.enforce_eager:
+            return False
+        mode = self.vllm_config.compilation_config.cudagraph_mode
+        return getattr(mode, "name", "NONE") != "NONE"
+
     def comm(self, x: torch.Tensor):
         """The communicator of the base-mode stages on x: FusedComm where it takes x, else PlainComm."""
         return select(x, self.fused(), self.plain)
@@ -177,12 +190,29 @@ class WorkerState:
                                 num_kv_heads=self.dims.num_kv_heads, head_dim=self.dims.head_dim,
                                 intermediate_size=self.dims.intermediate_size)
             max_tokens = padded_token_count(self.vllm_config.scheduler_config.max_num_batched_tokens, self.layout.sp)
-            # Base steps run eagerly, bound by host time: the fused o kernel (one launch) at every size,
-            # rather than cuBLAS + an NCCL all-to-all where the routing table's GPU times tie
+            if self.buckets:
+                max_tokens = self.buckets[-1] * self.layout.sp
+            # The fused o kernel (one launch) at every size: no NCCL call inside a base graph, and eager
+            # base steps are bound by host time where the routing table's GPU times tie
             options = FusedOptions(ulysses=UlyssesOptions(o_proj_fused_rows=((1, None),)))
             self._fused = FusedComm(self.ctx, cfg, max_tokens=max_tokens, dtype=self.dtype, options=options)
             self._warm_up(max_tokens)
+            if self.buckets:
+                self._capture_graphs(cfg)
         return self._fused
+
+    def _capture_graphs(self, cfg) -> None:
+        from .base_runner import BaseGraphs
+
+        place = self.placement
+        hd = cfg.head_dim
+        graphs = BaseGraphs(self.runner, self.buckets, hidden_size=cfg.hidden_size, q_width=place.q_heads_per_rank * hd,
+                            kv_width=place.kv_heads_per_rank * hd, dtype=self.dtype, device=self.ctx.device)
+        seconds = graphs.capture_all()
+        self.runner.graphs = graphs
+        logger.info("fusedpar: base steps captured as CUDA graphs for %d row buckets (%d..%d rows per rank, "
+                    "%d graphs each) in %.1f s", len(self.buckets), self.buckets[0], self.buckets[-1],
+                    len(self.runner.attns) + 1, seconds)
 
     def base_rows(self, max_tokens: int) -> range:
         """Rows per rank (m) of every base step: n in (threshold, max_tokens] tokens, m = ceil(n / SP)."""
@@ -195,10 +225,10 @@ class WorkerState:
         first = {}
         for mod in self.modules:  # the first layer's projections
             first.setdefault(mod._fp_kind, mod)
-        rows = self.base_rows(max_tokens)
+        rows = self.buckets or self.base_rows(max_tokens)
         seconds = warm_up_fused(self._fused, rows, first["qkv"], first["o"], first["down"])
         logger.info("fusedpar: base-mode kernels compiled for %d row counts (%d..%d rows per rank) in %.1f s",
-                    len(rows), rows.start, rows.stop - 1, seconds)
+                    len(rows), rows[0], rows[-1], seconds)
 
     # ---- per step -----------------------------------------------------------------------------
     def begin_step(self, num_tokens: int) -> None:
@@ -227,8 +257,15 @@ class WorkerState:
                 self.base_kernels.begin()
         self.mode = mode
         self.num_tokens = num_tokens
-        self.padded_tokens = padded_token_count(num_tokens, self.layout.sp) if mode == "base" else num_tokens
-        self._layer0_saw_base = False
+        if mode == "base":
+            m = -(-num_tokens // self.layout.sp)
+            self.padded_tokens = (bucket_for(m, self.buckets) if self.buckets else m) * self.layout.sp
+        else:
+            self.padded_tokens = num_tokens
+        if self.runner is not None:
+            self.runner.ran = False
+            if mode == "base":  # vLLM calls decoder_model.forward when the step skips the compiled graph
+                self.decoder_model.forward = self.runner.forward
         # profile / warm-up runs carry no attention metadata, graph captures run on a capturing
         # stream: neither is a step of the workload, so neither is counted
         self._counted = self._is_workload_step(fc)
@@ -243,10 +280,14 @@ class WorkerState:
         mode, self.mode = self.mode, "shift"
         if self.base_kernels is not None:
             self.base_kernels.end()
+        ran = False
+        if self.runner is not None:
+            self.decoder_model.__dict__.pop("forward", None)  # the class's forward again
+            ran, self.runner.ran = self.runner.ran, False
         logger.debug("fusedpar step: %s, %d tokens (counted: %s)", mode, self.num_tokens, self._counted)
-        if mode == "base" and not self._layer0_saw_base:
+        if mode == "base" and not ran:
             raise RuntimeError(
-                "fusedpar: a base-mode step did not run the eager base path (the compiled model ran instead); "
+                "fusedpar: a base-mode step did not run the base path (the compiled model ran instead); "
                 "refusing to return possibly wrong results"
             )
         if self._counted:
@@ -325,23 +366,27 @@ class WorkerState:
         expected = len(layers)
         if any(v != expected for v in n_taken.values()) or len(n_taken) != 4:
             raise RuntimeError(f"fusedpar: took over {n_taken} linear layers; expected 4 kinds x {expected} layers")
-        acts = []
+        acts, attns = [], []
         for layer in layers:
             mlp = getattr(layer, "mlp", None)
             act = getattr(mlp, "act_fn", None)
             if act is None or getattr(getattr(mlp, "gate_up_proj", None), "_fp", None) is not self:
                 raise RuntimeError(f"fusedpar: {type(layer).__name__} has no mlp.act_fn after fusedpar's gate_up_proj")
+            attn = getattr(getattr(layer, "self_attn", None), "attn", None)
+            if attn is None:
+                raise RuntimeError(f"fusedpar: {type(layer).__name__} has no self_attn.attn (vLLM's Attention)")
             acts.append(act)
+            attns.append(attn)
+        from .base_runner import BaseRunner
         from .base_step import BaseKernels
 
         self.base_kernels = BaseKernels(inner, acts, self.layout.sp, cuda=self.is_cuda)
+        self.runner = BaseRunner(self, inner, layers, norm, attns)
         self.root, self.decoder_model = root, inner
         root.register_forward_pre_hook(self._root_pre, with_kwargs=True)
         root.register_forward_hook(self._root_post)
-        layers[0].register_forward_pre_hook(self._scatter_rows, with_kwargs=True)
-        norm.register_forward_hook(self._gather_rows)
-        logger.info("fusedpar: hooks on %s (mode per step), %s.%s[0] (sequence scatter) and %s.norm (gather); "
-                    "base steps switch %s", type(root).__name__, model_path, layers_path, model_path,
+        logger.info("fusedpar: hooks on %s (mode per step); base steps run %s.forward as fusedpar's base runner "
+                    "over %s.%s and switch %s", type(root).__name__, model_path, model_path, layers_path,
                     self.base_kernels.describe())
 
     def _root_pre(self, module, args, kwargs):
@@ -359,41 +404,6 @@ class WorkerState:
         self.end_step()
         return None
 
-    def _scatter_rows(self, module, args, kwargs):
-        """Decoder layer 0 input [n, d] -> this SP rank's rows [m, d] of the padded step (base only)."""
-        if torch.compiler.is_compiling() or self.mode != "base":
-            return None
-        args = list(args)
-        if len(args) >= 2:
-            hidden, residual = args[1], args[2] if len(args) > 2 else kwargs.get("residual")
-        else:
-            hidden, residual = kwargs["hidden_states"], kwargs.get("residual")
-        if residual is not None:
-            raise RuntimeError("fusedpar: decoder layer 0 received a residual (pipeline parallel is not supported)")
-        n = hidden.shape[0]
-        if n != self.num_tokens:
-            raise RuntimeError(f"fusedpar: decoder layer 0 got {n} rows, the step has {self.num_tokens} tokens")
-        m, s = self.local_rows, self.coords.sp
-        if self.padded_tokens != n:
-            hidden = F.pad(hidden, (0, 0, 0, self.padded_tokens - n))  # zero rows: never reach attention
-        local = hidden[s * m:(s + 1) * m]
-        if len(args) >= 2:
-            args[1] = local
-        else:
-            kwargs["hidden_states"] = local
-        self._layer0_saw_base = True
-        return tuple(args), kwargs
-
-    def _gather_rows(self, module, args, output):
-        """Final norm output [m, d] on each SP rank -> [n, d] (padding rows dropped), base only."""
-        if torch.compiler.is_compiling() or self.mode != "base":
-            return None
-        hidden = output[0] if isinstance(output, tuple) else output
-        full = all_gather_rows(hidden.contiguous(), self.ctx.sp)[: self.num_tokens]
-        if isinstance(output, tuple):
-            return (full, *output[1:])
-        return full
-
     # ---- reporting ----------------------------------------------------------------------------
     def snapshot(self) -> dict:
         return {
@@ -403,6 +413,7 @@ class WorkerState:
             "tensor_parallel_size": self.layout.replica_size,
             "shift_threshold": self.policy.threshold,
             "fused_kernels": self.use_fused,
+            "base_graph_buckets": len(self.runner.graphs.sets) if self.runner and self.runner.graphs else 0,
             # whether vLLM runs the decoder model compiled (then shift steps use the compiled graph)
             "shift_compiled": self._decoder_compiled(),
             # bytes behind the four sharded projections of every decoder layer (biases excluded):
