@@ -87,7 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.threshold is None:
         from fusedpar.integrations.vllm.config import default_shift_threshold
 
-        args.threshold = default_shift_threshold(args.world)
+        # SP = P, bf16: base steps run as graphs (with SP < P they run eagerly)
+        args.threshold = default_shift_threshold(args.world, base_graphs=args.sp == args.world,
+                                                 capture_size=args.capture_size)
     bad = []
     try:
         args.ttft_prompt_list = [int(x) for x in args.ttft_prompts.split(",")]

@@ -58,8 +58,11 @@ def test_parse_valid_section():
 
     default = parse_additional_config({"fusedpar": {"sequence_parallel_size": 4}})
     assert default.shift_threshold is None  # resolved per P
-    assert default.threshold(4) == DEFAULT_SHIFT_THRESHOLDS[4] and default.threshold(2) == FALLBACK_SHIFT_THRESHOLD
-    assert cfg.threshold(4) == 64
+    assert default.threshold(4) == DEFAULT_SHIFT_THRESHOLDS["eager"][4]
+    assert default.threshold(2) == FALLBACK_SHIFT_THRESHOLD
+    assert default.threshold(4, base_graphs=True) == DEFAULT_SHIFT_THRESHOLDS["graphs"][4]
+    assert default.threshold(4, base_graphs=True, capture_size=1024) == 1024  # never below vLLM's largest graph
+    assert cfg.threshold(4) == 64 and cfg.threshold(4, base_graphs=True, capture_size=1024) == 64
     cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "fused_kernels": False}})
     assert cfg.fused_kernels is False
     cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 2**31 - 1}})

@@ -17,18 +17,22 @@ CONFIG_KEY = "fusedpar"
 KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels")
 MAX_SHIFT_THRESHOLD = 2**31 - 1  # any value >= max_num_batched_tokens already means "always shift"
 FUSED_KERNEL_CHOICES = ("auto", True, False)
-# shift_threshold when the section names none, by tensor_parallel_size P. Inside vLLM a base step runs
-# vLLM's decoder modules eagerly and is bound by host time up to a few thousand tokens, where vLLM's
-# compiled TP model is faster; the default keeps such steps in shift mode. P = 4: the TTFT crossover
-# measured by perf/bench_vllm.py on 4x H200 (Qwen3-32B shape: base 0.77x at 2048 tokens, 1.07x at
-# 4096, 1.08x at 8192). Other P: not measured; 4096 keeps every step up to 4096 tokens on vLLM's path.
-DEFAULT_SHIFT_THRESHOLDS = {4: 3584}
+# shift_threshold when the section names none, by tensor_parallel_size P and by how base steps run
+# (perf/bench_vllm.py, 4x H200, Qwen3-32B shape). With base-step CUDA graphs (bf16 / fp16 with the
+# fused kernels, base TP = 1, vLLM graphs on) the threshold is vLLM's largest graph: above it vLLM runs
+# its compiled model without graphs, and base steps, replayed as graphs, were faster at every
+# measured size from 1024 tokens on. Eager base steps are bound by host time up to a few thousand
+# tokens: P = 4 measured its TTFT crossover at 3584 (base 0.77x at 2048 tokens, 1.07x at 4096).
+# Other P: not measured; 4096 keeps every step up to 4096 tokens on vLLM's path.
+DEFAULT_SHIFT_THRESHOLDS = {"graphs": {4: 512}, "eager": {4: 3584}}
 FALLBACK_SHIFT_THRESHOLD = 4096
 
 
-def default_shift_threshold(tensor_parallel_size: int) -> int:
-    """The shift_threshold a section without one gets on `tensor_parallel_size` GPUs."""
-    return DEFAULT_SHIFT_THRESHOLDS.get(tensor_parallel_size, FALLBACK_SHIFT_THRESHOLD)
+def default_shift_threshold(tensor_parallel_size: int, *, base_graphs: bool = False, capture_size: int = 0) -> int:
+    """The shift_threshold a section without one gets on `tensor_parallel_size` GPUs: never below
+    vLLM's largest CUDA graph (`capture_size`), which a shift step must be able to replay."""
+    table = DEFAULT_SHIFT_THRESHOLDS["graphs" if base_graphs else "eager"]
+    return max(table.get(tensor_parallel_size, FALLBACK_SHIFT_THRESHOLD), capture_size)
 
 # The decoder families whose layers are qkv_proj / o_proj / gate_up_proj / down_proj around one
 # full-attention module (vLLM's llama.py / qwen2.py / qwen3.py), with model.layers[i] and a final
@@ -48,7 +52,7 @@ class FusedparVllmConfig:
         vLLM's tensor_parallel_size); must divide P.
     shift_threshold: steps of at most this many tokens run in shift mode (vLLM's own TP = P),
         larger ones in base mode. 0 = always base; at most MAX_SHIFT_THRESHOLD. None: the default
-        for the deployment's P (default_shift_threshold; `threshold(P)` resolves it).
+        for the deployment (default_shift_threshold; `threshold(...)` resolves it).
     fused_kernels: "auto" (fusedpar's Triton kernels for the base mode on CUDA with bf16/fp16),
         True (required) or False (plain torch + NCCL/gloo collectives).
     """
@@ -58,10 +62,10 @@ class FusedparVllmConfig:
     fused_kernels: str | bool = "auto"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def threshold(self, tensor_parallel_size: int) -> int:
-        """The threshold in force on `tensor_parallel_size` GPUs."""
+    def threshold(self, tensor_parallel_size: int, *, base_graphs: bool = False, capture_size: int = 0) -> int:
+        """The threshold in force on `tensor_parallel_size` GPUs (see default_shift_threshold)."""
         if self.shift_threshold is None:
-            return default_shift_threshold(tensor_parallel_size)
+            return default_shift_threshold(tensor_parallel_size, base_graphs=base_graphs, capture_size=capture_size)
         return self.shift_threshold
 
 
@@ -141,7 +145,7 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
     """Raise FusedparConfigError naming every problem; return the replica's ParallelLayout."""
     problems: list[str] = []
     P, sp = info.tensor_parallel_size, cfg.sequence_parallel_size
-    threshold = cfg.threshold(P)
+    threshold = cfg.threshold(P, capture_size=info.max_cudagraph_capture_size or 0)
     layout = None
     if P % sp:
         problems.append(

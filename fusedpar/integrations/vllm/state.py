@@ -116,13 +116,14 @@ class WorkerState:
                               info.intermediate_size)
         self.shards = layout.weight_shards(self.dims)
         self.placement = self.shards.placement
-        self.policy = ShiftPolicy(cfg.threshold(P))
         self.is_cuda = current_platform.is_cuda_alike()
         device = torch.device("cuda", torch.cuda.current_device()) if self.is_cuda else torch.device("cpu")
         self.ctx = ParallelContext(layout, device=device)  # collective: SP / TP / shift / DP groups
         self.dtype = vllm_config.model_config.dtype
         self.use_fused = self._fused_decision()
         self.use_graphs = self._graphs_decision()
+        self.policy = ShiftPolicy(cfg.threshold(P, base_graphs=self.use_graphs,
+                                                capture_size=info.max_cudagraph_capture_size or 0))
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         rows = self.base_rows(max_tokens)
         # with base graphs a base step pads to a row bucket (base_runner.row_buckets)
