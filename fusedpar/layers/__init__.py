@@ -2,7 +2,17 @@
 
 from fusedpar.layers.config import DecoderConfig, random_decoder_weights, weight_shapes
 from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState
+from fusedpar.layers.host_tier import HostKVTier, SwapHandle
 from fusedpar.layers.kv_cache import PagedKVCache
+from fusedpar.layers.layout_policy import (
+    AutoPolicy,
+    LayoutPolicy,
+    LoadPolicy,
+    PrefillDecodePolicy,
+    ShiftThresholdPolicy,
+    StepFacts,
+    StepTimeCurve,
+)
 from fusedpar.layers.policy import DEFAULT_SHIFT_THRESHOLD, ShiftPolicy, StepBatch, padded_token_count
 from fusedpar.layers.reference import DenseDecoderStack
 from fusedpar.layers.reshard import migrate_kv
@@ -11,15 +21,24 @@ from fusedpar.layers.weights import ShardedDecoderWeights
 
 __all__ = [
     "DEFAULT_SHIFT_THRESHOLD",
+    "AutoPolicy",
     "DecoderConfig",
     "DenseDecoderStack",
+    "HostKVTier",
+    "LayoutPolicy",
+    "LoadPolicy",
     "PagedKVCache",
+    "PrefillDecodePolicy",
     "ShardedDecoderWeights",
     "ShiftParallelDecoderLayer",
     "ShiftParallelStack",
     "ShiftPolicy",
+    "ShiftThresholdPolicy",
     "StepBatch",
+    "StepFacts",
     "StepState",
+    "StepTimeCurve",
+    "SwapHandle",
     "migrate_kv",
     "padded_token_count",
     "random_decoder_weights",

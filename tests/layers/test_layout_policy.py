@@ -1,0 +1,273 @@
+"""Layout policies: one decide(facts, current) contract, four rules (pure Python, single process)."""
+
+import itertools
+import random
+
+import pytest
+
+from fusedpar.layers import (
+    AutoPolicy,
+    LoadPolicy,
+    PrefillDecodePolicy,
+    ShiftPolicy,
+    ShiftThresholdPolicy,
+    StepFacts,
+    StepTimeCurve,
+)
+from fusedpar.layouts import ParallelLayout
+
+W = 4
+DP = ParallelLayout(W, tp=1)  # 4 replicas
+TP = ParallelLayout(W, tp=4)  # 1 replica, TP over all
+SPTP = ParallelLayout(W, sp=2, tp=2)
+
+
+def facts(tokens=1, **kw):
+    return StepFacts(scheduled_tokens=tokens, **kw)
+
+
+def run(policy, steps, start=None):
+    """The layouts a caller runs, threading `current` through the steps as the contract says."""
+    current, out = start or policy.initial, []
+    for f in steps:
+        current = policy.decide(f, current)
+        out.append(current)
+    return out
+
+
+# --- shift threshold ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threshold", [None, 0, 16, 1024])
+@pytest.mark.parametrize("base", [SPTP, ParallelLayout(8, sp=2, tp=2), ParallelLayout(4, sp=4)])
+def test_shift_threshold_follows_shift_policy(base, threshold):
+    policy, rule = ShiftThresholdPolicy(base, threshold), ShiftPolicy(threshold)
+    shift = ParallelLayout(base.world_size, sp=1, tp=base.replica_size)
+    assert policy.layouts == (base, shift) and shift.dp == base.dp
+    for n in (1, 15, 16, 17, 1024, 1025, 10**6):
+        want = base if rule.mode(n, base.sp) == "base" else shift
+        for current in policy.layouts:  # the rule ignores the current layout
+            assert policy.decide(facts(n), current) == want
+
+
+def test_shift_threshold_with_sp1_has_one_layout():
+    policy = ShiftThresholdPolicy(TP, 0)
+    assert policy.layouts == (TP,)
+    assert policy.decide(facts(10**6), TP) is TP
+
+
+# --- load-driven DP <-> TP ---------------------------------------------------------------------
+
+def test_load_policy_hysteresis_does_not_flap():
+    policy = LoadPolicy(DP, TP, low=2, high=6, initial=TP)
+    loads = [1, 3, 5, 6, 5, 3, 4, 2, 3, 5, 1]
+    got = run(policy, [facts(running=n) for n in loads])
+    assert got == [TP, TP, TP, DP, DP, DP, DP, TP, TP, TP, TP]
+    # a load oscillating inside the band never switches, whichever side it starts on
+    band = [facts(running=r, waiting=w) for r, w in [(3, 0), (2, 3), (5, 0), (3, 2), (4, 1)]]
+    assert set(run(policy, band, start=TP)) == {TP}
+    assert set(run(policy, band, start=DP)) == {DP}
+
+
+def test_load_policy_urgent_request_moves_to_tp_at_once():
+    policy = LoadPolicy(DP, TP, low=1, high=4, urgent_priority=0)
+    busy = dict(running=8, waiting=8)
+    steps = [facts(**busy, priorities=(5, 3)),
+             facts(**busy, priorities=(5, 0, 3)),  # urgent (0 <= 0): TP although the load says DP
+             facts(**busy, priorities=(-1,)),
+             facts(**busy, priorities=(5, 3))]  # urgent one done: load rule from TP, 16 >= high
+    assert run(policy, steps) == [DP, TP, TP, DP]
+    # without urgent_priority the priorities are ignored
+    assert LoadPolicy(DP, TP, low=1, high=4).decide(facts(**busy, priorities=(-100,)), DP) is DP
+
+
+def test_load_policy_counts_waiting_requests():
+    policy = LoadPolicy(DP, TP, low=1, high=4, initial=TP)
+    assert policy.decide(facts(running=1, waiting=3), TP) is DP
+    assert policy.decide(facts(running=1, waiting=2), TP) is TP
+
+
+# --- prefill / decode re-sharding --------------------------------------------------------------
+
+def test_prefill_decode_transitions_only_when_host_tier_full_or_empty():
+    policy = PrefillDecodePolicy(SPTP, TP)
+    cap = 10
+    steps = [  # (waiting, host_used) -> expected
+        ((5, 0), SPTP), ((4, 3), SPTP), ((3, 9), SPTP),
+        ((2, 10), TP),  # host tier full: decode
+        ((2, 7), TP), ((6, 1), TP),  # host tier draining: stay, although requests wait
+        ((6, 0), SPTP),  # host tier empty and work waits: prefill
+        ((1, 4), SPTP),
+        ((0, 5), TP),  # nothing waits: decode, host tier not full
+        ((0, 0), TP),  # empty but nothing waits: stay
+        ((3, 2), TP),
+        ((3, 0), SPTP),
+    ]
+    got = run(policy, [facts(waiting=w, waiting_prefill_tokens=w, host_tier_used=u, host_tier_capacity=cap)
+                       for (w, u), _ in steps])
+    assert got == [want for _, want in steps]
+    assert policy.initial is SPTP
+
+
+def test_prefill_decode_never_switches_between_transition_points():
+    """Random facts: every switch happens at an allowed point, and never elsewhere."""
+    policy, rng, current = PrefillDecodePolicy(SPTP, TP), random.Random(0), SPTP
+    switches = 0
+    for _ in range(2000):
+        waiting, used = rng.choice([0, 0, 1, 7]), rng.choice([0, 0, 1, 5, 8, 8])
+        f = facts(waiting=waiting, host_tier_used=used, host_tier_capacity=8)
+        nxt = policy.decide(f, current)
+        if current is SPTP:
+            assert (nxt is TP) == (used == 8 or waiting == 0), (f, current, nxt)
+        else:
+            assert (nxt is SPTP) == (used == 0 and waiting > 0), (f, current, nxt)
+        switches += nxt is not current
+        current = nxt
+    assert switches > 100  # the facts above do reach both transition points
+
+
+def test_prefill_decode_needs_a_host_tier():
+    with pytest.raises(ValueError, match="host_tier_capacity must be >= 1, got 0"):
+        PrefillDecodePolicy(SPTP, TP).decide(facts(waiting=1), SPTP)
+
+
+# --- automatic ---------------------------------------------------------------------------------
+
+# synthetic curves: SP x TP is slow for small steps and fast for large ones, TP the opposite
+BASE_CURVE = [(1, 2.0e-3), (512, 2.5e-3), (4096, 8.0e-3)]
+SHIFT_CURVE = [(1, 1.0e-3), (512, 2.0e-3), (4096, 16.0e-3)]
+
+
+def test_step_time_curve_interpolates_and_extrapolates():
+    c = StepTimeCurve([(10, 1.0), (20, 3.0)])
+    assert [c(n) for n in (1, 10, 15, 20, 40)] == [1.0, 1.0, 2.0, 3.0, 6.0]
+
+
+def test_auto_policy_picks_the_faster_layout_per_step():
+    policy = AutoPolicy({SPTP: BASE_CURVE, TP: SHIFT_CURVE}, latency_goal_s=1.0)
+    for n, want in [(1, TP), (100, TP), (512, TP), (2048, SPTP), (4096, SPTP), (10**5, SPTP)]:
+        for current in (SPTP, TP):
+            assert policy.decide(facts(n), current) is want, (n, current)
+    # one layout faster everywhere wins everywhere
+    fast = [(n, s / 2) for n, s in SHIFT_CURVE]
+    assert {AutoPolicy({SPTP: SHIFT_CURVE, TP: fast}, latency_goal_s=1.0).decide(facts(n), SPTP)
+            for n in (1, 300, 5000)} == {TP}
+
+
+def test_auto_policy_counts_the_waiting_prefill():
+    policy = AutoPolicy({SPTP: BASE_CURVE, TP: SHIFT_CURVE}, latency_goal_s=1.0)
+    assert policy.decide(facts(8, running=8), TP) is TP
+    # the same small step with 8192 prompt tokens waiting: SP x TP serves the visible work sooner
+    assert policy.decide(facts(8, running=8, waiting=4, waiting_prefill_tokens=8192), TP) is SPTP
+
+
+def test_auto_policy_latency_goal_overrides_the_decode_horizon():
+    """Decode-heavy visible work favours TP; a tight goal for the waiting prompts forces SP x TP."""
+    f = facts(8, running=8, waiting=2, waiting_prefill_tokens=4096)
+    curves = {SPTP: BASE_CURVE, TP: SHIFT_CURVE}
+    loose = AutoPolicy(curves, latency_goal_s=1.0, decode_steps=200)
+    ttft = {lay: e[0] for lay, e in loose.estimates(f, SPTP).items()}
+    assert ttft[SPTP] < ttft[TP]  # 10.0 ms vs 17.0 ms
+    assert loose.decide(f, SPTP) is TP  # 200 decode steps of 10 requests: TP is faster overall
+    tight = AutoPolicy(curves, latency_goal_s=0.012, decode_steps=200)
+    assert tight.decide(f, SPTP) is SPTP  # only SP x TP gets the prompts their first token in 12 ms
+    # no layout meets an impossible goal: the least late one
+    assert AutoPolicy(curves, latency_goal_s=1e-6, decode_steps=200).decide(f, TP) is SPTP
+
+
+def test_auto_policy_switch_cost_keeps_the_current_layout_for_small_gains():
+    curves = {SPTP: BASE_CURVE, TP: SHIFT_CURVE}
+    f = facts(2048)  # SP x TP: 4.86 ms, TP: 8.0 ms
+    assert AutoPolicy(curves, latency_goal_s=1.0, switch_s=0.003).decide(f, TP) is SPTP
+    assert AutoPolicy(curves, latency_goal_s=1.0, switch_s=0.004).decide(f, TP) is TP
+    assert AutoPolicy(curves, latency_goal_s=1.0, switch_s=0.004).decide(f, SPTP) is SPTP
+
+
+def test_auto_policy_ties_go_to_current_then_declaration_order():
+    same = [(1, 1e-3), (100, 2e-3)]
+    a, b, c = SPTP, TP, DP
+    policy = AutoPolicy({a: same, b: same, c: same}, latency_goal_s=1.0)
+    assert [policy.decide(facts(50), cur) for cur in (a, b, c)] == [a, b, c]
+
+
+# --- every policy: determinism, declared answers, the contract's checks --------------------------
+
+def _policies():
+    return [ShiftThresholdPolicy(SPTP, 64),
+            LoadPolicy(DP, TP, low=2, high=6, urgent_priority=0),
+            PrefillDecodePolicy(SPTP, TP),
+            AutoPolicy({SPTP: BASE_CURVE, TP: SHIFT_CURVE, DP: [(1, 1.5e-3), (4096, 12e-3)]},
+                       latency_goal_s=0.01, decode_steps=10, switch_s=1e-3)]
+
+
+def _random_facts(rng):
+    waiting = rng.randrange(0, 6)
+    return StepFacts(scheduled_tokens=rng.choice([1, 7, 64, 65, 900, 5000]), running=rng.randrange(0, 12),
+                     waiting=waiting, waiting_prefill_tokens=rng.randrange(0, 3000) if waiting else 0,
+                     host_tier_used=rng.randrange(0, 9), host_tier_capacity=8,
+                     priorities=tuple(rng.randrange(-1, 4) for _ in range(min(waiting, 3))))
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_policies_are_deterministic_and_answer_a_declared_layout(index):
+    """Two ranks: separate policy objects fed equal (separately built) facts give the same answers."""
+    rank0, rank1 = _policies()[index], _policies()[index]
+    rng = random.Random(index)
+    trace = [_random_facts(rng) for _ in range(500)]
+    copy = [StepFacts(**{k: getattr(f, k) for k in f.__dataclass_fields__}) for f in trace]
+    a, b = run(rank0, trace), run(rank1, copy)
+    assert a == b
+    assert all(any(lay is d for d in rank0.layouts) for lay in a)
+    assert len(set(a)) > 1  # the trace exercises more than one answer
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_current_must_be_declared(index):
+    policy = _policies()[index]
+    stranger = ParallelLayout(W, sp=4)
+    with pytest.raises(ValueError, match="not one of the declared layouts"):
+        policy.decide(facts(host_tier_capacity=1), stranger)
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: LoadPolicy(DP, TP, low=4, high=4), r"low < high .*low=4, high=4"),
+    (lambda: LoadPolicy(DP, TP, low=-1, high=4), r"low must be an int >= 0, got -1"),
+    (lambda: LoadPolicy(DP, TP, low=1, high=4, urgent_priority=0.5), "urgent_priority must be an int"),
+    (lambda: LoadPolicy(DP, DP, low=1, high=4), "must differ"),
+    (lambda: LoadPolicy(DP, ParallelLayout(8, tp=8), low=1, high=4), r"one world size, got world sizes \[4, 8\]"),
+    (lambda: LoadPolicy(DP, TP, low=1, high=4, initial=SPTP), "initial layout .* not one of the declared"),
+    (lambda: PrefillDecodePolicy(SPTP, "tp"), "must be ParallelLayout"),
+    (lambda: ShiftThresholdPolicy(SPTP, -1), "threshold must be an int >= 0"),
+    (lambda: ShiftThresholdPolicy("sp2tp2"), "base must be a ParallelLayout"),
+    (lambda: AutoPolicy({}, latency_goal_s=1.0), "non-empty dict"),
+    (lambda: AutoPolicy({TP: SHIFT_CURVE}, latency_goal_s=0), r"latency_goal_s .* > 0, got 0"),
+    (lambda: AutoPolicy({TP: SHIFT_CURVE}, latency_goal_s=1.0, switch_s=-1), r"switch_s .* >= 0, got -1"),
+    (lambda: AutoPolicy({TP: SHIFT_CURVE}, latency_goal_s=1.0, decode_steps=1.5), "decode_steps must be an int"),
+    (lambda: StepTimeCurve([]), r"\(tokens, seconds\) pairs"),
+    (lambda: StepTimeCurve([(8, 1.0), (8, 2.0)]), r"strictly increasing, got \[8, 8\]"),
+    (lambda: StepTimeCurve([(0, 1.0)]), "curve tokens must be an int >= 1, got 0"),
+    (lambda: StepTimeCurve([(8, float("nan"))]), "curve seconds must be a finite number"),
+    (lambda: StepTimeCurve([(8, 0.0)]), r"curve seconds .* > 0, got 0.0"),
+])
+def test_bad_configurations_name_the_constraint(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(scheduled_tokens=0), "scheduled_tokens must be an int >= 1, got 0"),
+    (dict(scheduled_tokens=4, running=-1), "running must be an int >= 0, got -1"),
+    (dict(scheduled_tokens=4, waiting=True), "waiting must be an int"),
+    (dict(scheduled_tokens=4, host_tier_used=5, host_tier_capacity=4), "host_tier_used=5 exceeds host_tier_capacity=4"),
+    (dict(scheduled_tokens=4, waiting_prefill_tokens=9), "waiting_prefill_tokens=9 with waiting=0"),
+    (dict(scheduled_tokens=4, running=1, priorities=(0, 1)), r"2 priorities for running \+ waiting = 1 \+ 0"),
+    (dict(scheduled_tokens=4, running=1, priorities=(0.5,)), "priorities must be ints"),
+])
+def test_bad_facts_name_the_numbers(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StepFacts(**kw)
+
+
+def test_facts_are_hashable_values():
+    a = StepFacts(4, running=2, priorities=[1, 0])
+    assert a == StepFacts(4, running=2, priorities=(1, 0)) and hash(a) == hash(StepFacts(4, 2, priorities=(1, 0)))
+    assert len({a, *itertools.repeat(StepFacts(4, 2, priorities=(1, 0)), 3)}) == 1
