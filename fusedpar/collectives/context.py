@@ -5,11 +5,13 @@ every group, members or not. Creating all groups eagerly here (instead of lazily
 use) keeps that order identical on all ranks and keeps communicator setup off the step path.
 Groups with identical rank lists are created once and shared (e.g. the SP group and the shift
 group when tp == 1), so no communicator is duplicated. Every group gets one timeout (by default
-the world group's), so a stalled or dead peer makes every collective on it fail within that bound.
+the world group's), so a stalled or dead peer ends the other ranks' waits within that bound (how,
+on NCCL, depends on torch's error-handling mode: see ParallelContext).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
 
@@ -57,6 +59,26 @@ class ParallelContext:
     Requires torch.distributed to be initialised with world size == layout.world_size.
     backend: for the subgroups; default "nccl" on CUDA devices and "gloo" on CPU.
     timeout: of every subgroup's collectives (a timedelta or seconds); default the world group's.
+
+    What a stalled or dead peer does to the other ranks (the `timeout` bounds each case):
+      gloo: their collective raises RuntimeError within `timeout`.
+      nccl: a collective only enqueues GPU work and returns; the host learns of the missing peer
+        at a synchronisation. barrier() is the bounded one: it raises
+        torch.distributed.DistBackendError (a RuntimeError) within `timeout`, naming the timed-out
+        collective, and aborts this context's communicators, so no kernel of theirs keeps spinning.
+        Call it once per step (where the step synchronises anyway) to turn a stalled or dead peer
+        into an exception. Without it the host blocks in its next synchronisation (.item(), .cpu(),
+        torch.cuda.synchronize()) until torch's NCCL watchdog acts, `timeout` after the collective
+        was enqueued: it logs "Watchdog caught collective operation timeout", waits for debug dumps
+        (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC), then ends the process (SIGABRT) under torch's default
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=3. That teardown also follows an error barrier() raised; to
+        keep the process alive for its error handling, set TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (the
+        watchdog then aborts communicators instead) in every rank's environment before
+        init_process_group. TORCH_NCCL_BLOCKING_WAIT=1 does not
+        help: fusedpar's collectives are synchronous (async_op=False), which gives torch no work
+        handle to wait on, and that mode also stops the watchdog.
+      Creating the world group with device_id (eager NCCL communicators) keeps communicator set-up
+      out of the first collective, so the timeout covers the collectives alone.
     """
 
     def __init__(self, layout: ParallelLayout, backend: str | None = None, device: torch.device | str | None = None,
@@ -105,6 +127,28 @@ class ParallelContext:
     def _mine(self, ranks: list[int]) -> CommGroup:
         key = tuple(ranks)
         return CommGroup(ranks=key, rank=key.index(self.global_rank), pg=self._pgs[key])
+
+    def barrier(self, group: CommGroup | None = None) -> None:
+        """Return once every rank of `group` (default: the shift group, i.e. the replica) reached this
+        call and this rank's earlier collectives on the current CUDA stream finished; else raise
+        RuntimeError (DistBackendError on NCCL) within `timeout`. Collective over `group`.
+
+        One 1-element all-reduce whose host wait is bounded by `timeout` (Work.wait(timeout)). On
+        NCCL the host waits for the GPU to drain the stream up to it, polling (about 1 ms apart): use
+        it at most once per step. On an NCCL error every communicator of this context is aborted
+        before the error propagates: the groups are unusable afterwards (see the class doc)."""
+        g = self.shift if group is None else group
+        if g.size == 1:
+            return
+        flag = torch.zeros(1, device=self.device)
+        try:
+            dist.all_reduce(flag, group=g.pg, async_op=True).wait(self.timeout)
+        except RuntimeError:
+            if self.backend == "nccl":
+                for pg in filter(None, self._pgs.values()):
+                    with contextlib.suppress(Exception):  # the timeout above is the error to report
+                        pg.abort()  # ends any kernel of this context's still spinning on the GPU
+            raise
 
     def attention_group(self, mode: str) -> CommGroup:
         """The group the post-attention row-parallel all-reduce spans: TP in base, shift in shift."""
