@@ -48,6 +48,9 @@ BENCHMARKS = {
     "model": ("Whole model", "TTFT, TPOT and throughput of a whole random-weight model", "perf/model_bench.py"),
     "hf_decode": ("Hugging Face generate", "HF generate TPOT with decode CUDA graphs vs eager",
                   "perf/bench_hf_decode.py"),
+    "reshard": ("Re-sharding and the host KV tier",
+                "declared-layout switches, KV migration between layouts, host-tier swaps and their overlap with GEMMs",
+                "perf/bench_reshard.py"),
     "vllm": ("vLLM plugin", "vLLM with fusedpar (SP <-> TP) against plain vLLM TP=P, vLLM's engine API, dummy weights",
              "perf/bench_vllm.py"),
 }
@@ -152,7 +155,7 @@ SUMMARY = {  # end-to-end benches for the README: what a user sees (per-kernel t
     "model_tpot": "time per output token, decode in CUDA graphs",
     "model_throughput": "tokens/s of a mixed batch",
     "hf_decode_tpot": "HF generate, decode graphs vs eager",
-    "vllm_ttft": "vLLM, time to first token over prompt lengths (shift_threshold 512)",
+    "vllm_ttft": "vLLM, time to first token over prompt lengths (default shift_threshold)",
     "vllm_tpot": "vLLM, time per output token, batch 1 and 32",
     "vllm_throughput": "vLLM, 64 x (2000 + 250) tokens",
 }

@@ -3,7 +3,7 @@
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo profile host_cost
 #                                              tune_gemm qkv_sweep pdl_probe qkv_stores launch hf_decode
-#                                              hf_probe vllm_tests vllm
+#                                              hf_probe vllm_tests vllm reshard nccl_timeouts
 #                                              (default: all but profile, host_cost, the sweeps and probes;
 #                                              those run the tools in perf/tools/)
 # MODEL_ARGS / LAYER_ARGS / ATTN_ARGS / GAR_ARGS / PROFILE_ARGS pass extra arguments to perf/model_bench.py /
@@ -61,9 +61,15 @@ for item in "${ITEMS[@]}"; do
     hf) run timeout "${HF_TIMEOUT:-300}" "${TRUN[@]}" -m tests.integrations.hf_gpu_check ;;
     # vLLM plugin on the GPU build of vLLM (installed beforehand, see docs/vllm.md): one process each
     vllm_tests) run timeout "${VLLM_TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -q -rA --tb=short -p no:cacheprovider \
-                  --timeout 240 tests/integrations/test_vllm_gpu.py ;;
+                  --timeout 420 tests/integrations/test_vllm_gpu.py ;;
+    # a stalled and a dead NCCL peer give bounded errors (one process spawning 2 ranks on GPUs 0 and 1)
+    nccl_timeouts) run timeout "${NCCL_TIMEOUT_TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rA --tb=short \
+                     -p no:cacheprovider tests/collectives/test_timeouts_gpu.py ;;
     vllm) run timeout "${VLLM_TIMEOUT:-580}" python3 perf/bench_vllm.py --world "$NGPU" ${VLLM_ARGS:-} \
             --out "$RES/vllm.json" ;;
+    # layout switches, KV migration, host KV tier swaps and their overlap with GEMMs (Llama-3-8B shape)
+    reshard) run timeout "${RESHARD_TIMEOUT:-540}" "${TRUN[@]}" perf/bench_reshard.py ${RESHARD_ARGS:-} \
+               --out "$RES/reshard.json" ;;
     # HF generate TPOT with decode graphs vs eager (a random Llama-3-8B-shaped model)
     hf_decode) run timeout "${HF_DECODE_TIMEOUT:-400}" "${TRUN[@]}" perf/bench_hf_decode.py ${HF_DECODE_ARGS:-} \
                  --out "$RES/hf_decode.json" ;;

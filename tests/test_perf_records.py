@@ -35,6 +35,7 @@ BENCHES = {
     "model": {"model_ttft", "model_tpot", "model_throughput"},
     "hf_decode": {"hf_decode_tpot"},
     "vllm": {"vllm_ttft", "vllm_tpot", "vllm_throughput", "vllm_online"},
+    "reshard": {"reshard_switch", "reshard_kv", "reshard_swap", "reshard_overlap"},
 }
 # world size of each benchmark's committed records: the single-GPU ops 1, the others the machine they ran on
 WORLD = {"gemm": 1, "attention": 1, "hf_decode": 2}
@@ -43,7 +44,7 @@ STRINGS = ("bench", "case", "gpu", "baseline", "torch", "triton", "date", "comma
 COMMIT_REQUIRED_FROM = "2026-11-27"
 COMMIT = re.compile(r"[0-9a-f]{7,40}(\+dirty)?")
 # roofline_pct may be null only in these benches (a step mix with no single floor)
-ROOFLINE_OPTIONAL = {"model", "vllm"}
+ROOFLINE_OPTIONAL = {"model", "vllm", "reshard"}  # reshard: a layout switch (views) has no floor
 
 
 def _records(stem: str) -> list[dict]:

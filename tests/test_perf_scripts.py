@@ -71,3 +71,34 @@ def test_report_is_deterministic_and_keeps_readme_outside_markers(perf_on_path, 
     plain.write_text("# no markers\n")
     assert report.main(["--no-plots", "--doc", str(tmp_path / "p.md"), "--readme", str(plain)]) == 0
     assert plain.read_text() == "# no markers\n"
+
+
+def test_bench_reshard_smoke_runs_on_cpu_and_writes_valid_records(tmp_path):
+    """perf/bench_reshard.py --smoke (2 gloo processes, tiny shapes) executes every measurement and writes
+    records of the committed schema (tests/test_perf_records.py), its own checks passing."""
+    import json
+    import subprocess
+
+    from tests.test_perf_records import BENCHES, NUMBERS, STRINGS
+
+    out = tmp_path / "reshard.json"
+    run = subprocess.run([sys.executable, str(PERF / "bench_reshard.py"), "--smoke", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = json.loads(out.read_text())
+    assert {r["bench"] for r in records} == BENCHES["reshard"]
+    for r in records:
+        where = f"{r['bench']} {r['case']}"
+        for key in NUMBERS:
+            assert isinstance(r[key], int | float) and r[key] > 0, f"{where}: {key} = {r[key]!r}"
+        for key in STRINGS:
+            assert isinstance(r[key], str) and r[key], f"{where}: {key} = {r[key]!r}"
+        assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["fused_ms"], rel=1e-9), where
+        assert r["world"] == 2 and r.get("values_ok", True) is True, where
+    switch = {r["case"]: r for r in records if r["bench"] == "reshard_switch"}
+    assert set(switch) == {"sp2->tp2", "tp2->sp2"}
+    assert all(r["weight_bytes_moved"] == 0 and r["kv_moves"] == 0 for r in switch.values())
+    assert switch["tp2->sp2"]["baseline_bytes_moved"] > 0  # undeclared: TP shards fetch the SP=2 (full) rows
+    kv = [r for r in records if r["bench"] == "reshard_kv"]
+    assert {r["case"] for r in kv} == {"dp2->tp2", "tp2->dp2"} and all(r["bytes"] > 0 for r in kv)
+    assert any(r["baseline"].startswith("re-prefill") for r in kv)
