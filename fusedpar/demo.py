@@ -1,4 +1,5 @@
-"""`fusedpar demo`: a Hugging Face Llama model served with static TP, static SP and shift parallelism.
+"""`fusedpar demo`: a Hugging Face Llama model served with static TP, static SP, shift parallelism,
+data parallelism and live re-sharding between layouts.
 
 With no arguments: a small built-in Llama-architecture transformers model (4 layers, hidden 256,
 16 q / 4 kv heads, vocab 1024, seeded random fp32 weights; nothing is downloaded) is sharded by
@@ -7,11 +8,22 @@ fusedpar.integrations.hf.parallelize on 4 local CPU processes (gloo) and runs a 
 tokens) generating 24 tokens each, greedy. Modes: static TP (every step TP over all processes),
 static SP (every step Ulysses SP), shift (base SP x TP for steps above --threshold tokens, TP
 over all processes for smaller ones: here the prefills run base, the decode steps shift) and, when
-it is distinct, the mixed shift layout SP=2 x TP=W/2. Each mode's logits at every real position
-of every step, and its greedy tokens, are checked against the unsharded model (one
-teacher-forced forward per request on rank 0). Prints one table: TTFT (prefill latency, mean
-over requests), TPOT (decode step latency, mean over requests), tokens/s (prompt + generated
-tokens over the summed step latencies), steps run in base / shift mode, max |logit error|.
+it is distinct, the mixed shift layout SP=2 x TP=W/2.
+
+Then, on CPU by default (--dp / --no-dp choose), three data-parallel modes, in which each
+replica of the model runs a contiguous block of every batch's rows and every rank gets the whole
+batch's logits: static DP=W (W replicas, full weights on every rank); DP=W <-> TP=W, where each
+phase prefills and decodes in TP=W, then switches live (model.reshard) to DP=W halfway through its
+decode steps, the live sequences' KV moving to the replicas that run their rows; and prefill
+SP=W -> decode DP=W, where each phase prefills in Ulysses SP=W and switches to DP=W right after
+the prefill. The switching modes keep the weights of both layouts (views: no weight byte moves).
+
+Each mode's logits at every real position of every step, and its greedy tokens, are checked
+against the unsharded model (one teacher-forced forward per request on rank 0). Prints one
+table: TTFT (prefill latency, mean over requests), TPOT (decode step latency, mean over
+requests), tokens/s (prompt + generated tokens over the summed step latencies), steps run in
+base / shift mode, max |logit error|; then a line per switching mode: its switches, the weight
+and KV bytes they moved, and their time.
 Exit status: 0 all modes match, 1 a mismatch (or a worker failed), 2 impossible options.
 """
 
@@ -20,8 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-
-from fusedpar.layouts import ParallelLayout
 
 DEFAULT_THRESHOLD = 64
 RTOL = {"cpu": 1e-4, "cuda": 5e-2}  # max |logit err| / max |logit|: fp32 on CPU, bf16 on CUDA
@@ -66,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(load_parallel); prompts are random token ids within the vocabulary. The check loads "
                         "the full unsharded model on rank 0 (after its shards are freed) and so needs the memory "
                         "of the whole model on one device; --no-check skips it for big models")
+    d.add_argument("--dp", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the data-parallel modes after the others: static DP=W, DP=W <-> TP=W (each phase "
+                        "switches from TP=W to DP=W halfway through its decode, moving the live KV) and prefill "
+                        "SP=W -> decode DP=W (switch right after each prefill). Default: on with --device cpu, "
+                        "off with --device cuda (these modes are checked on CPU only so far); --no-dp leaves "
+                        "them out")
     d.add_argument("--no-check", action="store_true",
                    help="skip the unsharded reference (timings only; ranks must still agree on the tokens)")
     d.add_argument("--rtol", type=float, default=None,
@@ -82,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- options -> modes, validated before any process starts -----------------------------------
 def _modes(args, parser) -> list:
-    from fusedpar.demo_workload import ALWAYS_SHIFT, Mode
+    from fusedpar.demo_workload import ALWAYS_SHIFT, WORKLOAD, Mode
 
     W = args.world_size
     for opt, other in (("sp", "tp"), ("tp", "sp")):  # one degree given: the other is W / it
@@ -102,6 +118,11 @@ def _modes(args, parser) -> list:
              Mode(shift, sp, tp, args.threshold)]
     if args.sp is None and args.tp is None and W >= 4 and W % 2 == 0:
         modes.append(Mode(f"shift SP=2xTP={W // 2} <-> TP={W}", 2, W // 2, args.threshold, optional=True))
+    if args.dp or (args.dp is None and args.device == "cpu"):
+        half = min(p.new_tokens for p in WORKLOAD) // 2
+        modes += [Mode(f"static DP={W}", 1, 1, ALWAYS_SHIFT),
+                  Mode(f"DP={W} <-> TP={W}", 1, W, ALWAYS_SHIFT, decode=(1, 1), switch_after=half),
+                  Mode(f"prefill SP={W} -> decode DP={W}", W, 1, 0, decode=(1, 1), switch_after=0)]
     return modes
 
 
@@ -159,11 +180,13 @@ def _validate(args, parser):
     fitting = []
     for mode in modes:
         try:
-            inspect_model(meta, ParallelLayout(args.world_size, sp=mode.sp, tp=mode.tp), max_seq_len=longest)
+            for layout in mode.layouts(args.world_size):
+                inspect_model(meta, layout, max_seq_len=longest)
         except UnsupportedModelError as e:
             if mode.optional:
                 continue  # the extra mixed layout: left out when the model does not fit it
-            parser.error(f"{mode.label} (sp={mode.sp}, tp={mode.tp}) cannot run this model: {e}")
+            parser.error(f"{mode.label} ({', '.join(map(repr, mode.layouts(args.world_size)))}) cannot run this "
+                         f"model: {e}")
         fitting.append(mode)
     heads = f"{config.num_attention_heads} q / {getattr(config, 'num_key_value_heads', None)} kv heads"
     what = (f"built-in Llama-architecture model ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
@@ -228,6 +251,17 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _switch_line(mode, reshards: list[dict]) -> str:
+    """One line on a re-sharding mode's live switches (timed run, rank 0's view; bytes are world totals)."""
+    if not reshards:
+        return f"{mode.label}: no switches"
+    kv = sum(r["kv_bytes_moved"] for r in reshards)
+    weights = sum(r["weight_bytes_moved"] for r in reshards)
+    ms = 1e3 * sum(r["seconds"] for r in reshards) / len(reshards)
+    return (f"{mode.label}: {len(reshards)} live switches, {weights} weight bytes and {kv / 2**20:.2f} MiB of KV "
+            f"moved in all, {ms:.1f} ms per switch (rank 0)")
+
+
 def run_demo(args, parser) -> int:
     modes, what = _validate(args, parser)
     from fusedpar.demo_workload import WORKLOAD, DemoJob, run_ranks
@@ -263,6 +297,9 @@ def run_demo(args, parser) -> int:
               + (f": {sum(x['ties'] for x in rows)} seen" if any(x["ties"] for x in rows) else "") + ").")
     else:
         print("--no-check: not compared with the unsharded model; every rank chose the same tokens where 'ok'.")
+    for mode, r in zip(job.modes, per_rank[0], strict=True):
+        if mode.decode is not None:
+            print(_switch_line(mode, r.reshards))
     if not all(r["bitwise"] for r in rows):
         print("note: logits differ bitwise between ranks in " + ", ".join(r["label"] for r in rows if not r["bitwise"]))
     if args.device == "cpu":

@@ -11,6 +11,10 @@ process group (transformers is imported once per process, not once per mode):
   past_key_values, each step timed between barriers (forward + argmax, host-synchronised). Rank 0
   keeps every logit of every real position; every rank hashes its logits and tokens so the
   parent can check that all ranks agree.
+- a re-sharding mode (Mode.decode set) is parallelized with both layouts declared and switches
+  live with model.reshard: before each phase's prefill to its prefill layout (Mode.sp x Mode.tp,
+  dp implied), and to its decode layout after `switch_after` decode steps (0: right after the
+  prefill), moving the live sequences' KV; each switch is timed and its bytes recorded.
 - after the last mode, rank 0 alone (its shards freed; the other ranks wait at a gloo barrier
   without holding a model) builds the unsharded model and runs one teacher-forced forward per
   request over the request's prompt and generated tokens. Its logits are the reference for every
@@ -66,11 +70,22 @@ WORKLOAD = (
 
 @dataclass(frozen=True)
 class Mode:
+    """A layout (sp x tp, dp = W / (sp * tp)) and shift threshold; with `decode`, a second layout
+    (sp, tp) that each phase switches to after `switch_after` decode steps."""
+
     label: str
     sp: int
     tp: int
     threshold: int
     optional: bool = False  # left out (not an error) when the model does not fit its layout
+    decode: tuple[int, int] | None = None
+    switch_after: int = 0
+
+    def layouts(self, world: int) -> tuple[ParallelLayout, ...]:
+        """The prefill layout, then the decode layout if the mode switches."""
+        first = ParallelLayout(world, sp=self.sp, tp=self.tp)
+        return (first,) if self.decode is None else (first, ParallelLayout(world, sp=self.decode[0],
+                                                                           tp=self.decode[1]))
 
 
 @dataclass(frozen=True)
@@ -104,6 +119,7 @@ class ModeResult:
     prefill_s: list[float] = field(default_factory=list)  # per phase
     decode_s: list[list[float]] = field(default_factory=list)  # per phase, per decode step
     steps: dict[str, int] = field(default_factory=dict)
+    reshards: list[dict] = field(default_factory=list)  # model.reshard's results (seconds, bytes moved)
     digest: str = ""  # hash of this rank's logits (bitwise equality across ranks)
     token_digest: str = ""  # hash of this rank's greedy tokens
     tokens: list[list[int]] = field(default_factory=list)  # per request (prompt excluded), rank 0
@@ -152,12 +168,14 @@ def build_full_model(job: DemoJob, device: torch.device):
 
 
 def build_parallel_model(job: DemoJob, mode: Mode, world: int, device: torch.device):
+    """A re-sharding mode parallelizes the full model with both layouts declared (a checkpoint is read
+    whole on every rank then: load_parallel reads one layout's shards)."""
     from fusedpar.integrations.hf import load_parallel, parallelize
 
-    layout = ParallelLayout(world, sp=mode.sp, tp=mode.tp)
-    if job.model_path is None:
+    layout, *others = mode.layouts(world)
+    if job.model_path is None or others:
         return parallelize(build_full_model(job, device), layout, shift_threshold=mode.threshold,
-                           max_seq_len=job.max_seq_len)
+                           max_seq_len=job.max_seq_len, reshard_layouts=others)
     return load_parallel(job.model_path, layout, dtype=job.dtype, device=device, shift_threshold=mode.threshold,
                          max_seq_len=job.max_seq_len, progress=False)
 
@@ -201,8 +219,26 @@ def _timed(model, device: torch.device, **kwargs):
     return out, nxt, nxt_cpu, time.perf_counter() - t0
 
 
-def run_phase(model, phase: Phase, rows: list[list[int]], device: torch.device, keep: bool, hasher, tok_hasher):
-    """Prefill + greedy decode of one batch. Returns (prefill s, [decode s], per-request logits, tokens)."""
+def _reshard(model, layout: ParallelLayout, device: torch.device, log: list | None) -> None:
+    """model.reshard between barriers; its result goes to `log` (None: a mode that never switches)."""
+    if log is None or model.fusedpar_stack.ctx.layout == layout:
+        return
+    _sync(device)
+    dist.barrier()
+    res = model.reshard(layout)
+    _sync(device)
+    log.append({k: res[k] for k in ("seconds", "weight_bytes_moved", "kv_bytes_moved", "layout")})
+
+
+def run_phase(model, phase: Phase, rows: list[list[int]], device: torch.device, keep: bool, hasher, tok_hasher,
+              mode: Mode | None = None, reshards: list | None = None):
+    """Prefill + greedy decode of one batch. Returns (prefill s, [decode s], per-request logits, tokens).
+    A re-sharding `mode` switches to its prefill layout first and to its decode layout after
+    mode.switch_after decode steps, appending each switch's result to `reshards`."""
+    layouts = mode.layouts(dist.get_world_size()) if mode is not None else ()
+    switching = len(layouts) > 1
+    if switching:
+        _reshard(model, layouts[0], device, reshards)
     ids, mask = left_padded(rows, device)
     lens = [len(r) for r in rows]
     out, nxt, nxt_cpu, t_prefill = _timed(model, device, input_ids=ids, attention_mask=mask, use_cache=True)
@@ -211,7 +247,9 @@ def run_phase(model, phase: Phase, rows: list[list[int]], device: torch.device, 
     hasher.update(out.logits[mask.bool()].float().cpu().numpy().tobytes())
     tokens = [[t] for t in nxt_cpu.tolist()]
     past, decode_s = out.past_key_values, []
-    for _ in range(phase.new_tokens - 1):
+    for k in range(phase.new_tokens - 1):
+        if switching and k == mode.switch_after:
+            _reshard(model, layouts[1], device, reshards)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         out, nxt, nxt_cpu, t = _timed(model, device, input_ids=nxt[:, None], attention_mask=mask,
                                       past_key_values=past, use_cache=True)
@@ -223,6 +261,7 @@ def run_phase(model, phase: Phase, rows: list[list[int]], device: torch.device, 
             tokens[i].append(t_i)
             if keep:
                 logits[i].append(step_logits[i:i + 1])
+    past.release()  # the requests are done: their KV is freed now, not carried through the next switch
     tok_hasher.update(repr(tokens).encode())
     return t_prefill, decode_s, [torch.cat(x) if x else None for x in logits], tokens
 
@@ -233,27 +272,26 @@ def run_mode(job: DemoJob, mode: Mode, rank: int, world: int, device: torch.devi
     dist.monitored_barrier(timeout=timedelta(hours=1))  # ranks load at their own pace (big checkpoints)
     if job.fault is not None and job.fault == mode.label:
         inject_fault(model, rank, world)
-    stack = model.fusedpar_stack
     null = hashlib.sha256()
     # warm-up: the whole workload once with other prompts (kernels compiled for every shape,
     # allocator and paged cache grown), so the timed run measures steady-state steps
     for j, phase in enumerate(job.workload):
-        run_phase(model, phase, prompts(phase, vocab, job.seed + 100 + j), device, False, null, null)
-    before = dict(stack.steps)
+        run_phase(model, phase, prompts(phase, vocab, job.seed + 100 + j), device, False, null, null, mode, [])
+    before = model.fusedpar_steps
     res = ModeResult(mode.label)
     hasher, tok_hasher = hashlib.sha256(), hashlib.sha256()
     logits: list[torch.Tensor] = []
     for j, phase in enumerate(job.workload):
         t_prefill, decode_s, lg, toks = run_phase(model, phase, prompts(phase, vocab, job.seed + 1 + j), device,
-                                                  rank == 0, hasher, tok_hasher)
+                                                  rank == 0, hasher, tok_hasher, mode, res.reshards)
         res.prefill_s.append(t_prefill)
         res.decode_s.append(decode_s)
         if rank == 0:
             logits += lg
             res.tokens += toks
-    res.steps = {m: stack.steps[m] - before[m] for m in before}
+    res.steps = {m: n - before[m] for m, n in model.fusedpar_steps.items()}
     res.digest, res.token_digest = hasher.hexdigest(), tok_hasher.hexdigest()
-    del model, stack
+    del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -19,6 +19,7 @@ from fusedpar.demo import build_parser, main
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ("mode", "TTFT ms", "TPOT ms", "tokens/s", "steps base/shift", "max |logit err|", "check")
 MODES_2 = ("static TP=2", "static SP=2", "shift SP=2 <-> TP=2")
+DP_MODES_2 = ("static DP=2", "DP=2 <-> TP=2", "prefill SP=2 -> decode DP=2")
 
 
 def _table(out: str) -> dict[str, str]:
@@ -29,7 +30,8 @@ def _table(out: str) -> dict[str, str]:
     for line in lines[start + 2:]:
         if not line.strip():
             break
-        label = next((m for m in sorted(MODES_2, key=len, reverse=True) if line.startswith(m)), line.split("  ")[0])
+        label = next((m for m in sorted(MODES_2 + DP_MODES_2, key=len, reverse=True) if line.startswith(m)),
+                     line.split("  ")[0])
         rows[label] = line
     return rows
 
@@ -40,25 +42,36 @@ def _steps(row: str) -> tuple[int, int]:
 
 
 def test_demo_runs_every_mode_and_matches(capfd):
+    """Every default mode: static TP, static SP, shift, static DP, DP <-> TP mid-decode, prefill SP -> decode DP."""
     pytest.importorskip("transformers")
     assert main(["demo", "--world-size", "2", "--layers", "1"]) == 0
     out = capfd.readouterr().out
     rows = _table(out)
-    assert set(rows) == set(MODES_2)
-    for label in MODES_2:
+    assert set(rows) == set(MODES_2 + DP_MODES_2)
+    for label in MODES_2 + DP_MODES_2:
         assert f"{label}: running" in out and f"{label}: done" in out  # progress per mode
         assert rows[label].rstrip().endswith("ok"), rows[label]
     # prefills (200 and 480 tokens) run base under the default threshold 64, decode steps shift
     assert _steps(rows["static TP=2"]) == (0, 32)
     assert _steps(rows["static SP=2"]) == (32, 0)
     assert _steps(rows["shift SP=2 <-> TP=2"]) == (2, 30)
+    # a replica of one rank (DP=2) has no SP: its steps count as shift whatever the threshold; the switching modes
+    # count the steps of both layouts: 32 in all
+    assert _steps(rows["static DP=2"]) == (0, 32)
+    assert _steps(rows["DP=2 <-> TP=2"]) == (0, 32)
+    assert _steps(rows["prefill SP=2 -> decode DP=2"]) == (2, 30)
+    # the timed run switches twice per phase (into the prefill layout, then the decode layout), and moves the
+    # KV of the live requests at each decode switch (the finished ones are released before the next prefill)
+    for label in DP_MODES_2[1:]:
+        line = next(x for x in out.splitlines() if x.startswith(f"{label}: "))
+        assert "4 live switches, 0 weight bytes and " in line and " 0.00 MiB" not in line, line
     assert "All modes match the unsharded model." in out
 
 
 def test_demo_catches_a_wrong_shard(capfd):
     """One rank's o_proj shard off by 1% in one mode: that row fails, the others pass, exit 1."""
     pytest.importorskip("transformers")
-    assert main(["demo", "--world-size", "2", "--layers", "1", "--inject-fault", "static SP=2"]) == 1
+    assert main(["demo", "--world-size", "2", "--layers", "1", "--no-dp", "--inject-fault", "static SP=2"]) == 1
     out = capfd.readouterr().out
     rows = _table(out)
     assert "FAIL" in rows["static SP=2"] and "logits" in rows["static SP=2"]
@@ -75,28 +88,40 @@ def test_demo_with_a_local_checkpoint(tmp_path, capfd):
 
     make_model("qwen3", seed=3, max_position_embeddings=512).save_pretrained(tmp_path, max_shard_size="60KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    assert main(["demo", "--world-size", "2", "--model", str(tmp_path)]) == 0
+    assert main(["demo", "--world-size", "2", "--model", str(tmp_path), "--no-dp"]) == 0
     out = capfd.readouterr().out
     assert f"{tmp_path} (qwen3, 2 layers" in out
     rows = _table(out)
     assert set(rows) == set(MODES_2) and all(r.rstrip().endswith("ok") for r in rows.values())
 
 
-def test_default_run_has_the_mixed_layout_too():
-    """No arguments: 4 processes, static TP=4, static SP=4, shift SP=4 <-> TP=4 and SP=2xTP=2 <-> TP=4."""
+def test_default_run_has_the_mixed_layout_and_the_dp_modes_too():
+    """No arguments: 4 processes, static TP=4, static SP=4, shift SP=4 <-> TP=4 and SP=2xTP=2 <-> TP=4, then
+    static DP=4, DP=4 <-> TP=4 and prefill SP=4 -> decode DP=4 (--no-dp: without the last three)."""
     pytest.importorskip("transformers")
     from fusedpar.demo import _validate
 
-    args = build_parser().parse_args(["demo"])
+    args = build_parser().parse_args(["demo", "--no-dp"])
     modes, what = _validate(args, args.parser)
     assert [(m.label, m.sp, m.tp) for m in modes] == [
         ("static TP=4", 1, 4), ("static SP=4", 4, 1), ("shift SP=4 <-> TP=4", 4, 1),
         ("shift SP=2xTP=2 <-> TP=4", 2, 2)]
     assert modes[1].threshold == 0 and modes[2].threshold == modes[3].threshold == 64
     assert "4 layers, hidden 256, 16 q / 4 kv heads" in what
-    args = build_parser().parse_args(["demo", "--sp", "2", "--threshold", "8"])
+    args = build_parser().parse_args(["demo", "--sp", "2", "--threshold", "8", "--no-dp"])
     modes, _ = _validate(args, args.parser)
     assert [(m.label, m.sp, m.tp, m.threshold) for m in modes][2:] == [("shift SP=2xTP=2 <-> TP=4", 2, 2, 8)]
+    args = build_parser().parse_args(["demo"])
+    modes, _ = _validate(args, args.parser)
+    assert [(m.label, m.sp, m.tp, m.decode, m.switch_after) for m in modes][4:] == [
+        ("static DP=4", 1, 1, None, 0), ("DP=4 <-> TP=4", 1, 4, (1, 1), 4),
+        ("prefill SP=4 -> decode DP=4", 4, 1, (1, 1), 0)]
+    # on GPUs the data-parallel modes are opt-in (--dp)
+    from fusedpar.demo import _modes
+
+    for argv, n in ((["--device", "cuda"], 4), (["--device", "cuda", "--dp"], 7)):
+        args = build_parser().parse_args(["demo", *argv])
+        assert len(_modes(args, args.parser)) == n, argv
 
 
 def test_help_explains_every_option(capsys):
@@ -105,10 +130,12 @@ def test_help_explains_every_option(capsys):
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     for option in ("--world-size", "--sp", "--tp", "--threshold", "--device", "--model", "--no-check", "--rtol",
-                   "--layers", "--seed"):
+                   "--layers", "--seed", "--dp", "--no-dp"):
         assert option in out
     for fact in ("default 4", "default 64", "--sp x --tp must equal", "one process per GPU", "bf16",
-                 "local Hugging Face checkpoint", "memory of the whole model", "Exit status"):
+                 "local Hugging Face checkpoint", "memory of the whole model", "Exit status", "static DP=W",
+                 "DP=W <-> TP=W", "prefill SP=W -> decode DP=W", "halfway through its decode", "moving the live KV",
+                 "off with --device cuda"):
         assert fact in out, fact
     assert "--inject-fault" not in out  # a test hook, not an option for users
 

@@ -2,10 +2,12 @@
 
 Each rank's paged pool keeps its memory across layouts: the target cache is the same bytes viewed
 for the target's local kv heads (PagedKVCache.reinterpret: a rank caching fewer heads per token
-gets proportionally more blocks, as Flying Serving scales block capacity with the TP degree). The
-live sequences' KV is staged first (each rank's own heads, and the heads it sends), exchanged by
-point-to-point transfers posted in plan order on both sides, then written into fresh blocks of the
-target cache. Collective over the world (global ranks): every rank calls it with the same plan.
+gets proportionally more blocks, as Flying Serving scales block capacity with the TP degree; a
+new pool only when those bytes hold no block of the target's heads, and a larger one when the
+caller asks for more blocks than they hold). The live sequences' KV is staged first (each rank's
+own heads, and the heads it sends), exchanged by point-to-point transfers posted in plan order on
+both sides, then written into fresh blocks of the target cache. Collective over the world (global
+ranks): every rank calls it with the same plan.
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ from fusedpar.layouts.reshard import KVMove
 
 
 def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads: tuple[int, ...],
-               sequences: Mapping[int, tuple[bool, bool, int]], pg: dist.ProcessGroup | None = None
-               ) -> tuple[PagedKVCache, int]:
+               sequences: Mapping[int, tuple[bool, bool, int]], pg: dist.ProcessGroup | None = None,
+               min_blocks: int = 0) -> tuple[PagedKVCache, int]:
     """(this rank's cache for the target layout, KV bytes it received).
 
     cache: this rank's cache in the source layout (its kv_heads: the source placement's).
     target_heads: this rank's kv heads in the target layout.
     sequences: seq -> (cached here in the source layout, cached here in the target layout, tokens):
         every live sequence of the world, the same on every rank (the plan's sequences).
+    min_blocks: the target pool is grown to at least this many blocks (PagedKVCache.grow) before the
+        sequences are written: a rank caching more heads per token than before (or more sequences)
+        may need more than the reinterpreted memory holds; callers that want identical pools on
+        every rank pass one agreed value.
     """
     layers, hd = cache.k.shape[0], cache.k.shape[-1]
     src_index = {h: i for i, h in enumerate(cache.kv_heads)}
@@ -57,7 +63,14 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    target = cache.reinterpret(tuple(target_heads))
+    _, blocks, bs, h_old, _ = cache.k.shape
+    if blocks * h_old < len(target_heads):  # the pool's memory holds no block of the target's heads
+        target = PagedKVCache(num_layers=layers, kv_heads=tuple(target_heads), head_dim=hd, block_size=bs,
+                              num_blocks=max(1, min_blocks), dtype=cache.k.dtype, device=cache.k.device)
+    else:
+        target = cache.reinterpret(tuple(target_heads))
+    if min_blocks > target.num_blocks:
+        target.grow(min_blocks)
     for seq, (_, there, _) in sorted(sequences.items()):
         if not there:
             continue

@@ -9,9 +9,11 @@
     model = parallelize(model, layout, shift_threshold=256)         # a model with full weights, or
     model = load_parallel("/ckpt/dir", layout, dtype=torch.bfloat16)  # read only this rank's shards
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
-    # parallelize(..., reshard_layouts=[...]) then model.reshard(layout): switch live (docs/hf.md)
+    # parallelize(..., reshard_layouts=[...]) then model.reshard(layout): switch live among TP, SP, DP
+    # and their mixes, or parallelize(..., policy=...) to switch per step (docs/hf.md)
 
 Modules: spec (what is supported, checks), model (parallelize: sharding, the model's forward),
+switching (declared layouts: the weights kept, model.reshard, the layout policy),
 calls (the per-call agreement check),
 runtime (one fusedpar step per call, decode graphs), padding (padded columns, positions), cache
 (the past_key_values bookkeeping), loader (meta-device build + sliced safetensors reads).

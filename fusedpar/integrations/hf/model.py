@@ -33,12 +33,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fusedpar.collectives import ParallelContext, check_agreement, tensor_checksum
 from fusedpar.layers import ShardedDecoderWeights, ShiftParallelDecoderLayer, ShiftParallelStack, ShiftPolicy
-from fusedpar.layouts import ParallelLayout
+from fusedpar.layouts import ParallelLayout, holdings
 
 from .cache import ShiftParallelCache
 from .calls import check_call, fingerprint
 from .runtime import _run_step, _Runtime
 from .spec import HFModelSpec, UnsupportedModelError, inspect_model
+from .switching import check_reshard_layouts, follow_policy, held_layouts_for, reshard_runtime, share_row_parallel
 
 __all__ = ["base_shard_bytes", "parallelize", "resident_decoder_bytes"]
 
@@ -72,6 +73,17 @@ class ShiftParallelCausalLMMixin:
     def fusedpar_stack(self) -> ShiftParallelStack:
         """The ShiftParallelStack running the decoder (its `.steps` counts steps per mode)."""
         return self._fusedpar.stack
+
+    @property
+    def fusedpar_steps(self) -> dict[str, int]:
+        """Steps run per mode ("base", "shift"), summed over the stacks of every declared layout."""
+        stacks = [stack for _, stack in self._fusedpar.stacks.values()] or [self._fusedpar.stack]
+        return {m: sum(stack.steps[m] for stack in stacks) for m in stacks[0].steps}
+
+    @property
+    def fusedpar_reshards(self) -> list[dict]:
+        """The results of the switches parallelize's `policy` made, in order (model.reshard's dicts)."""
+        return self._fusedpar.reshards
 
     @property
     def fusedpar_spec(self) -> HFModelSpec:
@@ -122,8 +134,10 @@ class ShiftParallelCausalLMMixin:
                                        inputs=input_ids if inputs_embeds is None else inputs_embeds,
                                        attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
                                        output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep,
-                                       device=embeds.device), rt.ctx.shift)
+                                       device=embeds.device), rt.call_group)
             state = _resolve_state(rt, past_key_values, b, keep=use_cache)
+            if rt.policy is not None:
+                follow_policy(self, rt, state, embeds.shape[1], attention_mask)
             temporary = not use_cache and not isinstance(past_key_values, ShiftParallelCache)
             rt.replayed = None
             try:
@@ -153,33 +167,21 @@ class ShiftParallelCausalLMMixin:
 
     def reshard(self, layout: ParallelLayout) -> dict:
         """Switch the decoder to `layout`, one of parallelize's reshard_layouts (collective: every rank,
-        same layout). The weights of every declared layout are views of what each rank holds, and
-        layouts that split one replica size differently into SP x TP cache the same kv heads on the
-        same ranks, so the live past_key_values stay valid and nothing moves. Returns
-        {"weight_bytes_moved", "kv_bytes_moved", "seconds", "layout"}."""
-        import time
+        same layout), keeping the live past_key_values (and its live copies) valid.
 
-        t0 = time.perf_counter()
-        rt: _Runtime = self._fusedpar
-        if not isinstance(layout, ParallelLayout):
-            raise ValueError(f"reshard needs a ParallelLayout, got {type(layout).__name__}")
-        current = rt.ctx.layout
-        if layout.world_size != current.world_size:
-            raise ValueError(f"reshard stays within the world of {current.world_size} ranks; {layout!r} has "
-                             f"{layout.world_size} ranks")
-        if layout not in rt.stacks:
-            raise ValueError(f"{layout!r} was not declared: parallelize(..., reshard_layouts=...) names the layouts "
-                             f"a model can switch among, here {sorted(map(repr, rt.stacks))}")
-        check_agreement("fusedpar.integrations.hf: reshard", {"layout": repr(layout)})
-        ctx, stack = rt.stacks[layout]
-        if rt.kv is not None and tuple(stack.layers[0].kv_heads) != tuple(rt.kv.kv_heads):
-            raise RuntimeError(f"rank {ctx.global_rank}: {layout!r} caches kv heads {stack.layers[0].kv_heads}, the "
-                               f"live cache holds {rt.kv.kv_heads}")
-        rt.ctx, rt.stack = ctx, stack
-        rt.heads.clear()
-        rt.replayed = None
-        return {"weight_bytes_moved": 0, "kv_bytes_moved": 0, "seconds": time.perf_counter() - t0,
-                "layout": repr(layout)}
+        Weights: every declared layout runs on views of what each rank holds, so none move. KV: layouts
+        of one replica size (SP x TP splits of the same P) cache the same kv heads on the same ranks,
+        and nothing moves; otherwise every cached sequence goes to the replica that runs its row in
+        `layout` (row_blocks) and each rank of that replica receives the kv heads it caches there
+        that it did not cache before (fusedpar.layouts.kv_plan, carried out point to point by
+        fusedpar.layers.reshard.migrate_kv on the same pool memory, grown to one agreed size when a
+        rank now caches more).
+
+        Returns {"weight_bytes_moved": 0, "kv_bytes_moved": KV bytes sent over the world (the same on
+        every rank), "kv_bytes_received": this rank's, "seconds", "layout"}. ValueError, before any
+        collective, for a non-layout, a layout of another world size, one the model cannot be
+        sharded over (naming each constraint), or one not declared."""
+        return reshard_runtime(self._fusedpar, layout)
 
     def save_pretrained(self, *args, **kwargs):
         """Refused: HF would write the embeddings, final norm and lm_head only (the decoder layers live
@@ -365,23 +367,15 @@ def check_arguments(*, shift_threshold, block_size, fused, fused_max_tokens, cud
         raise ValueError(f"check_inputs must be True or False, got {check_inputs!r}")
 
 
-def check_reshard_layouts(layout: ParallelLayout, reshard_layouts) -> tuple[ParallelLayout, ...]:
-    """The declared layouts as a tuple; ValueError naming every one that cannot join `layout`."""
-    try:
-        declared = tuple(reshard_layouts)
-    except TypeError:
-        raise ValueError(f"reshard_layouts must be an iterable of ParallelLayout, got {reshard_layouts!r}") from None
-    problems = []
-    for lay in declared:
-        if not isinstance(lay, ParallelLayout):
-            problems.append(f"{lay!r} is not a ParallelLayout")
-        elif lay.world_size != layout.world_size:
-            problems.append(f"{lay!r} has {lay.world_size} ranks, the model's layout {layout.world_size}")
-        elif lay.dp != 1 or layout.dp != 1:
-            problems.append(f"{lay!r} with {layout!r}: data-parallel layouts (dp > 1) cannot be resharded yet")
-    if problems:
-        raise ValueError("reshard_layouts: " + "; ".join(problems))
-    return tuple(dict.fromkeys(declared))
+def _policy_fingerprint(policy) -> str:
+    """What every rank's layout policy must agree on: its class, and its repr when the class defines one
+    (the policies of fusedpar.layers.layout_policy name their settings there; object's own repr would
+    hold a per-process address)."""
+    if policy is None:
+        return "None"
+    cls = type(policy)
+    own = cls.__repr__ is not object.__repr__
+    return f"{cls.__module__}.{cls.__qualname__}" + (f": {policy!r}" if own else "")
 
 
 def _is_int(value) -> bool:
@@ -391,13 +385,15 @@ def _is_int(value) -> bool:
 def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Iterable, *, device: torch.device,
              shift_threshold: int | None, block_size: int, fused: bool | None = False, fused_max_tokens: int = 4096,
              cuda_graphs: bool | None = None, check_inputs: bool = True,
-             reshard_layouts: tuple[ParallelLayout, ...] = (), held_layout: ParallelLayout | None = None):
+             reshard_layouts: tuple[ParallelLayout, ...] = (),
+             held_layouts: dict[int, ParallelLayout] | None = None, layout_policy=None):
     """Build the stack from per-layer ShardedDecoderWeights, attach it, swap classes.
 
     `layer_shards` is consumed lazily, one layer at a time (parallelize frees each HF layer as
     it goes; the loader reads each layer's shards from disk). Shared by parallelize and the loader.
-    With reshard_layouts, `layer_shards` are `held_layout`'s, and every layout (`layout` first)
-    gets its own context and stack on views of them.
+    With reshard_layouts, each item of `layer_shards` maps a replica size P to the weights of
+    held_layouts[P] (held_layouts_for), and every layout (`layout` first) gets its own context and
+    stack on views of the weights of its replica size.
     """
     policy = ShiftPolicy(shift_threshold)  # validates the threshold before any collective
     use_fused = fused_decision(spec, device, fused)
@@ -408,7 +404,7 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
         "max_seq_len": spec.max_seq_len, "fused": use_fused, "fused_max_tokens": fused_max_tokens,
         "cuda_graphs": use_graphs, "model": repr((type(model).__name__, spec.decoder, spec.num_layers)),
         "embedding checksum": None if embeddings.device.type == "meta" else tensor_checksum(embeddings),
-        "reshard layouts": repr(list(reshard_layouts)),
+        "reshard layouts": repr(list(reshard_layouts)), "layout policy": _policy_fingerprint(layout_policy),
     })
     layouts = [layout, *(lay for lay in reshard_layouts if lay != layout)]
     held = list(layer_shards)
@@ -418,8 +414,9 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
     rank = torch.distributed.get_rank()
     for lay in layouts:  # the same order on every rank: each context creates its groups collectively
         ctx = ParallelContext(lay, device=device)
+        P = lay.replica_size
         weights = held if not reshard_layouts else [
-            ShardedDecoderWeights.viewing(w, spec.decoder, held_layout, lay, rank) for w in held]
+            ShardedDecoderWeights.viewing(w[P], spec.decoder, held_layouts[P], lay, rank) for w in held]
         stack = ShiftParallelStack(spec.decoder, ctx, [ShiftParallelDecoderLayer(spec.decoder, ctx, w, i)
                                                        for i, w in enumerate(weights)], policy)
         if use_fused:
@@ -432,6 +429,7 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
     model.__class__ = _parallel_class(type(model))
     model._fusedpar = _Runtime(spec, ctx, stack, block_size, cuda_graphs=use_graphs, check_inputs=check_inputs)
     model._fusedpar.stacks = stacks
+    model._fusedpar.policy = layout_policy
     gen_cfg = getattr(model, "generation_config", None)
     if gen_cfg is not None and getattr(gen_cfg, "cache_implementation", None) is not None:
         # a static/quantized HF cache would make generate build 4D masks for the first step;
@@ -444,7 +442,7 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
 def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = None, *,
                 max_seq_len: int | None = None, block_size: int = 16, fused: bool | None = None,
                 fused_max_tokens: int = 4096, cuda_graphs: bool | None = None, check_inputs: bool = True,
-                reshard_layouts: Iterable[ParallelLayout] = ()):
+                reshard_layouts: Iterable[ParallelLayout] = (), policy=None):
     """Shard a transformers causal LM's decoder over `layout` and run it with shift parallelism.
 
     Call on every rank of an initialised torch.distributed process group (world size =
@@ -473,10 +471,27 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
         ValueError on every rank, naming what differs, instead of hanging or mixing results. False
         skips the check (ranks known to agree, e.g. fed by one scheduler).
     reshard_layouts: more layouts of the same world to switch among with `model.reshard(layout)`,
-        live, mid-generation. Each rank keeps the weights of the layout with the largest SP, and
-        every declared layout runs on views of them (0 bytes moved). Supported: layouts of one
-        replica (dp = 1), whose SP x TP splits cache the same kv heads on the same ranks (the KV
-        stays where it is); data-parallel layouts are not supported yet.
+        live, mid-generation (TP, SP, DP and their mixes). Each rank keeps, per replica size P among
+        the declared layouts, the weights of the one with the largest SP (held_layouts_for), and
+        every declared layout runs on views of them: switching moves no weight bytes. One replica
+        size costs one shard (SP x TP splits of P share it); a pure DP layout (P = 1) costs the full
+        weights; several replica sizes cost one qkv and gate_up shard per size and the union of
+        their o and down columns once (switching.share_row_parallel).
+
+    policy: switches layouts by itself, per forward call (so per generate step): an object with
+        `layouts` (the ParallelLayouts it may choose, declared here with reshard_layouts) and
+        `decide(facts, current) -> layout` (fusedpar.layers.layout_policy: LoadPolicy for DP <-> TP,
+        ShiftThresholdPolicy, AutoPolicy, or any object with these two). Before each call's step the
+        model builds the call's StepFacts (step_facts: its real new tokens, rows running and
+        starting, no host KV tier, so PrefillDecodePolicy, which needs one, raises its ValueError),
+        asks the policy, and calls model.reshard when the answer differs from the current layout;
+        the results collect in model.fusedpar_reshards.
+
+    Data parallelism (layout.dp > 1): every rank passes the whole batch; replica d runs the
+    contiguous block of rows runtime.row_blocks(batch, dp)[d] (sizes differ by at most one, the
+    first replicas taking the extra rows; with fewer rows than replicas the last replicas idle), and
+    every rank returns the whole batch's logits (the rows are summed over the DP group). The
+    per-call check then spans every rank of the world.
 
     Raises ValueError naming any argument of the wrong kind, and UnsupportedModelError (a
     ValueError) naming every unsupported feature of the model or layout, before any collective runs.
@@ -487,10 +502,18 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
     check_arguments(shift_threshold=shift_threshold, block_size=block_size, fused=fused,
                     fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs, check_inputs=check_inputs)
     reshard_layouts = check_reshard_layouts(layout, reshard_layouts)
+    if policy is not None:
+        if not callable(getattr(policy, "decide", None)) or not hasattr(policy, "layouts"):
+            raise ValueError(f"policy must have decide(facts, current) and layouts (fusedpar.layers.layout_policy), "
+                             f"got {policy!r}")
+        reshard_layouts = check_reshard_layouts(layout, (*reshard_layouts, *policy.layouts))
+        if layout not in tuple(policy.layouts):
+            raise ValueError(f"the policy chooses among {list(policy.layouts)}; the model starts in {layout!r}, "
+                             "which is not one of them")
     spec = inspect_model(model, layout, max_seq_len=max_seq_len)
     for lay in reshard_layouts:
         inspect_model(model, lay, max_seq_len=max_seq_len)  # every declared layout must fit the model
-    held_layout = max((layout, *reshard_layouts), key=lambda lay: lay.sp)
+    held_layouts = held_layouts_for((layout, *reshard_layouts))
     if any(p.device.type == "meta" for p in model.parameters()):
         raise UnsupportedModelError("fusedpar.integrations.hf: the model has meta-device weights; "
                                     "use fusedpar.integrations.hf.load_parallel for checkpoints")
@@ -501,24 +524,36 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
     rank = torch.distributed.get_rank()
     layers = model.model.layers
 
+    union = holdings(list(held_layouts.values()), spec.decoder.dims)[rank] if len(held_layouts) > 1 else None
+
     def shards():
         for i in range(len(layers)):
             full = full_layer_weights(layers[i], spec)
             # base shards (+ shift views, q/k/v bias rows): copies, never views of `full`
-            yield ShardedDecoderWeights.from_full(spec.decoder, held_layout, rank, full)
+            if not reshard_layouts:
+                yield ShardedDecoderWeights.from_full(spec.decoder, layout, rank, full)
+            else:
+                per = {P: ShardedDecoderWeights.from_full(spec.decoder, lay, rank, full)
+                       for P, lay in held_layouts.items()}
+                if union is not None:
+                    share_row_parallel(per, held_layouts, union, spec, rank, full)
+                yield per
             del full
             layers[i] = nn.Identity()  # free this layer's full weights before the next one
 
-    return assemble(model, spec, layout, shards(), device=device, shift_threshold=shift_threshold,
-                    block_size=block_size, fused=fused, fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs,
-                    check_inputs=check_inputs, reshard_layouts=reshard_layouts, held_layout=held_layout)
+    model = assemble(model, spec, layout, shards(), device=device, shift_threshold=shift_threshold,
+                     block_size=block_size, fused=fused, fused_max_tokens=fused_max_tokens, cuda_graphs=cuda_graphs,
+                     check_inputs=check_inputs, reshard_layouts=reshard_layouts, held_layouts=held_layouts,
+                     layout_policy=policy)
+    return model
 
 
 def resident_decoder_bytes(model) -> int:
     """Bytes of distinct storages behind this rank's decoder weights (base shards and q/k/v bias rows,
-    their views, norms)."""
+    their views, norms), over the stacks of every declared layout."""
     seen: dict[int, int] = {}
-    for layer in model._fusedpar.stack.layers:
+    stacks = [stack for _, stack in model._fusedpar.stacks.values()] or [model._fusedpar.stack]
+    for layer in (layer for stack in stacks for layer in stack.layers):
         for t in (*layer.w.base.values(), *layer.w.shift.values(), *layer.w.replicated.values()):
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()

@@ -135,7 +135,7 @@ def _check_limits(spec: HFModelSpec, state: ShiftParallelCache, new: torch.Tenso
 
 def _fill_padding(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, new: torch.Tensor, pos: torch.Tensor,
                   offsets: list, input_ids: torch.Tensor | None, out: torch.Tensor,
-                  layer_outputs: list[torch.Tensor]) -> None:
+                  layer_outputs: list[torch.Tensor], local: range | None = None) -> None:
     """Write HF's (SDPA) output at this call's padded positions into out (and layer_outputs).
 
     After the step every real token's k/v is cached, so each padded position runs as a side query
@@ -149,11 +149,17 @@ def _fill_padding(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor,
     that see the same tokens - a right-padded row's - attend in one call per layer; generate's left
     padding costs one row).
     new: [b, s] CPU bool, the call's real columns; pos: [b, s] CPU, HF position ids; offsets: HF -
-    fusedpar position per row."""
+    fusedpar position per row; local: the rows this rank's replica runs (data parallel; None: all), whose
+    padded positions are the only ones written."""
     past = state.width
     real = torch.cat([state.columns, new], dim=1)
     before = F.pad(real.long().cumsum(1), (1, 0))  # before[i, c]: real columns of row i in [0, c)
-    rows, cols = (~new).nonzero(as_tuple=True)
+    padded = ~new
+    if local is not None:
+        padded[:local.start], padded[local.stop:] = False, False
+    rows, cols = padded.nonzero(as_tuple=True)
+    if not rows.numel():  # the same on every rank of the replica (its rows, the same call)
+        return
     col = past + cols
     hi = before[rows, col]
     window = rt.spec.sliding_window

@@ -16,6 +16,15 @@ the graphs' max_context (twice the longest context rounded up to a power of two,
 GRAPH_MIN_CONTEXT, at most the cache's capacity). A grow forces a recapture, so the ranks of a
 replica grow at the same step: their pools stay identical (the same steps, frees in call order,
 collected forks freed together). Steps with output_hidden_states run eagerly.
+
+Data parallelism (layout.dp > 1): every rank receives the whole batch, and replica d runs the
+contiguous block row_blocks(b, dp)[d] of its rows (the first b % dp replicas take one row more; a
+batch of fewer rows than replicas leaves the last replicas without rows, which skip the stack).
+Every rank keeps the bookkeeping of every row (ShiftParallelCache) and checks every row's padding
+and positions, so an invalid row raises on all ranks together; the paged cache of a replica holds
+its own rows' sequences only. After the step each rank's output has its replica's rows and zeros
+elsewhere, and one sum over the DP group (exact: every other term is zero) gives every rank the
+whole batch, so norm, lm_head and the logits are the same on every rank.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import weakref
 import torch
 from torch import nn
 
-from fusedpar.collectives import ParallelContext, all_gather_rows
+from fusedpar.collectives import CommGroup, ParallelContext, all_gather_rows, all_reduce_sum
 from fusedpar.layers import PagedKVCache, ShiftParallelStack, StepBatch
 from fusedpar.layers.graphs import DEFAULT_CAPTURE_SIZES, SCRATCH_SEQ_ID
 
@@ -38,6 +47,21 @@ from .spec import HFModelSpec
 GRAPH_MIN_CONTEXT = 1024
 
 
+def row_blocks(rows: int, dp: int) -> list[range]:
+    """The batch rows of each of `dp` replicas: contiguous blocks in replica order, sizes differing by
+    at most one (the first rows % dp replicas take one more); a replica may get none (rows < dp)."""
+    q, r = divmod(rows, dp)
+    starts = [d * q + min(d, r) for d in range(dp + 1)]
+    return [range(starts[d], starts[d + 1]) for d in range(dp)]
+
+
+def world_group() -> CommGroup:
+    """Every rank of the default process group, as a CommGroup (the per-call check of DP layouts)."""
+    dist = torch.distributed
+    world = dist.get_world_size()
+    return CommGroup(ranks=tuple(range(world)), rank=dist.get_rank(), pg=dist.group.WORLD if world > 1 else None)
+
+
 class _Runtime:
     """Per parallelized model: the stack, its paged cache and the live generation state."""
 
@@ -46,6 +70,8 @@ class _Runtime:
         self.spec, self.ctx, self.stack, self.block_size = spec, ctx, stack, block_size
         self.check_inputs = check_inputs  # forward's per-call agreement check (calls.py)
         self.stacks: dict = {}  # layout -> (ctx, stack): the layouts model.reshard switches among
+        self.policy = None  # parallelize's layout policy: decide(facts, current) before every call
+        self.reshards: list[dict] = []  # the results of the policy's switches
         self.cuda_graphs = cuda_graphs  # decode steps replay CUDA graphs of the stack (_ready_graphs)
         self.graph_captures = 0
         self.kv: PagedKVCache | None = None
@@ -58,6 +84,16 @@ class _Runtime:
         self._next_seq = 0
         self.replayed: int | None = None  # the decode graph size the last run() replayed, None if eager
         self.heads: dict[int, _HeadGraph] = {}  # final norm + lm_head graphs per decode graph size
+
+    def local_rows(self, rows: int) -> range:
+        """The rows of a `rows`-row batch this rank's replica runs (all of them when dp = 1)."""
+        layout = self.ctx.layout
+        return row_blocks(rows, layout.dp)[self.ctx.coords.dp]
+
+    @property
+    def call_group(self) -> CommGroup:
+        """The ranks that must make the same forward calls: the replica, or the world under DP."""
+        return self.ctx.shift if self.ctx.layout.dp == 1 else world_group()
 
     def _take_ids(self, rows: int) -> list[int]:
         ids = list(range(self._next_seq, self._next_seq + rows))
@@ -133,7 +169,8 @@ class _Runtime:
         forked = ShiftParallelCache(self, self._take_ids(len(state.seq_ids)))
         forked.cached, forked.offsets, forked.first_col = list(state.cached), list(state.offsets), list(state.first_col)
         forked.width, forked.columns = state.width, state.columns.clone()
-        rows = [i for i, n in enumerate(state.cached) if n]
+        local = self.local_rows(len(state.seq_ids))
+        rows = [i for i in local if state.cached[i]]
         if rows:
             # the copies' slots for positions 0..n-1 (reserved like a prefill), filled from the originals'
             batch = StepBatch(tuple(forked.seq_ids[i] for i in rows), tuple(state.cached[i] for i in rows),
@@ -297,9 +334,13 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
     offsets = _check_positions(state, pos, new, q_lens)
     first_col = _check_limits(rt.spec, state, new, q_lens, all_real)
 
-    rows = [i for i in range(b) if q_lens[i]]
+    local = rt.local_rows(b)
+    lo, hi = local.start, local.stop
+    rows = [i for i in local if q_lens[i]]
     n_layers = len(rt.stack.layers)
-    if all_real and s and b:  # every new column real (generate's decode steps): packed rows = embeds' rows
+    # every new column real (generate's decode steps): the packed rows are embeds' rows
+    dense = bool(all_real and s and hi > lo)
+    if dense and hi - lo == b:
         batch = StepBatch(tuple(state.seq_ids), tuple(q_lens), tuple(state.cached))
         with _LayerOutputs(rt, enabled=capture) as captured:
             hidden = rt.run(embeds.reshape(b * s, -1), batch, eager=capture)
@@ -309,19 +350,32 @@ def _run_step(rt: _Runtime, state: ShiftParallelCache, embeds: torch.Tensor, att
     else:
         out = torch.zeros_like(embeds)
         layer_outputs = [torch.zeros_like(embeds) for _ in range(n_layers - 1)] if capture else []
-    if rows and not (all_real and s and b):
+    if dense and hi - lo < b:  # this replica's block of an all-real call
+        batch = StepBatch(tuple(state.seq_ids[lo:hi]), tuple(q_lens[lo:hi]), tuple(state.cached[lo:hi]))
+        with _LayerOutputs(rt, enabled=capture) as captured:
+            hidden = rt.run(embeds[lo:hi].reshape((hi - lo) * s, -1), batch, eager=capture)
+        out[lo:hi] = hidden.to(out.dtype).view(hi - lo, s, -1)
+        _check_layer_outputs(capture, captured.outputs, n_layers)
+        for dst, src in zip(layer_outputs, captured.outputs, strict=True):
+            dst[lo:hi] = src.to(dst.dtype).view(hi - lo, s, -1)
+    elif rows and not dense:
         batch = StepBatch(tuple(state.seq_ids[i] for i in rows), tuple(q_lens[i] for i in rows),
                           tuple(state.cached[i] for i in rows))
-        mask = new.to(embeds.device)
+        mask = new.clone()
+        mask[:lo], mask[hi:] = False, False
+        mask = mask.to(embeds.device)
         with _LayerOutputs(rt, enabled=capture) as captured:
             hidden = rt.run(embeds[mask].contiguous(), batch, eager=capture)  # hooks see eager layers only
         out[mask] = hidden.to(out.dtype)
         _check_layer_outputs(capture, captured.outputs, n_layers)
         for dst, src in zip(layer_outputs, captured.outputs, strict=True):
             dst[mask] = src.to(dst.dtype)
-    if not all_real:
-        _fill_padding(rt, state, embeds, new, pos, offsets, input_ids, out, layer_outputs)
-    for i in rows:
+    if not all_real and hi > lo:
+        _fill_padding(rt, state, embeds, new, pos, offsets, input_ids, out, layer_outputs, local)
+    if rt.ctx.layout.dp > 1:  # every replica's rows to every rank (the other terms are zeros)
+        for t in (out, *layer_outputs):
+            all_reduce_sum(t, rt.ctx.dp)
+    for i in range(b):  # every row's bookkeeping, the other replicas' rows included
         state.cached[i] += q_lens[i]
     state.offsets, state.first_col = offsets, first_col
     state.width = past + s
