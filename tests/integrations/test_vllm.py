@@ -44,6 +44,27 @@ def _cfg(sp=2, threshold=256) -> FusedparVllmConfig:
     return FusedparVllmConfig(sequence_parallel_size=sp, shift_threshold=threshold)
 
 
+def test_step_counter_counts_full_graph_replays_from_their_logits_calls():
+    from fusedpar.integrations.vllm.state import StepCounter
+
+    c = StepCounter()
+    c.logits(4)  # vLLM's warm-up sampler call: not a step
+    c.model_step("base", 0, 0, counted=False)  # profile run
+    c.logits(8)
+    assert all(v == 0 for v in c.stats.values())
+    c.model_step("base", 493, 19, counted=True)  # a prefill the model ran
+    c.logits(8)
+    for _ in range(11):  # decode steps vLLM replays as a full graph: only their logits calls
+        c.logits(8)
+    c.model_step("shift", 6, 0, counted=True)
+    c.logits(6)
+    assert c.stats == {"base_steps": 1, "shift_steps": 12, "base_tokens": 493, "shift_tokens": 94,
+                       "base_padding_tokens": 19}
+    c.reset()
+    c.logits(3)  # still serving after a reset
+    assert c.stats["shift_steps"] == 1 and c.stats["shift_tokens"] == 3
+
+
 def test_parse_absent_section_is_idle():
     assert parse_additional_config({}) is None
     assert parse_additional_config(None) is None

@@ -77,19 +77,44 @@ def _prompts() -> list[list[list[int]]]:
     return [first, second]
 
 
-def _engine(tmp_path, model: str, fusedpar: dict | None, **spec) -> dict:
-    spec = {"model": model, "fusedpar": fusedpar, "batches": _prompts(), "max_tokens": 12, "logprobs": True,
-            "max_model_len": 1024, **spec}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    out = tmp_path / "out.json"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "NCCL_NVLS_ENABLE": "0",
-           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(tmp_path / "spec.json"),
-                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        pytest.fail(f"engine exited with {proc.returncode}:\n{log[-8000:]}")
-    return {**json.loads(out.read_text()), "log": log}
+def _engines(tmp_path, model: str, fusedpar: dict, **spec) -> tuple[dict, dict]:
+    """(plain, fusedpar): one engine each, in processes of their own; side by side on disjoint GPUs
+    when there are twice the GPUs an engine needs (engine start-up dominates the test's time)."""
+    world = spec.get("tensor_parallel_size", 2)
+    gpus = [str(g) for g in range(_gpus())]
+    side_by_side = len(gpus) >= 2 * world
+
+    def start(i: int, name: str, section: dict | None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "spec.json").write_text(json.dumps({
+            "model": model, "fusedpar": section, "batches": _prompts(), "max_tokens": 12, "logprobs": True,
+            "max_model_len": 1024, **spec}))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "NCCL_NVLS_ENABLE": "0",
+               "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+        if side_by_side:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * world:(i + 1) * world])
+        cmd = [sys.executable, "-m", "tests.integrations.vllm_engine", str(d / "spec.json"), str(d / "out.json")]
+        return d, subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    def finish(d, proc) -> dict:
+        try:
+            log = proc.communicate(timeout=600)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log = proc.communicate()[0]
+            pytest.fail(f"{d.name} engine did not finish within 600 s:\n{log[-8000:]}")
+        if proc.returncode != 0:
+            pytest.fail(f"{d.name} engine exited with {proc.returncode}:\n{log[-8000:]}")
+        return {**json.loads((d / "out.json").read_text()), "log": log}
+
+    cases = (("plain", None), ("fusedpar", fusedpar))
+    if side_by_side:
+        started = [start(i, *case) for i, case in enumerate(cases)]
+        plain, fp = (finish(*x) for x in started)
+    else:
+        plain, fp = (finish(*start(i, *case)) for i, case in enumerate(cases))
+    return plain, fp
 
 
 def _fusedpar_kernel_names() -> set[str]:
@@ -140,8 +165,7 @@ FP32 = {"dtype": "float32", "enforce_eager": True, "engine_args": {"attention_co
 
 @pytest.mark.parametrize("family", ["qwen3"])  # Llama's layers are Qwen3's minus q/k norms (CPU tests: both)
 def test_fp32_matches_plain_with_prefix_caching_and_chunked_prefill(models, tmp_path, family):
-    plain = _engine(tmp_path, models[family], None, **FP32)
-    fp = _engine(tmp_path, models[family], {"sequence_parallel_size": 2, "shift_threshold": 8}, **FP32)
+    plain, fp = _engines(tmp_path, models[family], {"sequence_parallel_size": 2, "shift_threshold": 8}, **FP32)
     assert fp["tokens"] == plain["tokens"]
     gap, _ = _max_logprob_gap(fp, plain, upto_first_difference=False)
     assert gap <= 1e-3, gap  # fp32 sums in another order; a wrong row or head is off by O(1)
@@ -151,8 +175,7 @@ def test_fp32_matches_plain_with_prefix_caching_and_chunked_prefill(models, tmp_
 
 def test_bf16_compiled_graphs_fused_kernels_no_jit_while_serving(models, tmp_path):
     args = {"dtype": "bfloat16", "engine_args": {"compilation_config": {"max_cudagraph_capture_size": 8}}}
-    plain = _engine(tmp_path, models["qwen3"], None, **args)
-    fp = _engine(tmp_path, models["qwen3"], {"sequence_parallel_size": 2, "shift_threshold": 8}, **args)
+    plain, fp = _engines(tmp_path, models["qwen3"], {"sequence_parallel_size": 2, "shift_threshold": 8}, **args)
     gap, differing = _max_logprob_gap(fp, plain, upto_first_difference=True)
     assert gap <= 0.1, gap  # bf16 rounding of a different reduction order
     assert differing <= 2, (differing, fp["tokens"], plain["tokens"])
@@ -170,8 +193,7 @@ def test_kv_heads_replicated_on_four_gpus(models, tmp_path):
         pytest.skip("needs 4 GPUs")
     args = {"dtype": "float32", "tensor_parallel_size": 4, "enforce_eager": True,
             "engine_args": {"attention_config": {"backend": "TRITON_ATTN"}}}
-    plain = _engine(tmp_path, models["qwen3"], None, **args)
-    fp = _engine(tmp_path, models["qwen3"], {"sequence_parallel_size": 4, "shift_threshold": 8}, **args)
+    plain, fp = _engines(tmp_path, models["qwen3"], {"sequence_parallel_size": 4, "shift_threshold": 8}, **args)
     assert fp["tokens"] == plain["tokens"]
     gap, _ = _max_logprob_gap(fp, plain, upto_first_difference=False)
     assert gap <= 1e-3, gap

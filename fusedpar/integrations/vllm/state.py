@@ -23,7 +23,8 @@ How a step runs (hooks installed on the model as vLLM builds it, see `watch_for_
       qkv_proj / o_proj, base-TP all-reduce in o_proj / down_proj; shift = vLLM's TP=P math on
       views of the base shard with vLLM's own all-reduce.
   root model forward hook: checks that a base step really ran the base path, restores the
-      decoder model's forward and vLLM's custom-op dispatch, and counts the step.
+      decoder model's forward and vLLM's custom-op dispatch, and counts the step; the root's
+      compute_logits (per instance) counts the steps vLLM replays as full graphs (StepCounter).
 
 The first base step (vLLM's memory-profiling run, at max_num_batched_tokens) builds the fused
 communicator, compiles its kernels for every row count a base step can have and, where base
@@ -93,6 +94,43 @@ def deployment_info(vllm_config) -> DeploymentInfo:
     )
 
 
+class StepCounter:
+    """The stats of the workload's steps.
+
+    A step the model runs is counted at its end (`model_step`). A step vLLM replays as a full CUDA
+    graph (decode batches up to its capture size: always shift) runs no Python of the model; the
+    logits call that follows every step sees it: a logits call with no model step since the last one
+    is such a replay, of `rows` tokens (one per sequence). Model steps that are not the workload's
+    (profile, warm-up: `counted` False) still pair with their logits call; graph captures pair with
+    none and are not model steps here. Replays count once the engine serves (after its first
+    counted step), so vLLM's warm-up sampler calls are not steps.
+    """
+
+    def __init__(self):
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self._pending = False  # a model step whose logits call has not come yet
+        self._serving = False
+
+    def model_step(self, mode: str, tokens: int, padding: int, counted: bool) -> None:
+        self._pending = True
+        if counted:
+            self._serving = True
+            self.stats[f"{mode}_steps"] += 1
+            self.stats[f"{mode}_tokens"] += tokens
+            if mode == "base":
+                self.stats["base_padding_tokens"] += padding
+
+    def logits(self, rows: int) -> None:
+        if self._pending:
+            self._pending = False
+        elif self._serving:
+            self.stats["shift_steps"] += 1
+            self.stats["shift_tokens"] += rows
+
+    def reset(self) -> None:
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
+
+
 class WorkerState:
     """Everything fusedpar keeps in one worker: see the module docstring."""
 
@@ -143,7 +181,7 @@ class WorkerState:
         self.base_kernels = None  # base_step.BaseKernels, once the model is built
         self.runner = None  # base_runner.BaseRunner, once the model is built
         self._watchers: list = []
-        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.steps = StepCounter()
         atexit.register(self.log_summary)
         logger.info(
             "fusedpar: rank %d = (sp %d, tp %d) of base SP=%d x TP=%d, shift TP=%d; shift_threshold=%d; "
@@ -291,11 +329,8 @@ class WorkerState:
                 "fusedpar: a base-mode step did not run the base path (the compiled model ran instead); "
                 "refusing to return possibly wrong results"
             )
-        if self._counted:
-            self.stats[f"{mode}_steps"] += 1
-            self.stats[f"{mode}_tokens"] += self.num_tokens
-            if mode == "base":
-                self.stats["base_padding_tokens"] += self.padded_tokens - self.num_tokens
+        if not self._is_capturing():
+            self.steps.model_step(mode, self.num_tokens, self.padded_tokens - self.num_tokens, self._counted)
         self._counted = False
 
     @property
@@ -386,6 +421,13 @@ class WorkerState:
         self.root, self.decoder_model = root, inner
         root.register_forward_pre_hook(self._root_pre, with_kwargs=True)
         root.register_forward_hook(self._root_post)
+        logits = root.compute_logits
+
+        def compute_logits(hidden_states, *args, **kwargs):  # every step's logits, replayed steps' too
+            self.steps.logits(int(hidden_states.shape[0]))
+            return logits(hidden_states, *args, **kwargs)
+
+        root.compute_logits = compute_logits
         logger.info("fusedpar: hooks on %s (mode per step); base steps run %s.forward as fusedpar's base runner "
                     "over %s.%s and switch %s", type(root).__name__, model_path, model_path, layers_path,
                     self.base_kernels.describe())
@@ -421,7 +463,7 @@ class WorkerState:
             # exactly the base shards, the shift weights being views of them
             "weight_bytes": sum(m.weight.untyped_storage().nbytes() for m in self.modules),
             "base_shard_bytes": self._base_shard_bytes(),
-            **self.stats,
+            **self.steps.stats,
         }
 
     def _base_shard_bytes(self) -> int:
@@ -436,10 +478,10 @@ class WorkerState:
         return bool(getattr(m, "compiled", False) or getattr(m, "aot_compiled_fn", None) is not None)
 
     def reset_stats(self) -> None:
-        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.steps.reset()
 
     def summary(self) -> str:
-        s = self.stats
+        s = self.steps.stats
         lay = self.layout
         return (f"fusedpar rank {self.rank} (SP={lay.sp} x TP={lay.tp} <-> TP={lay.replica_size}, "
                 f"threshold {self.policy.threshold}): base {s['base_steps']} steps / {s['base_tokens']} tokens "
