@@ -5,8 +5,8 @@ for the target's local kv heads (PagedKVCache.reinterpret: a rank caching fewer 
 gets proportionally more blocks, as Flying Serving scales block capacity with the TP degree; a
 new pool only when those bytes hold no block of the target's heads, and a larger one when the
 caller asks for more blocks than they hold). The live sequences' KV is staged first (each rank's
-own heads, and the heads it sends), exchanged by point-to-point transfers posted in plan order on
-both sides, then written into fresh blocks of the target cache. Collective over the world (global
+own heads, and the heads it sends), exchanged in one point-to-point message per pair of ranks
+(its pieces in plan order on both sides), then written into fresh blocks of the target cache. Collective over the world (global
 ranks): every rank calls it with the same plan.
 """
 
@@ -47,22 +47,35 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
         for h, i in src_index.items():
             if (there and h in target_heads) or (seq, h) in needed:
                 staged[(seq, h)] = (k[:, :, i].clone(), v[:, :, i].clone())
-    ops, received = [], 0
+    # one message per peer and direction: every (seq, head) k | v the plan sends from this rank to a
+    # peer, flattened in plan order; the receiver cuts its buffer in the same order
+    outgoing: dict[int, list[torch.Tensor]] = {}
+    incoming: dict[int, list[tuple[int, int, int]]] = {}  # src -> (seq, head, tokens) in plan order
     for m in plan:
-        n = sequences[m.seq][2]
         if m.src == rank:
             k, v = staged[(m.seq, m.head)]
-            ops += [dist.P2POp(dist.isend, k.contiguous(), m.dst, group=pg),
-                    dist.P2POp(dist.isend, v.contiguous(), m.dst, group=pg)]
+            outgoing.setdefault(m.dst, []).extend((k.reshape(-1), v.reshape(-1)))
         elif m.dst == rank:
-            k = torch.empty(layers, n, hd, dtype=cache.k.dtype, device=cache.k.device)
-            v = torch.empty_like(k)
-            staged[(m.seq, m.head)] = (k, v)
-            ops += [dist.P2POp(dist.irecv, k, m.src, group=pg), dist.P2POp(dist.irecv, v, m.src, group=pg)]
-            received += 2 * k.numel() * k.element_size()
+            incoming.setdefault(m.src, []).append((m.seq, m.head, sequences[m.seq][2]))
+    ops, buffers, received = [], {}, 0
+    for dst, parts in sorted(outgoing.items()):
+        ops.append(dist.P2POp(dist.isend, torch.cat(parts), dst, group=pg))
+    for src, items in sorted(incoming.items()):
+        buf = torch.empty(sum(2 * layers * n * hd for _, _, n in items), dtype=cache.k.dtype, device=cache.k.device)
+        buffers[src] = buf
+        ops.append(dist.P2POp(dist.irecv, buf, src, group=pg))
+        received += buf.numel() * buf.element_size()
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    for src, items in incoming.items():
+        pos, buf = 0, buffers[src]
+        for seq, head, n in items:
+            size = layers * n * hd
+            k = buf[pos:pos + size].view(layers, n, hd)
+            v = buf[pos + size:pos + 2 * size].view(layers, n, hd)
+            staged[(seq, head)] = (k, v)
+            pos += 2 * size
     _, blocks, bs, h_old, _ = cache.k.shape
     if blocks * h_old < len(target_heads):  # the pool's memory holds no block of the target's heads
         target = PagedKVCache(num_layers=layers, kv_heads=tuple(target_heads), head_dim=hd, block_size=bs,
