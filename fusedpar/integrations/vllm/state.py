@@ -99,7 +99,7 @@ class StepCounter:
 
     A step the model runs is counted at its end (`model_step`). A step vLLM replays as a full CUDA
     graph (decode batches up to its capture size: always shift) runs no Python of the model; the
-    logits call that follows every step sees it: a logits call with no model step since the last one
+    sampler's logits call that follows every step sees it: a logits call with no model step since the last one
     is such a replay, of `rows` tokens (one per sequence). Model steps that are not the workload's
     (profile, warm-up: `counted` False) still pair with their logits call; graph captures pair with
     none and are not model steps here. Replays count once the engine serves (after its first
@@ -424,7 +424,10 @@ class WorkerState:
         logits = root.compute_logits
 
         def compute_logits(hidden_states, *args, **kwargs):  # every step's logits, replayed steps' too
-            self.steps.logits(int(hidden_states.shape[0]))
+            # the sampler passes hidden_states[logits_indices], a tensor of its own; prompt logprobs pass
+            # slices (views) of a step's hidden states, several per step: not steps
+            if hidden_states._base is None:
+                self.steps.logits(int(hidden_states.shape[0]))
             return logits(hidden_states, *args, **kwargs)
 
         root.compute_logits = compute_logits
