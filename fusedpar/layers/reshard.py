@@ -6,8 +6,8 @@ gets proportionally more blocks, as Flying Serving scales block capacity with th
 new pool only when those bytes hold no block of the target's heads, and a larger one when the
 caller asks for more blocks than they hold). The live sequences' KV is staged first (each rank's
 own heads, and the heads it sends), exchanged in one point-to-point message per pair of ranks
-(its pieces in plan order on both sides), then written into fresh blocks of the target cache. Collective over the world (global
-ranks): every rank calls it with the same plan.
+(its pieces in plan order on both sides), then written into fresh blocks of the target cache.
+Collective over the world (global ranks): every rank calls it with the same plan.
 """
 
 from __future__ import annotations
