@@ -80,6 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="ttft: also profile one request per case with vLLM's torch profiler; rank 0's table of "
                         "kernel times goes to DIR/<case>_profiler_out_0.txt (no records are written)")
+    p.add_argument("--logs", default=None, metavar="DIR", help="write each engine's whole output to DIR/<case>.log")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sp = args.sp or args.world
@@ -312,6 +313,9 @@ def _run_child(args, case: str, spec_path: Path) -> dict:
         proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0)))
     except subprocess.TimeoutExpired:
         proc.kill()
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+        (Path(args.logs) / f"{case}.log").write_text("".join(lines))
     found = [x for x in lines if x.startswith("RESULT:")]
     if not found:
         tail = "".join(lines[-60:])
@@ -406,7 +410,7 @@ def main(argv=None) -> int:
             print(f"== {case}: {json.dumps(results[case])[:1500]}", flush=True)
     recs = records(args, results, peak, hbm, gpu)
     for r in recs:
-        print(f"{r['bench']:16s} tokens {r['tokens']:>6}: plain {r['baseline_ms']:9.2f} ms  fusedpar "
+        print(f"{r['bench']:16s} tokens {r['tokens']:>6}: plain {r['baseline_ms']:9.2f} ms  {r['case'].split()[0]:8s} "
               f"{r['fused_ms']:9.2f} ms  speedup {r['speedup']:.3f}x", flush=True)
     if args.out and recs and not args.profile:
         from _bench import write_records

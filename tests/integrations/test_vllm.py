@@ -75,13 +75,20 @@ def test_parse_absent_section_is_idle():
 def test_parse_valid_section():
     cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "shift_threshold": 64}})
     assert (cfg.sequence_parallel_size, cfg.shift_threshold, cfg.fused_kernels) == (2, 64, "auto")
-    from fusedpar.integrations.vllm.config import DEFAULT_SHIFT_THRESHOLDS, FALLBACK_SHIFT_THRESHOLD
+    from fusedpar.integrations.vllm.config import (
+        EAGER_SHIFT_THRESHOLDS,
+        FALLBACK_SHIFT_THRESHOLD,
+        GRAPH_CAPTURE_DEFAULT,
+    )
 
     default = parse_additional_config({"fusedpar": {"sequence_parallel_size": 4}})
     assert default.shift_threshold is None  # resolved per P
-    assert default.threshold(4) == DEFAULT_SHIFT_THRESHOLDS["eager"][4]
+    assert default.threshold(4) == EAGER_SHIFT_THRESHOLDS[4]
     assert default.threshold(2) == FALLBACK_SHIFT_THRESHOLD
-    assert default.threshold(4, base_graphs=True) == DEFAULT_SHIFT_THRESHOLDS["graphs"][4]
+    assert default.threshold(2, capture_size=8192) == 8192  # never below vLLM's largest graph
+    for p in (2, 4, 8):  # with base graphs: vLLM's largest graph at every P
+        assert default.threshold(p, base_graphs=True) == GRAPH_CAPTURE_DEFAULT
+        assert default.threshold(p, base_graphs=True, capture_size=256) == 256
     assert default.threshold(4, base_graphs=True, capture_size=1024) == 1024  # never below vLLM's largest graph
     assert cfg.threshold(4) == 64 and cfg.threshold(4, base_graphs=True, capture_size=1024) == 64
     cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "fused_kernels": False}})

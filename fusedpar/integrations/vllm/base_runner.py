@@ -105,15 +105,18 @@ class BaseGraphs:
     attention call a graph copies q, k, v into static buffers [N, width]; replay runs vLLM's
     attention on their first n rows (the step's tokens) and copies its output into the static
     buffer [N, q width] that the next graph reads. Static buffers are sized for the largest bucket
-    and shared by all sets (one step runs at a time); the graphs share one memory pool.
+    and shared by all sets (one step runs at a time). The graphs allocate from `pool`: vLLM's global
+    graph pool, so that base and shift graphs (never replayed at the same time, no tensor of one live
+    across the other's replay) reuse one another's memory instead of each holding its own.
 
-    Capture is collective in effect: every rank captures the same buckets in the same order, after
+    Capture is collective in effect: every rank captures the same buckets in the same order (largest
+    first, so that every later set fits in the blocks the first one left in the pool), after
     one eager pass per bucket (Triton compiles, cuBLAS picks its kernels, the fused kernels' flags
     advance together on every rank).
     """
 
     def __init__(self, runner: BaseRunner, buckets: tuple[int, ...], *, hidden_size: int, q_width: int,
-                 kv_width: int, dtype: torch.dtype, device: torch.device):
+                 kv_width: int, dtype: torch.dtype, device: torch.device, pool=None):
         st = runner.state
         self.runner, self.buckets, self.sp = runner, buckets, st.layout.sp
         m_max = buckets[-1]
@@ -128,7 +131,7 @@ class BaseGraphs:
         self.q, self.k, self.v = buf(n_max, q_width), buf(n_max, kv_width), buf(n_max, kv_width)
         self.attn_out = buf(n_max, q_width)
         self.sets: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         self.stream = torch.cuda.Stream(device=device)
 
     def serves(self, rows: int) -> bool:
@@ -137,7 +140,7 @@ class BaseGraphs:
     def capture_all(self) -> float:
         """Warm up and capture every bucket; returns the seconds it took."""
         t0 = time.perf_counter()
-        for m in self.buckets:
+        for m in reversed(self.buckets):  # largest first: the smaller sets reuse its pool blocks
             self._capture(m)
         torch.cuda.synchronize()
         return time.perf_counter() - t0

@@ -17,22 +17,26 @@ CONFIG_KEY = "fusedpar"
 KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels")
 MAX_SHIFT_THRESHOLD = 2**31 - 1  # any value >= max_num_batched_tokens already means "always shift"
 FUSED_KERNEL_CHOICES = ("auto", True, False)
-# shift_threshold when the section names none, by tensor_parallel_size P and by how base steps run
-# (perf/bench_vllm.py, 4x H200, Qwen3-32B shape). With base-step CUDA graphs (bf16 / fp16 with the
-# fused kernels, base TP = 1, vLLM graphs on) the threshold is vLLM's largest graph: above it vLLM runs
-# its compiled model without graphs, and base steps, replayed as graphs, were faster at every
-# measured size from 1024 tokens on. Eager base steps are bound by host time up to a few thousand
-# tokens: P = 4 measured its TTFT crossover at 3584 (base 0.77x at 2048 tokens, 1.07x at 4096).
-# Other P: not measured; 4096 keeps every step up to 4096 tokens on vLLM's path.
-DEFAULT_SHIFT_THRESHOLDS = {"graphs": {4: 512}, "eager": {4: 3584}}
+# shift_threshold when the section names none. With base-step CUDA graphs (bf16 / fp16 with the fused
+# kernels, base TP = 1, vLLM graphs on) it is vLLM's largest graph, at every P: above it vLLM runs its
+# compiled model without graphs, and base steps, replayed as graphs, were faster at every measured size
+# from 1024 tokens on (perf/bench_vllm.py, Qwen3-32B shape, docs/vllm.md). Eager base steps are bound by
+# host time up to a few thousand tokens: P = 4 measured its TTFT crossover at 3584 (base 0.77x at 2048
+# tokens, 1.07x at 4096); other P are not measured eagerly, and 4096 keeps every step up to 4096 tokens on
+# vLLM's path.
+EAGER_SHIFT_THRESHOLDS = {4: 3584}
 FALLBACK_SHIFT_THRESHOLD = 4096
+GRAPH_CAPTURE_DEFAULT = 512  # vLLM's default max_cudagraph_capture_size
 
 
 def default_shift_threshold(tensor_parallel_size: int, *, base_graphs: bool = False, capture_size: int = 0) -> int:
-    """The shift_threshold a section without one gets on `tensor_parallel_size` GPUs: never below
-    vLLM's largest CUDA graph (`capture_size`), which a shift step must be able to replay."""
-    table = DEFAULT_SHIFT_THRESHOLDS["graphs" if base_graphs else "eager"]
-    return max(table.get(tensor_parallel_size, FALLBACK_SHIFT_THRESHOLD), capture_size)
+    """The shift_threshold a section without one gets on `tensor_parallel_size` GPUs: vLLM's largest CUDA
+    graph (`capture_size`) when base steps run as graphs, else the eager table; never below capture_size,
+    which a shift step must be able to replay."""
+    if base_graphs:
+        return capture_size or GRAPH_CAPTURE_DEFAULT
+    return max(EAGER_SHIFT_THRESHOLDS.get(tensor_parallel_size, FALLBACK_SHIFT_THRESHOLD), capture_size)
+
 
 # The decoder families whose layers are qkv_proj / o_proj / gate_up_proj / down_proj around one
 # full-attention module (vLLM's llama.py / qwen2.py / qwen3.py), with model.layers[i] and a final

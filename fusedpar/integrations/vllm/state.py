@@ -235,9 +235,10 @@ class WorkerState:
             # base steps are bound by host time where the routing table's GPU times tie
             options = FusedOptions(ulysses=UlyssesOptions(o_proj_fused_rows=((1, None),)))
             self._fused = FusedComm(self.ctx, cfg, max_tokens=max_tokens, dtype=self.dtype, options=options)
-            self._warm_up(max_tokens)
             if self.buckets:
-                self._capture_graphs(cfg)
+                self._capture_graphs(cfg)  # an eager pass per bucket first: compiles what the graphs replay
+            else:
+                self._warm_up(max_tokens)
         return self._fused
 
     def _capture_graphs(self, cfg) -> None:
@@ -245,13 +246,19 @@ class WorkerState:
 
         place = self.placement
         hd = cfg.head_dim
+        from vllm.platforms import current_platform
+
+        reserved = torch.cuda.memory_reserved(self.ctx.device)
         graphs = BaseGraphs(self.runner, self.buckets, hidden_size=cfg.hidden_size, q_width=place.q_heads_per_rank * hd,
-                            kv_width=place.kv_heads_per_rank * hd, dtype=self.dtype, device=self.ctx.device)
+                            kv_width=place.kv_heads_per_rank * hd, dtype=self.dtype, device=self.ctx.device,
+                            pool=current_platform.get_global_graph_pool())
         seconds = graphs.capture_all()
         self.runner.graphs = graphs
+        grown = (torch.cuda.memory_reserved(self.ctx.device) - reserved) / 2**30
         logger.info("fusedpar: base steps captured as CUDA graphs for %d row buckets (%d..%d rows per rank, "
-                    "%d graphs each) in %.1f s", len(self.buckets), self.buckets[0], self.buckets[-1],
-                    len(self.runner.attns) + 1, seconds)
+                    "%d graphs each) in %.1f s; reserved memory +%.2f GiB (vLLM's graph pool, shared with its "
+                    "own graphs)", len(self.buckets), self.buckets[0], self.buckets[-1], len(self.runner.attns) + 1,
+                    seconds, grown)
 
     def base_rows(self, max_tokens: int) -> range:
         """Rows per rank (m) of every base step: n in (threshold, max_tokens] tokens, m = ceil(n / SP)."""
