@@ -59,6 +59,8 @@ class ParallelContext:
     Requires torch.distributed to be initialised with world size == layout.world_size.
     backend: for the subgroups; default "nccl" on CUDA devices and "gloo" on CPU.
     timeout: of every subgroup's collectives (a timedelta or seconds); default the world group's.
+    host_groups: also create gloo twins of the shift groups and of the world (`host(group)`), for
+        exchanges of host values that must not wait for the device.
 
     What a stalled or dead peer does to the other ranks (the `timeout` bounds each case):
       gloo: their collective raises RuntimeError within `timeout`.
@@ -82,7 +84,7 @@ class ParallelContext:
     """
 
     def __init__(self, layout: ParallelLayout, backend: str | None = None, device: torch.device | str | None = None,
-                 timeout: datetime.timedelta | float | None = None):
+                 timeout: datetime.timedelta | float | None = None, host_groups: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("ParallelContext needs torch.distributed initialised (init_process_group) first")
         world = dist.get_world_size()
@@ -119,6 +121,17 @@ class ParallelContext:
                     made[key] = (dist.new_group(list(key), backend=self.backend, timeout=timeout)
                                  if len(key) > 1 else None)
         self._pgs = made
+        self._host_pgs: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        if host_groups:
+            for ranks in (*layout.shift_groups, list(range(world))):
+                key = tuple(ranks)
+                if key not in self._host_pgs:
+                    if len(key) == 1:
+                        self._host_pgs[key] = None
+                    elif self.backend == "gloo" and key in made:
+                        self._host_pgs[key] = made[key]
+                    else:
+                        self._host_pgs[key] = dist.new_group(list(key), backend="gloo", timeout=timeout)
         self.sp = self._mine(layout.sp_group_of(self.global_rank))
         self.tp = self._mine(layout.tp_group_of(self.global_rank))
         self.shift = self._mine(layout.shift_group_of(self.global_rank))
@@ -127,6 +140,15 @@ class ParallelContext:
     def _mine(self, ranks: list[int]) -> CommGroup:
         key = tuple(ranks)
         return CommGroup(ranks=key, rank=key.index(self.global_rank), pg=self._pgs[key])
+
+    def host(self, group: CommGroup) -> CommGroup:
+        """The gloo twin of `group` (same ranks; CPU tensors): a shift group or the world, built with
+        host_groups=True."""
+        if group.ranks not in self._host_pgs:
+            raise ValueError(f"ParallelContext.host: no host group for ranks {list(group.ranks)} (the context makes "
+                             f"them for the shift groups and the world, with host_groups=True; it has "
+                             f"{[list(k) for k in self._host_pgs]})")
+        return CommGroup(ranks=group.ranks, rank=group.rank, pg=self._host_pgs[group.ranks])
 
     def barrier(self, group: CommGroup | None = None) -> None:
         """Return once every rank of `group` (default: the shift group, i.e. the replica) reached this

@@ -36,7 +36,6 @@ from fusedpar.layers import ShardedDecoderWeights, ShiftParallelDecoderLayer, Sh
 from fusedpar.layouts import ParallelLayout, holdings
 
 from .cache import ShiftParallelCache
-from .calls import check_call, fingerprint
 from .runtime import _run_step, _Runtime
 from .spec import HFModelSpec, UnsupportedModelError, inspect_model
 from .switching import check_reshard_layouts, follow_policy, held_layouts_for, reshard_runtime, share_row_parallel
@@ -129,12 +128,13 @@ class ShiftParallelCausalLMMixin:
                                  f"{tuple(embeds.shape)}")
             b = embeds.shape[0]
             if rt.check_inputs:  # before any collective: ranks that differ raise here, together
-                cached = past_key_values.width if isinstance(past_key_values, ShiftParallelCache) else _NO_CACHE
-                check_call(fingerprint(batch=b, new=embeds.shape[1], cached=cached,
-                                       inputs=input_ids if inputs_embeds is None else inputs_embeds,
-                                       attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
-                                       output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep,
-                                       device=embeds.device), rt.call_group)
+                live = isinstance(past_key_values, ShiftParallelCache)
+                cached = past_key_values.width if live else _NO_CACHE
+                rt.checker.check(batch=b, new=embeds.shape[1], cached=cached,
+                                 inputs=input_ids if inputs_embeds is None else inputs_embeds,
+                                 attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+                                 output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep,
+                                 decode=live and cached > 0 and embeds.shape[1] == 1, device=embeds.device)
             state = _resolve_state(rt, past_key_values, b, keep=use_cache)
             if rt.policy is not None:
                 follow_policy(self, rt, state, embeds.shape[1], attention_mask)
@@ -173,7 +173,7 @@ class ShiftParallelCausalLMMixin:
         of one replica size (SP x TP splits of the same P) cache the same kv heads on the same ranks,
         and nothing moves; otherwise every cached sequence goes to the replica that runs its row in
         `layout` (row_blocks) and each rank of that replica receives the kv heads it caches there
-        that it did not cache before (fusedpar.layouts.kv_plan, carried out point to point by
+        that it did not cache before (fusedpar.layouts.kv_plan, carried out in one all_to_all_single by
         fusedpar.layers.reshard.migrate_kv on the same pool memory, grown to one agreed size when a
         rank now caches more).
 
@@ -207,6 +207,15 @@ class ShiftParallelCausalLMMixin:
                     "parameters and would stay as they are); convert the model before parallelize"
                 )
         return super()._apply(fn, *args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """HF's generate; before it returns, the decode calls' inputs still pending in the per-call
+        check are compared (calls.py), so every generate ends checked."""
+        out = super().generate(*args, **kwargs)
+        rt = self._fusedpar
+        if rt.check_inputs:
+            rt.checker.flush()
+        return out
 
     def _get_stopping_criteria(self, generation_config, stopping_criteria=None, *args, **kwargs):
         """max_time (generate's argument or a MaxTimeCriteria) stops each rank by its own clock, so the
@@ -413,7 +422,7 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
     stacks = {}
     rank = torch.distributed.get_rank()
     for lay in layouts:  # the same order on every rank: each context creates its groups collectively
-        ctx = ParallelContext(lay, device=device)
+        ctx = ParallelContext(lay, device=device, host_groups=check_inputs)
         P = lay.replica_size
         weights = held if not reshard_layouts else [
             ShardedDecoderWeights.viewing(w[P], spec.decoder, held_layouts[P], lay, rank) for w in held]

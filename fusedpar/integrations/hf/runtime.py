@@ -40,6 +40,7 @@ from fusedpar.layers import PagedKVCache, ShiftParallelStack, StepBatch
 from fusedpar.layers.graphs import DEFAULT_CAPTURE_SIZES, SCRATCH_SEQ_ID
 
 from .cache import ShiftParallelCache
+from .calls import CallChecker
 from .padding import _check_limits, _check_positions, _fill_padding, _hf_positions, _real_columns
 from .spec import HFModelSpec
 
@@ -69,6 +70,7 @@ class _Runtime:
                  cuda_graphs: bool = False, check_inputs: bool = True):
         self.spec, self.ctx, self.stack, self.block_size = spec, ctx, stack, block_size
         self.check_inputs = check_inputs  # forward's per-call agreement check (calls.py)
+        self._checker: CallChecker | None = None
         self.stacks: dict = {}  # layout -> (ctx, stack): the layouts model.reshard switches among
         self.policy = None  # parallelize's layout policy: decide(facts, current) before every call
         self.reshards: list[dict] = []  # the results of the policy's switches
@@ -94,6 +96,18 @@ class _Runtime:
     def call_group(self) -> CommGroup:
         """The ranks that must make the same forward calls: the replica, or the world under DP."""
         return self.ctx.shift if self.ctx.layout.dp == 1 else world_group()
+
+    @property
+    def checker(self) -> CallChecker:
+        """The per-call check of the current layout's call group (a switch first compares the calls
+        still pending on the previous group's checker)."""
+        group = self.call_group
+        current = self._checker
+        if current is None or current.group.ranks != group.ranks or current.group.pg is not group.pg:
+            if current is not None:
+                current.flush()
+            current = self._checker = CallChecker(group, self.ctx.host(group))
+        return current
 
     def _take_ids(self, rows: int) -> list[int]:
         ids = list(range(self._next_seq, self._next_seq + rows))
