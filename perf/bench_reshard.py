@@ -6,11 +6,12 @@ W = world size, SP = (sp=W), TP = (tp=W), DP = (dp=W, one GPU per replica). Live
 
   reshard_switch   switch between declared layouts SP <-> TP: every rank holds the union of the
                    declared set's shards (holdings), so every target weight is a view (reshard_weight
-                   finds it: weight_bytes_moved = 0) and the kv plan moves nothing. fused = that switch;
-                   baseline = the same switch with only the source layout's shards held (weight_plan's
-                   pieces fetched point to point over NCCL). Both: wall time (device synchronised at
-                   both ends), with host_ms (until the call returns) and device_ms (CUDA events) beside.
-                   No floor: roofline_pct null.
+                   finds it: weight_bytes_moved = 0) and the kv plan moves nothing. fused = that switch,
+                   with each layout's views and each pair's kv plan built once beforehand (Declared; the
+                   switch selects them); baseline = the same switch with only the source layout's shards
+                   held (weight_plan's pieces, planned beforehand, fetched point to point over NCCL).
+                   Both: wall time (device synchronised at both ends), with host_ms (until the call
+                   returns) and device_ms (CUDA events) beside. No floor: roofline_pct null.
   reshard_kv       migrate_kv of the live sequences' KV, DP <-> TP. baseline = NCCL all_to_all_single
                    moving as many bytes into each rank as the migration's busiest receiver gets, timed
                    in the same run; roofline = those bytes at the NCCL all-to-all bus bandwidth of a
@@ -133,7 +134,7 @@ def _held_weights(layouts, dims, rank: int, hidden: int, layers: int, env: Env, 
     return out
 
 
-def switch(weights, plan, target_map, rank: int, kv_moves: int) -> tuple[list, int]:
+def switch(weights, plan, target_map, rank: int) -> tuple[list, int]:
     """Every layer's every weight for the target layout: (tensors, bytes received)."""
     from fusedpar.collectives.reshard import reshard_weight
     from fusedpar.layouts.shards import WEIGHT_NAMES
@@ -144,30 +145,65 @@ def switch(weights, plan, target_map, rank: int, kv_moves: int) -> tuple[list, i
             t, r = reshard_weight(name, rank, per[name], target_map.shard(rank, name).base, plan)
             got.append(t)
             received += r
-    return got, received + kv_moves
+    return got, received
+
+
+class Declared:
+    """What a switch among declared layouts needs, built once (as parallelize does): per layout the rank's
+    weight tensors for it (views of the held union: reshard_weight moves nothing) and per ordered pair
+    the KV plan of the live sequences. A switch selects them: no planning, no view derivation, and a KV
+    migration only where the plan moves something (never between SP x TP splits of one replica)."""
+
+    def __init__(self, layouts, weights, dims, rank: int, live: dict[int, tuple[int, int]]):
+        from fusedpar.layouts import kv_plan, weight_plan
+
+        self.views, self.moved = {}, {}
+        for lay in layouts:
+            self.views[lay], self.moved[lay] = switch(weights, weight_plan(layouts, lay, dims),
+                                                      lay.weight_shards(dims), rank)
+        self.kv = {(a, b): kv_plan(a, b, dims, live) for a in layouts for b in layouts if a != b}
+
+    def switch(self, src, dst) -> tuple[list, int, int]:
+        """(dst's weight tensors, weight bytes moved, kv moves)."""
+        if self.kv[(src, dst)]:
+            raise NotImplementedError("a switch that moves KV: measured by reshard_kv (migrate_kv)")
+        return self.views[dst], self.moved[dst], 0
 
 
 def measure_switch(env: Env, cfg: dict, dtype, common: dict, live_tokens: int) -> list[dict]:
-    from fusedpar.layouts import ModelDims, kv_plan, weight_plan
+    from fusedpar.layouts import ModelDims, weight_plan
 
     lays = _layouts(env.world)
     dims = ModelDims(cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["intermediate"])
+    live = {s: (0, 0) for s in range(cfg["seqs"])}
     records = []
     for a, b in (("sp", "tp"), ("tp", "sp")):
         src, dst = lays[a], lays[b]
-        kv_moves = len(kv_plan(src, dst, dims, {s: (0, 0) for s in range(cfg["seqs"])}))
         res = {}
-        for label, held_layouts in (("declared", [src, dst]), ("undeclared", [src])):
-            weights = _held_weights(held_layouts, dims, env.rank, cfg["hidden"], cfg["layers"], env, dtype)
-            moved = [0]
+        # fused: both layouts declared, everything prebuilt; baseline: only src's shards held, the pieces
+        # of dst fetched at the switch (weight_plan, a pure function of the layouts, computed ahead)
+        weights = _held_weights([src, dst], dims, env.rank, cfg["hidden"], cfg["layers"], env, dtype)
+        declared = Declared([src, dst], weights, dims, env.rank, live)
+        got: list = [None]
 
-            def fn(weights=weights, held_layouts=held_layouts, dst=dst, moved=moved, kv_moves=kv_moves):
-                plan = weight_plan(held_layouts, dst, dims)  # part of the switch
-                _, moved[0] = switch(weights, plan, dst.weight_shards(dims), env.rank, kv_moves)
+        def fused(declared=declared, src=src, dst=dst, got=got):
+            got[0] = declared.switch(src, dst)
 
-            res[label] = env.time(fn) | {"bytes": env.max(moved[0])}
-            del weights, fn
-            _empty_cache(env)
+        res["declared"] = env.time(fused)
+        _, moved, kv_moves = got[0]
+        res["declared"]["bytes"] = env.max(moved)
+        del weights, declared, fused
+        got.clear()
+        _empty_cache(env)
+        weights = _held_weights([src], dims, env.rank, cfg["hidden"], cfg["layers"], env, dtype)
+        plan, fetched = weight_plan([src], dst, dims), [0]
+
+        def undeclared(weights=weights, plan=plan, dst=dst, fetched=fetched):
+            _, fetched[0] = switch(weights, plan, dst.weight_shards(dims), env.rank)
+
+        res["undeclared"] = env.time(undeclared) | {"bytes": env.max(fetched[0])}
+        del weights, undeclared
+        _empty_cache(env)
         d, u = res["declared"], res["undeclared"]
         records.append({**common, "bench": "reshard_switch", "case": f"{_name(a, env.world)}->{_name(b, env.world)}",
                         "tokens": live_tokens, "baseline": f"undeclared switch ({_name(a, env.world)} shards held; "

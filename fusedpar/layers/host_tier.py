@@ -85,6 +85,11 @@ class _Entry:
     writers: dict[int, int]  # kv head -> the rank keeping it
 
 
+def _token_rows(table: torch.Tensor, block_size: int, tokens: torch.Tensor) -> torch.Tensor:
+    """The paged-cache slots of `tokens` of a sequence with block table `table` (int64, host)."""
+    return table.long()[tokens // block_size] * block_size + tokens % block_size
+
+
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     """(position in ids, first id, count) of each run of consecutive ids."""
     out: list[tuple[int, int, int]] = []
@@ -206,30 +211,32 @@ class HostKVTier:
                     f"host KV tier out of blocks: rank {r} needs {need[r]} more for sequences {seqs}, "
                     f"{self.num_blocks - self._used[r]} free of {self.num_blocks} (block_size {self.block_size}, "
                     f"{self.bytes_per_block} bytes per block); drop or swap in sequences, or make the pool larger")
-        staged = []
+        pool_blocks: list[int] = []  # the pool blocks written, in staging order
+        pieces: list[tuple[list[int], int, int]] = []  # (cache blocks, local head index, tokens) in that order
         for seq, tokens, writers, here in plans:
             if here:
                 idx = [i for i, h in enumerate(cache.kv_heads) if writers[h] == self.rank]
                 if idx:
-                    st = self._gather(cache, seq, idx, tokens)  # [len(idx) * nb, L, 2, bs, hd] on the device
-                    blocks = self._alloc(st.shape[0])
                     nb = self.blocks_for(tokens)
+                    blocks = self._alloc(len(idx) * nb)
                     for j, i in enumerate(idx):
                         self._kept[(seq, cache.kv_heads[i])] = blocks[j * nb:(j + 1) * nb]
-                    staged.append((st, blocks))
-                cache.free(seq)
+                        pieces.append((list(cache.block_tables[seq]), i, tokens))
+                    pool_blocks += blocks
+                cache.free(seq)  # bookkeeping only: the gather below is issued before any later write
             self._dir[seq] = _Entry(tokens, writers)
             for r in set(writers.values()):
                 self._used[r] += self.blocks_for(tokens) * sum(1 for w in writers.values() if w == r)
+        if not pieces:
+            return SwapHandle() if self._stream is None else self._handle()
+        st = self._gather(cache, pieces)
         if self._stream is None:
-            for st, blocks in staged:
-                self._to_pool(st, blocks)
+            self._to_pool(st, pool_blocks)
             return SwapHandle()
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            for st, blocks in staged:
-                st.record_stream(self._stream)
-                self._to_pool(st, blocks)
+            st.record_stream(self._stream)
+            self._to_pool(st, pool_blocks)
         return self._handle()
 
     # ---- swap in ----------------------------------------------------------------------------------
@@ -344,19 +351,24 @@ class HostKVTier:
         self._last = ev
         return SwapHandle(ev, self.device)
 
-    def _gather(self, cache: PagedKVCache, seq: int, idx: list[int], tokens: int) -> torch.Tensor:
-        """The heads `idx` (positions in cache.kv_heads) of `seq` in pool order: [len(idx) * nb, L, 2, bs, hd]."""
-        L, bs, hd = self.num_layers, self.block_size, self.head_dim
-        nb = self.blocks_for(tokens)
-        table = self._to_device(torch.tensor(cache.block_tables[seq]))
-        heads = self._to_device(torch.tensor(idx))
-        st = torch.empty((2, L, nb * bs, len(idx), hd), dtype=self.dtype, device=cache.k.device)
+    def _gather(self, cache: PagedKVCache, pieces: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """Every piece (its cache block table, local head index, tokens) in pool order, one after the
+        other: [sum of pool blocks, L, 2, bs, hd], rows past a piece's tokens zero. One row gather per
+        k | v over all pieces, then a fill."""
+        bs, h = self.block_size, len(cache.kv_heads)
+        rows, valid = [], []
+        for table, i, tokens in pieces:
+            tok = torch.arange(self.blocks_for(tokens) * bs)
+            valid.append(tok < tokens)
+            rows.append(_token_rows(torch.tensor(table), cache.block_size, tok.clamp(max=tokens - 1)) * h + i)
+        idx = self._to_device(torch.cat(rows))  # one small copy
+        n = idx.numel() // bs
+        past = self._to_device(~torch.cat(valid)).view(n, 1, 1, bs, 1)
+        st = torch.empty((n, self.num_layers, 2, bs, self.head_dim), dtype=self.dtype, device=cache.k.device)
         for j, src in enumerate((cache.k, cache.v)):
-            rows = src[:, table].flatten(1, 2)[:, :tokens]  # [L, tokens, local kv heads, hd]
-            st[j, :, :tokens] = rows if len(idx) == rows.shape[2] else rows.index_select(2, heads)
-        st[:, :, tokens:] = 0
-        # [2, L, nb, bs, H, hd] -> [H, nb, L, 2, bs, hd]
-        return st.view(2, L, nb, bs, len(idx), hd).permute(4, 2, 1, 0, 3, 5).reshape(-1, L, 2, bs, hd)
+            flat = src.view(src.shape[0], -1, self.head_dim)  # [L, cache rows, hd]
+            st[:, :, j] = flat[:, idx].view(self.num_layers, n, bs, self.head_dim).transpose(0, 1)
+        return st.masked_fill_(past, 0)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the tier's device without a synchronous copy (a copy from pageable
@@ -369,17 +381,31 @@ class HostKVTier:
         for pos, first, count in _runs(blocks):
             self.pool[first:first + count].copy_(st[pos:pos + count], non_blocking=True)
 
-    def _from_pool(self, blocks: list[int], out: torch.Tensor) -> None:
-        for pos, first, count in _runs(blocks):
-            out[pos:pos + count].copy_(self.pool[first:first + count], non_blocking=True)
-
     def _swap_in(self, seqs: list[int], sequences: Mapping[int, int], mine: list[int], cache: PagedKVCache | None,
                  layout: ParallelLayout) -> None:
+        """Assemble this rank's sequences in one device buffer [blocks, L, 2, bs, hd] (sequence, local head,
+        token block order): its kept heads by few host -> device copies (runs of consecutive pool blocks
+        into consecutive rows), the others received from their writers; then one block scatter per k | v
+        into fresh blocks of the cache (whole blocks: rows past a sequence's end land in its own last block)."""
         L, bs, hd, rank = self.num_layers, self.block_size, self.head_dim, self.rank
-        assembled: dict[int, torch.Tensor] = {}  # seq -> [H_local, nb, L, 2, bs, hd] on the device
+        offset: dict[tuple[int, int], int] = {}  # (seq, kv head) -> its first row in `assembled`
+        rows = 0
         for seq in mine:
             nb = self.blocks_for(self._dir[seq].tokens)
-            assembled[seq] = torch.empty((len(cache.kv_heads), nb, L, 2, bs, hd), dtype=self.dtype, device=self.device)
+            for h in cache.kv_heads:
+                offset[(seq, h)], rows = rows, rows + nb
+        assembled = torch.empty((rows, L, 2, bs, hd), dtype=self.dtype, device=self.device)
+        spare: list[tuple[int, int, int]] = []  # (seq, head, nb) kept here, sent only
+        for seq in seqs:
+            e = self._dir[seq]
+            for h, dests in self._holders(layout, sequences[seq]).items():
+                if e.writers[h] == rank and rank not in dests:
+                    spare.append((seq, h, self.blocks_for(e.tokens)))
+        sent = torch.empty((sum(nb for _, _, nb in spare), L, 2, bs, hd), dtype=self.dtype, device=self.device)
+        at, pos = {}, 0
+        for seq, h, nb in spare:
+            at[(seq, h)], pos = pos, pos + nb
+        into: dict[str, list[tuple[int, int]]] = {"assembled": [], "sent": []}  # (row, pool block)
         ops = []
         for seq in seqs:
             e = self._dir[seq]
@@ -387,22 +413,44 @@ class HostKVTier:
             for h, dests in self._holders(layout, sequences[seq]).items():
                 w = e.writers[h]
                 if w == rank:
-                    if rank in dests:
-                        src = assembled[seq][cache.kv_heads.index(h)]
-                    else:
-                        src = torch.empty((nb, L, 2, bs, hd), dtype=self.dtype, device=self.device)
-                    self._from_pool(self._kept[(seq, h)], src)
-                    ops += [dist.P2POp(dist.isend, src, d, group=self.pg) for d in dests if d != rank]
+                    buf, row = (assembled, offset[(seq, h)]) if rank in dests else (sent, at[(seq, h)])
+                    into["assembled" if buf is assembled else "sent"] += [
+                        (row + b, blk) for b, blk in enumerate(self._kept[(seq, h)])]
+                    ops += [dist.P2POp(dist.isend, buf[row:row + nb], d, group=self.pg) for d in dests if d != rank]
                 elif rank in dests:
-                    ops.append(dist.P2POp(dist.irecv, assembled[seq][cache.kv_heads.index(h)], w, group=self.pg))
+                    row = offset[(seq, h)]
+                    ops.append(dist.P2POp(dist.irecv, assembled[row:row + nb], w, group=self.pg))
+        for name, buf in (("assembled", assembled), ("sent", sent)):
+            self._from_pool_rows(into[name], buf)
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        for seq in mine:
-            a = assembled[seq]
-            n, H = self._dir[seq].tokens, a.shape[0]
-            # [H, nb, L, 2, bs, hd] -> [2, L, nb * bs, H, hd]
-            kv = a.permute(3, 2, 1, 4, 0, 5).reshape(2, L, -1, H, hd)[:, :, :n]
-            slots = self._to_device(cache.begin_step(StepBatch((seq,), (n,), (0,)), device="cpu"))
-            for layer in range(L):
-                cache.write(layer, slots, kv[0, layer], kv[1, layer])
+        if not mine:
+            return
+        ns = [self._dir[s].tokens for s in mine]
+        cache.begin_step(StepBatch(tuple(mine), tuple(ns), (0,) * len(mine)), device="cpu")
+        h = len(cache.kv_heads)
+        blk, pos, dst = [], [], []  # per token of every (sequence, local head): its place in `assembled`, cache row
+        for seq, n in zip(mine, ns, strict=True):
+            tok = torch.arange(n)
+            slots = _token_rows(torch.tensor(cache.block_tables[seq]), cache.block_size, tok)
+            for j, head in enumerate(cache.kv_heads):
+                blk.append(offset[(seq, head)] + tok // bs)
+                pos.append(tok % bs)
+                dst.append(slots * h + j)
+        idx = self._to_device(torch.stack([torch.cat(blk), torch.cat(pos), torch.cat(dst)]))  # one small copy
+        for j, t in enumerate((cache.k, cache.v)):
+            t.view(L, -1, hd)[:, idx[2]] = assembled[:, :, j][idx[0], :, idx[1]].transpose(0, 1)  # [L, tokens, hd]
+
+    def _from_pool_rows(self, pairs: list[tuple[int, int]], out: torch.Tensor) -> None:
+        """out[row] = pool[block] for every (row, block): one copy per run consecutive on both sides."""
+        run = None  # (first row, first block, count)
+        for row, blk in sorted(pairs):
+            if run is not None and row == run[0] + run[2] and blk == run[1] + run[2]:
+                run = (run[0], run[1], run[2] + 1)
+                continue
+            if run is not None:
+                out[run[0]:run[0] + run[2]].copy_(self.pool[run[1]:run[1] + run[2]], non_blocking=True)
+            run = (row, blk, 1)
+        if run is not None:
+            out[run[0]:run[0] + run[2]].copy_(self.pool[run[1]:run[1] + run[2]], non_blocking=True)

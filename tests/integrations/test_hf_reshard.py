@@ -355,3 +355,46 @@ def _tp(world):
     from fusedpar import ParallelLayout
 
     return ParallelLayout(world, tp=world)
+
+
+def _graphs_worker(rank, world):
+    from fusedpar import ParallelLayout
+    from fusedpar.integrations.hf import parallelize
+    from tests.integrations.hf_models import left_padded, make_model
+
+    tp, sp, dp = ParallelLayout(world, tp=world), ParallelLayout(world, sp=world), ParallelLayout(world, dp=world)
+    pm = parallelize(make_model("qwen3"), tp, shift_threshold=4, reshard_layouts=[sp, dp])
+    rt = pm._fusedpar
+    ids, mask = left_padded([5, 7], vocab=200, seed=1)
+    pm(ids, attention_mask=mask, use_cache=True)
+    marks = {lay: object() for lay in rt.stacks}  # stand-ins for captured decode graphs (CPU: none)
+    head = object()
+    for lay, (_, stack) in rt.stacks.items():
+        stack.graphs = marks[lay]
+    rt.heads[1] = head
+    pool = rt.kv
+    out = {"kept": [], "dropped": None}
+    for lay in (sp, tp, sp):  # one replica size: the pool and every graph stay
+        pm.reshard(lay)
+        out["kept"].append(rt.kv is pool and all(st.graphs is marks[lay2] for lay2, (_, st) in rt.stacks.items())
+                           and rt.heads.get(1) is head)
+    try:
+        pm.reshard(sp if rank == 0 else tp)
+        out["disagree"] = None
+    except ValueError as exc:
+        out["disagree"] = str(exc)
+    out["unchanged"] = rt.ctx.layout == sp and rt.kv is pool
+    pm.reshard(dp)  # the pool is reinterpreted: graphs on the old one go, the head graphs stay
+    out["dropped"] = (rt.kv is not pool and all(st.graphs is None for _, st in rt.stacks.values())
+                      and rt.heads.get(1) is head and rt.kv.k.untyped_storage().data_ptr()
+                      == pool.k.untyped_storage().data_ptr())
+    rt.heads.clear()
+    return out
+
+
+def test_switches_keep_graphs_on_the_same_pool_and_refuse_disagreeing_ranks():
+    res = run_distributed(_graphs_worker, 2, timeout=300)
+    for rank, out in enumerate(res):
+        assert out["kept"] == [True, True, True], (rank, out)
+        assert out["disagree"] and "the ranks disagree on the layout" in out["disagree"], (rank, out)
+        assert out["unchanged"] and out["dropped"], (rank, out)

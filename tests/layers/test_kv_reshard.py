@@ -4,6 +4,8 @@ moves (none between SP x TP splits of one replica size)."""
 
 from __future__ import annotations
 
+import pytest
+
 from fusedpar.testing.dist import run_distributed
 
 LAYERS, HEAD_DIM, BLOCK, BLOCKS = 3, 4, 4, 64
@@ -81,3 +83,135 @@ def test_kv_plans_carried_out_on_gloo_leave_every_target_head_cached():
     assert sum(out["tp4->dp4"]["received"] for out in res) > 0
     # tp4 -> dp4 spreads the sequences over the replicas: each rank ends with the ones assigned to it
     assert sorted(s for out in res for s in out["tp4->dp4"]["held"]) == sorted(SEQS)
+
+
+# random values, a fragmented source pool, the target checked against a plain reference
+RAND_SEQS = {3: 1, 4: 6, 5: 13, 6: 4, 11: 9}  # odd counts ending mid-block (block 4), one full block
+RAND_CASES = {
+    2: [((1, 2), (1, 1)), ((1, 1), (1, 2)), ((2, 1), (1, 2)), ((1, 2), (2, 1))],
+    4: [((1, 4), (1, 1)), ((1, 1), (1, 4)), ((4, 1), (1, 4)), ((1, 4), (4, 1)), ((2, 1), (1, 4)),
+        ((1, 4), (1, 2)), ((1, 2), (2, 1)), ((1, 1), (2, 2))],
+}
+
+
+def _rand_values(seq, n, kv_heads, trial):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * trial + seq)
+    return tuple(torch.randn(LAYERS, n, kv_heads, HEAD_DIM, generator=g) for _ in range(2))
+
+
+def _reference_target(target_heads, num_blocks, sequences, kv_heads, trial):
+    """A fresh pool of the same size filled in increasing sequence order: the expected tables and values."""
+    import torch
+
+    from fusedpar.layers.kv_cache import PagedKVCache
+
+    ref = PagedKVCache(num_layers=LAYERS, kv_heads=target_heads, head_dim=HEAD_DIM, block_size=BLOCK,
+                       num_blocks=num_blocks, dtype=torch.float32)
+    idx = torch.tensor(target_heads)
+    for seq, (_, there, n) in sorted(sequences.items()):
+        if there:
+            k, v = _rand_values(seq, n, kv_heads, trial)
+            ref.fill(seq, k.index_select(2, idx), v.index_select(2, idx))
+    return ref
+
+
+def _rand_worker(rank, world, kv_heads):
+    import torch
+
+    from fusedpar.layers.kv_cache import PagedKVCache
+    from fusedpar.layers.reshard import migrate_kv
+    from fusedpar.layouts import ModelDims, ParallelLayout, kv_plan
+
+    q_heads = 8
+    dims = ModelDims(q_heads, kv_heads, HEAD_DIM, 16)
+    out = []
+    base = PagedKVCache(num_layers=LAYERS, kv_heads=(0,), head_dim=HEAD_DIM, block_size=BLOCK,
+                        num_blocks=4 * 24, dtype=torch.float32)  # one pool, viewed per layout
+    for trial, ((s_sp, s_tp), (d_sp, d_tp)) in enumerate(RAND_CASES[world]):
+        src, dst = ParallelLayout(world, sp=s_sp, tp=s_tp), ParallelLayout(world, sp=d_sp, tp=d_tp)
+        g = torch.Generator().manual_seed(trial)
+        reps = {s: (int(torch.randint(src.dp, (1,), generator=g)), int(torch.randint(dst.dp, (1,), generator=g)))
+                for s in RAND_SEQS}
+        heads = src.head_placement(q_heads, kv_heads).kv_heads(rank, "base")
+        target_heads = dst.head_placement(q_heads, kv_heads).kv_heads(rank, "base")
+        cache = base.reinterpret(heads)
+        cache.k.normal_()  # stale junk everywhere
+        cache.v.normal_()
+        idx = torch.tensor(heads)
+        for seq, n in RAND_SEQS.items():  # interleaved with junk sequences freed after: fragmented tables
+            cache.fill(100 + seq, *(torch.randn(LAYERS, 3, len(heads), HEAD_DIM) for _ in range(2)))
+            if src.coords(rank).dp == reps[seq][0]:
+                k, v = _rand_values(seq, n, kv_heads, trial)
+                cache.fill(seq, k.index_select(2, idx), v.index_select(2, idx))
+        for seq in RAND_SEQS:
+            cache.free(100 + seq)
+        sequences = {s: (src.coords(rank).dp == reps[s][0], dst.coords(rank).dp == reps[s][1], n)
+                     for s, n in RAND_SEQS.items()}
+        plan = kv_plan(src, dst, dims, reps)
+        min_blocks = 4 * 24 // len(target_heads) + (trial % 2) * 8  # odd trials grow the pool
+        new, received = migrate_kv(cache, rank, plan, target_heads, sequences, min_blocks=min_blocks)
+        ref = _reference_target(target_heads, new.num_blocks, sequences, kv_heads, trial)
+        ok = new.block_tables == ref.block_tables and new.lengths == ref.lengths and new.kv_heads == target_heads
+        for seq in ref.block_tables:
+            for layer in range(LAYERS):
+                ok &= all(torch.equal(a, b) for a, b in zip(new.gather(layer, seq), ref.gather(layer, seq),
+                                                            strict=True))
+        expect = sum(2 * LAYERS * RAND_SEQS[m.seq] * HEAD_DIM * 4 for m in plan if m.dst == rank)
+        out.append({"case": f"{src!r}->{dst!r}", "ok": bool(ok), "received": received, "expect": expect,
+                    "moves": len(plan), "free": new.free_blocks == ref.free_blocks,
+                    "blocks": new.num_blocks == max(min_blocks, 4 * 24 // len(target_heads)),
+                    "aliases": new.k.untyped_storage().data_ptr() == base.k.untyped_storage().data_ptr(),
+                    "grown": min_blocks > 4 * 24 // len(target_heads),
+                    "same_p": src.replica_size == dst.replica_size and all(a == b for a, b in reps.values())})
+    return out
+
+
+@pytest.mark.parametrize("world,kv_heads", [(2, 2), (4, 2), (4, 4), (2, 1)])
+def test_migrate_kv_matches_a_fresh_fill_on_random_values(world, kv_heads):
+    """Random KV in a fragmented pool full of junk, migrated onto views of the same memory (the target
+    reinterprets the source's bytes) or a grown pool: every target sequence's values, block tables and
+    free count are those of a fresh pool filled in sequence order; received bytes are the plan's; SP x TP
+    splits of one replica size move nothing; kv-head replication (4 ranks, 2 kv heads) included."""
+    res = run_distributed(_rand_worker, world, kv_heads, timeout=300)
+    for rank, out in enumerate(res):
+        for r in out:
+            where = f"rank {rank}, {r['case']}"
+            assert r["ok"] and r["free"] and r["blocks"], f"{where}: {r}"
+            assert r["received"] == r["expect"], f"{where}: {r}"
+            assert r["aliases"] != r["grown"], f"{where}: {r}"
+            if r["same_p"]:
+                assert r["moves"] == 0 and r["received"] == 0, f"{where}: {r}"
+    assert any(r["received"] for out in res for r in out)
+
+
+def _errors_worker(rank, world):
+    import torch
+
+    from fusedpar.layers.kv_cache import PagedKVCache
+    from fusedpar.layers.reshard import migrate_kv
+
+    out = {}
+    small = PagedKVCache(num_layers=LAYERS, kv_heads=(rank,), head_dim=HEAD_DIM, block_size=BLOCK, num_blocks=1,
+                         dtype=torch.float32)
+    small.fill(1, torch.ones(LAYERS, 3, 1, HEAD_DIM), -torch.ones(LAYERS, 3, 1, HEAD_DIM))
+    # two heads per token where one block of one head was: a new pool, grown to min_blocks
+    new, received = migrate_kv(small, rank, [], (0, 1), {}, min_blocks=3)
+    out["new_pool"] = (new.num_blocks, new.k.data_ptr() != small.k.data_ptr(), received)
+    # a target sequence whose other head nobody sends: every rank raises, after the (empty) exchange
+    cache = PagedKVCache(num_layers=LAYERS, kv_heads=(rank,), head_dim=HEAD_DIM, block_size=BLOCK, num_blocks=4,
+                         dtype=torch.float32)
+    cache.fill(1, torch.ones(LAYERS, 3, 1, HEAD_DIM), -torch.ones(LAYERS, 3, 1, HEAD_DIM))
+    try:
+        migrate_kv(cache, rank, [], (0, 1), {1: (True, True, 3)})
+    except RuntimeError as exc:
+        out["missing"] = str(exc)
+    return out
+
+
+def test_migrate_kv_new_pool_and_missing_heads():
+    res = run_distributed(_errors_worker, 2, timeout=120)
+    for out in res:
+        assert out["new_pool"] == (3, True, 0), out
+        assert "brings no KV of sequence 1" in out.get("missing", ""), out

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from fusedpar.collectives import ParallelContext, check_agreement
+from fusedpar.collectives import ParallelContext
 from fusedpar.layers import ShiftParallelStack
 from fusedpar.layers.reshard import migrate_kv
 from fusedpar.layouts import ParallelLayout, kv_plan, shard_problems
@@ -29,7 +29,13 @@ from .spec import HFModelSpec
 
 
 def reshard_runtime(rt: _Runtime, layout: ParallelLayout) -> dict:
-    """model.reshard(layout) on the model's runtime (see its docstring)."""
+    """model.reshard(layout) on the model's runtime (see its docstring).
+
+    Every declared layout's context and stack (weights as views) were built by parallelize, so a
+    switch selects them: between SP x TP splits of one replica size it is one tiny all-reduce (the
+    ranks' agreement on the layout) and no device work; the stacks' decode graphs and the head
+    graphs stay (they read the same pool and parameters). Across replica sizes the live KV migrates
+    (migrate_kv) into a reinterpreted pool, and the graphs captured on the old pool are dropped."""
     t0 = time.perf_counter()
     if not isinstance(layout, ParallelLayout):
         raise ValueError(f"reshard needs a ParallelLayout, got {type(layout).__name__}")
@@ -37,13 +43,13 @@ def reshard_runtime(rt: _Runtime, layout: ParallelLayout) -> dict:
     if layout.world_size != current.world_size:
         raise ValueError(f"reshard stays within the world of {current.world_size} ranks; {layout!r} has "
                          f"{layout.world_size} ranks")
-    problems = shard_problems(layout, rt.spec.decoder.dims)
-    if problems:
-        raise ValueError(f"reshard: {layout!r} cannot shard this model: " + "; ".join(problems))
-    if layout not in rt.stacks:
+    if layout not in rt.stacks:  # every declared layout passed these checks at parallelize
+        problems = shard_problems(layout, rt.spec.decoder.dims)
+        if problems:
+            raise ValueError(f"reshard: {layout!r} cannot shard this model: " + "; ".join(problems))
         raise ValueError(f"{layout!r} was not declared: parallelize(..., reshard_layouts=...) names the layouts "
                          f"a model can switch among, here {sorted(map(repr, rt.stacks))}")
-    check_agreement("fusedpar.integrations.hf: reshard", {"layout": repr(layout)})
+    _agree_on_layout(rt, layout)
     ctx, stack = rt.stacks[layout]
     moved = received = 0
     if layout.replica_size != current.replica_size:
@@ -54,10 +60,25 @@ def reshard_runtime(rt: _Runtime, layout: ParallelLayout) -> dict:
         raise RuntimeError(f"rank {ctx.global_rank}: {layout!r} caches kv heads {stack.layers[0].kv_heads}, the "
                            f"live cache holds {rt.kv.kv_heads}")
     rt.ctx, rt.stack = ctx, stack
-    rt.heads.clear()
     rt.replayed = None
     return {"weight_bytes_moved": 0, "kv_bytes_moved": moved, "kv_bytes_received": received,
             "seconds": time.perf_counter() - t0, "layout": repr(layout)}
+
+
+def _agree_on_layout(rt: _Runtime, layout: ParallelLayout) -> None:
+    """ValueError on every rank unless all ranks switch to the same declared layout: one all-reduce (max)
+    of (i, -i), i = the layout's place among the declared ones (the same order on every rank)."""
+    dist = torch.distributed
+    if dist.get_world_size() == 1:
+        return
+    i = list(rt.stacks).index(layout)
+    t = torch.tensor([i, -i], dtype=torch.int64, device=rt.ctx.device)  # where the world's backend reduces
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    hi, neg_lo = t.tolist()
+    if hi != -neg_lo:
+        names = list(map(repr, rt.stacks))
+        raise ValueError(f"fusedpar.integrations.hf: reshard: the ranks disagree on the layout (from "
+                         f"{names[-neg_lo]} to {names[hi]}), and every rank must switch to the same one")
 
 
 def check_reshard_layouts(layout: ParallelLayout, reshard_layouts) -> tuple[ParallelLayout, ...]:
