@@ -3,7 +3,7 @@
 #   bash perf/run_gpu.sh [ITEM ...]     items: tests hf gemm one_shot gemm_all_reduce attention
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo profile host_cost
 #                                              tune_gemm qkv_sweep pdl_probe qkv_stores launch hf_decode
-#                                              hf_probe vllm_tests vllm reshard nccl_timeouts
+#                                              hf_probe vllm_tests vllm reshard serve nccl_timeouts
 #                                              (default: all but profile, host_cost, the sweeps and probes;
 #                                              those run the tools in perf/tools/)
 # MODEL_ARGS / LAYER_ARGS / ATTN_ARGS / GAR_ARGS / PROFILE_ARGS pass extra arguments to perf/model_bench.py /
@@ -70,6 +70,8 @@ for item in "${ITEMS[@]}"; do
     # layout switches, KV migration, host KV tier swaps and their overlap with GEMMs (Llama-3-8B shape)
     reshard) run timeout "${RESHARD_TIMEOUT:-540}" "${TRUN[@]}" perf/bench_reshard.py ${RESHARD_ARGS:-} \
                --out "$RES/reshard.json" ;;
+    # bursty-traffic serving loop, one record per layout policy (a random Llama-3-8B-shaped model)
+    serve) run timeout "${SERVE_TIMEOUT:-540}" "${TRUN[@]}" perf/serve_bench.py ${SERVE_ARGS:-} --out "$RES/serve.json" ;;
     # HF generate TPOT with decode graphs vs eager (a random Llama-3-8B-shaped model)
     hf_decode) run timeout "${HF_DECODE_TIMEOUT:-400}" "${TRUN[@]}" perf/bench_hf_decode.py ${HF_DECODE_ARGS:-} \
                  --out "$RES/hf_decode.json" ;;

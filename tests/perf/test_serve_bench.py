@@ -1,0 +1,85 @@
+"""perf/serve_bench.py on CPU (gloo ranks, a tiny fp32 model, a few dozen short requests): every
+policy serves every request, and its greedy tokens are the unsharded model's. The clock is the
+simulated one (--fixed-step-s), so the schedule and the policies' switches do not depend on the
+machine's speed (auto's do: it reads measured step-time curves; only its tokens are checked)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PERF = Path(__file__).resolve().parents[2] / "perf"
+
+
+@pytest.fixture
+def serve_bench(monkeypatch):
+    """perf/serve_bench.py imported with perf/ first on sys.path (sys.path and sys.modules restored after)."""
+    monkeypatch.setattr(sys, "path", [str(PERF), *sys.path])
+    before = set(sys.modules)
+    yield importlib.import_module("serve_bench")
+    for name in set(sys.modules) - before:
+        if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(PERF)):
+            del sys.modules[name]
+
+
+def reference_tokens(sb, opts: dict) -> dict[int, list[int]]:
+    """Greedy tokens of every request from the unsharded oracle (DenseDecoderStack), one request at a
+    time: the whole prompt in one step, then one token per step."""
+    from _serve.engine import greedy, head_weights, layer_weights
+    from _serve.trace import prompt_ids
+
+    from fusedpar.layers import DenseDecoderStack, StepBatch
+
+    cfg = sb.decoder_config(opts)
+    cpu, dtype = torch.device("cpu"), torch.float32
+    weights = [layer_weights(cfg, i, opts["seed"], dtype, cpu) for i in range(opts["layers"])]
+    embed, norm, head = head_weights(cfg, opts["vocab"], opts["seed"], dtype, cpu)
+    requests, _ = sb.trace_of(opts)
+    out = {}
+    for r in requests:
+        dense = DenseDecoderStack(cfg, weights)
+        ids = prompt_ids(r, opts["vocab"], opts["seed"])
+        h = dense.forward(embed[ids], StepBatch((0,), (r.prompt_len,), (0,)))
+        toks = [int(greedy(h[-1:], norm, head, cfg.rms_norm_eps)[0])]
+        while len(toks) < r.output_len:
+            ctx = r.prompt_len + len(toks) - 1
+            h = dense.forward(embed[torch.tensor([toks[-1]])], StepBatch((0,), (1,), (ctx,)))
+            toks.append(int(greedy(h, norm, head, cfg.rms_norm_eps)[0]))
+        out[r.rid] = toks
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_policy_serves_every_request_with_the_unsharded_tokens(serve_bench, tmp_path, world):
+    argv = ["--cpu", "--world", str(world), "--requests", "32", "--prompt", "3,30", "--output", "1,10",
+            "--max-batch-tokens", "16", "--block-size", "4", "--kv-blocks", "1024", "--low-seconds", "0.5",
+            "--burst-seconds", "1", "--rate-scale", "8", "--priority-frac", "0.2", "--shift-threshold", "6",
+            "--load-low", "2", "--load-high", "5", "--host-tier-tokens", "120", "--curve-points", "1,8,16",
+            "--fixed-step-s", "0.01", "--progress-s", "60",
+            "--out", str(tmp_path / "serve.json"), "--tokens-out", str(tmp_path / "tok.json")]
+    assert serve_bench.main(argv) == 0
+    opts = serve_bench.resolve(serve_bench.parser().parse_args(argv))
+    want = reference_tokens(serve_bench, opts)
+    got = json.loads((tmp_path / "tok.json").read_text())
+    records = json.loads((tmp_path / "serve.json").read_text())
+    assert [r["policy"] for r in records] == list(serve_bench.POLICIES)
+    assert set(got) == {r["case"].removesuffix(" tiny") for r in records}
+    for policy, tokens in got.items():
+        assert {int(k): v for k, v in tokens.items()} == want, policy
+    for r in records:
+        where = r["case"]
+        assert r["served"] == r["requests"] == 32, where
+        assert r["bench"] == "serve" and r["world"] == world and r["baseline_ms"] > 0 and r["fused_ms"] > 0, where
+        assert r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 and r["prio_requests"] > 0, where
+        assert sum(r["steps"].values()) > 0 and r["throughput_burst_tok_s"] > 0, where
+    by = {r["policy"]: r for r in records}
+    assert set(by["shift"]["steps"]) == {"sp", "tp"}  # both sides of the threshold ran
+    assert by["load"]["switches"].get("tp->dp", 0) > 0 and set(by["load"]["steps"]) == {"dp", "tp"}  # KV migrated
+    assert by["pd"]["switches"].get("dp->tp", 0) > 0 and by["pd"]["switches"].get("tp->dp", 0) > 0
+    assert set(by["pd"]["steps"]) == {"dp", "tp"} and by["pd"]["swap_s"] > 0
+    assert len(by["auto"]["curves_ms"]["dp"]) == 3
