@@ -169,19 +169,23 @@ def summary_md(records: dict[str, list[dict]]) -> str:
         for bench, recs in _by_bench(records[stem]).items():
             if bench not in SUMMARY:
                 continue
-            ok = [r for r in recs if not r.get("sweep") and "error" not in r
-                  and not (bench.startswith(("model_", "vllm_")) and not r["case"].startswith("fusedpar "))]
-            if not ok:
-                continue
-            sp = [r["speedup"] for r in ok]
-            gpus = ", ".join(f"{w}x {g}" for w, g in sorted({(r["world"], r["gpu"]) for r in ok}))
-            span = (f"{sp[0]:.2f}x" if len(sp) == 1
-                    else f"{min(sp):.2f}x / {statistics.median(sp):.2f}x / {max(sp):.2f}x")
-            baselines = sorted({str(r.get("baseline", "")).split(" (")[0] for r in ok})
-            models = ", ".join(sorted({str(r["model"]) for r in ok if r.get("model")}))
-            what = f"{SUMMARY[bench]} ({models})" if models else SUMMARY[bench]
-            lines.append(f"| {bench}: {what} | {'; '.join(baselines)} | {gpus} | {span} |")
+            kept = [r for r in recs if not r.get("sweep") and "error" not in r
+                    and not (bench.startswith(("model_", "vllm_")) and not r["case"].startswith("fusedpar "))]
+            for world in sorted({r["world"] for r in kept}):  # one row per machine size
+                lines.append(_summary_row(bench, [r for r in kept if r["world"] == world]))
     return "\n".join(lines) + "\n"
+
+
+def _summary_row(bench: str, ok: list[dict]) -> str:
+    """One README row: the speedups of `ok` (one bench, one machine size)."""
+    sp = [r["speedup"] for r in ok]
+    gpus = ", ".join(f"{w}x {g}" for w, g in sorted({(r["world"], r["gpu"]) for r in ok}))
+    span = (f"{sp[0]:.2f}x" if len(sp) == 1
+            else f"{min(sp):.2f}x / {statistics.median(sp):.2f}x / {max(sp):.2f}x")
+    baselines = sorted({str(r.get("baseline", "")).split(" (")[0] for r in ok})
+    models = ", ".join(sorted({str(r["model"]) for r in ok if r.get("model")}))
+    what = f"{SUMMARY[bench]} ({models})" if models else SUMMARY[bench]
+    return f"| {bench}: {what} | {'; '.join(baselines)} | {gpus} | {span} |"
 
 
 def with_summary(readme: str, summary: str) -> str | None:
