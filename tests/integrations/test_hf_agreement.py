@@ -114,7 +114,8 @@ def _checker_worker(rank, world):
     from fusedpar.integrations.hf.calls import LAG, CallChecker
 
     ctx = ParallelContext(ParallelLayout(world, tp=world), host_groups=True)
-    checker = CallChecker(ctx.shift, ctx.host(ctx.shift))
+    checker = CallChecker(ctx.shift, ctx.host(ctx.shift), timeout=60)
+    out = {"shared": checker.shapes.shared is not None}
     cpu = torch.device("cpu")
 
     def call(decode, token=7, batch=1):
@@ -131,7 +132,7 @@ def _checker_worker(rank, world):
                 return i, str(e)
         return None, None
 
-    out = {"lag": LAG}
+    out["lag"] = LAG
     # a decode call whose tokens differ: found LAG calls later, on every rank
     out["decode"] = raised_at([lambda: call(False), lambda: call(True, token=7 + rank)]
                               + [lambda: call(True)] * (LAG + 1))

@@ -5,8 +5,9 @@ makes a forward call the others do not) would mix their activations silently, or
 a collective whose shapes differ. Each forward call is checked in two parts:
 
   shape   batch, new and cached columns, use_cache, output_hidden_states, logits_to_keep: host
-          integers, all-gathered over a CPU (gloo) group before the call's first collective and
-          compared at once. A difference here would hang the call, so it always raises first.
+          integers, all-gathered on the host before the call's first collective (HostExchange:
+          shared memory on one host, gloo otherwise) and compared at once. A difference here would
+          hang the call, so it always raises first.
   content hashes of input ids / embeddings, attention_mask and position_ids, computed on the
           device and all-gathered there. A call that starts or extends sequences by more than one
           column compares them before it runs. A decode call (one new column on a live cache) does
@@ -21,13 +22,14 @@ the check off.
 
 from __future__ import annotations
 
+import datetime
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 from fusedpar.collectives import CommGroup, all_gather_rows
 from fusedpar.collectives.agreement import disagreement
+from fusedpar.collectives.host_exchange import HostExchange
 
 SHAPE_FIELDS = ("batch", "new columns", "cached columns", "use_cache", "output_hidden_states", "logits_to_keep")
 CONTENT_FIELDS = ("input ids / embeddings (hash)", "attention_mask (hash)", "position_ids (hash)")
@@ -62,15 +64,16 @@ def _raise_if_different(fields: tuple[str, ...], rows: list[list[int]], ranks) -
 class CallChecker:
     """The per-call check of one group of ranks that must make the same calls (see the module doc).
 
-    group: the ranks (device collectives); host: the same ranks on a gloo group (CPU tensors).
-    Collective: every rank of the group calls `check` once per forward call, before its first
-    other collective.
+    group: the ranks (device collectives); host: the same ranks on a gloo group (CPU tensors);
+    timeout: of the host exchange. Collective: every rank of the group builds it together and calls
+    `check` once per forward call, before its first other collective.
     """
 
-    def __init__(self, group: CommGroup, host: CommGroup):
+    def __init__(self, group: CommGroup, host: CommGroup, timeout: datetime.timedelta | float):
         if group.ranks != host.ranks:
             raise ValueError(f"CallChecker: device group {group.ranks} and host group {host.ranks} differ")
-        self.group, self.host = group, host
+        self.group = group
+        self.shapes = HostExchange(host, len(SHAPE_FIELDS), timeout)
         self.calls = 0
         # (call index, gathered hashes [G, 3] (pinned host copy on CUDA), event or None)
         self.pending: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
@@ -82,11 +85,9 @@ class CallChecker:
             return
         self.calls += 1
         keep = logits_to_keep if isinstance(logits_to_keep, int) else -2 - int(content_hash(logits_to_keep, "cpu"))
-        shape = torch.tensor([batch, new, cached, int(use_cache), int(output_hidden_states), keep], dtype=torch.int64)
-        rows = [torch.empty_like(shape) for _ in range(self.host.size)]
-        dist.all_gather(rows, shape, group=self.host.pg)
+        rows = self.shapes.all_gather([batch, new, cached, int(use_cache), int(output_hidden_states), keep])
         try:
-            _raise_if_different(SHAPE_FIELDS, [r.tolist() for r in rows], self.group.ranks)
+            _raise_if_different(SHAPE_FIELDS, rows, self.group.ranks)
         except ValueError:
             self.pending.clear()
             raise

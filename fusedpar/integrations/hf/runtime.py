@@ -106,7 +106,7 @@ class _Runtime:
         if current is None or current.group.ranks != group.ranks or current.group.pg is not group.pg:
             if current is not None:
                 current.flush()
-            current = self._checker = CallChecker(group, self.ctx.host(group))
+            current = self._checker = CallChecker(group, self.ctx.host(group), self.ctx.timeout)
         return current
 
     def _take_ids(self, rows: int) -> list[int]:
