@@ -17,8 +17,11 @@ on every side) in a process of its own, on the same GPUs, one after the other; t
 Workloads (time from submitting a request to its outputs, as a client sees it):
   ttft        one prompt of each --ttft-prompts length (default 4096), 1 output token: median of
               --iters after 3 warm-up requests (a sweep shows where base mode starts to win)
-  tpot        batch 1 and 32 of 512-token prompts, 128 output tokens each: per request (finish - first
-              token) / 127, median over requests and --rounds rounds
+  tpot        batch 1 and 32 of 512-token prompts, 128 output tokens each, in the steady window where
+              every request of the batch decodes (after the last first token, before the first
+              finish: no prefill step inside): per request the window's time over its tokens in it,
+              median over requests and --rounds rounds (the first warms up); also tpot_b<B>_request_ms,
+              per request (finish - first token) / 127, which includes the batch's later prefill steps
   throughput  64 requests of 2000 prompt + 250 output tokens submitted at once: (prompt + output) / wall
   online      Poisson arrivals alternating low load (2-5 req/s) and bursts (10-30 req/s) for
               --online-seconds, prompts 100-2000 and outputs 50-250 tokens (uniform, seeded):
@@ -143,12 +146,31 @@ async def _request(engine, ids: list[int], max_tokens: int, rid: str) -> dict:
     t0 = time.perf_counter()
     first = None
     n = 0
+    marks = []  # (perf_counter, tokens so far) at every output
     async for out in engine.generate({"prompt_token_ids": ids}, params, rid):
         n = len(out.outputs[0].token_ids)
+        now = time.perf_counter()
+        marks.append((now, n))
         if first is None and n:
-            first = time.perf_counter()
+            first = now
     end = time.perf_counter()
-    return {"ttft": first - t0, "tpot": (end - first) / (n - 1) if n > 1 else None, "end": end - t0, "tokens": n}
+    return {"ttft": first - t0, "tpot": (end - first) / (n - 1) if n > 1 else None, "end": end - t0, "tokens": n,
+            "marks": marks}
+
+
+def steady_tpot(outs: list[dict]) -> float | None:
+    """Median over the requests of a batch of the time per token in the window where all of them decode:
+    from the last request's first token to the first request's last output. None if that window holds
+    fewer than two outputs of some request."""
+    start = max(o["marks"][0][0] for o in outs)
+    stop = min(o["marks"][-1][0] for o in outs)
+    per = []
+    for o in outs:
+        inside = [(t, n) for t, n in o["marks"] if start <= t <= stop]
+        if len(inside) < 2 or inside[-1][1] == inside[0][1]:
+            return None
+        per.append((inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1]))
+    return statistics.median(per)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -203,13 +225,16 @@ async def run_engine(spec: dict) -> dict:
                 await engine.stop_profile()
         if "tpot" in benches:
             for b in TPOT_BATCHES:
-                rounds = []
+                rounds, per_request = [], []
                 for _ in range(spec["rounds"]):
                     outs = await asyncio.gather(*[_request(engine, _ids(rng, TPOT_PROMPT), TPOT_OUTPUT, rid())
                                                   for _ in range(b)])
-                    rounds.append(statistics.median(o["tpot"] for o in outs))
+                    per_request.append(statistics.median(o["tpot"] for o in outs))
+                    steady = steady_tpot(outs)
+                    rounds.append(per_request[-1] if steady is None else steady)
                 res[f"tpot_b{b}_ms"] = 1e3 * statistics.median(rounds[1:] or rounds)  # round 1 warms up
                 res[f"tpot_b{b}_ms_rounds"] = [1e3 * t for t in rounds]
+                res[f"tpot_b{b}_request_ms"] = 1e3 * statistics.median(per_request[1:] or per_request)
         if "throughput" in benches:
             reqs = [_ids(rng, THR_PROMPT) for _ in range(THR_REQUESTS)]
             await asyncio.gather(*[_request(engine, r[:256], 8, rid()) for r in reqs[:8]])  # warm the path
@@ -368,7 +393,8 @@ def records(args, results: dict, peak: float, hbm: float, gpu: str) -> list[dict
             add("vllm_ttft", n, plain.get(f"ttft_{n}_ms"), res.get(f"ttft_{n}_ms"), floor_ms(n))
         for b in TPOT_BATCHES:
             add("vllm_tpot", b, plain.get(f"tpot_b{b}_ms"), res.get(f"tpot_b{b}_ms"), floor_ms(b), batch=b,
-                prompt=TPOT_PROMPT)
+                prompt=TPOT_PROMPT, metric="steady decode window",
+                plain_request_ms=plain.get(f"tpot_b{b}_request_ms"), fused_request_ms=res.get(f"tpot_b{b}_request_ms"))
         if plain.get("throughput_s") and res.get("throughput_s"):
             add("vllm_throughput", thr_tokens, 1e3 * plain["throughput_s"], 1e3 * res["throughput_s"],
                 floor_ms(thr_tokens, steps=THR_OUTPUT), plain_tokens_per_s=plain["tokens_per_s"],

@@ -102,3 +102,17 @@ def test_bench_reshard_smoke_runs_on_cpu_and_writes_valid_records(tmp_path):
     kv = [r for r in records if r["bench"] == "reshard_kv"]
     assert {r["case"] for r in kv} == {"dp2->tp2", "tp2->dp2"} and all(r["bytes"] > 0 for r in kv)
     assert any(r["baseline"].startswith("re-prefill") for r in kv)
+
+
+def test_vllm_steady_tpot_leaves_out_the_batch_prefill_steps(perf_on_path):
+    """bench_vllm's batch TPOT: only the window where every request decodes (no prefill step of a
+    later request inside), per request time over its tokens there, median over requests."""
+    steady_tpot = importlib.import_module("bench_vllm").steady_tpot
+    # request a: first token at t=1, then one token per 0.01 s; request b: first token at t=1.5 (its prefill
+    # was a 0.5 s step that also delayed a: a's tokens 2.. arrive from t=1.5), one per 0.01 s, both 51 tokens
+    a = [(1.0, 1)] + [(1.5 + 0.01 * i, 2 + i) for i in range(50)]
+    b = [(1.5 + 0.01 * i, 1 + i) for i in range(51)]
+    assert steady_tpot([{"marks": a}, {"marks": b}]) == pytest.approx(0.01)
+    # the per-request TPOT of a, (finish - first) / (n - 1), carries the 0.5 s step
+    assert (a[-1][0] - a[0][0]) / 50 > 0.019
+    assert steady_tpot([{"marks": a}, {"marks": [(3.0, 1), (3.1, 2)]}]) is None  # no common window
