@@ -70,16 +70,9 @@ def layer_weights(cfg: DecoderConfig, layer: int, seed: int, dtype: torch.dtype,
     expects), a generator on the device on CUDA (8B-sized layers drawn on the host would take minutes)."""
     if device.type != "cuda":
         return random_decoder_weights(cfg, seed=seed + layer, dtype=dtype)
-    from fusedpar.layers import weight_shapes
+    from bench_layer import full_weights  # perf/ is on the path of every perf script
 
-    gen = torch.Generator(device=device).manual_seed(seed + layer)
-    out = {}
-    for name, shape in weight_shapes(cfg).items():
-        if len(shape) == 1:
-            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device, dtype=dtype)
-        else:
-            out[name] = torch.randn(shape, generator=gen, device=device, dtype=dtype) / shape[1] ** 0.5
-    return out
+    return full_weights(cfg, device, dtype, seed=seed + layer)
 
 
 def head_weights(cfg: DecoderConfig, vocab: int, seed: int, dtype: torch.dtype, device: torch.device
