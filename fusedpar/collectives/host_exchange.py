@@ -50,17 +50,32 @@ class HostExchange:
         if len(set(hosts)) == 1 and here[1] in ("x86_64", "AMD64") and os.path.isdir(_SHARED_MEMORY):
             self.shared = self._map()
 
-    def _map(self) -> torch.Tensor:
+    def _map(self) -> torch.Tensor | None:
+        """The mapped buffers [2, ranks, 1 + width], or None on every rank when any rank could not
+        make or map the file (then gloo serves)."""
         numel = 2 * self.group.size * (self.width + 1)
-        name = [f"{_SHARED_MEMORY}/fusedpar-exchange-{uuid.uuid4().hex}" if self.group.rank == 0 else None]
+        name: list[str | None] = [None]
         if self.group.rank == 0:
-            with open(name[0], "wb") as f:
-                f.write(bytes(8 * numel))
+            path = f"{_SHARED_MEMORY}/fusedpar-exchange-{uuid.uuid4().hex}"
+            try:
+                with open(path, "wb") as f:
+                    f.write(bytes(8 * numel))
+                name = [path]
+            except OSError:  # /dev/shm full or read-only: every rank falls back to gloo below
+                name = [""]
         dist.broadcast_object_list(name, src=self.group.ranks[0], group=self.group.pg)
-        shared = torch.from_file(name[0], shared=True, size=numel, dtype=torch.int64)
-        dist.barrier(group=self.group.pg)  # every rank mapped it: the name can go, the mappings stay
-        if self.group.rank == 0:
-            os.unlink(name[0])
+        shared = None
+        if name[0]:
+            try:
+                shared = torch.from_file(name[0], shared=True, size=numel, dtype=torch.int64)
+            except (OSError, RuntimeError):
+                shared = None
+        mapped: list = [None] * self.group.size
+        dist.all_gather_object(mapped, shared is not None, group=self.group.pg)  # also: every rank mapped it
+        if self.group.rank == 0 and name[0]:
+            os.unlink(name[0])  # the mappings stay
+        if not all(mapped):
+            return None
         return shared.view(2, self.group.size, self.width + 1)
 
     def all_gather(self, row: list[int]) -> list[list[int]]:
