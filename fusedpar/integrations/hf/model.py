@@ -476,9 +476,10 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
         a context outgrows the graphs' max_context), so that step takes longer; later ones skip
         Python's per-kernel launch cost. Steps with output_hidden_states run eagerly.
     check_inputs: each forward call first checks that every rank of the replica passed the same
-        inputs and settings (one small all-gather and a device-to-host copy; calls.py) and raises
-        ValueError on every rank, naming what differs, instead of hanging or mixing results. False
-        skips the check (ranks known to agree, e.g. fed by one scheduler).
+        inputs and settings (shapes over a host exchange before any collective, input hashes over a
+        device all-gather, compared two calls later in decode steps; calls.py) and raises ValueError
+        on every rank, naming what differs, instead of hanging or mixing results. False skips the
+        check (ranks known to agree, e.g. fed by one scheduler).
     reshard_layouts: more layouts of the same world to switch among with `model.reshard(layout)`,
         live, mid-generation (TP, SP, DP and their mixes). Each rank keeps, per replica size P among
         the declared layouts, the weights of the one with the largest SP (held_layouts_for), and
