@@ -67,7 +67,8 @@ class HostExchange:
         shared = None
         if name[0]:
             try:
-                shared = torch.from_file(name[0], shared=True, size=numel, dtype=torch.int64)
+                with torch.inference_mode(False):  # a normal tensor: calls under inference mode and outside write it
+                    shared = torch.from_file(name[0], shared=True, size=numel, dtype=torch.int64)
             except (OSError, RuntimeError):
                 shared = None
         mapped: list = [None] * self.group.size
