@@ -27,7 +27,9 @@ from pinned staging buffers (an event guards their reuse), one device copy of th
 
 Limits (checked, never silent): every sequence has query length 1; contexts + 1 <= max_context;
 the cache must not have been grown since capture (the graph holds its tensors); larger batches
-or other steps run eagerly (ShiftParallelStack.forward routes).
+or other steps run eagerly (ShiftParallelStack.forward routes). A new cache object over the same
+memory, seen the same way (the pool reinterpreted back to these heads after a layout switch), takes
+the graphs over with rebind(): no capture.
 """
 
 from __future__ import annotations
@@ -116,6 +118,13 @@ def fill_decode_inputs(batch: StepBatch | None, slots: torch.Tensor | None, cach
 
 # fill_decode_inputs' `written` entry of a row whose content is not known
 _UNKNOWN_ROW = (object(), -1)
+
+
+def _view_of(cache) -> tuple:
+    """What a captured graph reads of a cache's memory: kv heads, block size, and per k / v the data
+    pointer, shape, strides and dtype."""
+    return (tuple(cache.kv_heads), cache.block_size,
+            *((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in (cache.k, cache.v)))
 
 
 def fill_prefill_inputs(batch: StepBatch | None, slots: torch.Tensor | None, cache, size: int, max_seqs: int,
@@ -215,6 +224,7 @@ class _StackGraphs:
         self.scratch_block = cache.block_tables[SCRATCH_SEQ_ID][0]
         self._cache_ptr = cache.k.data_ptr()
         self._cache_generation = cache.generation
+        self._cache_view = _view_of(cache)
         self._fused = stack.fused  # the workspaces the graphs were captured on (kept alive with them)
         self.pool = torch.cuda.graph_pool_handle()
         self._steps: dict[int, _StaticStep] = {}
@@ -300,6 +310,32 @@ class _StackGraphs:
                     f"to another sequence now: free only your own sequence ids, and capture new "
                     f"{type(self).__name__}")
         return None
+
+    def rebind(self, cache) -> bool:
+        """Point these graphs at `cache` when it shows the captured memory the same way: the same kv
+        heads, block size, and k and v tensors with the captured data pointers, shapes, strides and
+        dtype (e.g. the pool reinterpreted back to these heads after a KV migration, or after a switch
+        to another layout and back). True when rebound (or already bound), False when `cache` is other
+        memory (capture new graphs then). The scratch sequence is reserved on `cache`. The cache the
+        graphs ran on before must no longer be used: its blocks now belong to `cache`."""
+        if cache is self.cache:
+            return True
+        if _view_of(cache) != self._cache_view:
+            return False
+        if SCRATCH_SEQ_ID not in cache.block_tables:
+            cache.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))
+        self.cache = cache
+        self.scratch_block = cache.block_tables[SCRATCH_SEQ_ID][0]
+        self._cache_ptr = cache.k.data_ptr()
+        self._cache_generation = cache.generation
+        for st in self._steps.values():
+            st.written.clear()  # the rows name the old cache's tables and scratch block: rewrite them all
+        return True
+
+    def shares_memory(self, cache) -> bool:
+        """Whether `cache` lies on the memory these graphs were captured on (the same pool, seen for any
+        kv heads): graphs worth keeping across a layout switch, to rebind() when their heads return."""
+        return self.cache.k.untyped_storage().data_ptr() == cache.k.untyped_storage().data_ptr()
 
     def _check_live(self) -> None:
         reason = self.stale_reason()

@@ -15,8 +15,9 @@ sequences' KV moves along fusedpar.layouts.kv_plan with fusedpar.layers.reshard.
 HF adapter's switching does, into a pool grown to one agreed block count on every rank.
 
 CUDA: the stacks run the fused path (perf/_bench.enable_stack); decode steps of the sp == 1 layouts
-replay CUDA graphs (ShiftParallelStack.capture_decode_graphs), captured on the cache a layout uses and
-again whenever that cache object changes (after a migration). CPU: the reference path, eager.
+replay CUDA graphs (ShiftParallelStack.capture_decode_graphs), captured once per layout on its view of
+the pool and rebound (DecodeGraphs.rebind, no capture) to the cache a migration makes on that same
+view; captured again only when a migration had to grow the pool. CPU: the reference path, eager.
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ class Engine:
         self.heads = {k: tuple(self.stacks[k].layers[0].kv_heads) for k in LAYOUT_NAMES}
         self.embed, self.norm, self.lm_head = head_weights(cfg, opts.vocab, opts.seed, opts.dtype, device)
         blocks = opts.kv_blocks or self._auto_kv_blocks()
+        # a multiple of the kv heads: every layout's view of the pool, reached directly or through another
+        # layout's view, then has the same block count (decode graphs rebind across switches)
+        blocks = max(cfg.num_kv_heads, blocks - blocks % cfg.num_kv_heads)
         self.pool = PagedKVCache(num_layers=opts.layers, kv_heads=(0,), head_dim=cfg.head_dim,
                                  block_size=opts.block_size, num_blocks=blocks, dtype=opts.dtype, device=device)
         self.tier: HostKVTier | None = None
@@ -178,7 +182,7 @@ class Engine:
         stack = self.stacks[name]
         if not (self.cuda and self.opts.graphs and self.layouts[name].sp == 1):
             return 0.0
-        if stack.graphs is not None and stack.graphs.cache is cache:
+        if stack.graphs is not None and stack.graphs.rebind(cache):  # the same memory, seen the same way
             return 0.0
         t0 = time.perf_counter()
         sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= min(self.opts.max_seqs, stack.graph_token_cap))
@@ -189,9 +193,10 @@ class Engine:
         return dt
 
     def drop_graphs(self, keep: list[PagedKVCache]) -> None:
-        """Forget the CUDA graphs captured on caches other than `keep` (they hold those caches' tensors)."""
+        """Forget the CUDA graphs captured on memory none of `keep` lies on (they hold those tensors);
+        graphs on the pool's memory stay, for ready_graphs to rebind when their layout returns."""
         for stack in self.stacks.values():
-            if stack.graphs is not None and not any(stack.graphs.cache is c for c in keep):
+            if stack.graphs is not None and not any(stack.graphs.shares_memory(c) for c in keep):
                 stack.graphs = None
 
     def migrate(self, src: str, dst: str, cache: PagedKVCache, moves: dict[int, tuple[int, int, int]],

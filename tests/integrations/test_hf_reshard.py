@@ -7,6 +7,8 @@ arguments are refused with their reasons."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -367,12 +369,17 @@ def _graphs_worker(rank, world):
     rt = pm._fusedpar
     ids, mask = left_padded([5, 7], vocab=200, seed=1)
     pm(ids, attention_mask=mask, use_cache=True)
-    marks = {lay: object() for lay in rt.stacks}  # stand-ins for captured decode graphs (CPU: none)
+    pool = rt.kv
+
+    def on_pool(cache):
+        return cache.k.untyped_storage().data_ptr() == pool.k.untyped_storage().data_ptr()
+
+    # stand-ins for captured decode graphs (CPU: none); tp's say they were captured on other memory
+    marks = {lay: SimpleNamespace(shares_memory=(lambda c: False) if lay == tp else on_pool) for lay in rt.stacks}
     head = object()
     for lay, (_, stack) in rt.stacks.items():
         stack.graphs = marks[lay]
     rt.heads[1] = head
-    pool = rt.kv
     out = {"kept": [], "dropped": None}
     for lay in (sp, tp, sp):  # one replica size: the pool and every graph stay
         pm.reshard(lay)
@@ -384,10 +391,9 @@ def _graphs_worker(rank, world):
     except ValueError as exc:
         out["disagree"] = str(exc)
     out["unchanged"] = rt.ctx.layout == sp and rt.kv is pool
-    pm.reshard(dp)  # the pool is reinterpreted: graphs on the old one go, the head graphs stay
-    out["dropped"] = (rt.kv is not pool and all(st.graphs is None for _, st in rt.stacks.values())
-                      and rt.heads.get(1) is head and rt.kv.k.untyped_storage().data_ptr()
-                      == pool.k.untyped_storage().data_ptr())
+    pm.reshard(dp)  # the pool is reinterpreted: graphs on its memory stay (to rebind), others go; head graphs stay
+    out["dropped"] = (rt.kv is not pool and on_pool(rt.kv) and rt.heads.get(1) is head
+                      and all(st.graphs is (None if lay == tp else marks[lay]) for lay, (_, st) in rt.stacks.items()))
     rt.heads.clear()
     return out
 

@@ -296,6 +296,98 @@ def test_gpu_decode_graphs_stock_baseline_and_rope_tables(nccl_world):
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
 
 
+def _gpu_rebind_check(rank, world, cfg, sp, tp):
+    """Decode graphs captured on one cache replay on another cache object over the same memory, seen
+    the same way (the pool reinterpreted to other heads and back, as a layout switch and its return
+    leave it), after rebind(): the sequences' KV moved into it, steps vs the oracle and the eager
+    stack, every step a replay. Other memory refuses to rebind."""
+    from fusedpar.testing.scenarios import rel_error
+
+    dtype, layers = torch.bfloat16, 2
+    dev, oracle, stack, eager_cache, graph_cache = _graph_setup(world, cfg, sp, tp, layers, dtype, seed=11,
+                                                                threshold=64, options=None)
+    graphs = stack.capture_decode_graphs(graph_cache, max_context=MAX_CONTEXT, sizes=(1, 4))
+    gen = torch.Generator().manual_seed(5)
+    lengths = {0: 21, 1: 40, 2: 3}
+    errors = []
+
+    def step(cache, batch, label):
+        x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=gen, dtype=torch.float64).to(dev)
+        for st in graphs._steps.values():
+            st.out.fill_(float("nan"))
+        y = stack(x.to(dtype), batch, cache)
+        y_eager = stack(x.to(dtype), batch, eager_cache)
+        e_oracle, e_eager = rel_error(y, oracle.forward(x, batch)), rel_error(y, y_eager)
+        if not (e_oracle < REL_TOL[dtype] and e_eager < REL_TOL[dtype]):
+            errors.append(f"{label}: vs oracle {e_oracle:.3g}, vs eager {e_eager:.3g}")
+
+    def decode(cache, seqs, label):
+        step(cache, StepBatch(seqs, (1,) * len(seqs), tuple(lengths[s] for s in seqs)), label)
+        for s in seqs:
+            lengths[s] += 1
+
+    step(graph_cache, StepBatch(tuple(lengths), tuple(lengths.values()), (0,) * 3), "prefill")
+    decode(graph_cache, (0, 1, 2), "decode before the switch")
+    held = {s: [graph_cache.gather(li, s) for li in range(layers)] for s in lengths}  # copies, before reuse
+    other = tuple(range(100, 100 + 2 * len(graph_cache.kv_heads)))
+    moved = graph_cache.reinterpret(other).reinterpret(graph_cache.kv_heads)
+    for s, kv in held.items():
+        moved.fill(s, torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]))
+    if graphs.rebind(stack.make_cache(block_size=16, num_blocks=128, dtype=dtype)):
+        errors.append("rebind took a cache on other memory")
+    if not graphs.rebind(moved) or graphs.cache is not moved or graphs.stale_reason() is not None:
+        errors.append(f"rebind refused the same view of the pool ({graphs.stale_reason()})")
+    before = stack.graph_steps
+    for i, seqs in enumerate([(1,), (2, 0), (0, 1, 2), (2,)]):
+        decode(moved, seqs, f"decode {i} after rebind")
+    if stack.graph_steps - before != 4:
+        errors.append(f"{stack.graph_steps - before} of 4 decode steps after rebind replayed a graph")
+    return errors + _final_checks(rank, stack, moved, eager_cache, lengths, layers, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_graphs_rebind_to_the_same_view_of_the_pool(nccl_world):
+    from fusedpar.testing.gpu import all_ranks_ok
+
+    rank, world = nccl_world
+    cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=4, head_dim=128, intermediate_size=2048,
+                        rope_theta=1e6)
+    errors = []
+    for sp, tp in ((world, 1), (1, world)):
+        errors += [f"sp={sp} tp={tp}: {e}" for e in _gpu_rebind_check(rank, world, cfg, sp, tp)]
+    assert all_ranks_ok(not errors), "\n".join(errors[:8])
+
+
+def test_rebind_takes_the_same_view_only():
+    """rebind (CPU part: no capture): a cache object over the captured memory seen the same way takes the
+    graphs over (scratch reserved there, staged table rows forgotten); other memory, other heads or
+    another view of the same memory do not; shares_memory tells the pool's views apart from other memory."""
+    from fusedpar.layers.graphs import DecodeGraphs, _view_of
+
+    pool = PagedKVCache(num_layers=2, kv_heads=(0,), head_dim=8, block_size=4, num_blocks=48, dtype=torch.float32)
+    tp = pool.reinterpret((0, 1))
+    g = object.__new__(DecodeGraphs)  # the state _setup leaves, without a capture
+    tp.begin_step(StepBatch((SCRATCH_SEQ_ID,), (1,), (0,)))
+    g.cache, g.scratch_block, g._cache_view = tp, tp.block_tables[SCRATCH_SEQ_ID][0], _view_of(tp)
+    g._cache_ptr, g._cache_generation = tp.k.data_ptr(), tp.generation
+    g._steps = {1: SimpleNamespace(written=[("row", 1)])}
+    back = tp.reinterpret((0, 1, 2, 3)).reinterpret((0, 1))  # a switch to 4 heads per rank and back
+    back.begin_step(StepBatch((7,), (9,), (0,)))  # a migrated sequence takes blocks 0-2 first
+    assert g.shares_memory(back) and g.rebind(back) and g.cache is back
+    assert g.scratch_block == back.block_tables[SCRATCH_SEQ_ID][0] == 3
+    assert g._steps[1].written == [] and g._cache_generation == back.generation
+    assert g.rebind(back)  # already bound
+    assert not g.rebind(pool.reinterpret((0, 1, 2, 3)))  # the same memory, another view
+    assert not g.rebind(pool.reinterpret((4, 5)))  # other heads
+    other = PagedKVCache(num_layers=2, kv_heads=(0, 1), head_dim=8, block_size=4, num_blocks=24, dtype=torch.float32)
+    assert not g.shares_memory(other) and not g.rebind(other) and g.cache is back
+    odd = PagedKVCache(num_layers=2, kv_heads=(0,), head_dim=8, block_size=4, num_blocks=50, dtype=torch.float32)
+    g2 = object.__new__(DecodeGraphs)
+    g2.cache = odd.reinterpret((0, 1))  # 25 blocks; via 4 heads and back: 24
+    g2._cache_view, g2._steps = _view_of(g2.cache), {}
+    assert not g2.rebind(odd.reinterpret((0, 1, 2, 3)).reinterpret((0, 1)))
+
+
 # ---- prefill graphs: staging (CPU) ----------------------------------------------------------------
 def _prefill_staging(size, max_seqs, max_blocks):
     return (torch.full((2, size), -7, dtype=torch.int64),

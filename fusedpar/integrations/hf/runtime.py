@@ -263,7 +263,7 @@ class _Runtime:
         decode attention's split-KV tiling is chosen for it, and a bound far above the real contexts
         would leave most of its splits empty."""
         g, need = self.stack.graphs, max(batch.context_lens) + 1
-        mine = g is not None and g.cache is self.kv
+        mine = g is not None and g.rebind(self.kv)  # a switch back to this layout's view of the pool: kept
         if mine and g.stale_reason() is None and size in g.sizes and need <= g.max_context:
             return
         sizes = {size} | (set(g.sizes) if mine else set())

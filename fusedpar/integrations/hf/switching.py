@@ -35,7 +35,9 @@ def reshard_runtime(rt: _Runtime, layout: ParallelLayout) -> dict:
     switch selects them: between SP x TP splits of one replica size it is one tiny all-reduce (the
     ranks' agreement on the layout) and no device work; the stacks' decode graphs and the head
     graphs stay (they read the same pool and parameters). Across replica sizes the live KV migrates
-    (migrate_kv) into a reinterpreted pool, and the graphs captured on the old pool are dropped."""
+    (migrate_kv) into a reinterpreted pool; decode graphs on that memory stay and are rebound
+    (DecodeGraphs.rebind) when their layout's view of it returns, those on memory left behind (a grown
+    pool) are dropped."""
     t0 = time.perf_counter()
     if not isinstance(layout, ParallelLayout):
         raise ValueError(f"reshard needs a ParallelLayout, got {type(layout).__name__}")
@@ -221,6 +223,7 @@ def _migrate_live_kv(rt: _Runtime, src: ParallelLayout, dst: ParallelLayout, ctx
     moved = sum(2 * kv.k.shape[0] * tokens[m.seq] * kv.k.shape[-1] * element for m in plan)
     rt.kv = target
     rt._gone.clear()
-    for st in rt.stacks.values():
-        st[1].graphs = None  # captured on the old pool's tensors
+    for _, other in rt.stacks.values():
+        if other.graphs is not None and not other.graphs.shares_memory(target):
+            other.graphs = None  # captured on memory the target pool left (it grew): capture again
     return moved, received
