@@ -1,8 +1,9 @@
 """Benchmark: bursty-traffic serving over the fusedpar stack, one layout policy after another on one trace.
 
 A trace-driven continuous-batching loop (a benchmark harness, not a serving engine): paged KV
-(PagedKVCache), chunked prefill under a token budget per step and replica, greedy decode (decode
-steps of the sp == 1 layouts replay CUDA graphs on GPUs; everything is eager on CPU). The model: the
+(PagedKVCache), chunked prefill under a token budget per step and replica, greedy decode (the sp == 1
+layouts replay CUDA graphs of their decode and mixed prefill + decode steps on GPUs, base-mode steps
+run eagerly; everything is eager on CPU). The model: the
 --model decoder shape (perf/shapes.py) x --layers with random weights, a replicated embedding and
 lm_head. W = world size; layouts tpW (tp=W), spW (sp=W), dpW (dp=W, one rank per replica).
 
@@ -21,7 +22,8 @@ Policies (--policies; fusedpar.layers.layout_policy):
   pd      prefill in one layout, decode in another, through the host KV tier (PrefillDecodePolicy +
           HostKVTier: prompts done go to the tier, the decode phase swaps them in)
   auto    AutoPolicy over tpW, spW, dpW from step-time curves measured at start-up on this machine
-          (an eager prefill step per token count and layout) and a dp <-> tp switch cost measured
+          (a prefill step per token count and layout, on the path serving takes: graph replays for
+          the sp == 1 layouts) and a dp <-> tp switch cost measured
           the same way (unless --auto-switch-s), plus the queue the scheduler sees.
 
 Clock (perf/_serve/loop.py): virtual. Every iteration of the loop is timed on the wall clock (max over

@@ -14,10 +14,12 @@ size (sp <-> tp) keeps the cache (the same kv heads on the same ranks); across r
 sequences' KV moves along fusedpar.layouts.kv_plan with fusedpar.layers.reshard.migrate_kv, as the
 HF adapter's switching does, into a pool grown to one agreed block count on every rank.
 
-CUDA: the stacks run the fused path (perf/_bench.enable_stack); decode steps of the sp == 1 layouts
-replay CUDA graphs (ShiftParallelStack.capture_decode_graphs), captured once per layout on its view of
-the pool and rebound (DecodeGraphs.rebind, no capture) to the cache a migration makes on that same
-view; captured again only when a migration had to grow the pool. CPU: the reference path, eager.
+CUDA: the stacks run the fused path (perf/_bench.enable_stack); the sp == 1 layouts replay CUDA graphs
+of their decode steps (DecodeGraphs) and of their mixed prefill + decode steps up to the step budget
+(PrefillGraphs), as a serving engine's graphs would; base-mode (sp > 1) steps run eagerly. Graphs are
+captured once per layout on its view of the pool and rebound (rebind, no capture) to the cache a
+migration makes on that same view; captured again only when a migration had to grow the pool. CPU:
+the reference path, eager.
 """
 
 from __future__ import annotations
@@ -177,20 +179,38 @@ class Engine:
         return world_min(cache.num_blocks, self.device) - 1
 
     def ready_graphs(self, name: str, cache: PagedKVCache) -> float:
-        """Capture decode graphs of layout `name` on `cache` unless they exist there (CUDA, graphs on,
-        sp == 1 layouts); seconds spent. Collective: every rank calls it at the same switch."""
+        """CUDA graphs of layout `name` on `cache` (CUDA, graphs on, sp == 1 layouts): decode graphs
+        (DEFAULT_CAPTURE_SIZES) and varlen graphs for the mixed prefill + decode steps (prefill_sizes),
+        rebound when they were captured on this view of the pool, captured otherwise; seconds spent
+        capturing. Collective: every rank calls it at the same switch."""
         stack = self.stacks[name]
         if not (self.cuda and self.opts.graphs and self.layouts[name].sp == 1):
             return 0.0
-        if stack.graphs is not None and stack.graphs.rebind(cache):  # the same memory, seen the same way
-            return 0.0
+        o = self.opts
+        want_prefill = bool(self.prefill_sizes(stack))
+        if (stack.graphs is not None and stack.graphs.rebind(cache)
+                and (not want_prefill or (stack.prefill_graphs is not None and stack.prefill_graphs.rebind(cache)))):
+            return 0.0  # the same memory, seen the same way
         t0 = time.perf_counter()
-        sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= min(self.opts.max_seqs, stack.graph_token_cap))
-        stack.capture_decode_graphs(cache, max_context=self.opts.max_context, sizes=sizes)
+        sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= min(o.max_seqs, stack.graph_token_cap))
+        stack.capture_decode_graphs(cache, max_context=o.max_context, sizes=sizes)
+        if want_prefill:
+            sizes = self.prefill_sizes(stack)
+            stack.capture_prefill_graphs(cache, max_context=o.max_context, sizes=sizes,
+                                         max_seqs=min(o.max_seqs, sizes[0] - 2))
         torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         self.graph_s += dt
         return dt
+
+    def prefill_sizes(self, stack: ShiftParallelStack) -> tuple[int, ...]:
+        """Token counts of the varlen graphs: powers of two from 256 and the step budget (a graph of s tokens
+        takes at most s - 2 sequences, so 256 serves steps of up to 254 sequences); () when the budget is
+        below 256 tokens."""
+        cap = min(self.opts.max_batch_tokens, stack.graph_token_cap)
+        if cap < 256:
+            return ()
+        return tuple(sorted({s for s in (256, 512, 1024, 2048, 4096, 8192) if s < cap} | {cap}))
 
     def drop_graphs(self, keep: list[PagedKVCache]) -> None:
         """Forget the CUDA graphs captured on memory none of `keep` lies on (they hold those tensors);
@@ -198,6 +218,8 @@ class Engine:
         for stack in self.stacks.values():
             if stack.graphs is not None and not any(stack.graphs.shares_memory(c) for c in keep):
                 stack.graphs = None
+            if stack.prefill_graphs is not None and not any(stack.prefill_graphs.shares_memory(c) for c in keep):
+                stack.prefill_graphs = None
 
     def migrate(self, src: str, dst: str, cache: PagedKVCache, moves: dict[int, tuple[int, int, int]],
                 need_blocks: int) -> tuple[PagedKVCache, int]:
@@ -243,11 +265,12 @@ class Engine:
         return greedy(h[rows], self.norm, self.lm_head, self.opts.cfg.rms_norm_eps).tolist()
 
     def step_curve(self, name: str, points: list[int], iters: int) -> list[tuple[int, float]]:
-        """(tokens, seconds) per point: an eager prefill step of `tokens` tokens split over the layout's
+        """(tokens, seconds) per point: a prefill step of `tokens` tokens split over the layout's
         replicas (one sequence each) on a fresh cache, median of iters after one warm-up, max over
         ranks. Collective."""
         lay = self.layouts[name]
         cache = self.fresh_cache(name)
+        self.ready_graphs(name, cache)  # the path serving takes: graph replays where a step fits one
         out = []
         for n in points:
             q = -(-n // lay.dp)
