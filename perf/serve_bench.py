@@ -139,7 +139,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--curve-iters", type=int, help="auto: timed steps per curve point (median; default 3, --cpu: 2)")
     g = p.add_argument_group("run and output")
     g.add_argument("--warmup-requests", type=int, help="untimed warm-up: the first N requests under static tp, sp, "
-                   "dp before the policies (compiles the kernels, opens the groups; default 16, --cpu: 4)")
+                   "dp before the policies (compiles the kernels, opens the groups; default 16, --cpu: 4), after "
+                   "one eager sp step per shape the scheduler can make (Engine.warm_base); 0: no warm-up")
     g.add_argument("--fixed-step-s", type=float, default=0.0,
                    help="advance the clock by this many seconds per loop iteration instead of the measured time "
                         "(a simulated clock: reproducible schedules on any machine; TTFT/TPOT then count "
@@ -273,6 +274,8 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
             f"{k}: " + " ".join(f"{n}:{s * 1e3:.2f}" for n, s in v) for k, v in curve_points.items())
             + f"; switch {switch_s * 1e3:.2f} ms")
     if o["warmup_requests"]:
+        steps = e.warm_base("sp", log)
+        log(f"warm-up sp: {steps} base-mode step shapes")
         warm = requests[:o["warmup_requests"]]
         for key in ("tp", "sp", "dp"):
             PolicyRun(e, f"warm-up {key}", make_policy(key, e, o, None, None), warm, prompts, priorities=False,

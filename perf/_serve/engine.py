@@ -289,6 +289,36 @@ class Engine:
             out.append((n, world_max([statistics.median(times)], self.device)[0]))
         return out
 
+    def warm_base(self, name: str, log=print) -> int:
+        """Run the eager base-mode steps of layout `name` (sp > 1) once per shape the scheduler can hand
+        it, so that the Triton kernels' specialisations compile here and not mid-trace (a compile is
+        seconds of host time: every request waiting then sees it in its TTFT). Shapes: one sequence of
+        n tokens and n sequences of one token (a decode step), n = 1..16 and every multiple of 16 and the
+        one above it, up to the step budget / max_seqs. Returns the steps run. Collective."""
+        if self.layouts[name].sp == 1:
+            return 0
+        o = self.opts
+        cache = self.fresh_cache(name)
+
+        def grid(top: int) -> list[int]:
+            return sorted({n for n in (*range(1, 17), *range(16, top + 1, 16), *range(17, top + 1, 16)) if n <= top})
+
+        shapes = [((0,), (n,), (0,)) for n in grid(o.max_batch_tokens)]
+        shapes += [(tuple(range(n)), (1,) * n, (1,) * n) for n in grid(min(o.max_seqs, o.max_batch_tokens))]
+        last = time.perf_counter()
+        for i, (seqs, lens, ctx) in enumerate(shapes):
+            if ctx[0]:  # a decode step: its sequences hold one token first
+                self.forward(name, cache, StepBatch(seqs, (1,) * len(seqs), (0,) * len(seqs)),
+                             torch.zeros(len(seqs), dtype=torch.int64), [])
+            n = sum(lens)
+            self.forward(name, cache, StepBatch(seqs, lens, ctx), torch.zeros(n, dtype=torch.int64), [])
+            for sid in seqs:
+                cache.free(sid)
+            if time.perf_counter() - last > 10:
+                log(f"warm-up {name}: base-mode shapes {i + 1}/{len(shapes)}")
+                last = time.perf_counter()
+        return len(shapes)
+
     def switch_cost(self, tokens: int, iters: int) -> float:
         """Seconds of a dp <-> tp switch carrying `tokens` cached tokens per replica (mean of the two
         directions, median of iters, max over ranks). Collective."""
