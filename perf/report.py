@@ -51,12 +51,15 @@ BENCHMARKS = {
     "reshard": ("Re-sharding and the host KV tier",
                 "declared-layout switches, KV migration between layouts, host-tier swaps and their overlap with GEMMs",
                 "perf/bench_reshard.py"),
+    "serve": ("Bursty-traffic serving", "layout policies over one bursty trace (continuous batching over the "
+              "fusedpar stack); speedup = static TP's p50 TTFT / the policy's", "perf/serve_bench.py"),
     "vllm": ("vLLM plugin", "vLLM with fusedpar (SP <-> TP) against plain vLLM TP=P, vLLM's engine API, dummy weights",
              "perf/bench_vllm.py"),
 }
 # bench names whose records compare two plain paths (no fused side): in the document, not the summary
 REFERENCE_ONLY = {"layer_plain_sp"}
-PLOTS = {"speedup_vs_tokens.png": "gemm", "layer_ms_vs_tokens.png": "layer", "model_bars.png": "model"}
+PLOTS = {"speedup_vs_tokens.png": "gemm", "layer_ms_vs_tokens.png": "layer", "model_bars.png": "model",
+         "serve_timeline.png": "serve"}  # serve_timeline.png: drawn by perf/serve_bench.py with its records
 
 
 def load(results: Path = RESULTS) -> dict[str, list[dict]]:
@@ -117,6 +120,30 @@ def _table(recs: list[dict]) -> list[str]:
     return lines
 
 
+def _serve_table(recs: list[dict]) -> list[str]:
+    """Per policy of a serving run: latency percentiles, throughput per load phase, layouts and switches."""
+    def ms(v) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    def tok(v) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
+    traces = sorted({json.dumps(r.get("trace", {}), sort_keys=True) for r in recs})
+    trace = json.loads(traces[0]) if len(traces) == 1 else {}
+    lines = [f"Per policy ({recs[0].get('model')} x{recs[0].get('layers')} layers, {recs[0].get('dtype')}; trace: "
+             + (", ".join(f"{k} {v}" for k, v in sorted(trace.items())) if trace else "per record") + "; clock: "
+             + str(recs[0].get("clock")) + "). Latencies in ms, throughput in output tokens/s.", "",
+             "| policy | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | tok/s low | tok/s burst | tok/s peak "
+             "| steps per layout | switches | switching s |", "|" + "---|" * 11]
+    for r in recs:
+        steps = ", ".join(f"{k} {v}" for k, v in sorted(r.get("steps", {}).items()))
+        lines.append(f"| {r['case']} | {ms(r.get('ttft_p50_ms'))} | {ms(r.get('ttft_p99_ms'))} "
+                     f"| {ms(r.get('tpot_p50_ms'))} | {ms(r.get('tpot_p99_ms'))} | {tok(r.get('throughput_low_tok_s'))} "
+                     f"| {tok(r.get('throughput_burst_tok_s'))} | {tok(r.get('peak_throughput_tok_s'))} | {steps} "
+                     f"| {r.get('switches_total', 0)} | {r.get('switch_s', 0):.3f} |")
+    return lines
+
+
 def _by_bench(recs: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for r in recs:
@@ -147,6 +174,8 @@ def performance_md(records: dict[str, list[dict]]) -> str:
                 lines += [f"![{png}](../perf/results/{png})", ""]
         for bench, recs in _by_bench(records[stem]).items():
             lines += [f"### {bench}", "", _machine(recs), "", *_table(recs), ""]
+            if bench == "serve":
+                lines += [*_serve_table(recs), ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -36,15 +36,19 @@ BENCHES = {
     "hf_decode": {"hf_decode_tpot"},
     "vllm": {"vllm_ttft", "vllm_tpot", "vllm_throughput", "vllm_online"},
     "reshard": {"reshard_switch", "reshard_kv", "reshard_swap", "reshard_overlap"},
+    "serve": {"serve"},
 }
 # world sizes of each benchmark's committed records: the single-GPU ops 1, the others the machines they ran on
-WORLD = {"gemm": {1}, "attention": {1}, "hf_decode": {2}, "vllm": {2, 4}}
+WORLD = {"gemm": {1}, "attention": {1}, "hf_decode": {2}, "vllm": {2, 4}, "reshard": {2, 4}, "serve": {2}}
+# GPUs of each benchmark's committed records (default H200; the machine is named in every record and table)
+GPUS = {"serve": ("H200", "H100")}
 NUMBERS = ("tokens", "world", "baseline_ms", "fused_ms", "speedup")
 STRINGS = ("bench", "case", "gpu", "baseline", "torch", "triton", "date", "command")
 COMMIT_REQUIRED_FROM = "2026-11-27"
 COMMIT = re.compile(r"[0-9a-f]{7,40}(\+dirty)?")
 # roofline_pct may be null only in these benches (a step mix with no single floor)
-ROOFLINE_OPTIONAL = {"model", "vllm", "reshard"}  # reshard: a layout switch (views) has no floor
+# reshard: a layout switch (views) has no floor; serve: latencies of a whole trace
+ROOFLINE_OPTIONAL = {"model", "vllm", "reshard", "serve"}
 
 
 def _records(stem: str) -> list[dict]:
@@ -99,7 +103,7 @@ def test_records_are_from_the_target_machine(stem):
     want_world = WORLD.get(stem, {4})
     for i, rec in enumerate(_records(stem)):
         assert rec["world"] in want_world, f"{_where(stem, i, rec)}: world {rec['world']}"
-        assert "H200" in rec["gpu"], f"{_where(stem, i, rec)}: gpu {rec['gpu']!r}"
+        assert any(g in rec["gpu"] for g in GPUS.get(stem, ("H200",))), f"{_where(stem, i, rec)}: gpu {rec['gpu']!r}"
 
 
 @pytest.mark.parametrize("stem", BENCHES)
