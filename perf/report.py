@@ -137,10 +137,10 @@ def _serve_table(recs: list[dict]) -> list[str]:
              "| steps per layout | switches | switching s |", "|" + "---|" * 11]
     for r in recs:
         steps = ", ".join(f"{k} {v}" for k, v in sorted(r.get("steps", {}).items()))
-        lines.append(f"| {r['case']} | {ms(r.get('ttft_p50_ms'))} | {ms(r.get('ttft_p99_ms'))} "
-                     f"| {ms(r.get('tpot_p50_ms'))} | {ms(r.get('tpot_p99_ms'))} | {tok(r.get('throughput_low_tok_s'))} "
-                     f"| {tok(r.get('throughput_burst_tok_s'))} | {tok(r.get('peak_throughput_tok_s'))} | {steps} "
-                     f"| {r.get('switches_total', 0)} | {r.get('switch_s', 0):.3f} |")
+        cells = [r["case"], *(ms(r.get(f"{k}_ms")) for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")),
+                 *(tok(r.get(f"{k}_tok_s")) for k in ("throughput_low", "throughput_burst", "peak_throughput")),
+                 steps, str(r.get("switches_total", 0)), f"{r.get('switch_s', 0):.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
