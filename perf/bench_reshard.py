@@ -18,6 +18,8 @@ W = world size, SP = (sp=W), TP = (tp=W), DP = (dp=W, one GPU per replica). Live
                    256 MiB message (measured here) over the migration time. A second record per case
                    (baseline "re-prefill") times prefilling the same sequences in the target layout on
                    the plain stack (unfused torch + NCCL), where it fits (--no-prefill skips it).
+                   op_split_ms: one more migration under torch.profiler, ms per op on rank 0 (kernel
+                   time on CUDA): how the time divides between gathers, the exchange and the scatters.
   reshard_swap     host tier (fusedpar.layers.host_tier): swap_out of the live sequences under TP,
                    swap_in under TP, swap_in under DP (re-sharding through the host: heads fetched from
                    their writers). baseline = one plain torch copy of the same bytes (the busiest
@@ -103,6 +105,27 @@ class Env:
                 samples["host"].append((t1 - t0) * 1e3)
                 samples["device"].append(start.elapsed_time(end) if self.cuda else (t2 - t0) * 1e3)
         return {k: self.max(statistics.median(v)) for k, v in samples.items()}
+
+
+def op_split_ms(env: Env, fn: Callable[[], object]) -> dict[str, float]:
+    """One more call of fn under torch.profiler: op name -> its summed time in ms on this rank (device
+    time of the kernels on CUDA, CPU time on CPU), the ops above 1% of the total. Where a migration's
+    time goes: the gathers, the exchange, the scatters."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.cuda else [])
+    env.sync()
+    dist.barrier()
+    with profile(activities=acts) as prof:
+        fn()
+        env.sync()
+    out = {}
+    for ev in prof.key_averages():
+        us = ev.self_device_time_total if env.cuda else ev.self_cpu_time_total
+        if us > 0:
+            out[ev.key] = us / 1e3
+    total = sum(out.values())
+    return {k: round(v, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v >= 0.01 * total}
 
 
 def _layouts(world: int):
@@ -265,6 +288,8 @@ def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefil
             state["new"], state["received"] = migrate_kv(state["cache"], env.rank, plan, target_heads, sequences)
 
         t = env.time(fn, setup)
+        setup()
+        split = op_split_ms(env, fn)
         # check (no assert: a benchmark reports): the migrated KV is the sequences' values
         ok = all(torch.equal(state["new"].gather(1, s)[0], _kv_values(cfg, s, target_heads, dtype, env.device)[0][1])
                  for s in seqs if sequences[s][1])
@@ -283,6 +308,7 @@ def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefil
                "fused_ms": t["wall"], "speedup": a2a["wall"] / t["wall"], "roofline_pct": 100.0 * floor_ms / t["wall"],
                "bytes": received, "gbps": received / (t["wall"] * 1e-3) / 1e9,
                "a2a_gbps": received / (a2a["wall"] * 1e-3) / 1e9, "host_ms": t["host"], "device_ms": t["device"],
+               "op_split_ms": split,
                "values_ok": bool(env.max(0.0 if ok else 1.0) == 0.0)}
         records.append(rec)
         if prefill:
