@@ -135,7 +135,8 @@ def parser() -> argparse.ArgumentParser:
                    help="auto: cost of a switch, s (default: a dp <-> tp switch of one budget of KV per replica, "
                         "measured at start-up)")
     g.add_argument("--curve-points", help="auto: tokens per step of the measured curves (default "
-                   "1,16,64,256,1024,2048, --cpu: 1,4,16,32; capped at --max-batch-tokens)")
+                   "1,16,64,256,1024,2048, --cpu: 1,4,16,32), capped at what one step of the layout takes "
+                   "(--max-batch-tokens x its replicas), which is always a point")
     g.add_argument("--curve-iters", type=int, help="auto: timed steps per curve point (median; default 3, --cpu: 2)")
     g = p.add_argument_group("run and output")
     g.add_argument("--warmup-requests", type=int, help="untimed warm-up: the first N requests under static tp, sp, "
@@ -265,8 +266,11 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     keys = o["policies"].split(",")
     curves, switch_s, curve_points = None, o["auto_switch_s"], None
     if "auto" in keys:
-        pts = sorted({min(int(x), o["max_batch_tokens"]) for x in o["curve_points"].split(",")})
-        curve_points = {k: e.step_curve(k, pts, o["curve_iters"]) for k in ("tp", "sp", "dp")}
+        asked, budget = [int(x) for x in o["curve_points"].split(",")], o["max_batch_tokens"]
+        # each layout up to the tokens one of its steps can take: the budget per replica times its replicas
+        pts = {k: sorted({min(n, budget * e.layouts[k].dp) for n in asked} | {budget * e.layouts[k].dp})
+               for k in ("tp", "sp", "dp")}
+        curve_points = {k: e.step_curve(k, pts[k], o["curve_iters"]) for k in ("tp", "sp", "dp")}
         curves = {k: StepTimeCurve(v) for k, v in curve_points.items()}
         if switch_s is None:
             switch_s = e.switch_cost(o["max_batch_tokens"], o["curve_iters"])

@@ -82,4 +82,5 @@ def test_every_policy_serves_every_request_with_the_unsharded_tokens(serve_bench
     assert by["load"]["switches"].get("tp->dp", 0) > 0 and set(by["load"]["steps"]) == {"dp", "tp"}  # KV migrated
     assert by["pd"]["switches"].get("dp->tp", 0) > 0 and by["pd"]["switches"].get("tp->dp", 0) > 0
     assert set(by["pd"]["steps"]) == {"dp", "tp"} and by["pd"]["swap_s"] > 0
-    assert len(by["auto"]["curves_ms"]["dp"]) == 3
+    curves = by["auto"]["curves_ms"]  # each layout up to one step's tokens: 16 per replica
+    assert [n for n, _ in curves["tp"]] == [1, 8, 16] and [n for n, _ in curves["dp"]] == [1, 8, 16, 16 * world]
