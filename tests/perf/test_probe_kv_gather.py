@@ -1,0 +1,25 @@
+"""perf/tools/probe_kv_gather.py's candidate kernels on CPU (Triton interpreter, tiny shapes): the Triton
+gather and scatter of KV rows, and the flat-index torch variants, equal torch's index_select /
+index_copy_ along the token-row dim bit for bit on fragmented block tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+PERF = Path(__file__).resolve().parents[2] / "perf"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels need the interpreter on CPU")
+def test_every_variant_matches_index_select_and_index_copy(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "path", [str(PERF), *sys.path])
+    spec = importlib.util.spec_from_file_location("probe_kv_gather", PERF / "tools" / "probe_kv_gather.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.main(["--smoke"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "MISMATCH" not in out and out.count("triton") == 2, out
