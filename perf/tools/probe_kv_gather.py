@@ -9,7 +9,7 @@ pool and row pattern of a DP -> TP migration (Llama-3-8B shape by default: 32 la
     index_select flat    one index_select along dim 0 of the pool seen as [layers * rows, head_dim]
                          rows (layer offsets folded into the index: L x n indices)
     triton               one Triton program per (block of rows, layer): loads the row indices once,
-                         copies head_dim-wide rows (below, _gather_rows_kernel / _scatter_rows_kernel)
+                         copies head_dim-wide rows (below, _move_rows_kernel)
 and the same three for the scatter (index_copy_ dim 1, index_copy_ flat, triton). The floor beside
 them: a plain device copy of the same bytes (read + write), so % = copy time / variant time. Every
 variant's output is compared with the dim-1 one's (bit-exact). Prints a table; no records.
@@ -37,29 +37,22 @@ _bench.add_repo_to_path()
 
 
 @triton.jit
-def _gather_rows_kernel(src_ptr, idx_ptr, out_ptr, n, src_layer_stride, HD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """out[layer, i, :] = src[layer, idx[i], :] for i in one block of rows (src rows HD-contiguous)."""
+def _move_rows_kernel(pool_ptr, idx_ptr, chunk_ptr, n, pool_layer_stride, SCATTER: tl.constexpr, HD: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    """Gather: chunk[layer, i, :] = pool[layer, idx[i], :]; SCATTER: pool[layer, idx[i], :] = chunk[layer, i, :]
+    (idx without repeats), for i in one block of rows; pool rows HD-contiguous, chunk [layers, n, HD]."""
     pid = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     mask = rows < n
     idx = tl.load(idx_ptr + rows, mask=mask, other=0).to(tl.int64)
     cols = tl.arange(0, HD)
-    vals = tl.load(src_ptr + layer * src_layer_stride + idx[:, None] * HD + cols[None, :], mask=mask[:, None])
-    tl.store(out_ptr + (layer * n + rows[:, None].to(tl.int64)) * HD + cols[None, :], vals, mask=mask[:, None])
-
-
-@triton.jit
-def _scatter_rows_kernel(chunk_ptr, idx_ptr, dst_ptr, n, dst_layer_stride, HD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """dst[layer, idx[i], :] = chunk[layer, i, :] (idx without repeats)."""
-    pid = tl.program_id(0)
-    layer = tl.program_id(1).to(tl.int64)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask = rows < n
-    idx = tl.load(idx_ptr + rows, mask=mask, other=0).to(tl.int64)
-    cols = tl.arange(0, HD)
-    vals = tl.load(chunk_ptr + (layer * n + rows[:, None].to(tl.int64)) * HD + cols[None, :], mask=mask[:, None])
-    tl.store(dst_ptr + layer * dst_layer_stride + idx[:, None] * HD + cols[None, :], vals, mask=mask[:, None])
+    pool = pool_ptr + layer * pool_layer_stride + idx[:, None] * HD + cols[None, :]
+    chunk = chunk_ptr + (layer * n + rows[:, None].to(tl.int64)) * HD + cols[None, :]
+    if SCATTER:
+        tl.store(pool, tl.load(chunk, mask=mask[:, None]), mask=mask[:, None])
+    else:
+        tl.store(chunk, tl.load(pool, mask=mask[:, None]), mask=mask[:, None])
 
 
 def _grid(n: int, layers: int, block_r: int) -> tuple[int, int]:
@@ -74,7 +67,8 @@ def gather_variants(flat: torch.Tensor, idx: torch.Tensor, block_r: int) -> dict
     idx_all = (torch.arange(layers, device=idx.device).view(-1, 1) * rows + idx.view(1, -1)).view(-1)
     flat2 = flat.view(layers * rows, hd)
     def triton_gather():
-        _gather_rows_kernel[_grid(n, layers, block_r)](flat, idx, out["triton"], n, rows * hd, HD=hd, BLOCK_R=block_r)
+        _move_rows_kernel[_grid(n, layers, block_r)](flat, idx, out["triton"], n, rows * hd, SCATTER=False, HD=hd,
+                                                     BLOCK_R=block_r)
 
     return {
         "index_select dim 1": lambda: torch.index_select(flat, 1, idx, out=out["dim1"]),
@@ -89,8 +83,8 @@ def scatter_variants(flat_by: dict, chunk: torch.Tensor, idx: torch.Tensor, bloc
     rows = flat_by["dim1"].shape[1]
     idx_all = (torch.arange(layers, device=idx.device).view(-1, 1) * rows + idx.view(1, -1)).view(-1)
     def triton_scatter():
-        _scatter_rows_kernel[_grid(n, layers, block_r)](chunk, idx, flat_by["triton"], n, rows * hd, HD=hd,
-                                                        BLOCK_R=block_r)
+        _move_rows_kernel[_grid(n, layers, block_r)](flat_by["triton"], idx, chunk, n, rows * hd, SCATTER=True, HD=hd,
+                                                     BLOCK_R=block_r)
 
     return {
         "index_copy_ dim 1": lambda: flat_by["dim1"].index_copy_(1, idx, chunk),
