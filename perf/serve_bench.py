@@ -239,7 +239,7 @@ def _check_room(e, requests, o: dict) -> None:
 def worker(rank: int, world: int, o: dict) -> dict | None:
     """Every policy over the trace on this rank; rank 0 returns {"records", "outputs", "plot"}."""
     from _serve.engine import Engine, EngineOptions
-    from _serve.loop import PolicyRun
+    from _serve.loop import SLOW_STEP_S, PolicyRun
     from _serve.metrics import summarize
     from _serve.trace import prompt_ids
 
@@ -296,7 +296,10 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
                         progress_s=o["progress_s"], log=log)
         results.append(run.run())
         labels.append(key)
-        log(f"policy {label}: done in {results[-1].wall_s:.1f}s wall, {results[-1].end:.2f}s on the clock")
+        r = results[-1]
+        log(f"policy {label}: done in {r.wall_s:.1f}s wall, {r.end:.2f}s on the clock; longest iteration "
+            f"{r.max_step_s * 1e3:.1f} ms, {len(r.slow_steps)} over {SLOW_STEP_S * 1e3:.0f} ms, Triton compiles "
+            f"{dict(r.compiles) or 0}")
     if rank != 0:
         return None
     metrics = [summarize(res, requests, phases, o["peak_window"]) for res in results]
@@ -317,7 +320,10 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         rec = {**common, "bench": "serve", "case": f"{res.policy} {model}", "tokens": tokens,
                "baseline": base_label, "baseline_ms": base["ttft_p50_ms"], "fused_ms": m["ttft_p50_ms"],
                "speedup": base["ttft_p50_ms"] / m["ttft_p50_ms"], "roofline_pct": None, "policy": key,
-               "policy_repr": repr(pol), **m}
+               "policy_repr": repr(pol), **m, "max_iteration_ms": res.max_step_s * 1e3,
+               "slow_iterations": [{"clock_s": round(t, 3), "ms": round(d * 1e3, 1), "layout": lay, "tokens": n,
+                                    "sequences": q} for t, d, lay, n, q in res.slow_steps[:20]],
+               "slow_iterations_total": len(res.slow_steps), "triton_compiles": dict(res.compiles)}
         if key == "auto":
             rec["curves_ms"] = {k: [[n, s * 1e3] for n, s in v] for k, v in curve_points.items()}
             rec["auto_switch_ms"] = switch_s * 1e3

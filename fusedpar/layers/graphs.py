@@ -1,7 +1,8 @@
-"""CUDA graphs of shift-mode steps for a ShiftParallelStack on the fused path: DecodeGraphs (one
-token per sequence, per batch size) and PrefillGraphs (varlen steps, per token count; see its
-docstring). What follows describes the decode graphs; the prefill graphs differ only in their
-static inputs and padding (fill_prefill_inputs).
+"""CUDA graphs of a ShiftParallelStack's steps on the fused path: DecodeGraphs (shift mode, one token
+per sequence, per batch size), PrefillGraphs (shift mode, varlen steps, per token count) and
+BaseGraphs (base mode, varlen steps, per token count; see their docstrings). What follows describes
+the decode graphs; the varlen graphs differ in their static inputs and padding (fill_prefill_inputs),
+and base graphs also in what runs inside (each SP rank's rows in, all rows gathered out).
 
 A decode step (every sequence adds one token) at low traffic is short enough that launching
 ~10 kernels per layer from Python costs more than the GPU work: 64 layers x 10 launches x
@@ -183,6 +184,7 @@ class _StackGraphs:
     of its step sequence."""
 
     kind = "decode"
+    mode = "shift"  # the mode of the steps these graphs run (BaseGraphs: "base")
 
     def _setup(self, stack, cache, *, max_context: int, sizes, max_blocks: int) -> None:
         from fusedpar.kernels.attention import AttentionMetadata
@@ -197,10 +199,23 @@ class _StackGraphs:
         if sizes[-1] > stack.fused.max_tokens:
             raise ValueError(f"{self.kind} graph size {sizes[-1]} > the fused kernels' max_tokens "
                              f"{stack.fused.max_tokens} (enable_fused(max_tokens=...))")
-        if stack.ctx.sp.size > 1 and sizes[-1] > stack.policy.threshold:
-            raise ValueError(f"capture size {sizes[-1]} > shift threshold {stack.policy.threshold}: a {self.kind} step "
-                             f"of {sizes[-1]} tokens runs in base mode, which is not captured; capture sizes must "
-                             f"be <= the threshold")
+        sp, threshold = stack.ctx.sp.size, stack.policy.threshold
+        if self.mode == "shift" and sp > 1 and sizes[-1] > threshold:
+            raise ValueError(f"capture size {sizes[-1]} > shift threshold {threshold}: a {self.kind} step of "
+                             f"{sizes[-1]} tokens runs in base mode (BaseGraphs captures those); {self.kind} "
+                             f"capture sizes must be <= the threshold")
+        if self.mode == "base":
+            problems = []
+            if sp < 2:
+                problems.append(f"SP = {sp}: base mode is shift mode without SP (capture PrefillGraphs)")
+            if sizes[0] <= threshold:
+                problems.append(f"sizes {[x for x in sizes if x <= threshold]} <= shift threshold {threshold} (steps "
+                                f"that small run in shift mode)")
+            if any(x % sp for x in sizes):
+                problems.append(f"sizes {[x for x in sizes if x % sp]} are not multiples of SP = {sp} (base mode "
+                                f"splits a step's tokens evenly over SP)")
+            if problems:
+                raise ValueError("BaseGraphs: " + "; ".join(problems))
         if max_context < 1:
             raise ValueError(f"max_context must be >= 1, got {max_context}")
         self.stack, self.cache, self.sizes = stack, cache, sizes
@@ -261,10 +276,14 @@ class _StackGraphs:
                                   cfg.rope_attention_scaling)
         rows = st.hidden.shape[0]
         batch = StepBatch((0,), (rows,), (0,))  # only its token count is read
-        step = StepState("shift", batch, rows, positions, slots, md, tables)
-        x = st.hidden
+        step = StepState(self.mode, batch, rows, positions, slots, md, tables)
+        x = stack.layer_input(st.hidden, step)  # base mode: this SP rank's rows
         for layer in stack.layers:
             x = layer(x, step, self.cache)
+        if self.mode == "base":
+            from fusedpar.collectives.comm import all_gather_rows
+
+            x = all_gather_rows(x, stack.ctx.sp)
         return x
 
     def _capture(self, st: _StaticStep) -> None:
@@ -483,3 +502,22 @@ class PrefillGraphs(_StackGraphs):
 
     def _limits(self) -> str:
         return f", at most {self.max_seqs} sequences"
+
+
+class BaseGraphs(PrefillGraphs):
+    """CUDA graphs of the stack's base-mode (SP x TP) varlen steps, per token count: PrefillGraphs'
+    static inputs, staging and padding, run as an eager base-mode step runs (this SP rank's rows of
+    the step in, the Ulysses exchanges inside every layer, every rank's rows all-gathered at the end).
+
+    Why: an eager base-mode step launches ~15 kernels per layer from Python whatever its size; at 8B
+    shapes that is ~35 ms of host time for a step whose GPU work takes 5-20 ms.
+
+    sizes: token counts, each a multiple of SP and above the shift threshold (smaller steps are
+    shift-mode steps); the rest as PrefillGraphs.
+    """
+
+    kind = "base"
+    mode = "base"
+
+    def __init__(self, stack, cache, *, max_context: int, sizes: tuple[int, ...], max_seqs: int = 64):
+        super().__init__(stack, cache, max_context=max_context, sizes=sizes, max_seqs=max_seqs)

@@ -8,11 +8,11 @@ caller asks for more blocks than they hold).
 
 Data path, a fixed number of device ops whatever the layers, sequences and kv heads: every index
 is built on the host first (token rows of the pool: row = slot * local_heads + head index, per
-layer) and copied to the device once; one index_select per peer and k | v gathers everything a
-peer gets (every layer, every (sequence, head) piece in plan order) into one contiguous chunk
-[2 (k | v), layers, rows, head_dim] of one send buffer, the kept pieces into a last chunk; one
-all_to_all_single exchanges the chunks; one index_copy_ per source and k | v writes them into
-fresh blocks of the target cache. Every read of the source pool happens before the first write to
+layer) and copied to the device once; one row gather per peer (fusedpar.kernels.kv_rows, k and v in
+one launch) collects everything a peer gets (every layer, every (sequence, head) piece in plan
+order) into one contiguous chunk [2 (k | v), layers, rows, head_dim] of one send buffer, the kept
+pieces into a last chunk; one all_to_all_single exchanges the chunks; one row scatter per source
+writes them into fresh blocks of the target cache. Every read of the source pool happens before the first write to
 the target, so the target may reinterpret the source's memory. Collective over the world (global
 ranks): every rank calls it with the same plan; a plan without moves exchanges nothing.
 """
@@ -24,6 +24,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from fusedpar.kernels.kv_rows import move_kv_rows
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import StepBatch
 from fusedpar.layouts.reshard import KVMove
@@ -126,9 +127,7 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
     chunks, pos = [], 0
     for idx, n in zip(index[:len(send_idx)], send_rows, strict=True):
         chunk = send[pos:pos + 2 * layers * n].view(2, layers, n, hd)
-        if n:
-            for kv in range(2):
-                torch.index_select(flat[kv], 1, idx, out=chunk[kv])
+        move_kv_rows(*flat, idx, chunk, scatter=False)
         chunks.append(chunk)
         pos += 2 * layers * n
     out_split = [2 * layers * n for n in send_rows[:-1]]
@@ -146,7 +145,5 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
     pieces.append(chunks[-1])
     tflat = [t.view(layers, -1, hd) for t in (target.k, target.v)]
     for idx, chunk in zip(index[len(send_idx):], pieces, strict=True):
-        if idx.numel():
-            for kv in range(2):
-                tflat[kv].index_copy_(1, idx, chunk[kv])
+        move_kv_rows(*tflat, idx, chunk, scatter=True)
     return target, recv.numel() * recv.element_size()

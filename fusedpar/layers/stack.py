@@ -36,6 +36,7 @@ class ShiftParallelStack(nn.Module):
         self.fused: FusedComm | None = None  # the fused path's communicator (enable_fused)
         self.graphs = None  # DecodeGraphs, once captured
         self.prefill_graphs = None  # PrefillGraphs, once captured
+        self.base_graphs = None  # BaseGraphs (base-mode steps), once captured
         self.graph_steps = 0  # steps that replayed a graph of either kind
 
     @property
@@ -57,7 +58,7 @@ class ShiftParallelStack(nn.Module):
     @property
     def graph_token_cap(self) -> int:
         """The most tokens a captured step may hold (fused path only): the fused kernels' max_tokens,
-        and with SP > 1 the shift threshold (larger steps run in base mode, which is not captured)."""
+        and with SP > 1 the shift threshold (larger steps run in base mode: capture_base_graphs)."""
         if self.fused is None:
             raise ValueError("CUDA graphs need the fused path: call enable_fused(...) first")
         if self.ctx.sp.size == 1:
@@ -102,6 +103,21 @@ class ShiftParallelStack(nn.Module):
         self.prefill_graphs = None
         self.prefill_graphs = PrefillGraphs(self, cache, max_context=max_context, sizes=sizes, max_seqs=max_seqs)
         return self.prefill_graphs
+
+    def capture_base_graphs(self, cache: PagedKVCache, *, max_context: int, sizes: tuple[int, ...],
+                            max_seqs: int = 64):
+        """Capture CUDA graphs of base-mode varlen steps on `cache` (collective: every rank, same arguments).
+        sizes: token counts, each a multiple of SP, above the shift threshold and <= max_tokens. Later
+        base-mode steps of at most max(sizes) tokens in at most max_seqs sequences, each with context + new
+        tokens <= max_context, replay the smallest graph that fits; the rest run eagerly. Every size must be
+        >= max_seqs + 2 (as capture_prefill_graphs)."""
+        from fusedpar.layers.graphs import BaseGraphs
+
+        if self.fused is None:
+            raise ValueError("capture_base_graphs needs the fused path: call enable_fused(...) first")
+        self.base_graphs = None  # release the old graphs' memory before capturing new ones
+        self.base_graphs = BaseGraphs(self, cache, max_context=max_context, sizes=sizes, max_seqs=max_seqs)
+        return self.base_graphs
 
     @classmethod
     def from_full_weights(cls, cfg: DecoderConfig, ctx: ParallelContext, layer_weights: list[dict],
@@ -167,11 +183,11 @@ class ShiftParallelStack(nn.Module):
         if SCRATCH_SEQ_ID in cache.block_tables and SCRATCH_SEQ_ID in batch.seq_ids:
             raise ValueError(f"sequence id {SCRATCH_SEQ_ID} (fusedpar.layers.graphs.SCRATCH_SEQ_ID) is reserved: the "
                              f"CUDA graphs' padding rows use its cache block")
-        if use_graphs and (self.graphs is not None or self.prefill_graphs is not None) \
-                and (mode or self.policy.mode(n, self.ctx.sp.size)) == "shift":
-            for graphs in (self.graphs, self.prefill_graphs):
+        if use_graphs and (self.graphs is not None or self.prefill_graphs is not None or self.base_graphs is not None):
+            step_mode = mode or self.policy.mode(n, self.ctx.sp.size)
+            for graphs in (self.graphs, self.prefill_graphs) if step_mode == "shift" else (self.base_graphs,):
                 if graphs is not None and graphs.cache is cache and graphs.size_for(batch) is not None:
-                    self.steps["shift"] += 1
+                    self.steps[step_mode] += 1
                     self.graph_steps += 1
                     return graphs.run(hidden, batch).clone()  # the output buffer is reused by the next replay
         step = self.plan(batch, cache, mode)

@@ -16,7 +16,8 @@ HF adapter's switching does, into a pool grown to one agreed block count on ever
 
 CUDA: the stacks run the fused path (perf/_bench.enable_stack); the sp == 1 layouts replay CUDA graphs
 of their decode steps (DecodeGraphs) and of their mixed prefill + decode steps up to the step budget
-(PrefillGraphs), as a serving engine's graphs would; base-mode (sp > 1) steps run eagerly. Graphs are
+(PrefillGraphs), as a serving engine's graphs would; the sp > 1 layouts (every step in base mode)
+replay BaseGraphs of the same token counts in multiples of SP. Graphs are
 captured once per layout on its view of the pool and rebound (rebind, no capture) to the cache a
 migration makes on that same view; captured again only when a migration had to grow the pool. CPU:
 the reference path, eager.
@@ -92,6 +93,14 @@ def head_weights(cfg: DecoderConfig, vocab: int, seed: int, dtype: torch.dtype, 
 def greedy(h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
     """[n, d] final hidden states -> [n] greedy token ids (first index among equal logits)."""
     return torch.argmax(F.linear(rms_norm(h, norm, eps), lm_head).float(), dim=-1)
+
+
+def _graph_sizes(cap: int, multiple: int) -> tuple[int, ...]:
+    """Powers of two from 256 below cap, and cap rounded down to `multiple`; () when that is below 256."""
+    cap -= cap % multiple
+    if cap < 256:
+        return ()
+    return tuple(sorted({s for s in (256, 512, 1024, 2048, 4096, 8192) if s < cap} | {cap}))
 
 
 def world_max(values: list[float], device: torch.device) -> list[float]:
@@ -179,25 +188,30 @@ class Engine:
         return world_min(cache.num_blocks, self.device) - 1
 
     def ready_graphs(self, name: str, cache: PagedKVCache) -> float:
-        """CUDA graphs of layout `name` on `cache` (CUDA, graphs on, sp == 1 layouts): decode graphs
-        (DEFAULT_CAPTURE_SIZES) and varlen graphs for the mixed prefill + decode steps (prefill_sizes),
-        rebound when they were captured on this view of the pool, captured otherwise; seconds spent
-        capturing. Collective: every rank calls it at the same switch."""
+        """CUDA graphs of layout `name` on `cache` (CUDA, graphs on), rebound when they were captured on this
+        view of the pool, captured otherwise; seconds spent capturing. sp == 1 layouts: decode graphs
+        (DEFAULT_CAPTURE_SIZES) and varlen graphs for the mixed prefill + decode steps (prefill_sizes);
+        sp > 1 layouts (every step in base mode): base-mode varlen graphs (base_sizes). Collective: every
+        rank calls it at the same switch."""
         stack = self.stacks[name]
-        if not (self.cuda and self.opts.graphs and self.layouts[name].sp == 1):
+        if not (self.cuda and self.opts.graphs):
             return 0.0
         o = self.opts
-        want_prefill = bool(self.prefill_sizes(stack))
-        if (stack.graphs is not None and stack.graphs.rebind(cache)
-                and (not want_prefill or (stack.prefill_graphs is not None and stack.prefill_graphs.rebind(cache)))):
+        if self.layouts[name].sp > 1:
+            wanted = {"base_graphs": self.base_sizes(stack)}
+        else:
+            wanted = {"graphs": tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= min(o.max_seqs, stack.graph_token_cap)),
+                      "prefill_graphs": self.prefill_sizes(stack)}
+        wanted = {attr: sizes for attr, sizes in wanted.items() if sizes}
+        if all(getattr(stack, attr) is not None and getattr(stack, attr).rebind(cache) for attr in wanted):
             return 0.0  # the same memory, seen the same way
         t0 = time.perf_counter()
-        sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= min(o.max_seqs, stack.graph_token_cap))
-        stack.capture_decode_graphs(cache, max_context=o.max_context, sizes=sizes)
-        if want_prefill:
-            sizes = self.prefill_sizes(stack)
-            stack.capture_prefill_graphs(cache, max_context=o.max_context, sizes=sizes,
-                                         max_seqs=min(o.max_seqs, sizes[0] - 2))
+        for attr, sizes in wanted.items():
+            if attr == "graphs":
+                stack.capture_decode_graphs(cache, max_context=o.max_context, sizes=sizes)
+            else:
+                capture = stack.capture_base_graphs if attr == "base_graphs" else stack.capture_prefill_graphs
+                capture(cache, max_context=o.max_context, sizes=sizes, max_seqs=min(o.max_seqs, sizes[0] - 2))
         torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         self.graph_s += dt
@@ -207,10 +221,11 @@ class Engine:
         """Token counts of the varlen graphs: powers of two from 256 and the step budget (a graph of s tokens
         takes at most s - 2 sequences, so 256 serves steps of up to 254 sequences); () when the budget is
         below 256 tokens."""
-        cap = min(self.opts.max_batch_tokens, stack.graph_token_cap)
-        if cap < 256:
-            return ()
-        return tuple(sorted({s for s in (256, 512, 1024, 2048, 4096, 8192) if s < cap} | {cap}))
+        return _graph_sizes(min(self.opts.max_batch_tokens, stack.graph_token_cap), 1)
+
+    def base_sizes(self, stack: ShiftParallelStack) -> tuple[int, ...]:
+        """Token counts of the base-mode graphs of an sp > 1 stack: as prefill_sizes, in multiples of SP."""
+        return _graph_sizes(min(self.opts.max_batch_tokens, stack.fused.max_tokens), stack.ctx.sp.size)
 
     def drop_graphs(self, keep: list[PagedKVCache]) -> None:
         """Forget the CUDA graphs captured on memory none of `keep` lies on (they hold those tensors);
@@ -218,8 +233,10 @@ class Engine:
         for stack in self.stacks.values():
             if stack.graphs is not None and not any(stack.graphs.shares_memory(c) for c in keep):
                 stack.graphs = None
-            if stack.prefill_graphs is not None and not any(stack.prefill_graphs.shares_memory(c) for c in keep):
-                stack.prefill_graphs = None
+            for attr in ("prefill_graphs", "base_graphs"):
+                g = getattr(stack, attr)
+                if g is not None and not any(g.shares_memory(c) for c in keep):
+                    setattr(stack, attr, None)
 
     def migrate(self, src: str, dst: str, cache: PagedKVCache, moves: dict[int, tuple[int, int, int]],
                 need_blocks: int) -> tuple[PagedKVCache, int]:

@@ -24,10 +24,15 @@ a sequence whose prompt is done (first token out) goes to the host tier; in the 
 tier's sequences are swapped in as KV room allows and only decode steps run. Going back to prefill
 swaps the decoding sequences out first (both layouts view one KV pool). The tier admits requests up to
 host_tier_tokens of footprint in all, so every live sequence always fits it.
+
+Stalls: every iteration over SLOW_STEP_S is listed (slow_steps) and every Triton compile during the
+run is counted by kernel (compiles; none on CPU, where the kernels are interpreted): a kernel variant
+first met mid-trace costs seconds that every waiting request sees in its TTFT.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,6 +43,34 @@ import torch.distributed as dist
 from _serve.engine import Engine, world_max
 from _serve.trace import Request
 from fusedpar.layers import LayoutPolicy, PrefillDecodePolicy, StepBatch, StepFacts
+
+SLOW_STEP_S = 0.25  # an iteration this long is a stall worth listing (a step of 2048 tokens takes ~20-50 ms)
+
+
+@contextlib.contextmanager
+def _count_compiles(into: Counter):
+    """Count Triton compiles by kernel name into `into` while the block runs (Triton's post-compile hook)."""
+    import triton
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        yield
+        return
+    previous = runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):
+        into[str(kwargs.get("repr", "?")).split("[", 1)[0]] += 1
+        return previous(*args, **kwargs) if previous else None
+
+    runtime.jit_post_compile_hook = hook
+    try:
+        yield
+    finally:
+        runtime.jit_post_compile_hook = previous
+
+
+def scheduled_tokens(items: dict[int, list[Item]]) -> int:
+    return sum(it.query for its in items.values() for it in its)
 
 
 @dataclass
@@ -79,6 +112,10 @@ class RunResult:
     kv_bytes_received: int = 0
     end: float = 0.0
     wall_s: float = 0.0
+    max_step_s: float = 0.0
+    slow_steps: list[tuple[float, float, str, int, int]] = field(default_factory=list)  # (clock, s, layout, tokens,
+    #                                                                    sequences) of steps over SLOW_STEP_S
+    compiles: Counter = field(default_factory=Counter)  # Triton kernel -> compiles during the run (this rank)
 
 
 class PolicyRun:
@@ -356,6 +393,10 @@ class PolicyRun:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def run(self) -> RunResult:
+        with _count_compiles(self.res.compiles):
+            return self._run()
+
+    def _run(self) -> RunResult:
         n = len(self.requests)
         wall0 = last_log = time.perf_counter()
         idle = 0
@@ -396,6 +437,9 @@ class PolicyRun:
             self.res.switch_s = switch0 + switch_dt
             self.res.swap_s = swap0 + swap_dt
             self.clock += self.fixed_step_s or dt
+            self.res.max_step_s = max(self.res.max_step_s, dt)
+            if dt > SLOW_STEP_S:
+                self.res.slow_steps.append((self.clock, dt, lay, scheduled_tokens(items), scheduled))
             self.res.first_t.update(dict.fromkeys(first, self.clock))
             self.res.done_t.update(dict.fromkeys(done, self.clock))
             if scheduled:

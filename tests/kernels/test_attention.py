@@ -1049,3 +1049,36 @@ def test_gpu_pdl_launch_matches_back_to_back_and_survives_capture(nq, nkv, prero
     torch.cuda.synchronize(DEVICE)
     r.check(r.out, name="pdl graph replay")
     assert torch.equal(_bits(r.out), _bits(outs[1][0])), "the replay differs from the eager PDL launch"
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_batch_counts_compile_no_new_variant(monkeypatch):
+    """A serving loop's batches differ in their counts (sequences, tokens, q tiles: 1, multiples of 16,
+    others) under one tiling: only the first batch of a tiling may compile kernels (a compile is
+    seconds of host time inside a step), and every batch still matches its oracle."""
+    import triton
+
+    from fusedpar.kernels._host import next_pow2
+
+    compiled = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda *a, **kw: compiled.append(kw.get("repr", "?").split("[")[0]))
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    gen = torch.Generator().manual_seed(11)
+    batches = [[(200, 0)], [(160, 32)] * 16, [(129, 7), (300, 0), (1, 64)], [(256, 16)] * 2 + [(1, 33)] * 15,
+               _random_seqs(gen, 5, max_q=400, max_ctx=300), [(1, 3000 + 7 * i) for i in range(16)],
+               [(1, 3100 + 5 * i) for i in range(17)]]
+    seen, checked = set(), 0
+    for i, seqs in enumerate(batches):
+        cfg = attention.pick_config(head_dim=128, group=8, num_seqs=len(seqs), num_kv_heads=2,
+                                    max_query_len=max(q for q, _ in seqs), max_kv_len=max(q + c for q, c in seqs),
+                                    dtype=torch.bfloat16, num_sms=sms, interpret=False)
+        tiling = (dataclasses.replace(cfg, num_splits=next_pow2(cfg.num_splits)), all(q == 1 for q, _ in seqs))
+        before = len(compiled)
+        run_case(Case(seqs, 16, 2, 128, page=16, dtype=torch.bfloat16, qk_norm=True, seed=i), name=f"batch {i}")
+        if tiling in seen:
+            checked += 1
+            assert len(compiled) == before, f"batch {i} ({len(seqs)} sequences) compiled {compiled[before:]}"
+        seen.add(tiling)
+    assert checked >= 3, f"only {checked} batches reused a tiling: the check saw too little"

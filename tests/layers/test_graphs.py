@@ -570,3 +570,84 @@ def test_gpu_prefill_graphs_stock_baseline_and_rope_tables(nccl_world):
     errors = _gpu_prefill_graph_check(rank, world, cfg, 1, world, options="plain")
     errors += _gpu_prefill_graph_check(rank, world, cfg, world, 1)
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
+
+
+# ---- base-mode graphs: GPU --------------------------------------------------------------------------
+def _gpu_base_graph_check(rank, world, cfg, *, options=None):
+    """SP = world: base-mode varlen steps (above the threshold, 64) through BaseGraphs (sizes 128 / 256,
+    at most 4 sequences) next to shift-mode PrefillGraphs (32 / 64): fresh prompts, a mixed decode +
+    prompt step, a step of exactly a captured size, chunked-prefill continuations, and the steps that
+    must run eagerly (too many sequences, more tokens than the largest graph, a context past
+    max_context). Each step vs the fp64 oracle and vs the same stack run eagerly on a second cache; the
+    graphs' outputs are poisoned before every replay, and the two caches must agree at the end."""
+    from fusedpar.testing.scenarios import rel_error
+
+    dtype, layers, max_context = torch.bfloat16, 2, 300
+    dev, oracle, stack, eager_cache, graph_cache = _graph_setup(world, cfg, world, 1, layers, dtype, seed=13,
+                                                                threshold=64, options=options)
+    shift = stack.capture_prefill_graphs(graph_cache, max_context=max_context, sizes=(32, 64), max_seqs=4)
+    base = stack.capture_base_graphs(graph_cache, max_context=max_context, sizes=(128, 256), max_seqs=4)
+    gen = torch.Generator().manual_seed(6)
+    lengths: dict[int, int] = {}
+    errors = []
+
+    def step(seqs, query_lens, label, expect):
+        batch = StepBatch(tuple(seqs), tuple(query_lens), tuple(lengths.get(s, 0) for s in seqs))
+        x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=gen, dtype=torch.float64).to(dev)
+        for g in (shift, base):
+            for st in g._steps.values():
+                st.out.fill_(float("nan"))
+        counts = (shift.replays, base.replays, stack.steps["base"])
+        y_graph = stack(x.to(dtype), batch, graph_cache)
+        ran = ("shift graph" if shift.replays > counts[0] else "base graph" if base.replays > counts[1]
+               else "eager base" if stack.steps["base"] > counts[2] else "eager shift")
+        y_eager = stack(x.to(dtype), batch, eager_cache, use_graphs=False)
+        want = oracle.forward(x, batch)
+        e_oracle, e_eager = rel_error(y_graph, want), rel_error(y_graph, y_eager)
+        if not (e_oracle < REL_TOL[dtype] and e_eager < REL_TOL[dtype]):
+            errors.append(f"{label}: vs oracle {e_oracle:.3g}, vs eager {e_eager:.3g}")
+        if ran != expect:
+            errors.append(f"{label}: ran {ran}, expected {expect}")
+        for s, q in zip(seqs, query_lens, strict=True):
+            lengths[s] = lengths.get(s, 0) + q
+
+    step((0, 1, 2), (37, 16, 50), "three fresh prompts (103 tokens, graph 128)", "base graph")
+    step((0, 1, 2), (1, 1, 1), "decode of 3 (shift graph 32)", "shift graph")
+    step((0, 3), (1, 100), "mixed decode + new prompt (101 tokens, graph 128)", "base graph")
+    step((1, 2, 3, 4), (32, 32, 32, 32), "exactly 128 tokens (no padding rows)", "base graph")
+    step((3, 4), (99, 101), "chunked-prefill continuations (200 tokens, graph 256)", "base graph")
+    step((5, 6, 7, 8, 9), (30, 20, 20, 10, 10), "5 sequences > max_seqs 4", "eager base")
+    step((0, 5), (150, 150), "300 tokens > the largest graph", "eager base")
+    step((3,), (120,), "a context past max_context (351 > 300)", "eager base")
+    step((0, 1, 2, 4), (70, 1, 1, 1), "73 tokens (graph 128, one prompt and three decodes)", "base graph")
+    return errors + _final_checks(rank, stack, graph_cache, eager_cache, lengths, layers, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("h", "hkv", "qk_norm"), [(32, 8, False), (16, 2, True)])
+def test_gpu_base_graphs_match_oracle_and_eager(nccl_world, h, hkv, qk_norm):
+    """(16, 2) at 4 GPUs: SP above the kv heads (each kv head on two ranks)."""
+    from fusedpar.testing.gpu import all_ranks_ok
+
+    rank, world = nccl_world
+    cfg = DecoderConfig(hidden_size=1024, num_q_heads=h, num_kv_heads=hkv, head_dim=128, intermediate_size=2048,
+                        qk_norm=qk_norm, rope_theta=1e6)
+    errors = _gpu_base_graph_check(rank, world, cfg)
+    assert all_ranks_ok(not errors), "\n".join(errors[:8])
+
+
+@pytest.mark.parametrize(("sp", "threshold", "sizes", "match"), [
+    (2, 64, (64, 128), r"sizes \[64\] <= shift threshold 64"),
+    (4, 16, (66, 128), r"sizes \[66\] are not multiples of SP = 4"),
+    (1, 0, (128,), r"SP = 1: base mode is shift mode"),
+])
+def test_base_graphs_refuse_sizes_base_mode_never_runs(sp, threshold, sizes, match):
+    """The size checks run before any capture (no GPU needed to reach them)."""
+    from types import SimpleNamespace
+
+    from fusedpar.layers.graphs import BaseGraphs
+
+    stack = SimpleNamespace(fused=SimpleNamespace(max_tokens=4096), ctx=SimpleNamespace(
+        sp=SimpleNamespace(size=sp), device=torch.device("cuda")), policy=SimpleNamespace(threshold=threshold))
+    with pytest.raises(ValueError, match=match):
+        BaseGraphs(stack, _cache(), max_context=256, sizes=sizes, max_seqs=4)

@@ -318,7 +318,9 @@ def _out_rows(out_ptr, out_peers_ptr, token, row_ok, stride_out, rows_per_rank, 
         return out_ptr + token.to(tl.int64) * stride_out
 
 
-@triton.jit
+# Batch counts vary step to step: specialising on them (== 1, % 16) would compile a new variant
+# mid-serving for a batch mix not seen at warm-up (seconds of host time in a request's TTFT).
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_tiles"])
 def _attention_kernel(
     qkv_ptr,
     out_ptr,
@@ -500,7 +502,7 @@ def _attention_kernel(
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _combine_kernel(
     part_acc_ptr,
     part_m_ptr,

@@ -1,0 +1,113 @@
+"""Row gather / scatter of a paged KV pool (fusedpar.kernels.kv_rows) vs plain torch indexing.
+
+A move copies bytes, so every dtype must match bit for bit. CPU: the Triton interpreter on
+fragmented block tables (the rows a DP -> TP migration sends), odd row counts (a partial last row
+block), odd head dims (masked columns), a pool view with a layer stride larger than its rows, and
+NaN-poisoned outputs; a scatter leaves every other row as it was. GPU (pytest -m gpu): bf16 at the
+Llama-3-8B shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedpar.kernels._host import INTERPRETED
+from fusedpar.kernels.kv_rows import BLOCK_R, move_kv_rows, move_kv_rows_reference
+from fusedpar.testing.numerics import poison_
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or INTERPRETED),
+    reason="no CUDA and fusedpar.kernels.kv_rows was imported without TRITON_INTERPRET=1",
+)
+
+
+def _rows(gen: torch.Generator, blocks: int, block: int, heads: int, seqs: int, tokens: int, leaving: int):
+    """Rows (slot * heads + head) of `seqs` sequences of `tokens` tokens on shuffled blocks, for the last
+    `leaving` heads: what one rank sends one peer."""
+    per_seq = -(-tokens // block)
+    table = torch.randperm(blocks, generator=gen)[: seqs * per_seq].view(seqs, per_seq)
+    parts = []
+    for s in range(seqs):
+        slots = (table[s].view(-1, 1) * block + torch.arange(block)).view(-1)[:tokens]
+        parts += [slots * heads + h for h in range(heads - leaving, heads)]
+    return torch.cat(parts)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def _pools(layers: int, rows: int, hd: int, dtype, device, gen, padded: bool):
+    """k, v [layers, rows, hd] with random values (a view of a taller buffer when padded)."""
+    extra = 5 if padded else 0
+    k, v = (torch.randn((layers, rows + extra, hd), generator=gen).to(device, dtype) for _ in range(2))
+    return (k[:, :rows], v[:, :rows]) if padded else (k, v)
+
+
+CASES = [  # layers, blocks, block size, local kv heads, sequences, tokens each, heads leaving, head dim
+    (3, 20, 4, 4, 3, 21, 2, 16),
+    (2, 9, 4, 2, 2, 7, 1, 24),  # odd head dim: masked columns
+    (1, 8, 16, 1, 1, BLOCK_R + 1, 1, 8),  # one layer, one row past a row block
+    (4, 30, 4, 8, 5, 3, 8, 32),  # every head leaves, short sequences
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=[f"L{c[0]}-hd{c[7]}-n{c[4] * c[5] * c[6]}" for c in CASES])
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "layer-padded"])
+def test_gather_then_scatter_match_torch_bit_for_bit(dtype, case, padded):
+    layers, blocks, block, heads, seqs, tokens, leaving, hd = case
+    gen = torch.Generator().manual_seed(sum(case) + padded)
+    idx = _rows(gen, blocks, block, heads, seqs, tokens, leaving)
+    k, v = _pools(layers, blocks * block * heads, hd, dtype, "cpu", gen, padded)
+    chunk = poison_(torch.empty((2, layers, idx.numel(), hd), dtype=dtype))
+    move_kv_rows(k, v, idx, chunk, scatter=False)
+    want = torch.empty_like(chunk)
+    move_kv_rows_reference(k, v, idx, want, scatter=False)
+    assert torch.equal(_bits(chunk), _bits(want)), "gather differs from k[:, idx] / v[:, idx]"
+    assert torch.equal(want[0, :, 1], k[:, idx[1]]) and torch.equal(want[1, :, -1], v[:, idx[-1]])
+    # scatter fresh values into a poisoned pool: the rows of idx get them, every other row stays NaN
+    fresh = torch.randn(chunk.shape, generator=gen).to(dtype)
+    tk, tv = (poison_(t.clone()) for t in (k, v))
+    rk, rv = (poison_(t.clone()) for t in (k, v))
+    move_kv_rows(tk, tv, idx, fresh, scatter=True)
+    move_kv_rows_reference(rk, rv, idx, fresh, scatter=True)
+    for got, ref in ((tk, rk), (tv, rv)):
+        assert torch.equal(got.isnan(), ref.isnan()), "the scatter wrote rows outside idx (or missed some)"
+        assert torch.equal(_bits(got[:, idx]), _bits(ref[:, idx]))
+
+
+def test_empty_index_is_a_no_op_and_bad_shapes_name_the_numbers():
+    k = torch.randn(2, 8, 16)
+    v = torch.randn(2, 8, 16)
+    chunk = torch.empty(2, 2, 0, 16)
+    move_kv_rows(k, v, torch.empty(0, dtype=torch.int64), chunk, scatter=False)
+    with pytest.raises(ValueError, match=r"chunk must be contiguous \(2, 2, 3, 16\)"):
+        move_kv_rows(k, v, torch.arange(3), torch.empty(2, 2, 3, 8), scatter=False)
+    with pytest.raises(ValueError, match="idx must be int64"):
+        move_kv_rows(k, v, torch.arange(3, dtype=torch.int32), torch.empty(2, 2, 3, 16), scatter=False)
+    with pytest.raises(ValueError, match="pool rows must be contiguous"):
+        move_kv_rows(k[:, :, :8], v[:, :, :8], torch.arange(3), torch.empty(2, 2, 3, 8), scatter=False)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        move_kv_rows(k, v.half(), torch.arange(3), torch.empty(2, 2, 3, 16), scatter=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_llama8b_rows_bit_for_bit():
+    """bf16, 32 layers, 8 kv heads of 128, 4 sequences x 2048 tokens, 4 heads leaving."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(5)
+    blocks = 2 * 4 * 128
+    idx = _rows(gen, blocks, 16, 8, 4, 2048, 4).to(dev)
+    k, v = _pools(32, blocks * 16 * 8, 128, torch.bfloat16, dev, gen, padded=True)
+    chunk = poison_(torch.empty((2, 32, idx.numel(), 128), dtype=torch.bfloat16, device=dev))
+    move_kv_rows(k, v, idx, chunk, scatter=False)
+    assert torch.equal(chunk[0], k[:, idx]) and torch.equal(chunk[1], v[:, idx])
+    tk, tv = torch.zeros_like(k), torch.zeros_like(v)
+    move_kv_rows(tk, tv, idx, chunk, scatter=True)
+    assert torch.equal(tk[:, idx], k[:, idx]) and torch.equal(tv[:, idx], v[:, idx])
+    others = torch.ones(k.shape[1], dtype=torch.bool, device=dev)
+    others[idx] = False
+    assert not tk[:, others].any() and not tv[:, others].any()
