@@ -70,7 +70,9 @@ for item in "${ITEMS[@]}"; do
     # layout switches, KV migration, host KV tier swaps and their overlap with GEMMs (Llama-3-8B shape)
     reshard) run timeout "${RESHARD_TIMEOUT:-540}" "${TRUN[@]}" perf/bench_reshard.py ${RESHARD_ARGS:-} \
                --out "$RES/reshard.json" ;;
-    # bursty-traffic serving loop, one record per layout policy (a random Llama-3-8B-shaped model)
+    # bursty-traffic serving loop, one record per layout policy (a random Llama-3-8B-shaped model); policies split
+    # over calls: pass each call its own --plot (serve_timeline.png, serve_timeline_dp.png), and carry the first
+    # call's serve.json into $OUT so that later records take its static tp baseline
     serve) run timeout "${SERVE_TIMEOUT:-540}" "${TRUN[@]}" perf/serve_bench.py ${SERVE_ARGS:-} --out "$RES/serve.json" ;;
     # HF generate TPOT with decode graphs vs eager (a random Llama-3-8B-shaped model)
     hf_decode) run timeout "${HF_DECODE_TIMEOUT:-400}" "${TRUN[@]}" perf/bench_hf_decode.py ${HF_DECODE_ARGS:-} \

@@ -39,9 +39,9 @@ BENCHES = {
     "serve": {"serve"},
 }
 # world sizes of each benchmark's committed records: the single-GPU ops 1, the others the machines they ran on
-WORLD = {"gemm": {1}, "attention": {1}, "hf_decode": {2}, "vllm": {2, 4}, "reshard": {2, 4}, "serve": {2}}
+WORLD = {"gemm": {1}, "attention": {1}, "hf_decode": {2}, "vllm": {2, 4}, "reshard": {2, 4}, "serve": {2, 4}}
 # GPUs of each benchmark's committed records (default H200; the machine is named in every record and table)
-GPUS = {"serve": ("H200", "H100")}
+GPUS = {"serve": ("H200", "H100"), "reshard": ("H200", "H100")}
 NUMBERS = ("tokens", "world", "baseline_ms", "fused_ms", "speedup")
 STRINGS = ("bench", "case", "gpu", "baseline", "torch", "triton", "date", "command")
 COMMIT_REQUIRED_FROM = "2026-11-27"

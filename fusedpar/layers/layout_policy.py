@@ -238,17 +238,20 @@ class StepTimeCurve:
 class AutoPolicy(LayoutPolicy):
     """The layout that serves the visible work soonest, within a latency goal for waiting requests.
 
-    For each declared layout L, with n = scheduled_tokens, W = waiting_prefill_tokens,
-    B = running + waiting requests, and t_L its step-time curve:
-        switch_L = switch_s if L != current else 0
+    Layouts of one replica size (SP <-> TP splits of the same replicas, e.g. SP=P and TP=P) switch
+    for free: their KV stays where it is (fusedpar.layouts.kv_plan moves none) and the weights are
+    views. Any other switch costs switch_s. For each declared layout L, with n = scheduled_tokens,
+    W = waiting_prefill_tokens, B = running + waiting requests, and t_L its step-time curve:
+        switch_L = 0 if L has the current layout's replica size, else switch_s
         ttft_L   = switch_L + t_L(n) + (t_L(W) if W > 0 else 0)
                    (the waiting requests have their first token once this step and one step of their
                    prefill have run in L)
-        serve_L  = ttft_L + decode_steps * t_L(B)   (B >= 1; else no decode term)
-                   (then `decode_steps` decode steps of every visible request, one token each)
+        decode_L = min of t_M(B) over the declared M of L's replica size (L itself included)
+                   (after this step the decode steps run in whichever of those is fastest, for free)
+        serve_L  = ttft_L + decode_steps * decode_L   (B >= 1; else no decode term)
     The goal holds for L when nothing waits or ttft_L <= latency_goal_s. Answer: the L with the least
     serve_L among those meeting the goal; if none does, the L with the least ttft_L. Ties go to
-    `current`, then to declaration order. switch_s > 0 keeps the current layout unless another
+    `current`, then to declaration order. switch_s > 0 keeps the current replica size unless another
     saves more than the switch costs.
     """
 
@@ -265,14 +268,17 @@ class AutoPolicy(LayoutPolicy):
     def estimates(self, facts: StepFacts, current: ParallelLayout) -> dict[ParallelLayout, tuple[float, float]]:
         """Layout -> (ttft_L, serve_L) as defined in the class doc."""
         current = self._declared(current, "current")
+        batch = facts.running + facts.waiting
         out = {}
         for lay in self.layouts:
             t = self.curves[lay]
-            ttft = (self.switch_s if lay is not current else 0.0) + t(facts.scheduled_tokens)
+            free = lay.replica_size == current.replica_size
+            ttft = (0.0 if free else self.switch_s) + t(facts.scheduled_tokens)
             if facts.waiting_prefill_tokens:
                 ttft += t(facts.waiting_prefill_tokens)
-            batch = facts.running + facts.waiting
-            out[lay] = (ttft, ttft + (self.decode_steps * t(batch) if batch else 0.0))
+            decode = min(self.curves[m](batch) for m in self.layouts if m.replica_size == lay.replica_size) \
+                if batch else 0.0
+            out[lay] = (ttft, ttft + self.decode_steps * decode)
         return out
 
     def decide(self, facts: StepFacts, current: ParallelLayout) -> ParallelLayout:

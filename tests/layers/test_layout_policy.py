@@ -161,25 +161,50 @@ def test_auto_policy_counts_the_waiting_prefill():
 
 
 def test_auto_policy_latency_goal_overrides_the_decode_horizon():
-    """Decode-heavy visible work favours TP; a tight goal for the waiting prompts forces SP x TP."""
+    """Decode-heavy visible work favours TP over DP replicas; a tight goal for the waiting prompts forces DP."""
     f = facts(8, running=8, waiting=2, waiting_prefill_tokens=4096)
-    curves = {SPTP: BASE_CURVE, TP: SHIFT_CURVE}
+    curves = {DP: BASE_CURVE, TP: SHIFT_CURVE}
     loose = AutoPolicy(curves, latency_goal_s=1.0, decode_steps=200)
-    ttft = {lay: e[0] for lay, e in loose.estimates(f, SPTP).items()}
-    assert ttft[SPTP] < ttft[TP]  # 10.0 ms vs 17.0 ms
-    assert loose.decide(f, SPTP) is TP  # 200 decode steps of 10 requests: TP is faster overall
+    ttft = {lay: e[0] for lay, e in loose.estimates(f, DP).items()}
+    assert ttft[DP] < ttft[TP]  # 10.0 ms vs 17.0 ms
+    assert loose.decide(f, DP) is TP  # 200 decode steps of 10 requests: TP is faster overall
     tight = AutoPolicy(curves, latency_goal_s=0.012, decode_steps=200)
-    assert tight.decide(f, SPTP) is SPTP  # only SP x TP gets the prompts their first token in 12 ms
+    assert tight.decide(f, DP) is DP  # only DP gets the prompts their first token in 12 ms
     # no layout meets an impossible goal: the least late one
-    assert AutoPolicy(curves, latency_goal_s=1e-6, decode_steps=200).decide(f, TP) is SPTP
+    assert AutoPolicy(curves, latency_goal_s=1e-6, decode_steps=200).decide(f, TP) is DP
+
+
+def test_auto_policy_prices_decode_in_the_fastest_free_switch():
+    """SP x TP and TP have one replica size: after an SP x TP step the decode steps run in TP for free,
+    so the decode horizon does not hold SP x TP back, and switch_s does not apply between them."""
+    f = facts(8, running=8, waiting=2, waiting_prefill_tokens=4096)
+    policy = AutoPolicy({SPTP: BASE_CURVE, TP: SHIFT_CURVE}, latency_goal_s=1.0, decode_steps=200, switch_s=1.0)
+    est = policy.estimates(f, TP)
+    assert est[SPTP][1] - est[SPTP][0] == pytest.approx(est[TP][1] - est[TP][0])  # both decode at TP's speed
+    assert policy.decide(f, TP) is SPTP and policy.decide(facts(8, running=8), SPTP) is TP
+
+
+def test_auto_policy_on_measured_curves_is_shift_with_a_measured_threshold():
+    """Curves measured at start-up of a serving run (4x H100, Llama-3-8B shape, 32 layers, bf16; tokens
+    per step: ms): SP=4 for large steps, TP=4 for small ones, DP only when the queue is long enough
+    to pay for its switch and its slower decode."""
+    sp4 = ParallelLayout(W, sp=4)
+    ms = {TP: [(1, 3.60), (16, 6.14), (64, 6.10), (256, 6.23), (1024, 12.58), (2048, 21.30)],
+          sp4: [(1, 8.67), (16, 8.84), (64, 8.70), (256, 8.92), (1024, 11.12), (2048, 15.53)],
+          DP: [(1, 7.24), (16, 9.93), (64, 9.75), (256, 9.79), (1024, 10.05), (2048, 13.32), (8192, 44.77)]}
+    policy = AutoPolicy({lay: [(n, t * 1e-3) for n, t in c] for lay, c in ms.items()}, latency_goal_s=1.0,
+                        decode_steps=32, switch_s=3.97e-3, initial=TP)
+    for n, running, want in [(1, 1, TP), (64, 64, TP), (256, 40, TP), (1024, 40, sp4), (2048, 40, sp4)]:
+        for current in (TP, sp4):
+            assert policy.decide(facts(n, running=running), current) == want, (n, running, current)
 
 
 def test_auto_policy_switch_cost_keeps_the_current_layout_for_small_gains():
-    curves = {SPTP: BASE_CURVE, TP: SHIFT_CURVE}
-    f = facts(2048)  # SP x TP: 4.86 ms, TP: 8.0 ms
-    assert AutoPolicy(curves, latency_goal_s=1.0, switch_s=0.003).decide(f, TP) is SPTP
+    curves = {DP: BASE_CURVE, TP: SHIFT_CURVE}
+    f = facts(2048)  # DP: 4.86 ms, TP: 8.0 ms
+    assert AutoPolicy(curves, latency_goal_s=1.0, switch_s=0.003).decide(f, TP) is DP
     assert AutoPolicy(curves, latency_goal_s=1.0, switch_s=0.004).decide(f, TP) is TP
-    assert AutoPolicy(curves, latency_goal_s=1.0, switch_s=0.004).decide(f, SPTP) is SPTP
+    assert AutoPolicy(curves, latency_goal_s=1.0, switch_s=0.004).decide(f, DP) is DP
 
 
 def test_auto_policy_ties_go_to_current_then_declaration_order():
