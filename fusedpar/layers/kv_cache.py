@@ -135,15 +135,7 @@ class PagedKVCache:
         leaves the cache as it was, so the caller can grow the pool or fix the batch and retry.
         """
         bs = self.block_size
-        for sid, c in zip(batch.seq_ids, batch.context_lens, strict=True):
-            if self.seq_len(sid) != c:
-                raise ValueError(f"sequence {sid}: cache holds {self.seq_len(sid)} tokens, step says context {c}")
-        need_total = self.blocks_needed(batch)
-        if need_total > len(self._free):
-            raise RuntimeError(
-                f"KV cache out of blocks: the step needs {need_total} more, {len(self._free)} free of "
-                f"{self.num_blocks} (block_size {bs}); grow() the cache or split the step"
-            )
+        self._check_room(batch)
         if all(q == 1 for q in batch.query_lens):  # a decode step: one slot per sequence, no tensor work
             slots = []
             for sid, c in zip(batch.seq_ids, batch.context_lens, strict=True):
@@ -167,6 +159,31 @@ class PagedKVCache:
         seq_of = torch.repeat_interleave(torch.arange(len(offset)), torch.tensor(batch.query_lens))
         block = torch.tensor(touched)[torch.tensor(offset)[seq_of] + pos // bs]
         return (block * bs + pos % bs).to(self.k.device if device is None else device)
+
+    def reserve(self, batch: StepBatch) -> None:
+        """begin_step without the slots: the step's blocks and lengths, for a caller that addresses the
+        new tokens through the block tables itself (a KV migration builds its row indices on the device).
+        The same checks, run before anything changes."""
+        self._check_room(batch)
+        bs = self.block_size
+        for sid, q, c in zip(batch.seq_ids, batch.query_lens, batch.context_lens, strict=True):
+            table = self.block_tables.setdefault(sid, [])
+            need = -(-(c + q) // bs) - len(table)
+            if need > 0:  # the blocks begin_step would pop, in its order
+                table.extend(reversed(self._free[-need:]))
+                del self._free[-need:]
+            self.lengths[sid] = c + q
+
+    def _check_room(self, batch: StepBatch) -> None:
+        for sid, c in zip(batch.seq_ids, batch.context_lens, strict=True):
+            if self.seq_len(sid) != c:
+                raise ValueError(f"sequence {sid}: cache holds {self.seq_len(sid)} tokens, step says context {c}")
+        need_total = self.blocks_needed(batch)
+        if need_total > len(self._free):
+            raise RuntimeError(
+                f"KV cache out of blocks: the step needs {need_total} more, {len(self._free)} free of "
+                f"{self.num_blocks} (block_size {self.block_size}); grow() the cache or split the step"
+            )
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [n, local kv heads, head_dim] of n real tokens at their slots."""

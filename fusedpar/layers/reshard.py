@@ -6,15 +6,16 @@ gets proportionally more blocks, as Flying Serving scales block capacity with th
 new pool only when those bytes hold no block of the target's heads, and a larger one when the
 caller asks for more blocks than they hold).
 
-Data path, a fixed number of device ops whatever the layers, sequences and kv heads: every index
-is built on the host first (token rows of the pool: row = slot * local_heads + head index, per
-layer) and copied to the device once; one row gather per peer (fusedpar.kernels.kv_rows, k and v in
-one launch) collects everything a peer gets (every layer, every (sequence, head) piece in plan
-order) into one contiguous chunk [2 (k | v), layers, rows, head_dim] of one send buffer, the kept
-pieces into a last chunk; one all_to_all_single exchanges the chunks; one row scatter per source
-writes them into fresh blocks of the target cache. Every read of the source pool happens before the first write to
-the target, so the target may reinterpret the source's memory. Collective over the world (global
-ranks): every rank calls it with the same plan; a plan without moves exchanges nothing.
+Data path, a fixed number of device ops whatever the layers, sequences and kv heads: the row
+indices (row = slot * local_heads + head index of a [layer, rows, head_dim] view of the pool) are
+built on the device from the sequences' block tables, one small upload per side, so the host never
+touches a token; one row gather per peer (fusedpar.kernels.kv_rows, k and v in one launch) collects
+everything a peer gets (every layer, every (sequence, head) piece in plan order) into one contiguous
+chunk [2 (k | v), layers, rows, head_dim] of one send buffer, the kept pieces into a last chunk; one
+all_to_all_single exchanges the chunks; one row scatter per source writes them into fresh blocks of
+the target cache. Every read of the source pool happens before the first write to the target, so the
+target may reinterpret the source's memory. Collective over the world (global ranks): every rank
+calls it with the same plan; a plan without moves exchanges nothing.
 """
 
 from __future__ import annotations
@@ -30,9 +31,33 @@ from fusedpar.layers.policy import StepBatch
 from fusedpar.layouts.reshard import KVMove
 
 
-def _token_rows(slots: torch.Tensor, heads: int, index: int) -> torch.Tensor:
-    """Rows of a [layer, blocks * block_size * heads, head_dim] view holding head `index` at `slots`."""
-    return slots * heads + index
+def _row_index(chunks: list[list[tuple[int, int]]], tables: Mapping[int, torch.Tensor], tokens: Mapping[int, int],
+               heads: int, index_of: Mapping[int, int], block_size: int, device: torch.device) -> list[torch.Tensor]:
+    """Per chunk of (seq, head) pieces: the rows of a [layer, blocks * block_size * heads, head_dim] pool
+    view holding every piece's tokens (row = slot * heads + index_of[head], slot from the sequence's
+    block table), pieces in chunk order, tokens in position order. Built on `device` from one upload of
+    the block tables and one (table, head, tokens) triple per piece: the host never touches a token."""
+    pieces = [p for chunk in chunks for p in chunk]
+    sizes = [sum(tokens[seq] for seq, _ in chunk) for chunk in chunks]
+    if not pieces:
+        return [torch.empty(0, dtype=torch.int64, device=device) for _ in chunks]
+    seqs = sorted({seq for seq, _ in pieces})
+    slot_of = {seq: i for i, seq in enumerate(seqs)}
+    width = max(-(-tokens[seq] // block_size) for seq in seqs)
+    table = torch.zeros((len(seqs), width), dtype=torch.int64)
+    for seq in seqs:
+        t = tables[seq][: -(-tokens[seq] // block_size)]
+        table[slot_of[seq], :t.numel()] = t
+    meta = torch.tensor([(slot_of[seq], index_of[h], tokens[seq]) for seq, h in pieces], dtype=torch.int64)
+    host = torch.cat([table.view(-1), meta.view(-1)])
+    dev = host.to(device, non_blocking=True)  # one copy
+    table, meta = dev[:table.numel()].view(table.shape), dev[table.numel():].view(-1, 3)
+    total = sum(sizes)
+    counts = meta[:, 2]
+    piece = torch.repeat_interleave(torch.arange(len(pieces), device=device), counts, output_size=total)
+    pos = torch.arange(total, device=device) - (torch.cumsum(counts, 0) - counts)[piece]
+    slots = table[meta[piece, 0], pos // block_size] * block_size + pos % block_size
+    return list((slots * heads + meta[piece, 1]).split(sizes))
 
 
 def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads: tuple[int, ...],
@@ -74,17 +99,13 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
             recvs[place[m.src]].append((m.seq, m.head))
     keeps = [(seq, h) for seq, (here, there, n) in sorted(sequences.items()) if here and there and n
              for h in target_heads if h in src_index]
-    # source slots of every sequence this rank reads
-    src_slots: dict[int, torch.Tensor] = {}
-    for seq, _ in [p for chunk in sends for p in chunk] + keeps:
-        if seq not in src_slots:
-            n = sequences[seq][2]
-            if cache.seq_len(seq) != n:
-                raise RuntimeError(f"rank {rank}: the cache holds {cache.seq_len(seq)} tokens of sequence {seq}, "
-                                   f"the migration says {n}")
-            table = cache.block_table(seq).long()
-            src_slots[seq] = (table.view(-1, 1) * bs + torch.arange(bs)).view(-1)[:n]
-    # the target cache and its slots (host work only: the pool's memory is untouched so far)
+    # every sequence this rank reads must hold what the migration says
+    for seq in sorted({seq for chunk in (*sends, keeps) for seq, _ in chunk}):
+        n = sequences[seq][2]
+        if cache.seq_len(seq) != n:
+            raise RuntimeError(f"rank {rank}: the cache holds {cache.seq_len(seq)} tokens of sequence {seq}, "
+                               f"the migration says {n}")
+    # the target cache and its blocks (host work only: the pool's memory is untouched so far)
     if cache.k.shape[1] * h_src < h_dst:  # the pool's memory holds no block of the target's heads
         target = PagedKVCache(num_layers=layers, kv_heads=target_heads, head_dim=hd, block_size=bs,
                               num_blocks=max(1, min_blocks), dtype=cache.k.dtype, device=cache.k.device)
@@ -100,26 +121,20 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
     if missing:
         seq, hs = missing[0]
         problem = f"rank {rank}: the plan brings no KV of sequence {seq}, kv heads {hs}"
-    dst_slots: dict[int, torch.Tensor] = {}
     if held and problem is None:
         try:
-            slots = target.begin_step(StepBatch(tuple(s for s, _ in held), tuple(n for _, n in held),
-                                                (0,) * len(held)), device="cpu")
+            target.reserve(StepBatch(tuple(s for s, _ in held), tuple(n for _, n in held), (0,) * len(held)))
         except RuntimeError as exc:  # out of blocks: raised after the exchange, which the peers wait for
             problem = f"rank {rank}: {exc}"
-        else:
-            dst_slots = dict(zip((s for s, _ in held), slots.split([n for _, n in held]), strict=True))
 
-    def rows(pieces, slots, index, heads):
-        parts = [_token_rows(slots[seq], heads, index[h]) for seq, h in pieces]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-
-    send_idx = [rows(chunk, src_slots, src_index, h_src) for chunk in (*sends, keeps)]
-    recv_n = [sum(sequences[seq][2] for seq, _ in chunk) for chunk in recvs]
-    recv_idx = [] if problem else [rows(chunk, dst_slots, dst_index, h_dst) for chunk in (*recvs, keeps)]
     device = cache.k.device
-    host = send_idx + recv_idx
-    index = list(torch.cat(host).to(device, non_blocking=True).split([t.numel() for t in host]))  # one copy
+    tokens = {seq: n for seq, (_, _, n) in sequences.items()}
+    send_idx = _row_index([*sends, keeps], {seq: cache.block_table(seq) for chunk in (*sends, keeps)
+                                            for seq, _ in chunk}, tokens, h_src, src_index, bs, device)
+    recv_n = [sum(sequences[seq][2] for seq, _ in chunk) for chunk in recvs]
+    recv_idx = [] if problem else _row_index([*recvs, keeps], {seq: target.block_table(seq) for seq, _ in held},
+                                             tokens, h_dst, dst_index, bs, device)
+    index = send_idx + recv_idx
     send_rows = [t.numel() for t in send_idx]
     # gather: chunk p = [2, layers, rows_p, hd], peers in group order, then the kept pieces
     flat = [t.view(layers, -1, hd) for t in (cache.k, cache.v)]

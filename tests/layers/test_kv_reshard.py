@@ -215,3 +215,40 @@ def test_migrate_kv_new_pool_and_missing_heads():
     for out in res:
         assert out["new_pool"] == (3, True, 0), out
         assert "brings no KV of sequence 1" in out.get("missing", ""), out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_row_index_matches_the_slots_of_begin_step(seed):
+    """_row_index (built from block tables, on the device side) gives every piece's pool rows exactly as
+    begin_step's slots say, on fragmented tables with sequences ending mid-block, empty chunks included;
+    reserve() takes the blocks begin_step would."""
+    import random
+
+    import torch
+
+    from fusedpar.layers.kv_cache import PagedKVCache
+    from fusedpar.layers.policy import StepBatch
+    from fusedpar.layers.reshard import _row_index
+
+    rng = random.Random(seed)
+    heads, bs = (3, 5, 6), 4
+    caches = [PagedKVCache(num_layers=1, kv_heads=heads, head_dim=2, block_size=bs, num_blocks=80,
+                           dtype=torch.float32) for _ in range(2)]
+    lengths = {s: rng.randrange(1, 30) for s in range(6)}
+    slots = {}
+    for step in range(3):  # interleaved chunks: each sequence's blocks scattered over the pool
+        for s in lengths:
+            n = lengths[s] // 3 + (lengths[s] % 3 if step == 2 else 0)
+            if not n:
+                continue
+            batch = StepBatch((s,), (n,), (caches[0].seq_len(s),))
+            slots[s] = torch.cat([slots.get(s, torch.empty(0, dtype=torch.int64)), caches[0].begin_step(batch)])
+            caches[1].reserve(batch)
+    assert caches[1].block_tables == caches[0].block_tables and caches[1]._free == caches[0]._free
+    index_of = {h: i for i, h in enumerate(heads)}
+    chunks = [[(s, rng.choice(heads)) for s in rng.sample(sorted(lengths), rng.randrange(0, 4))] for _ in range(4)]
+    got = _row_index(chunks, {s: caches[0].block_table(s) for s in lengths}, lengths, len(heads), index_of, bs,
+                     torch.device("cpu"))
+    for chunk, rows in zip(chunks, got, strict=True):
+        want = [slots[s] * len(heads) + index_of[h] for s, h in chunk]
+        assert torch.equal(rows, torch.cat(want) if want else torch.empty(0, dtype=torch.int64)), chunk
