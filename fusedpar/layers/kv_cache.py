@@ -139,17 +139,14 @@ class PagedKVCache:
         if all(q == 1 for q in batch.query_lens):  # a decode step: one slot per sequence, no tensor work
             slots = []
             for sid, c in zip(batch.seq_ids, batch.context_lens, strict=True):
-                table = self.block_tables.setdefault(sid, [])
-                table.extend(self._free.pop() for _ in range(c // bs + 1 - len(table)))
+                table = self._extend_table(sid, c + 1)
                 slots.append(table[c // bs] * bs + c % bs)
                 self.lengths[sid] = c + 1
             return torch.tensor(slots, dtype=torch.int64, device=self.k.device if device is None else device)
         touched: list[int] = []  # the blocks the new tokens land in, sequence after sequence
         offset: list[int] = []  # per sequence: index into `touched` of its block 0 (may be negative)
         for sid, q, c in zip(batch.seq_ids, batch.query_lens, batch.context_lens, strict=True):
-            table = self.block_tables.setdefault(sid, [])
-            need = -(-(c + q) // bs) - len(table)
-            table.extend(self._free.pop() for _ in range(need))
+            table = self._extend_table(sid, c + q)
             offset.append(len(touched) - c // bs)
             touched.extend(table[c // bs:(c + q - 1) // bs + 1])
             self.lengths[sid] = c + q
@@ -165,14 +162,18 @@ class PagedKVCache:
         new tokens through the block tables itself (a KV migration builds its row indices on the device).
         The same checks, run before anything changes."""
         self._check_room(batch)
-        bs = self.block_size
         for sid, q, c in zip(batch.seq_ids, batch.query_lens, batch.context_lens, strict=True):
-            table = self.block_tables.setdefault(sid, [])
-            need = -(-(c + q) // bs) - len(table)
-            if need > 0:  # the blocks begin_step would pop, in its order
-                table.extend(reversed(self._free[-need:]))
-                del self._free[-need:]
+            self._extend_table(sid, c + q)
             self.lengths[sid] = c + q
+
+    def _extend_table(self, sid: int, tokens: int) -> list[int]:
+        """Sequence sid's block table, grown from the free list (its end first) to hold `tokens` tokens."""
+        table = self.block_tables.setdefault(sid, [])
+        need = -(-tokens // self.block_size) - len(table)
+        if need > 0:
+            table.extend(reversed(self._free[-need:]))
+            del self._free[-need:]
+        return table
 
     def _check_room(self, batch: StepBatch) -> None:
         for sid, c in zip(batch.seq_ids, batch.context_lens, strict=True):

@@ -37,7 +37,7 @@ class ShiftParallelStack(nn.Module):
         self.graphs = None  # DecodeGraphs, once captured
         self.prefill_graphs = None  # PrefillGraphs, once captured
         self.base_graphs = None  # BaseGraphs (base-mode steps), once captured
-        self.graph_steps = 0  # steps that replayed a graph of either kind
+        self.graph_steps = 0  # steps that replayed a graph of any kind
 
     @property
     def weight_dtype(self) -> torch.dtype:
