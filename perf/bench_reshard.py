@@ -24,7 +24,8 @@ W = world size, SP = (sp=W), TP = (tp=W), DP = (dp=W, one GPU per replica). Live
                    swap_in under TP, swap_in under DP (re-sharding through the host: heads fetched from
                    their writers). baseline = one plain torch copy of the same bytes (the busiest
                    rank's) between a device tensor and a pinned host tensor, same direction;
-                   roofline_pct = baseline / fused * 100 (the plain copy's bandwidth is the floor).
+                   roofline_pct = baseline / fused * 100 (the plain copy's bandwidth is the floor);
+                   op_split_ms as for reshard_kv (the row moves, the copies, the transfers).
   reshard_overlap  a loop of --gemms bf16 GEMMs (--gemm-n cubed) on the compute stream, alone (baseline)
                    and while a swap_out / a swap_in of the live sequences runs on the tier's side stream
                    (fused); both times from CUDA events on the compute stream around the GEMMs only.
@@ -421,6 +422,8 @@ def measure_swap(env: Env, cfg: dict, dtype, common: dict) -> list[dict]:
     for case, fn, setup, nbytes, to_host in cases:
         direction = "device -> pinned host" if to_host else "pinned host -> device"
         t = env.time(fn, setup)
+        setup()
+        split = op_split_ms(env, fn)
         ok = True  # check (no assert: a benchmark reports): the last sample's swapped-in KV is the sequences'
         if not to_host:
             key = "dp" if "dp" in case else "tp"
@@ -434,7 +437,7 @@ def measure_swap(env: Env, cfg: dict, dtype, common: dict) -> list[dict]:
                         "baseline_ms": plain, "fused_ms": t["wall"], "speedup": plain / t["wall"],
                         "roofline_pct": 100.0 * plain / t["wall"], "bytes": nbytes,
                         "gbps": nbytes / (t["wall"] * 1e-3) / 1e9, "plain_gbps": nbytes / (plain * 1e-3) / 1e9,
-                        "host_ms": t["host"], "device_ms": t["device"],
+                        "host_ms": t["host"], "device_ms": t["device"], "op_split_ms": split,
                         "values_ok": bool(env.max(0.0 if ok else 1.0) == 0.0)})
     # the overlap of a swap with a GEMM loop on the compute stream
     n = cfg["gemm_n"]

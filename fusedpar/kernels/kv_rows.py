@@ -1,19 +1,23 @@
 """Gather and scatter of token rows of a paged KV pool, k and v in one Triton launch.
 
 A KV migration (fusedpar.layers.reshard.migrate_kv) reads the pieces it sends out of the paged
-pool and writes what it receives into fresh blocks. Seen as [layers, rows, head_dim] (row = cache
-slot * local kv heads + head index), both are row moves with one row index shared by every layer:
+pool and writes what it receives into fresh blocks; the host KV tier (fusedpar.layers.host_tier)
+stages swapped sequences the same way. Seen as [layers, rows, head_dim] (row = cache slot * local
+kv heads + head index), both are row moves with one row index shared by every layer:
 
-    gather:  chunk[0, l, i] = k_pool[l, idx[i]]    chunk[1, l, i] = v_pool[l, idx[i]]
-    scatter: k_pool[l, idx[i]] = chunk[0, l, i]    v_pool[l, idx[i]] = chunk[1, l, i]
+    gather:  chunk[k, l, i] = k_pool[l, idx[i]]    chunk[v, l, i] = v_pool[l, idx[i]]
+    scatter: k_pool[l, idx[i]] = chunk[k, l, i]    v_pool[l, idx[i]] = chunk[v, l, i]
 
-chunk [2, layers, n, head_dim] contiguous (k then v: what the exchange sends), idx int64 [n] (no
-repeats for a scatter). One program per (BLOCK_R rows, layer, k | v) loads its row indices once and
-copies head_dim-wide rows. torch's index_select / index_copy_ along dim 1 do the same at about half
-the bandwidth (their index kernels address element by element): perf/tools/probe_kv_gather.py.
+idx int64 [n] (no repeats for a scatter); idx[i] < 0 names no pool row: a gather writes zeros into
+chunk row i, a scatter skips it. chunk, contiguous, in one of two orders:
+    [2 (k | v), layers, n, head_dim]           rows: what the exchange of a migration sends;
+    [n / B, layers, 2 (k | v), B, head_dim]    blocks of B rows: the host tier's block order.
+One program per (BLOCK_R rows, layer, k | v) loads its row indices once and copies head_dim-wide
+rows. torch's index_select / index_copy_ along dim 1 do the same at about half the bandwidth
+(their index kernels address element by element): perf/tools/probe_kv_gather.py.
 
-_move_rows_kernel (@triton.jit) -> move_kv_rows (checks, grid; the torch ops where Triton cannot run:
-CPU tensors without TRITON_INTERPRET=1).
+_move_rows_kernel (@triton.jit) -> move_kv_rows (checks, chunk strides, grid; the torch ops where
+Triton cannot run: CPU tensors without TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -28,30 +32,57 @@ BLOCK_R = 32  # rows per program: 32 x 128 bf16 = 8 KiB moved per program
 
 
 @triton.jit(do_not_specialize=["n"])
-def _move_rows_kernel(k_pool_ptr, v_pool_ptr, idx_ptr, chunk_ptr, n, stride_pool_layer, layers, HD: tl.constexpr,
-                      HD_P2: tl.constexpr, SCATTER: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Program (row block, layer, kv): the rows idx[rb * BLOCK_R ...] of one layer of k (kv 0) or v."""
+def _move_rows_kernel(k_pool_ptr, v_pool_ptr, idx_ptr, chunk_ptr, n, stride_pool_layer, rows_per_block,
+                      stride_c_block, stride_c_layer, stride_c_kv, HD: tl.constexpr, HD_P2: tl.constexpr,
+                      SCATTER: tl.constexpr, BLOCKED: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program (row block, layer, kv): the rows idx[rb * BLOCK_R ...] of one layer of k (kv 0) or v.
+    Chunk row i of (layer, kv) starts at kv * stride_c_kv + layer * stride_c_layer + i * HD (rows), or
+    at ... + (i // rows_per_block) * stride_c_block + (i % rows_per_block) * HD (BLOCKED)."""
     rb = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
-    kv = tl.program_id(2)
+    kv = tl.program_id(2).to(tl.int64)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, HD_P2)
-    mask = (rows < n)[:, None] & (cols < HD)[None, :]
-    idx = tl.load(idx_ptr + rows, mask=rows < n, other=0).to(tl.int64)
-    pool_off = layer * stride_pool_layer + idx[:, None] * HD + cols[None, :]
-    chunk = chunk_ptr + ((kv * layers + layer) * n + rows[:, None].to(tl.int64)) * HD + cols[None, :]
+    in_range = rows < n
+    idx = tl.load(idx_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+    cmask = (cols < HD)[None, :]
+    moved = (in_range & (idx >= 0))[:, None] & cmask
+    r64 = rows.to(tl.int64)
+    if BLOCKED:  # noqa: SIM108 (kept as the kernel's two address forms)
+        crow = (r64 // rows_per_block) * stride_c_block + (r64 % rows_per_block) * HD
+    else:
+        crow = r64 * HD
+    chunk = chunk_ptr + kv * stride_c_kv + layer * stride_c_layer + crow[:, None] + cols[None, :]
+    pool_off = layer * stride_pool_layer + tl.maximum(idx, 0)[:, None] * HD + cols[None, :]
     if kv == 0:  # noqa: SIM108 (a runtime scalar: Triton takes an if, not a ternary)
         pool = k_pool_ptr + pool_off
     else:
         pool = v_pool_ptr + pool_off
     if SCATTER:
-        tl.store(pool, tl.load(chunk, mask=mask), mask=mask)
+        tl.store(pool, tl.load(chunk, mask=moved), mask=moved)
     else:
-        tl.store(chunk, tl.load(pool, mask=mask), mask=mask)
+        tl.store(chunk, tl.load(pool, mask=moved, other=0), mask=in_range[:, None] & cmask)
 
 
-def _check(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor, chunk: torch.Tensor) -> None:
+def _chunk_order(chunk: torch.Tensor, layers: int, n: int, hd: int) -> tuple[str, int] | str:
+    """("rows", n) or ("blocks", B) for a chunk in one of the two orders, else the problem."""
+    shape = tuple(chunk.shape)
+    if chunk.dim() == 5 and shape[1:3] == (layers, 2) and shape[4] == hd and shape[0] * shape[3] == n:
+        order: tuple[str, int] | None = ("blocks", shape[3])
+    elif shape == (2, layers, n, hd):
+        order = ("rows", n)
+    else:
+        order = None
+    if order is None or not chunk.is_contiguous():
+        got = f"{shape}{'' if chunk.is_contiguous() else ' non-contiguous'}"
+        return (f"chunk must be contiguous {(2, layers, n, hd)} (k | v, layers, n, head_dim) or "
+                f"(n / B, {layers}, 2, B, {hd}) (blocks of B rows, B dividing n = {n}), got {got}")
+    return order
+
+
+def _check(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor, chunk: torch.Tensor) -> tuple[str, int]:
     problems = []
+    order: tuple[str, int] | str = ""
     if k_pool.dim() != 3 or v_pool.shape != k_pool.shape or k_pool.stride() != v_pool.stride():
         problems.append(f"k_pool / v_pool must be one [layers, rows, head_dim] shape and strides, got "
                         f"{tuple(k_pool.shape)} {k_pool.stride()} / {tuple(v_pool.shape)} {v_pool.stride()}")
@@ -60,38 +91,47 @@ def _check(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor, chunk:
     if idx.dim() != 1 or idx.dtype != torch.int64:
         problems.append(f"idx must be int64 [n], got {idx.dtype} {tuple(idx.shape)}")
     if k_pool.dim() == 3 and idx.dim() == 1:
-        want = (2, k_pool.shape[0], idx.numel(), k_pool.shape[2])
-        if tuple(chunk.shape) != want or not chunk.is_contiguous():
-            problems.append(f"chunk must be contiguous {want} (k | v, layers, n, head_dim), got "
-                            f"{tuple(chunk.shape)}{'' if chunk.is_contiguous() else ' non-contiguous'}")
+        order = _chunk_order(chunk, k_pool.shape[0], idx.numel(), k_pool.shape[2])
+        if isinstance(order, str):
+            problems.append(order)
     if not (k_pool.dtype == v_pool.dtype == chunk.dtype):
         problems.append(f"dtypes differ: k_pool {k_pool.dtype}, v_pool {v_pool.dtype}, chunk {chunk.dtype}")
     if len({t.device for t in (k_pool, v_pool, idx, chunk)}) != 1:
         problems.append(f"tensors on several devices: {[str(t.device) for t in (k_pool, v_pool, idx, chunk)]}")
-    if problems:
+    if problems or isinstance(order, str):
         raise ValueError("fusedpar.move_kv_rows: " + "; ".join(problems))
+    return order
+
+
+def _as_rows(chunk: torch.Tensor, order: tuple[str, int]) -> torch.Tensor:
+    """chunk seen as [2, layers, n, head_dim] (a view for rows, a permuted view for blocks)."""
+    if order[0] == "rows":
+        return chunk
+    return chunk.permute(2, 1, 0, 3, 4)  # [2, layers, n / B, B, hd]
 
 
 def move_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor, chunk: torch.Tensor, *,
                  scatter: bool) -> None:
     """Gather (scatter=False) rows idx of k_pool / v_pool [layers, rows, head_dim] into chunk
-    [2, layers, n, head_dim], or scatter chunk into those rows (idx without repeats). In place."""
-    _check(k_pool, v_pool, idx, chunk)
+    ([2, layers, n, head_dim] or [n / B, layers, 2, B, head_dim]), or scatter chunk into those rows
+    (idx without repeats); idx < 0: zeros gathered, nothing scattered. In place."""
+    order = _check(k_pool, v_pool, idx, chunk)
     n = idx.numel()
     if n == 0:
         return
     if k_pool.device.type == "cpu" and not INTERPRETED:  # Triton compiled for a GPU: the torch ops
-        for pool, part in ((k_pool, chunk[0]), (v_pool, chunk[1])):
-            if scatter:
-                pool.index_copy_(1, idx, part)
-            else:
-                torch.index_select(pool, 1, idx, out=part)
+        _move_torch(k_pool, v_pool, idx, chunk, order, scatter)
         return
     layers, _, hd = k_pool.shape
+    if order[0] == "rows":
+        strides = (n, 0, n * hd, layers * n * hd)
+    else:
+        rb = order[1]
+        strides = (rb, layers * 2 * rb * hd, 2 * rb * hd, rb * hd)
     grid = (cdiv(n, BLOCK_R), layers, 2)
     guard = torch.cuda.device(k_pool.device) if k_pool.device.type == "cuda" else None
-    args = (k_pool, v_pool, idx, chunk, n, k_pool.stride(0), layers)
-    kw = {"HD": hd, "HD_P2": next_pow2(hd), "SCATTER": scatter, "BLOCK_R": BLOCK_R}
+    args = (k_pool, v_pool, idx, chunk, n, k_pool.stride(0), *strides)
+    kw = {"HD": hd, "HD_P2": next_pow2(hd), "SCATTER": scatter, "BLOCKED": order[0] == "blocks", "BLOCK_R": BLOCK_R}
     if guard is None:
         _move_rows_kernel[grid](*args, **kw)
     else:
@@ -99,14 +139,33 @@ def move_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor, 
             _move_rows_kernel[grid](*args, **kw)
 
 
+def _move_torch(k_pool, v_pool, idx, chunk, order, scatter) -> None:
+    layers, _, hd = k_pool.shape
+    n = idx.numel()
+    has = idx >= 0
+    view = _as_rows(chunk, order)
+    for j, pool in enumerate((k_pool, v_pool)):
+        if scatter:
+            part = view[j].reshape(layers, n, hd)
+            pool.index_copy_(1, idx[has], part[:, has])
+        else:
+            part = torch.index_select(pool, 1, idx.clamp(min=0)).masked_fill_(~has.view(1, n, 1), 0)
+            view[j].copy_(part.view(view[j].shape))
+
+
 def move_kv_rows_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor, chunk: torch.Tensor, *,
                            scatter: bool) -> None:
     """The plain-torch meaning of move_kv_rows (tests)."""
-    for pool, part in ((k_pool, chunk[0]), (v_pool, chunk[1])):
+    has = idx >= 0
+    rows = chunk if chunk.dim() == 4 else chunk.permute(2, 1, 0, 3, 4)  # [2, layers, (n / B, B,) hd]
+    for j, pool in enumerate((k_pool, v_pool)):
+        part = rows[j].reshape(pool.shape[0], idx.numel(), pool.shape[2])
         if scatter:
-            pool[:, idx] = part
+            pool[:, idx[has]] = part[:, has]
         else:
-            part.copy_(pool[:, idx])
+            part = pool[:, idx.clamp(min=0)]
+            part[:, ~has] = 0
+            rows[j].copy_(part.view(rows[j].shape))
 
 
 __all__ = ["BLOCK_R", "move_kv_rows", "move_kv_rows_reference"]

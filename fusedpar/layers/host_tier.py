@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fusedpar.kernels.kv_rows import move_kv_rows
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import StepBatch
 from fusedpar.layouts.grid import ParallelLayout
@@ -353,22 +354,23 @@ class HostKVTier:
 
     def _gather(self, cache: PagedKVCache, pieces: list[tuple[list[int], int, int]]) -> torch.Tensor:
         """Every piece (its cache block table, local head index, tokens) in pool order, one after the
-        other: [sum of pool blocks, L, 2, bs, hd], rows past a piece's tokens zero. One row gather per
-        k | v over all pieces, then a fill."""
+        other: [sum of pool blocks, L, 2, bs, hd], rows past a piece's tokens zero. One row gather for
+        k and v over all pieces (fusedpar.kernels.kv_rows, block order; rows past the tokens: idx -1)."""
         bs, h = self.block_size, len(cache.kv_heads)
-        rows, valid = [], []
+        rows = []
         for table, i, tokens in pieces:
             tok = torch.arange(self.blocks_for(tokens) * bs)
-            valid.append(tok < tokens)
-            rows.append(_token_rows(torch.tensor(table), cache.block_size, tok.clamp(max=tokens - 1)) * h + i)
+            r = _token_rows(torch.tensor(table), cache.block_size, tok.clamp(max=tokens - 1)) * h + i
+            rows.append(r.masked_fill_(tok >= tokens, -1))
         idx = self._to_device(torch.cat(rows))  # one small copy
-        n = idx.numel() // bs
-        past = self._to_device(~torch.cat(valid)).view(n, 1, 1, bs, 1)
-        st = torch.empty((n, self.num_layers, 2, bs, self.head_dim), dtype=self.dtype, device=cache.k.device)
-        for j, src in enumerate((cache.k, cache.v)):
-            flat = src.view(src.shape[0], -1, self.head_dim)  # [L, cache rows, hd]
-            st[:, :, j] = flat[:, idx].view(self.num_layers, n, bs, self.head_dim).transpose(0, 1)
-        return st.masked_fill_(past, 0)
+        st = torch.empty((idx.numel() // bs, self.num_layers, 2, bs, self.head_dim), dtype=self.dtype,
+                         device=cache.k.device)
+        move_kv_rows(*self._rows_view(cache), idx, st, scatter=False)
+        return st
+
+    def _rows_view(self, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """cache.k, cache.v as [L, cache rows, hd] (row = slot * local heads + head index)."""
+        return cache.k.view(self.num_layers, -1, self.head_dim), cache.v.view(self.num_layers, -1, self.head_dim)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the tier's device without a synchronous copy (a copy from pageable
@@ -385,8 +387,9 @@ class HostKVTier:
                  layout: ParallelLayout) -> None:
         """Assemble this rank's sequences in one device buffer [blocks, L, 2, bs, hd] (sequence, local head,
         token block order): its kept heads by few host -> device copies (runs of consecutive pool blocks
-        into consecutive rows), the others received from their writers; then one block scatter per k | v
-        into fresh blocks of the cache (whole blocks: rows past a sequence's end land in its own last block)."""
+        into consecutive rows), the others received from their writers; then one row scatter for k and v
+        (fusedpar.kernels.kv_rows, block order) of every sequence's tokens into fresh blocks of the cache
+        (rows past its end skipped)."""
         L, bs, hd, rank = self.num_layers, self.block_size, self.head_dim, self.rank
         offset: dict[tuple[int, int], int] = {}  # (seq, kv head) -> its first row in `assembled`
         rows = 0
@@ -430,17 +433,13 @@ class HostKVTier:
         ns = [self._dir[s].tokens for s in mine]
         cache.begin_step(StepBatch(tuple(mine), tuple(ns), (0,) * len(mine)), device="cpu")
         h = len(cache.kv_heads)
-        blk, pos, dst = [], [], []  # per token of every (sequence, local head): its place in `assembled`, cache row
+        idx = torch.full((rows * bs,), -1, dtype=torch.int64)  # per row of `assembled`: its cache row
         for seq, n in zip(mine, ns, strict=True):
-            tok = torch.arange(n)
-            slots = _token_rows(torch.tensor(cache.block_tables[seq]), cache.block_size, tok)
+            slots = _token_rows(torch.tensor(cache.block_tables[seq]), cache.block_size, torch.arange(n))
             for j, head in enumerate(cache.kv_heads):
-                blk.append(offset[(seq, head)] + tok // bs)
-                pos.append(tok % bs)
-                dst.append(slots * h + j)
-        idx = self._to_device(torch.stack([torch.cat(blk), torch.cat(pos), torch.cat(dst)]))  # one small copy
-        for j, t in enumerate((cache.k, cache.v)):
-            t.view(L, -1, hd)[:, idx[2]] = assembled[:, :, j][idx[0], :, idx[1]].transpose(0, 1)  # [L, tokens, hd]
+                start = offset[(seq, head)] * bs
+                idx[start:start + n] = slots * h + j
+        move_kv_rows(*self._rows_view(cache), self._to_device(idx), assembled, scatter=True)  # one small copy
 
     def _from_pool_rows(self, pairs: list[tuple[int, int]], out: torch.Tensor) -> None:
         """out[row] = pool[block] for every (row, block): one copy per run consecutive on both sides."""

@@ -6,21 +6,26 @@ gets proportionally more blocks, as Flying Serving scales block capacity with th
 new pool only when those bytes hold no block of the target's heads, and a larger one when the
 caller asks for more blocks than they hold).
 
-Data path, a fixed number of device ops whatever the layers, sequences and kv heads: the row
-indices (row = slot * local_heads + head index of a [layer, rows, head_dim] view of the pool) are
-built on the device from the sequences' block tables, one small upload per side, so the host never
-touches a token; one row gather per peer (fusedpar.kernels.kv_rows, k and v in one launch) collects
-everything a peer gets (every layer, every (sequence, head) piece in plan order) into one contiguous
-chunk [2 (k | v), layers, rows, head_dim] of one send buffer, the kept pieces into a last chunk; one
-all_to_all_single exchanges the chunks; one row scatter per source writes them into fresh blocks of
-the target cache. Every read of the source pool happens before the first write to the target, so the
-target may reinterpret the source's memory. Collective over the world (global ranks): every rank
-calls it with the same plan; a plan without moves exchanges nothing.
+Data path, a fixed number of device ops per layer group whatever the sequences and kv heads: the
+row indices (row = slot * local_heads + head index of a [layer, rows, head_dim] view of the pool)
+are built on the device from the sequences' block tables, one small upload per side, so the host
+never touches a token. The layers are then moved in groups (about _GROUP_BYTES of the plan's KV
+per rank each, at most _MAX_GROUPS; the same groups on every rank). Per group: one row gather per
+peer (fusedpar.kernels.kv_rows, k and v in one launch) collects everything the peer gets (every
+(sequence, head) piece in plan order) into one contiguous chunk [2 (k | v), group layers, rows,
+head_dim] of the group's send buffer, the kept pieces into a last chunk; one asynchronous
+all_to_all_single exchanges the chunks; one row scatter per source writes them into fresh blocks
+of the target cache once the exchange is done, issued after the next group's gathers, so that
+group g's exchange runs beside group g+1's gathers and group g-1's scatters. A layer of the source
+pool is read before the first write to that layer of the target, so the target may reinterpret the
+source's memory (reinterpret keeps every layer in its own bytes). Collective over the world
+(global ranks): every rank calls it with the same plan; a plan without moves exchanges nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -29,6 +34,10 @@ from fusedpar.kernels.kv_rows import move_kv_rows
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import StepBatch
 from fusedpar.layouts.reshard import KVMove
+
+# KV bytes (of the whole plan, per rank on average) per layer group of a migration, and the most groups
+_GROUP_BYTES = 32 << 20
+_MAX_GROUPS = 8
 
 
 def _row_index(chunks: list[list[tuple[int, int]]], tables: Mapping[int, torch.Tensor], tokens: Mapping[int, int],
@@ -136,29 +145,58 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
                                              tokens, h_dst, dst_index, bs, device)
     index = send_idx + recv_idx
     send_rows = [t.numel() for t in send_idx]
-    # gather: chunk p = [2, layers, rows_p, hd], peers in group order, then the kept pieces
     flat = [t.view(layers, -1, hd) for t in (cache.k, cache.v)]
-    send = torch.empty((2 * layers * sum(send_rows), hd), dtype=cache.k.dtype, device=device)
-    chunks, pos = [], 0
-    for idx, n in zip(index[:len(send_idx)], send_rows, strict=True):
-        chunk = send[pos:pos + 2 * layers * n].view(2, layers, n, hd)
-        move_kv_rows(*flat, idx, chunk, scatter=False)
-        chunks.append(chunk)
-        pos += 2 * layers * n
-    out_split = [2 * layers * n for n in send_rows[:-1]]
-    in_split = [2 * layers * n for n in recv_n]
-    recv = torch.empty((sum(in_split), hd), dtype=cache.k.dtype, device=device)
-    if plan:  # the same plan on every rank: all of them take part, or none
-        dist.all_to_all_single(recv, send[:sum(out_split)], in_split, out_split, group=pg)
+    tflat = [t.view(layers, -1, hd) for t in (target.k, target.v)]
+    per_token = 2 * layers * hd * cache.k.element_size()  # one (sequence, kv head) token, every layer
+    moved = sum(sequences[m.seq][2] for m in plan if m.src != m.dst) * per_token // len(group_ranks)
+    received, pending = 0, None
+    for l0, l1 in _layer_groups(layers, moved):  # the same groups on every rank: one exchange each
+        lg = l1 - l0
+        # gather: chunk p = [2, lg, rows_p, hd], peers in group order, then the kept pieces
+        send = torch.empty((2 * lg * sum(send_rows), hd), dtype=cache.k.dtype, device=device)
+        chunks, pos = [], 0
+        for idx, n in zip(index[:len(send_idx)], send_rows, strict=True):
+            chunks.append(send[pos:pos + 2 * lg * n].view(2, lg, n, hd))
+            move_kv_rows(flat[0][l0:l1], flat[1][l0:l1], idx, chunks[-1], scatter=False)
+            pos += 2 * lg * n
+        out_split = [2 * lg * n for n in send_rows[:-1]]
+        in_split = [2 * lg * n for n in recv_n]
+        recv = torch.empty((sum(in_split), hd), dtype=cache.k.dtype, device=device)
+        work = None
+        if plan:  # the same plan on every rank: all of them take part, or none
+            work = dist.all_to_all_single(recv, send[:sum(out_split)], in_split, out_split, group=pg, async_op=True)
+        received += recv.numel() * recv.element_size()
+        if pending is not None:  # the previous group's scatters run while this group's exchange does
+            _scatter(*pending, tflat, index[len(send_idx):], problem is None)
+        pending = (work, recv, recv_n, chunks[-1], l0, l1)
+    if pending is not None:
+        _scatter(*pending, tflat, index[len(send_idx):], problem is None)
     if problem is not None:
         raise RuntimeError(problem)
-    # scatter: every received chunk, then the kept one, into the target's fresh blocks
+    return target, received
+
+
+def _layer_groups(layers: int, nbytes: int) -> list[tuple[int, int]]:
+    """[l0, l1) ranges of consecutive layers, about _GROUP_BYTES of nbytes each (at most _MAX_GROUPS,
+    at least one layer): the migration pipelines its gathers, exchanges and scatters over them."""
+    g = max(1, min(layers, _MAX_GROUPS, nbytes // _GROUP_BYTES))
+    bounds = [layers * i // g for i in range(g + 1)]
+    return list(pairwise(bounds))
+
+
+def _scatter(work, recv: torch.Tensor, recv_n: list[int], kept: torch.Tensor, l0: int, l1: int,
+             tflat: list[torch.Tensor], index: list[torch.Tensor], write: bool) -> None:
+    """Wait for one layer group's exchange, then write what it received and the kept chunk into layers
+    [l0, l1) of the target's fresh blocks (write=False: only wait)."""
+    if work is not None:
+        work.wait()
+    if not write:
+        return
+    lg, hd = l1 - l0, recv.shape[-1]
     pieces, pos = [], 0
     for n in recv_n:
-        pieces.append(recv[pos:pos + 2 * layers * n].view(2, layers, n, hd))
-        pos += 2 * layers * n
-    pieces.append(chunks[-1])
-    tflat = [t.view(layers, -1, hd) for t in (target.k, target.v)]
-    for idx, chunk in zip(index[len(send_idx):], pieces, strict=True):
-        move_kv_rows(*tflat, idx, chunk, scatter=True)
-    return target, recv.numel() * recv.element_size()
+        pieces.append(recv[pos:pos + 2 * lg * n].view(2, lg, n, hd))
+        pos += 2 * lg * n
+    pieces.append(kept)
+    for idx, chunk in zip(index, pieces, strict=True):
+        move_kv_rows(tflat[0][l0:l1], tflat[1][l0:l1], idx, chunk, scatter=True)

@@ -3,8 +3,10 @@
 A move copies bytes, so every dtype must match bit for bit. CPU: the Triton interpreter on
 fragmented block tables (the rows a DP -> TP migration sends), odd row counts (a partial last row
 block), odd head dims (masked columns), a pool view with a layer stride larger than its rows, and
-NaN-poisoned outputs; a scatter leaves every other row as it was. GPU (pytest -m gpu): bf16 at the
-Llama-3-8B shape.
+NaN-poisoned outputs; a scatter leaves every other row as it was. The host tier's block order
+([n / B, layers, 2, B, head_dim]) with missing rows (idx < 0: zeros gathered, nothing scattered),
+through the kernel and through the torch path that CPU runs take without the interpreter. GPU
+(pytest -m gpu): bf16 at the Llama-3-8B shape, both orders.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from fusedpar.kernels._host import INTERPRETED
-from fusedpar.kernels.kv_rows import BLOCK_R, move_kv_rows, move_kv_rows_reference
+from fusedpar.kernels.kv_rows import BLOCK_R, _move_torch, move_kv_rows, move_kv_rows_reference
 from fusedpar.testing.numerics import poison_
 
 pytestmark = pytest.mark.skipif(
@@ -78,6 +80,45 @@ def test_gather_then_scatter_match_torch_bit_for_bit(dtype, case, padded):
         assert torch.equal(_bits(got[:, idx]), _bits(ref[:, idx]))
 
 
+def _torch_path(k, v, idx, chunk, *, scatter):
+    order = ("rows", idx.numel()) if chunk.dim() == 4 else ("blocks", chunk.shape[3])
+    _move_torch(k, v, idx, chunk, order, scatter)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mover", [move_kv_rows, _torch_path], ids=["kernel", "torch-path"])
+@pytest.mark.parametrize("block", [4, 16])
+def test_block_order_with_missing_rows_matches_torch(dtype, mover, block):
+    """Staging for the host tier: 3 pieces of 2, 3 and 1 blocks, each past its tokens padded with
+    idx -1; chunk [blocks, layers, 2, block, hd]."""
+    layers, hd, heads = 3, 24, 2
+    gen = torch.Generator().manual_seed(block + (dtype == torch.bfloat16))
+    rows = 40 * block * heads
+    idx = torch.randperm(rows, generator=gen)[: 6 * block]
+    for first, nblk, tokens in ((0, 2, 2 * block - 3), (2, 3, 2 * block + 1), (5, 1, 1)):
+        idx[first * block + tokens:(first + nblk) * block] = -1
+    k, v = _pools(layers, rows, hd, dtype, "cpu", gen, padded=True)
+    chunk = poison_(torch.empty((6, layers, 2, block, hd), dtype=dtype))
+    mover(k, v, idx, chunk, scatter=False)
+    want = poison_(torch.empty_like(chunk))
+    move_kv_rows_reference(k, v, idx, want, scatter=False)
+    assert torch.equal(_bits(chunk), _bits(want)), "block-order gather differs from torch indexing"
+    b, r = 2, 1  # an explicit element: block 2, row 1, layer 1, v
+    assert torch.equal(want[b, 1, 1, r], v[1, idx[b * block + r]])
+    assert not want.isnan().any()
+    missing = (idx < 0).view(6, 1, 1, block, 1).expand_as(want)
+    assert not want[missing].any() and int(missing.sum()) > 0, "rows without a pool row must gather zeros"
+    fresh = torch.randn(chunk.shape, generator=gen).to(dtype)
+    tk, tv, rk, rv = (poison_(t.clone()) for t in (k, v, k, v))
+    mover(tk, tv, idx, fresh, scatter=True)
+    move_kv_rows_reference(rk, rv, idx, fresh, scatter=True)
+    has = idx[idx >= 0]
+    for got, ref in ((tk, rk), (tv, rv)):
+        assert torch.equal(got.isnan(), ref.isnan()), "the scatter wrote rows outside idx >= 0 (or missed some)"
+        assert torch.equal(_bits(got[:, has]), _bits(ref[:, has]))
+    assert torch.equal(rk[:, idx[b * block + r]], fresh[b, :, 0, r])
+
+
 def test_empty_index_is_a_no_op_and_bad_shapes_name_the_numbers():
     k = torch.randn(2, 8, 16)
     v = torch.randn(2, 8, 16)
@@ -110,4 +151,30 @@ def test_gpu_llama8b_rows_bit_for_bit():
     assert torch.equal(tk[:, idx], k[:, idx]) and torch.equal(tv[:, idx], v[:, idx])
     others = torch.ones(k.shape[1], dtype=torch.bool, device=dev)
     others[idx] = False
+    assert not tk[:, others].any() and not tv[:, others].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_llama8b_block_order_bit_for_bit():
+    """bf16, 32 layers, 2 local kv heads of 128, block 16: the host tier's staging of 4 sequences x 2000
+    tokens (the last block of each padded with idx -1), gathered then scattered back."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(6)
+    blocks, bs = 4 * 128, 16
+    idx = _rows(gen, blocks, bs, 2, 4, 2048, 2).view(8, 128, bs)
+    idx[:, -3:] = -1  # 2000 of 2048 tokens: 48 rows of padding per piece
+    idx = idx.reshape(-1).to(dev)
+    k, v = _pools(32, blocks * bs * 2, 128, torch.bfloat16, dev, gen, padded=True)
+    chunk = poison_(torch.empty((idx.numel() // bs, 32, 2, bs, 128), dtype=torch.bfloat16, device=dev))
+    move_kv_rows(k, v, idx, chunk, scatter=False)
+    want = torch.empty_like(chunk)
+    move_kv_rows_reference(k, v, idx, want, scatter=False)
+    assert torch.equal(chunk, want)
+    tk, tv = torch.zeros_like(k), torch.zeros_like(v)
+    move_kv_rows(tk, tv, idx, chunk, scatter=True)
+    has = idx[idx >= 0]
+    assert torch.equal(tk[:, has], k[:, has]) and torch.equal(tv[:, has], v[:, has])
+    others = torch.ones(k.shape[1], dtype=torch.bool, device=dev)
+    others[has] = False
     assert not tk[:, others].any() and not tv[:, others].any()

@@ -117,13 +117,18 @@ def _reference_target(target_heads, num_blocks, sequences, kv_heads, trial):
     return ref
 
 
-def _rand_worker(rank, world, kv_heads):
+def _rand_worker(rank, world, kv_heads, groups):
     import torch
 
+    from fusedpar.layers import reshard
     from fusedpar.layers.kv_cache import PagedKVCache
     from fusedpar.layers.reshard import migrate_kv
     from fusedpar.layouts import ModelDims, ParallelLayout, kv_plan
 
+    if groups == "per-layer":  # tiny shapes fit one group: force one exchange per layer
+        reshard._GROUP_BYTES = 1
+    elif groups == "two":
+        reshard._GROUP_BYTES, reshard._MAX_GROUPS = 1, 2
     q_heads = 8
     dims = ModelDims(q_heads, kv_heads, HEAD_DIM, 16)
     out = []
@@ -168,13 +173,15 @@ def _rand_worker(rank, world, kv_heads):
     return out
 
 
-@pytest.mark.parametrize("world,kv_heads", [(2, 2), (4, 2), (4, 4), (2, 1)])
-def test_migrate_kv_matches_a_fresh_fill_on_random_values(world, kv_heads):
+@pytest.mark.parametrize("world,kv_heads,groups", [(2, 2, "one"), (4, 2, "one"), (4, 4, "one"), (2, 1, "one"),
+                                                   (4, 2, "per-layer"), (2, 2, "two")])
+def test_migrate_kv_matches_a_fresh_fill_on_random_values(world, kv_heads, groups):
     """Random KV in a fragmented pool full of junk, migrated onto views of the same memory (the target
     reinterprets the source's bytes) or a grown pool: every target sequence's values, block tables and
     free count are those of a fresh pool filled in sequence order; received bytes are the plan's; SP x TP
-    splits of one replica size move nothing; kv-head replication (4 ranks, 2 kv heads) included."""
-    res = run_distributed(_rand_worker, world, kv_heads, timeout=300)
+    splits of one replica size move nothing; kv-head replication (4 ranks, 2 kv heads) included; the
+    layers in one exchange, one per layer, or in two uneven groups (layers 0 | 1-2)."""
+    res = run_distributed(_rand_worker, world, kv_heads, groups, timeout=300)
     for rank, out in enumerate(res):
         for r in out:
             where = f"rank {rank}, {r['case']}"
@@ -184,6 +191,19 @@ def test_migrate_kv_matches_a_fresh_fill_on_random_values(world, kv_heads):
             if r["same_p"]:
                 assert r["moves"] == 0 and r["received"] == 0, f"{where}: {r}"
     assert any(r["received"] for out in res for r in out)
+
+
+def test_layer_groups_cover_every_layer_once():
+    from fusedpar.layers.reshard import _GROUP_BYTES, _MAX_GROUPS, _layer_groups
+
+    assert _layer_groups(32, 0) == [(0, 32)]
+    assert _layer_groups(32, 3 * _GROUP_BYTES) == [(0, 10), (10, 21), (21, 32)]
+    assert len(_layer_groups(32, 100 * _GROUP_BYTES)) == _MAX_GROUPS
+    assert _layer_groups(3, 100 * _GROUP_BYTES) == [(0, 1), (1, 2), (2, 3)]
+    for layers in (1, 5, 31):
+        for nbytes in (1, _GROUP_BYTES, 7 * _GROUP_BYTES, 10**12):
+            groups = _layer_groups(layers, nbytes)
+            assert [layer for a, b in groups for layer in range(a, b)] == list(range(layers))
 
 
 def _errors_worker(rank, world):
