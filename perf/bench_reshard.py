@@ -19,7 +19,8 @@ W = world size, SP = (sp=W), TP = (tp=W), DP = (dp=W, one GPU per replica). Live
                    (baseline "re-prefill") times prefilling the same sequences in the target layout on
                    the plain stack (unfused torch + NCCL), where it fits (--no-prefill skips it).
                    op_split_ms: one more migration under torch.profiler, ms per op on rank 0 (kernel
-                   time on CUDA): how the time divides between gathers, the exchange and the scatters.
+                   time on CUDA): how the time divides between gathers, the exchange and the scatters;
+                   host_split_ms: the same run's self CPU time per op (the host work feeding them).
   reshard_swap     host tier (fusedpar.layers.host_tier): swap_out of the live sequences under TP,
                    swap_in under TP, swap_in under DP (re-sharding through the host: heads fetched from
                    their writers). baseline = one plain torch copy of the same bytes (the busiest
@@ -108,10 +109,11 @@ class Env:
         return {k: self.max(statistics.median(v)) for k, v in samples.items()}
 
 
-def op_split_ms(env: Env, fn: Callable[[], object]) -> dict[str, float]:
-    """One more call of fn under torch.profiler: op name -> its summed time in ms on this rank (device
-    time of the kernels on CUDA, CPU time on CPU), the ops above 1% of the total. Where a migration's
-    time goes: the gathers, the exchange, the scatters."""
+def op_split_ms(env: Env, fn: Callable[[], object]) -> tuple[dict[str, float], dict[str, float]]:
+    """One more call of fn under torch.profiler, on this rank: (op name -> its summed kernel time in ms
+    on CUDA (CPU time on CPU), op name -> its self CPU time in ms), each with the ops above 1% of its
+    total. Where a migration's time goes: the gathers, the exchange, the scatters, and the host work
+    that feeds them."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.cuda else [])
@@ -120,13 +122,19 @@ def op_split_ms(env: Env, fn: Callable[[], object]) -> dict[str, float]:
     with profile(activities=acts) as prof:
         fn()
         env.sync()
-    out = {}
+    device, host = {}, {}
     for ev in prof.key_averages():
         us = ev.self_device_time_total if env.cuda else ev.self_cpu_time_total
         if us > 0:
-            out[ev.key] = us / 1e3
-    total = sum(out.values())
-    return {k: round(v, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v >= 0.01 * total}
+            device[ev.key] = us / 1e3
+        if ev.self_cpu_time_total > 0:
+            host[ev.key] = ev.self_cpu_time_total / 1e3
+
+    def top(d: dict[str, float]) -> dict[str, float]:
+        total = sum(d.values())
+        return {k: round(v, 4) for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v >= 0.01 * total}
+
+    return top(device), top(host)
 
 
 def _layouts(world: int):
@@ -290,7 +298,7 @@ def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefil
 
         t = env.time(fn, setup)
         setup()
-        split = op_split_ms(env, fn)
+        split, host_split = op_split_ms(env, fn)
         # check (no assert: a benchmark reports): the migrated KV is the sequences' values
         ok = all(torch.equal(state["new"].gather(1, s)[0], _kv_values(cfg, s, target_heads, dtype, env.device)[0][1])
                  for s in seqs if sequences[s][1])
@@ -309,7 +317,7 @@ def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefil
                "fused_ms": t["wall"], "speedup": a2a["wall"] / t["wall"], "roofline_pct": 100.0 * floor_ms / t["wall"],
                "bytes": received, "gbps": received / (t["wall"] * 1e-3) / 1e9,
                "a2a_gbps": received / (a2a["wall"] * 1e-3) / 1e9, "host_ms": t["host"], "device_ms": t["device"],
-               "op_split_ms": split,
+               "op_split_ms": split, "host_split_ms": host_split,
                "values_ok": bool(env.max(0.0 if ok else 1.0) == 0.0)}
         records.append(rec)
         if prefill:
@@ -423,7 +431,7 @@ def measure_swap(env: Env, cfg: dict, dtype, common: dict) -> list[dict]:
         direction = "device -> pinned host" if to_host else "pinned host -> device"
         t = env.time(fn, setup)
         setup()
-        split = op_split_ms(env, fn)
+        split, host_split = op_split_ms(env, fn)
         ok = True  # check (no assert: a benchmark reports): the last sample's swapped-in KV is the sequences'
         if not to_host:
             key = "dp" if "dp" in case else "tp"
@@ -438,7 +446,7 @@ def measure_swap(env: Env, cfg: dict, dtype, common: dict) -> list[dict]:
                         "roofline_pct": 100.0 * plain / t["wall"], "bytes": nbytes,
                         "gbps": nbytes / (t["wall"] * 1e-3) / 1e9, "plain_gbps": nbytes / (plain * 1e-3) / 1e9,
                         "host_ms": t["host"], "device_ms": t["device"], "op_split_ms": split,
-                        "values_ok": bool(env.max(0.0 if ok else 1.0) == 0.0)})
+                        "host_split_ms": host_split, "values_ok": bool(env.max(0.0 if ok else 1.0) == 0.0)})
     # the overlap of a swap with a GEMM loop on the compute stream
     n = cfg["gemm_n"]
     a = torch.randn(n, n, device=env.device).to(torch.bfloat16 if env.cuda else torch.float32)

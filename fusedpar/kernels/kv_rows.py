@@ -124,7 +124,7 @@ def move_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor, 
         return
     layers, _, hd = k_pool.shape
     if order[0] == "rows":
-        strides = (n, 0, n * hd, layers * n * hd)
+        strides = (1, 0, n * hd, layers * n * hd)  # rows_per_block unused: 1, not n (no variant per n)
     else:
         rb = order[1]
         strides = (rb, layers * 2 * rb * hd, 2 * rb * hd, rb * hd)
