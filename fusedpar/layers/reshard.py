@@ -6,20 +6,21 @@ gets proportionally more blocks, as Flying Serving scales block capacity with th
 new pool only when those bytes hold no block of the target's heads, and a larger one when the
 caller asks for more blocks than they hold).
 
-Data path, a fixed number of device ops per layer group whatever the sequences and kv heads: the
-row indices (row = slot * local_heads + head index of a [layer, rows, head_dim] view of the pool)
-are built on the device from the sequences' block tables, one small upload per side, so the host
-never touches a token. The layers are then moved in groups (about _GROUP_BYTES of the plan's KV
-per rank each, at most _MAX_GROUPS; the same groups on every rank). Per group: one row gather per
-peer (fusedpar.kernels.kv_rows, k and v in one launch) collects everything the peer gets (every
-(sequence, head) piece in plan order) into one contiguous chunk [2 (k | v), group layers, rows,
-head_dim] of the group's send buffer, the kept pieces into a last chunk; one asynchronous
-all_to_all_single exchanges the chunks; one row scatter per source writes them into fresh blocks
-of the target cache once the exchange is done, issued after the next group's gathers, so that
-group g's exchange runs beside group g+1's gathers and group g-1's scatters. A layer of the source
-pool is read before the first write to that layer of the target, so the target may reinterpret the
-source's memory (reinterpret keeps every layer in its own bytes). Collective over the world
-(global ranks): every rank calls it with the same plan; a plan without moves exchanges nothing.
+Data path, three device ops per layer group whatever the peers, sequences and kv heads. The row
+indices (row = slot * local_heads + head index of a [layer, rows, head_dim] view of the pool) are
+built by vectorised CPU ops from the sequences' block tables and uploaded in one pinned copy. The
+layers are then moved in groups (about _GROUP_BYTES of the plan's KV per rank each, at most
+_MAX_GROUPS; the same groups on every rank). Per group: one row gather (fusedpar.kernels.kv_rows,
+k and v in one launch) collects every row this rank sends, peers in group order and (sequence,
+head) pieces in plan order, then the kept pieces, into a row-major buffer [rows, group layers, 2
+(k | v), 1, head_dim], so that each peer's rows are one contiguous split; one asynchronous
+all_to_all_single exchanges them; two row scatters (received rows, kept rows) write them into
+fresh blocks of the target cache once the exchange is done, issued after the next group's gather,
+so that group g's exchange runs beside group g+1's gather and group g-1's scatters. A layer of the
+source pool is read before the first write to that layer of the target, so the target may
+reinterpret the source's memory (reinterpret keeps every layer in its own bytes). Collective over
+the world (global ranks): every rank calls it with the same plan; a plan without moves exchanges
+nothing.
 """
 
 from __future__ import annotations
@@ -41,15 +42,15 @@ _MAX_GROUPS = 8
 
 
 def _row_index(chunks: list[list[tuple[int, int]]], tables: Mapping[int, torch.Tensor], tokens: Mapping[int, int],
-               heads: int, index_of: Mapping[int, int], block_size: int, device: torch.device) -> list[torch.Tensor]:
-    """Per chunk of (seq, head) pieces: the rows of a [layer, blocks * block_size * heads, head_dim] pool
-    view holding every piece's tokens (row = slot * heads + index_of[head], slot from the sequence's
-    block table), pieces in chunk order, tokens in position order. Built on `device` from one upload of
-    the block tables and one (table, head, tokens) triple per piece: the host never touches a token."""
+               heads: int, index_of: Mapping[int, int], block_size: int) -> list[torch.Tensor]:
+    """Per chunk of (seq, head) pieces: the rows (CPU int64) of a [layer, blocks * block_size * heads,
+    head_dim] pool view holding every piece's tokens (row = slot * heads + index_of[head], slot from
+    the sequence's block table), pieces in chunk order, tokens in position order. A few vectorised
+    ops over all pieces (no Python work per token); the caller uploads the result in one copy."""
     pieces = [p for chunk in chunks for p in chunk]
     sizes = [sum(tokens[seq] for seq, _ in chunk) for chunk in chunks]
     if not pieces:
-        return [torch.empty(0, dtype=torch.int64, device=device) for _ in chunks]
+        return [torch.empty(0, dtype=torch.int64) for _ in chunks]
     seqs = sorted({seq for seq, _ in pieces})
     slot_of = {seq: i for i, seq in enumerate(seqs)}
     width = max(-(-tokens[seq] // block_size) for seq in seqs)
@@ -58,15 +59,21 @@ def _row_index(chunks: list[list[tuple[int, int]]], tables: Mapping[int, torch.T
         t = tables[seq][: -(-tokens[seq] // block_size)]
         table[slot_of[seq], :t.numel()] = t
     meta = torch.tensor([(slot_of[seq], index_of[h], tokens[seq]) for seq, h in pieces], dtype=torch.int64)
-    host = torch.cat([table.view(-1), meta.view(-1)])
-    dev = host.to(device, non_blocking=True)  # one copy
-    table, meta = dev[:table.numel()].view(table.shape), dev[table.numel():].view(-1, 3)
     total = sum(sizes)
     counts = meta[:, 2]
-    piece = torch.repeat_interleave(torch.arange(len(pieces), device=device), counts, output_size=total)
-    pos = torch.arange(total, device=device) - (torch.cumsum(counts, 0) - counts)[piece]
+    piece = torch.repeat_interleave(torch.arange(len(pieces)), counts, output_size=total)
+    pos = torch.arange(total) - (torch.cumsum(counts, 0) - counts)[piece]
     slots = table[meta[piece, 0], pos // block_size] * block_size + pos % block_size
     return list((slots * heads + meta[piece, 1]).split(sizes))
+
+
+def _upload(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The CPU tensors on `device` through one pinned copy (a copy from pageable memory makes the host
+    wait), split back into the parts."""
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return list(flat.split([t.numel() for t in parts]))
 
 
 def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads: tuple[int, ...],
@@ -138,13 +145,18 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
 
     device = cache.k.device
     tokens = {seq: n for seq, (_, _, n) in sequences.items()}
-    send_idx = _row_index([*sends, keeps], {seq: cache.block_table(seq) for chunk in (*sends, keeps)
-                                            for seq, _ in chunk}, tokens, h_src, src_index, bs, device)
+    # rows: every send piece (peers in group order, then the kept pieces), every received piece (sources
+    # in group order), then the kept pieces again in the target
+    send_rows = _row_index([*sends, keeps], {seq: cache.block_table(seq) for chunk in (*sends, keeps)
+                                             for seq, _ in chunk}, tokens, h_src, src_index, bs)
+    recv_rows = keep_rows = torch.empty(0, dtype=torch.int64)
+    if problem is None:
+        *peer_rows, keep_rows = _row_index([*recvs, keeps], {seq: target.block_table(seq) for seq, _ in held},
+                                           tokens, h_dst, dst_index, bs)
+        recv_rows = torch.cat(peer_rows)
+    send_n = [t.numel() for t in send_rows]
     recv_n = [sum(sequences[seq][2] for seq, _ in chunk) for chunk in recvs]
-    recv_idx = [] if problem else _row_index([*recvs, keeps], {seq: target.block_table(seq) for seq, _ in held},
-                                             tokens, h_dst, dst_index, bs, device)
-    index = send_idx + recv_idx
-    send_rows = [t.numel() for t in send_idx]
+    send_idx, recv_idx, keep_idx = _upload([torch.cat(send_rows), recv_rows, keep_rows], device)
     flat = [t.view(layers, -1, hd) for t in (cache.k, cache.v)]
     tflat = [t.view(layers, -1, hd) for t in (target.k, target.v)]
     per_token = 2 * layers * hd * cache.k.element_size()  # one (sequence, kv head) token, every layer
@@ -152,25 +164,21 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
     received, pending = 0, None
     for l0, l1 in _layer_groups(layers, moved):  # the same groups on every rank: one exchange each
         lg = l1 - l0
-        # gather: chunk p = [2, lg, rows_p, hd], peers in group order, then the kept pieces
-        send = torch.empty((2 * lg * sum(send_rows), hd), dtype=cache.k.dtype, device=device)
-        chunks, pos = [], 0
-        for idx, n in zip(index[:len(send_idx)], send_rows, strict=True):
-            chunks.append(send[pos:pos + 2 * lg * n].view(2, lg, n, hd))
-            move_kv_rows(flat[0][l0:l1], flat[1][l0:l1], idx, chunks[-1], scatter=False)
-            pos += 2 * lg * n
-        out_split = [2 * lg * n for n in send_rows[:-1]]
-        in_split = [2 * lg * n for n in recv_n]
-        recv = torch.empty((sum(in_split), hd), dtype=cache.k.dtype, device=device)
+        # gather: row-major [rows, lg, 2, 1, hd], so that each peer's rows (then the kept ones) are contiguous
+        send = torch.empty((send_idx.numel(), lg, 2, 1, hd), dtype=cache.k.dtype, device=device)
+        move_kv_rows(flat[0][l0:l1], flat[1][l0:l1], send_idx, send, scatter=False)
+        recv = torch.empty((sum(recv_n), lg, 2, 1, hd), dtype=cache.k.dtype, device=device)
         work = None
         if plan:  # the same plan on every rank: all of them take part, or none
-            work = dist.all_to_all_single(recv, send[:sum(out_split)], in_split, out_split, group=pg, async_op=True)
+            work = dist.all_to_all_single(recv.view(-1, hd), send[:sum(send_n[:-1])].view(-1, hd),
+                                          [2 * lg * n for n in recv_n], [2 * lg * n for n in send_n[:-1]],
+                                          group=pg, async_op=True)
         received += recv.numel() * recv.element_size()
         if pending is not None:  # the previous group's scatters run while this group's exchange does
-            _scatter(*pending, tflat, index[len(send_idx):], problem is None)
-        pending = (work, recv, recv_n, chunks[-1], l0, l1)
+            _scatter(*pending, tflat, recv_idx, keep_idx, problem is None)
+        pending = (work, recv, send[sum(send_n[:-1]):], l0, l1)
     if pending is not None:
-        _scatter(*pending, tflat, index[len(send_idx):], problem is None)
+        _scatter(*pending, tflat, recv_idx, keep_idx, problem is None)
     if problem is not None:
         raise RuntimeError(problem)
     return target, received
@@ -184,19 +192,12 @@ def _layer_groups(layers: int, nbytes: int) -> list[tuple[int, int]]:
     return list(pairwise(bounds))
 
 
-def _scatter(work, recv: torch.Tensor, recv_n: list[int], kept: torch.Tensor, l0: int, l1: int,
-             tflat: list[torch.Tensor], index: list[torch.Tensor], write: bool) -> None:
-    """Wait for one layer group's exchange, then write what it received and the kept chunk into layers
+def _scatter(work, recv: torch.Tensor, kept: torch.Tensor, l0: int, l1: int, tflat: list[torch.Tensor],
+             recv_idx: torch.Tensor, keep_idx: torch.Tensor, write: bool) -> None:
+    """Wait for one layer group's exchange, then write what it received and the kept rows into layers
     [l0, l1) of the target's fresh blocks (write=False: only wait)."""
     if work is not None:
         work.wait()
-    if not write:
-        return
-    lg, hd = l1 - l0, recv.shape[-1]
-    pieces, pos = [], 0
-    for n in recv_n:
-        pieces.append(recv[pos:pos + 2 * lg * n].view(2, lg, n, hd))
-        pos += 2 * lg * n
-    pieces.append(kept)
-    for idx, chunk in zip(index, pieces, strict=True):
-        move_kv_rows(tflat[0][l0:l1], tflat[1][l0:l1], idx, chunk, scatter=True)
+    if write:
+        move_kv_rows(tflat[0][l0:l1], tflat[1][l0:l1], recv_idx, recv, scatter=True)
+        move_kv_rows(tflat[0][l0:l1], tflat[1][l0:l1], keep_idx, kept, scatter=True)

@@ -239,7 +239,7 @@ def test_migrate_kv_new_pool_and_missing_heads():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_row_index_matches_the_slots_of_begin_step(seed):
-    """_row_index (built from block tables, on the device side) gives every piece's pool rows exactly as
+    """_row_index (built from block tables by vectorised ops) gives every piece's pool rows exactly as
     begin_step's slots say, on fragmented tables with sequences ending mid-block, empty chunks included;
     reserve() takes the blocks begin_step would."""
     import random
@@ -267,8 +267,7 @@ def test_row_index_matches_the_slots_of_begin_step(seed):
     assert caches[1].block_tables == caches[0].block_tables and caches[1]._free == caches[0]._free
     index_of = {h: i for i, h in enumerate(heads)}
     chunks = [[(s, rng.choice(heads)) for s in rng.sample(sorted(lengths), rng.randrange(0, 4))] for _ in range(4)]
-    got = _row_index(chunks, {s: caches[0].block_table(s) for s in lengths}, lengths, len(heads), index_of, bs,
-                     torch.device("cpu"))
+    got = _row_index(chunks, {s: caches[0].block_table(s) for s in lengths}, lengths, len(heads), index_of, bs)
     for chunk, rows in zip(chunks, got, strict=True):
         want = [slots[s] * len(heads) + index_of[h] for s, h in chunk]
         assert torch.equal(rows, torch.cat(want) if want else torch.empty(0, dtype=torch.int64)), chunk
