@@ -16,8 +16,15 @@ One program per (BLOCK_R rows, layer, k | v) loads its row indices once and copi
 rows. torch's index_select / index_copy_ along dim 1 do the same at about half the bandwidth
 (their index kernels address element by element): perf/tools/probe_kv_gather.py.
 
-_move_rows_kernel (@triton.jit) -> move_kv_rows (checks, chunk strides, grid; the torch ops where
-Triton cannot run: CPU tensors without TRITON_INTERPRET=1).
+The row indices themselves come from the sequences' block tables (paged_rows): for piece p (one
+kv head of one sequence) and its token t,
+
+    rows[start_p + t] = (table[trow_p, t // block_size] * block_size + t % block_size) * heads + head_p
+
+so that a migration uploads block tables and one line per piece, never a row per token.
+
+_move_rows_kernel (@triton.jit) -> move_kv_rows, _paged_rows_kernel -> paged_rows (checks, strides,
+grid; the torch ops where Triton cannot run: CPU tensors without TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ import triton.language as tl
 from fusedpar.kernels._host import INTERPRETED, cdiv, next_pow2
 
 BLOCK_R = 32  # rows per program: 32 x 128 bf16 = 8 KiB moved per program
+BLOCK_T = 256  # tokens per program of paged_rows
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["n", "idx_ptr"])  # idx: often a slice of one index tensor, at any offset
 def _move_rows_kernel(k_pool_ptr, v_pool_ptr, idx_ptr, chunk_ptr, n, stride_pool_layer, rows_per_block,
                       stride_c_block, stride_c_layer, stride_c_kv, HD: tl.constexpr, HD_P2: tl.constexpr,
                       SCATTER: tl.constexpr, BLOCKED: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -62,6 +70,22 @@ def _move_rows_kernel(k_pool_ptr, v_pool_ptr, idx_ptr, chunk_ptr, n, stride_pool
         tl.store(pool, tl.load(chunk, mask=moved), mask=moved)
     else:
         tl.store(chunk, tl.load(pool, mask=moved, other=0), mask=in_range[:, None] & cmask)
+
+
+@triton.jit(do_not_specialize=["table_ptr", "pieces_ptr", "width"])  # slices of one upload, at any offset
+def _paged_rows_kernel(table_ptr, pieces_ptr, rows_ptr, width, block_size, heads, BLOCK_T: tl.constexpr):
+    """Program (token block, piece): the rows of tokens [tb * BLOCK_T, ...) of piece p, whose line in
+    pieces is (table row, head index, tokens, first output position)."""
+    tb = tl.program_id(0)
+    p = tl.program_id(1).to(tl.int64)
+    trow = tl.load(pieces_ptr + 4 * p)
+    head = tl.load(pieces_ptr + 4 * p + 1)
+    ntok = tl.load(pieces_ptr + 4 * p + 2)
+    start = tl.load(pieces_ptr + 4 * p + 3)
+    pos = tb * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    m = pos < ntok
+    blk = tl.load(table_ptr + trow * width + pos // block_size, mask=m, other=0)
+    tl.store(rows_ptr + start + pos, (blk * block_size + pos % block_size) * heads + head, mask=m)
 
 
 def _chunk_order(chunk: torch.Tensor, layers: int, n: int, hd: int) -> tuple[str, int] | str:
@@ -168,4 +192,52 @@ def move_kv_rows_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torc
             rows[j].copy_(part.view(rows[j].shape))
 
 
-__all__ = ["BLOCK_R", "move_kv_rows", "move_kv_rows_reference"]
+def paged_rows(table: torch.Tensor, pieces: torch.Tensor, rows: torch.Tensor, *, block_size: int, heads: int,
+               max_tokens: int) -> None:
+    """rows[start_p + t] = (table[trow_p, t // block_size] * block_size + t % block_size) * heads + head_p
+    for every piece p (a line (trow_p, head_p, tokens_p, start_p) of pieces, int64 [P, 4]) and t <
+    tokens_p <= max_tokens; table int64 [S, width] (block ids, rows padded anywhere past a sequence's
+    blocks); rows int64 [n]. Other entries of rows are left as they were. In place."""
+    problems = []
+    for name, t, dims in (("table", table, 2), ("pieces", pieces, 2), ("rows", rows, 1)):
+        if t.dim() != dims or t.dtype != torch.int64 or not t.is_contiguous():
+            problems.append(f"{name} must be contiguous int64 with {dims} dims, got {t.dtype} {tuple(t.shape)}")
+    if pieces.dim() == 2 and pieces.shape[1] != 4:
+        problems.append(f"pieces must be [P, 4] (table row, head, tokens, start), got {tuple(pieces.shape)}")
+    if len({t.device for t in (table, pieces, rows)}) != 1:
+        problems.append(f"tensors on several devices: {[str(t.device) for t in (table, pieces, rows)]}")
+    if block_size < 1 or heads < 1 or max_tokens < 0:
+        problems.append(f"block_size {block_size} and heads {heads} must be >= 1, max_tokens {max_tokens} >= 0")
+    if problems:
+        raise ValueError("fusedpar.paged_rows: " + "; ".join(problems))
+    if pieces.shape[0] == 0 or max_tokens == 0:
+        return
+    if rows.device.type == "cpu" and not INTERPRETED:
+        _paged_rows_torch(table, pieces, rows, block_size, heads)
+        return
+    grid = (cdiv(max_tokens, BLOCK_T), pieces.shape[0])
+    args = (table, pieces, rows, table.shape[1], block_size, heads)
+    if rows.device.type == "cuda":
+        with torch.cuda.device(rows.device):
+            _paged_rows_kernel[grid](*args, BLOCK_T=BLOCK_T)
+    else:
+        _paged_rows_kernel[grid](*args, BLOCK_T=BLOCK_T)
+
+
+def _paged_rows_torch(table, pieces, rows, block_size, heads) -> None:
+    counts = pieces[:, 2]
+    total = int(counts.sum())
+    piece = torch.repeat_interleave(torch.arange(pieces.shape[0]), counts, output_size=total)
+    pos = torch.arange(total) - (torch.cumsum(counts, 0) - counts)[piece]
+    out = (table[pieces[piece, 0], pos // block_size] * block_size + pos % block_size) * heads + pieces[piece, 1]
+    rows[pieces[piece, 3] + pos] = out
+
+
+def paged_rows_reference(table, pieces, rows, *, block_size: int, heads: int) -> None:
+    """The meaning of paged_rows, one token at a time (tests)."""
+    for trow, head, ntok, start in pieces.tolist():
+        for t in range(ntok):
+            rows[start + t] = (int(table[trow, t // block_size]) * block_size + t % block_size) * heads + head
+
+
+__all__ = ["BLOCK_R", "BLOCK_T", "move_kv_rows", "move_kv_rows_reference", "paged_rows", "paged_rows_reference"]

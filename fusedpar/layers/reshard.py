@@ -31,49 +31,51 @@ from itertools import pairwise
 import torch
 import torch.distributed as dist
 
-from fusedpar.kernels.kv_rows import move_kv_rows
+from fusedpar.kernels.kv_rows import move_kv_rows, paged_rows
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.policy import StepBatch
 from fusedpar.layouts.reshard import KVMove
 
 # KV bytes (of the whole plan, per rank on average) per layer group of a migration, and the most groups
 _GROUP_BYTES = 32 << 20
-_MAX_GROUPS = 8
+_MAX_GROUPS = 4
 
 
-def _row_index(chunks: list[list[tuple[int, int]]], tables: Mapping[int, torch.Tensor], tokens: Mapping[int, int],
-               heads: int, index_of: Mapping[int, int], block_size: int) -> list[torch.Tensor]:
-    """Per chunk of (seq, head) pieces: the rows (CPU int64) of a [layer, blocks * block_size * heads,
-    head_dim] pool view holding every piece's tokens (row = slot * heads + index_of[head], slot from
-    the sequence's block table), pieces in chunk order, tokens in position order. A few vectorised
-    ops over all pieces (no Python work per token); the caller uploads the result in one copy."""
-    pieces = [p for chunk in chunks for p in chunk]
-    sizes = [sum(tokens[seq] for seq, _ in chunk) for chunk in chunks]
-    if not pieces:
-        return [torch.empty(0, dtype=torch.int64) for _ in chunks]
-    seqs = sorted({seq for seq, _ in pieces})
-    slot_of = {seq: i for i, seq in enumerate(seqs)}
-    width = max(-(-tokens[seq] // block_size) for seq in seqs)
-    table = torch.zeros((len(seqs), width), dtype=torch.int64)
-    for seq in seqs:
-        t = tables[seq][: -(-tokens[seq] // block_size)]
-        table[slot_of[seq], :t.numel()] = t
-    meta = torch.tensor([(slot_of[seq], index_of[h], tokens[seq]) for seq, h in pieces], dtype=torch.int64)
-    total = sum(sizes)
-    counts = meta[:, 2]
-    piece = torch.repeat_interleave(torch.arange(len(pieces)), counts, output_size=total)
-    pos = torch.arange(total) - (torch.cumsum(counts, 0) - counts)[piece]
-    slots = table[meta[piece, 0], pos // block_size] * block_size + pos % block_size
-    return list((slots * heads + meta[piece, 1]).split(sizes))
-
-
-def _upload(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The CPU tensors on `device` through one pinned copy (a copy from pageable memory makes the host
-    wait), split back into the parts."""
-    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    return list(flat.split([t.numel() for t in parts]))
+def _row_index(sides: list[tuple[list[list[tuple[int, int]]], Mapping[int, list[int]], int, Mapping[int, int]]],
+               tokens: Mapping[int, int], block_size: int, device: torch.device) -> list[torch.Tensor]:
+    """Per side (chunks of (seq, head) pieces, the sequences' block tables, local kv heads, head -> local
+    index): one tensor of the rows of a [layer, blocks * block_size * heads, head_dim] pool view holding
+    every piece's tokens (row = slot * heads + index_of[head], slot from the block table), chunks
+    in order, pieces in chunk order, tokens in position order, on `device`. One pinned upload of the
+    block tables and one line per piece for all sides, then one fusedpar.kernels.kv_rows.paged_rows
+    launch per side: the host never touches a token."""
+    host: list[int] = []
+    launches = []
+    total = 0
+    for chunks, tables, heads, index_of in sides:
+        pieces = [p for chunk in chunks for p in chunk]
+        seqs = sorted({seq for seq, _ in pieces})
+        nb = {seq: -(-tokens[seq] // block_size) for seq in seqs}
+        width = max(nb.values(), default=1)
+        t_off = len(host)
+        for seq in seqs:
+            host += [*tables[seq][:nb[seq]], *([0] * (width - nb[seq]))]
+        p_off, slot_of, first = len(host), {seq: i for i, seq in enumerate(seqs)}, total
+        for seq, h in pieces:
+            host += [slot_of[seq], index_of[h], tokens[seq], total]
+            total += tokens[seq]
+        launches.append((t_off, len(seqs), width, p_off, len(pieces), heads, first, total,
+                         max((tokens[seq] for seq in seqs), default=0)))
+    flat = torch.tensor(host, dtype=torch.int64)
+    if device.type == "cuda":  # pinned: a copy from pageable memory would make the host wait
+        flat = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=True).copy_(flat).to(device, non_blocking=True)
+    rows = torch.empty(total, dtype=torch.int64, device=device)
+    out = []
+    for t_off, n_seqs, width, p_off, n_pieces, heads, first, end, longest in launches:
+        paged_rows(flat[t_off:t_off + n_seqs * width].view(n_seqs, width), flat[p_off:p_off + 4 * n_pieces].view(-1, 4),
+                   rows, block_size=block_size, heads=heads, max_tokens=longest)
+        out.append(rows[first:end])
+    return out
 
 
 def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads: tuple[int, ...],
@@ -147,16 +149,17 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
     tokens = {seq: n for seq, (_, _, n) in sequences.items()}
     # rows: every send piece (peers in group order, then the kept pieces), every received piece (sources
     # in group order), then the kept pieces again in the target
-    send_rows = _row_index([*sends, keeps], {seq: cache.block_table(seq) for chunk in (*sends, keeps)
-                                             for seq, _ in chunk}, tokens, h_src, src_index, bs)
-    recv_rows = keep_rows = torch.empty(0, dtype=torch.int64)
+    sides = [([*sends, keeps], {seq: cache.block_tables[seq] for chunk in (*sends, keeps) for seq, _ in chunk},
+              h_src, src_index)]
     if problem is None:
-        *peer_rows, keep_rows = _row_index([*recvs, keeps], {seq: target.block_table(seq) for seq, _ in held},
-                                           tokens, h_dst, dst_index, bs)
-        recv_rows = torch.cat(peer_rows)
-    send_n = [t.numel() for t in send_rows]
+        sides.append(([*recvs, keeps], {seq: target.block_tables[seq] for seq, _ in held}, h_dst, dst_index))
+    index = _row_index(sides, tokens, bs, device)
+    send_idx = index[0]
+    send_n = [sum(sequences[seq][2] for seq, _ in chunk) for chunk in (*sends, keeps)]
     recv_n = [sum(sequences[seq][2] for seq, _ in chunk) for chunk in recvs]
-    send_idx, recv_idx, keep_idx = _upload([torch.cat(send_rows), recv_rows, keep_rows], device)
+    recv_idx = keep_idx = torch.empty(0, dtype=torch.int64, device=device)
+    if problem is None:
+        recv_idx, keep_idx = index[1].split([sum(recv_n), index[1].numel() - sum(recv_n)])
     flat = [t.view(layers, -1, hd) for t in (cache.k, cache.v)]
     tflat = [t.view(layers, -1, hd) for t in (target.k, target.v)]
     per_token = 2 * layers * hd * cache.k.element_size()  # one (sequence, kv head) token, every layer

@@ -15,7 +15,16 @@ import pytest
 import torch
 
 from fusedpar.kernels._host import INTERPRETED
-from fusedpar.kernels.kv_rows import BLOCK_R, _move_torch, move_kv_rows, move_kv_rows_reference
+from fusedpar.kernels.kv_rows import (
+    BLOCK_R,
+    BLOCK_T,
+    _move_torch,
+    _paged_rows_torch,
+    move_kv_rows,
+    move_kv_rows_reference,
+    paged_rows,
+    paged_rows_reference,
+)
 from fusedpar.testing.numerics import poison_
 
 pytestmark = pytest.mark.skipif(
@@ -119,6 +128,35 @@ def test_block_order_with_missing_rows_matches_torch(dtype, mover, block):
     assert torch.equal(rk[:, idx[b * block + r]], fresh[b, :, 0, r])
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch-path"])
+@pytest.mark.parametrize("block_size,heads", [(16, 2), (4, 3)])
+def test_paged_rows_match_token_by_token_rows(path, block_size, heads):
+    """Rows from block tables: shuffled tables padded with junk past each sequence's blocks, pieces of
+    0, 1, a block and a half, and more than BLOCK_T tokens, written at arbitrary starts; the other
+    entries of the output keep their poison (-7)."""
+    gen = torch.Generator().manual_seed(block_size + heads)
+    lens = [1, 0, block_size + block_size // 2, BLOCK_T + 5, 7]
+    width = max(-(-n // block_size) for n in lens) + 2
+    table = torch.randint(0, 500, (len(lens), width), generator=gen)
+    lines, start = [], 3
+    for i, n in enumerate(lens):
+        lines.append((len(lens) - 1 - i, (i * 5) % heads, n, start))  # table rows in another order
+        start += n + 2  # gaps between pieces
+    pieces = torch.tensor(lines, dtype=torch.int64)
+    got = torch.full((start + 4,), -7, dtype=torch.int64)
+    want = got.clone()
+    if path == "kernel":
+        paged_rows(table, pieces, got, block_size=block_size, heads=heads, max_tokens=max(lens))
+    else:
+        _paged_rows_torch(table, pieces, got, block_size, heads)
+    paged_rows_reference(table, pieces, want, block_size=block_size, heads=heads)
+    assert torch.equal(got, want)
+    trow, head, n, first = lines[3]
+    t = BLOCK_T + 1
+    assert int(want[first + t]) == (int(table[trow, t // block_size]) * block_size + t % block_size) * heads + head
+    assert int((want == -7).sum()) == got.numel() - sum(lens)
+
+
 def test_empty_index_is_a_no_op_and_bad_shapes_name_the_numbers():
     k = torch.randn(2, 8, 16)
     v = torch.randn(2, 8, 16)
@@ -178,3 +216,24 @@ def test_gpu_llama8b_block_order_bit_for_bit():
     others = torch.ones(k.shape[1], dtype=torch.bool, device=dev)
     others[has] = False
     assert not tk[:, others].any() and not tv[:, others].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_paged_rows_of_a_migration_match_the_reference():
+    """8 sequences x 2048 tokens, 8 kv heads, block 16, shuffled tables; table and pieces sliced out of
+    one upload at odd offsets (as migrate_kv passes them)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(7)
+    table = torch.randperm(8 * 128, generator=gen).view(8, 128)
+    lines = [(s, h, 2048 - 3 * s, 0) for s in range(8) for h in range(8)]
+    starts = torch.tensor([0] + [n for _, _, n, _ in lines[:-1]]).cumsum(0)
+    pieces = torch.tensor(lines, dtype=torch.int64)
+    pieces[:, 3] = starts
+    flat = torch.cat([torch.tensor([-1]), table.view(-1), pieces.view(-1)]).to(dev)
+    got = torch.full((int(pieces[:, 2].sum()),), -7, dtype=torch.int64, device=dev)
+    paged_rows(flat[1:1 + table.numel()].view(8, 128), flat[1 + table.numel():].view(-1, 4), got, block_size=16,
+               heads=8, max_tokens=2048)
+    want = torch.full_like(got, -7).cpu()
+    _paged_rows_torch(table, pieces, want, 16, 8)
+    assert torch.equal(got.cpu(), want)

@@ -239,9 +239,10 @@ def test_migrate_kv_new_pool_and_missing_heads():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_row_index_matches_the_slots_of_begin_step(seed):
-    """_row_index (built from block tables by vectorised ops) gives every piece's pool rows exactly as
-    begin_step's slots say, on fragmented tables with sequences ending mid-block, empty chunks included;
-    reserve() takes the blocks begin_step would."""
+    """_row_index (block tables and one line per piece uploaded, rows built by paged_rows) gives every
+    piece's pool rows exactly as begin_step's slots say, on fragmented tables with sequences ending
+    mid-block, empty chunks included, for two sides in one upload; reserve() takes the blocks
+    begin_step would."""
     import random
 
     import torch
@@ -267,7 +268,12 @@ def test_row_index_matches_the_slots_of_begin_step(seed):
     assert caches[1].block_tables == caches[0].block_tables and caches[1]._free == caches[0]._free
     index_of = {h: i for i, h in enumerate(heads)}
     chunks = [[(s, rng.choice(heads)) for s in rng.sample(sorted(lengths), rng.randrange(0, 4))] for _ in range(4)]
-    got = _row_index(chunks, {s: caches[0].block_table(s) for s in lengths}, lengths, len(heads), index_of, bs)
-    for chunk, rows in zip(chunks, got, strict=True):
+    sides = [(chunks, {s: caches[0].block_tables[s] for s in lengths}, len(heads), index_of),
+             (chunks[::-1], {s: caches[0].block_tables[s] for s in lengths}, len(heads), index_of)]
+    got = _row_index(sides, lengths, bs, torch.device("cpu"))
+    sizes = [sum(lengths[s] for s, _ in chunk) for chunk in chunks]
+    assert [t.numel() for t in got] == [sum(sizes)] * 2
+    for chunk, rows, back in zip(chunks, got[0].split(sizes), got[1].split(sizes[::-1])[::-1], strict=True):
+        assert torch.equal(rows, back), "a second side in the same upload must index the same way"
         want = [slots[s] * len(heads) + index_of[h] for s, h in chunk]
         assert torch.equal(rows, torch.cat(want) if want else torch.empty(0, dtype=torch.int64)), chunk
