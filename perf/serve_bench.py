@@ -22,8 +22,8 @@ Policies (--policies; fusedpar.layers.layout_policy):
   pd      prefill in one layout, decode in another, through the host KV tier (PrefillDecodePolicy +
           HostKVTier: prompts done go to the tier, the decode phase swaps them in)
   auto    AutoPolicy over tpW, spW, dpW from step-time curves measured at start-up on this machine
-          (a prefill step per token count and layout, on the path serving takes: graph replays for
-          the sp == 1 layouts) and a dp <-> tp switch cost measured
+          (a prefill step per token count and a decode step per sequence count, per layout, on the
+          path serving takes: graph replays for the sp == 1 layouts) and a dp <-> tp switch cost measured
           the same way (unless --auto-switch-s), plus the queue the scheduler sees.
 
 Clock (perf/_serve/loop.py): virtual. Every iteration of the loop is timed on the wall clock (max over
@@ -204,7 +204,7 @@ def policy_label(key: str, world: int, o: dict) -> str:
             "pd": f"pd {a}{world}->{b}{world} host tier", "auto": "auto"}[key]
 
 
-def make_policy(key: str, e, o: dict, curves: dict | None, switch_s: float | None):
+def make_policy(key: str, e, o: dict, curves: dict | None, switch_s: float | None, decode_curves: dict | None = None):
     from fusedpar.layers import AutoPolicy, LoadPolicy, PrefillDecodePolicy, ShiftThresholdPolicy
 
     L = e.layouts
@@ -221,7 +221,8 @@ def make_policy(key: str, e, o: dict, curves: dict | None, switch_s: float | Non
         a, b = o["pd_layouts"].split(",")
         return PrefillDecodePolicy(L[a], L[b])
     return AutoPolicy({L[k]: curves[k] for k in ("tp", "sp", "dp")}, latency_goal_s=o["auto_ttft_goal"],
-                      decode_steps=o["auto_decode_steps"], switch_s=switch_s, initial=L["tp"])
+                      decode_steps=o["auto_decode_steps"], switch_s=switch_s, initial=L["tp"],
+                      decode_curves={L[k]: decode_curves[k] for k in ("tp", "sp", "dp")})
 
 
 def _check_room(e, requests, o: dict) -> None:
@@ -264,7 +265,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     e = Engine(eo, rank, world, device, log)
     _check_room(e, requests, o)
     keys = o["policies"].split(",")
-    curves, switch_s, curve_points = None, o["auto_switch_s"], None
+    curves, switch_s, curve_points, decode_curves, decode_points = None, o["auto_switch_s"], None, None, None
     if "auto" in keys:
         asked, budget = [int(x) for x in o["curve_points"].split(",")], o["max_batch_tokens"]
         # each layout up to the tokens one of its steps can take: the budget per replica times its replicas
@@ -272,10 +273,16 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
                for k in ("tp", "sp", "dp")}
         curve_points = {k: e.step_curve(k, pts[k], o["curve_iters"]) for k in ("tp", "sp", "dp")}
         curves = {k: StepTimeCurve(v) for k, v in curve_points.items()}
+        # decode steps run other paths (TP / DP: decode graphs): their own curve, up to max_seqs sequences
+        dec = sorted({min(n, o["max_seqs"]) for n in asked})
+        decode_points = {k: e.step_curve(k, dec, o["curve_iters"], decode=True) for k in ("tp", "sp", "dp")}
+        decode_curves = {k: StepTimeCurve(v) for k, v in decode_points.items()}
         if switch_s is None:
             switch_s = e.switch_cost(o["max_batch_tokens"], o["curve_iters"])
         log("auto: step-time curves (tokens:ms) " + "; ".join(
             f"{k}: " + " ".join(f"{n}:{s * 1e3:.2f}" for n, s in v) for k, v in curve_points.items())
+            + "; decode (sequences:ms) " + "; ".join(
+            f"{k}: " + " ".join(f"{n}:{s * 1e3:.2f}" for n, s in v) for k, v in decode_points.items())
             + f"; switch {switch_s * 1e3:.2f} ms")
     if o["warmup_requests"]:
         steps = e.warm_base("sp", log)
@@ -288,7 +295,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     results, labels, policies = [], [], []
     for key in keys:
         label = policy_label(key, world, o)
-        pol = make_policy(key, e, o, curves, switch_s)
+        pol = make_policy(key, e, o, curves, switch_s, decode_curves)
         policies.append(pol)
         log(f"policy {label}: {pol!r}")
         run = PolicyRun(e, label, pol, requests, prompts, priorities=o["priority_frac"] > 0,
@@ -326,6 +333,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
                "slow_iterations_total": len(res.slow_steps), "triton_compiles": dict(res.compiles)}
         if key == "auto":
             rec["curves_ms"] = {k: [[n, s * 1e3] for n, s in v] for k, v in curve_points.items()}
+            rec["decode_curves_ms"] = {k: [[n, s * 1e3] for n, s in v] for k, v in decode_points.items()}
             rec["auto_switch_ms"] = switch_s * 1e3
         if key == "pd":
             rec["host_tier_tokens"] = o["host_tier_tokens"]

@@ -241,12 +241,15 @@ class AutoPolicy(LayoutPolicy):
     Layouts of one replica size (SP <-> TP splits of the same replicas, e.g. SP=P and TP=P) switch
     for free: their KV stays where it is (fusedpar.layouts.kv_plan moves none) and the weights are
     views. Any other switch costs switch_s. For each declared layout L, with n = scheduled_tokens,
-    W = waiting_prefill_tokens, B = running + waiting requests, and t_L its step-time curve:
+    W = waiting_prefill_tokens, B = running + waiting requests, t_L its step-time curve (prefill
+    steps: tokens per step) and d_L its decode curve (B sequences, one token each; t_L if none given):
+        step_L   = d_L(n) for a decode step (nothing waits and n == running: one token per request),
+                   t_L(n) otherwise
         switch_L = 0 if L has the current layout's replica size, else switch_s
-        ttft_L   = switch_L + t_L(n) + (t_L(W) if W > 0 else 0)
+        ttft_L   = switch_L + step_L + (t_L(W) if W > 0 else 0)
                    (the waiting requests have their first token once this step and one step of their
                    prefill have run in L)
-        decode_L = min of t_M(B) over the declared M of L's replica size (L itself included)
+        decode_L = min of d_M(B) over the declared M of L's replica size (L itself included)
                    (after this step the decode steps run in whichever of those is fastest, for free)
         serve_L  = ttft_L + decode_steps * decode_L   (B >= 1; else no decode term)
     The goal holds for L when nothing waits or ttft_L <= latency_goal_s. Answer: the L with the least
@@ -256,11 +259,21 @@ class AutoPolicy(LayoutPolicy):
     """
 
     def __init__(self, curves: dict[ParallelLayout, StepTimeCurve | list], *, latency_goal_s: float,
-                 decode_steps: int = 0, switch_s: float = 0.0, initial: ParallelLayout | None = None):
+                 decode_steps: int = 0, switch_s: float = 0.0, initial: ParallelLayout | None = None,
+                 decode_curves: dict[ParallelLayout, StepTimeCurve | list] | None = None):
         if not isinstance(curves, dict) or not curves:
             raise ValueError(f"AutoPolicy needs a non-empty dict layout -> step-time curve, got {curves!r}")
         super().__init__(*curves, initial=initial)
         self.curves = {lay: c if isinstance(c, StepTimeCurve) else StepTimeCurve(c) for lay, c in curves.items()}
+        if decode_curves is None:
+            self.decode_curves = dict(self.curves)
+        else:
+            if not isinstance(decode_curves, dict) or set(decode_curves) != set(curves):
+                got = list(decode_curves) if isinstance(decode_curves, dict) else decode_curves
+                raise ValueError(f"AutoPolicy: decode_curves must cover the same layouts as curves "
+                                 f"({list(curves)}), got {got!r}")
+            self.decode_curves = {lay: c if isinstance(c, StepTimeCurve) else StepTimeCurve(c)
+                                  for lay, c in decode_curves.items()}
         self.latency_goal_s = _seconds("latency_goal_s", latency_goal_s, allow_zero=False)
         self.decode_steps = _count("decode_steps", decode_steps)
         self.switch_s = _seconds("switch_s", switch_s, allow_zero=True)
@@ -269,15 +282,17 @@ class AutoPolicy(LayoutPolicy):
         """Layout -> (ttft_L, serve_L) as defined in the class doc."""
         current = self._declared(current, "current")
         batch = facts.running + facts.waiting
+        decode_step = facts.waiting == 0 and facts.scheduled_tokens == facts.running
         out = {}
         for lay in self.layouts:
             t = self.curves[lay]
             free = lay.replica_size == current.replica_size
-            ttft = (0.0 if free else self.switch_s) + t(facts.scheduled_tokens)
+            step = (self.decode_curves[lay] if decode_step else t)(facts.scheduled_tokens)
+            ttft = (0.0 if free else self.switch_s) + step
             if facts.waiting_prefill_tokens:
                 ttft += t(facts.waiting_prefill_tokens)
-            decode = min(self.curves[m](batch) for m in self.layouts if m.replica_size == lay.replica_size) \
-                if batch else 0.0
+            decode = min(self.decode_curves[m](batch) for m in self.layouts
+                         if m.replica_size == lay.replica_size) if batch else 0.0
             out[lay] = (ttft, ttft + self.decode_steps * decode)
         return out
 

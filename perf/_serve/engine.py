@@ -281,28 +281,36 @@ class Engine:
         rows = torch.tensor(emit_rows, device=self.device)
         return greedy(h[rows], self.norm, self.lm_head, self.opts.cfg.rms_norm_eps).tolist()
 
-    def step_curve(self, name: str, points: list[int], iters: int) -> list[tuple[int, float]]:
+    def step_curve(self, name: str, points: list[int], iters: int, decode: bool = False) -> list[tuple[int, float]]:
         """(tokens, seconds) per point: a prefill step of `tokens` tokens split over the layout's
-        replicas (one sequence each) on a fresh cache, median of iters after one warm-up, max over
-        ranks. Collective."""
+        replicas (one sequence each), or with decode=True a decode step of `tokens` sequences split over
+        them (each holding one token of context, one new token each, every row emitted), on a fresh
+        cache, median of iters after one warm-up, max over ranks. Collective."""
         lay = self.layouts[name]
         cache = self.fresh_cache(name)
         self.ready_graphs(name, cache)  # the path serving takes: graph replays where a step fits one
         out = []
         for n in points:
             q = -(-n // lay.dp)
-            batch = StepBatch((-1,), (q,), (0,))
-            ids = torch.zeros(q, dtype=torch.int64)
+            seqs = tuple(range(-q, 0))
+            if decode:
+                batch = StepBatch(seqs, (1,) * q, (1,) * q)
+                ids, emit = torch.zeros(q, dtype=torch.int64), list(range(q))
+            else:
+                batch, ids, emit = StepBatch((-1,), (q,), (0,)), torch.zeros(q, dtype=torch.int64), [q - 1]
             times = []
             for i in range(iters + 1):
+                if decode:  # the sequences' first token, untimed
+                    self.forward(name, cache, StepBatch(seqs, (1,) * q, (0,) * q), ids, [])
                 if self.cuda:
                     torch.cuda.synchronize(self.device)
                 dist.barrier()
                 t0 = time.perf_counter()
-                self.forward(name, cache, batch, ids, [q - 1])
+                self.forward(name, cache, batch, ids, emit)
                 if i:
                     times.append(time.perf_counter() - t0)
-                cache.free(-1)
+                for seq in batch.seq_ids:
+                    cache.free(seq)
             out.append((n, world_max([statistics.median(times)], self.device)[0]))
         return out
 

@@ -199,6 +199,28 @@ def test_auto_policy_on_measured_curves_is_shift_with_a_measured_threshold():
             assert policy.decide(facts(n, running=running), current) == want, (n, running, current)
 
 
+def test_auto_policy_prices_decode_steps_on_the_decode_curves():
+    """2x H200 start-up curves (ms): as prefill steps, SP=2 beats TP=2 from 16 tokens on, but a decode
+    step of B sequences runs TP's decode graphs. Without decode curves auto sends 16-sequence decode
+    steps to SP; with them decode steps stay in TP and prefill-heavy steps still go to SP."""
+    sp2, tp2 = ParallelLayout(2, sp=2), ParallelLayout(2, tp=2)
+    ms = {tp2: [(1, 4.67), (16, 8.48), (64, 8.43), (256, 8.53), (1024, 17.30), (2048, 29.09)],
+          sp2: [(1, 7.94), (16, 8.21), (64, 8.15), (256, 8.27), (1024, 14.85), (2048, 24.74)]}
+    dec = {tp2: [(1, 4.7), (16, 4.9), (64, 5.6)], sp2: [(1, 7.9), (16, 8.3), (64, 9.0)]}
+    curves = {lay: [(n, t * 1e-3) for n, t in c] for lay, c in ms.items()}
+    decode = {lay: [(n, t * 1e-3) for n, t in c] for lay, c in dec.items()}
+    plain = AutoPolicy(curves, latency_goal_s=1.0, decode_steps=32, initial=tp2)
+    priced = AutoPolicy(curves, latency_goal_s=1.0, decode_steps=32, initial=tp2, decode_curves=decode)
+    step = facts(16, running=16)  # a decode step
+    assert plain.decide(step, tp2) == sp2
+    assert priced.decide(step, tp2) == tp2 and priced.decide(step, sp2) == tp2
+    assert priced.estimates(step, tp2)[tp2][0] == pytest.approx(4.9e-3)
+    prefill = facts(2048, running=16)  # a prefill chunk beside the decodes: SP still wins it
+    assert priced.decide(prefill, tp2) == sp2
+    with pytest.raises(ValueError, match="decode_curves must cover the same layouts"):
+        AutoPolicy(curves, latency_goal_s=1.0, decode_curves={tp2: decode[tp2]})
+
+
 def test_auto_policy_switch_cost_keeps_the_current_layout_for_small_gains():
     curves = {DP: BASE_CURVE, TP: SHIFT_CURVE}
     f = facts(2048)  # DP: 4.86 ms, TP: 8.0 ms

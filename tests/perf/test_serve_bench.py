@@ -84,3 +84,6 @@ def test_every_policy_serves_every_request_with_the_unsharded_tokens(serve_bench
     assert set(by["pd"]["steps"]) == {"dp", "tp"} and by["pd"]["swap_s"] > 0
     curves = by["auto"]["curves_ms"]  # each layout up to one step's tokens: 16 per replica
     assert [n for n, _ in curves["tp"]] == [1, 8, 16] and [n for n, _ in curves["dp"]] == [1, 8, 16, 16 * world]
+    decode = by["auto"]["decode_curves_ms"]  # decode steps of 1, 8 and 16 sequences (max_seqs 16), every layout
+    assert {k: [n for n, _ in v] for k, v in decode.items()} == {k: [1, 8, 16] for k in ("tp", "sp", "dp")}
+    assert all(ms > 0 for v in decode.values() for _, ms in v)
