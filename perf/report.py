@@ -59,7 +59,7 @@ BENCHMARKS = {
 # bench names whose records compare two plain paths (no fused side): in the document, not the summary
 REFERENCE_ONLY = {"layer_plain_sp"}
 PLOTS = {"speedup_vs_tokens.png": "gemm", "layer_ms_vs_tokens.png": "layer", "model_bars.png": "model",
-         "serve_timeline.png": "serve", "serve_timeline_dp.png": "serve"}
+         "serve_timeline.png": "serve", "serve_timeline_dp.png": "serve", "serve_timeline_auto.png": "serve"}
 # serve_timeline*.png: drawn by perf/serve_bench.py (--plot) with its records, one per call of policies
 
 
