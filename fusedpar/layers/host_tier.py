@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from fusedpar.kernels.kv_rows import move_kv_rows
-from fusedpar.layers.kv_cache import PagedKVCache
+from fusedpar.layers.kv_cache import PagedKVCache, upload
 from fusedpar.layers.policy import StepBatch
 from fusedpar.layouts.grid import ParallelLayout
 
@@ -261,7 +261,7 @@ class HostKVTier:
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
             else:  # on the side stream: the host waits for the tier's earlier copies, not for the compute stream
                 with torch.cuda.stream(self._stream):
-                    flag = self._to_device(flag)
+                    flag = upload(flag, self.device)
                     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
             if problem is None and not int(flag.item()):
                 problem = RuntimeError(f"swap_in of sequences {seqs}: refused on another rank (see its error)")
@@ -362,7 +362,7 @@ class HostKVTier:
             tok = torch.arange(self.blocks_for(tokens) * bs)
             r = _token_rows(torch.tensor(table), cache.block_size, tok.clamp(max=tokens - 1)) * h + i
             rows.append(r.masked_fill_(tok >= tokens, -1))
-        idx = self._to_device(torch.cat(rows))  # one small copy
+        idx = upload(torch.cat(rows), self.device)  # one small copy
         st = torch.empty((idx.numel() // bs, self.num_layers, 2, bs, self.head_dim), dtype=self.dtype,
                          device=cache.k.device)
         move_kv_rows(*self._rows_view(cache), idx, st, scatter=False)
@@ -371,13 +371,6 @@ class HostKVTier:
     def _rows_view(self, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """cache.k, cache.v as [L, cache rows, hd] (row = slot * local heads + head index)."""
         return cache.k.view(self.num_layers, -1, self.head_dim), cache.v.view(self.num_layers, -1, self.head_dim)
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A small host tensor on the tier's device without a synchronous copy (a copy from pageable
-        memory would make the host wait for the stream's earlier work)."""
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _to_pool(self, st: torch.Tensor, blocks: list[int]) -> None:
         for pos, first, count in _runs(blocks):
@@ -439,7 +432,7 @@ class HostKVTier:
             for j, head in enumerate(cache.kv_heads):
                 start = offset[(seq, head)] * bs
                 idx[start:start + n] = slots * h + j
-        move_kv_rows(*self._rows_view(cache), self._to_device(idx), assembled, scatter=True)  # one small copy
+        move_kv_rows(*self._rows_view(cache), upload(idx, self.device), assembled, scatter=True)  # one small copy
 
     def _from_pool_rows(self, pairs: list[tuple[int, int]], out: torch.Tensor) -> None:
         """out[row] = pool[block] for every (row, block): one copy per run consecutive on both sides."""

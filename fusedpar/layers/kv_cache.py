@@ -16,6 +16,15 @@ import torch
 from fusedpar.layers.policy import StepBatch
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (block tables, row indices) on `device` without making the host wait: on
+    CUDA through a fresh pinned buffer (a copy from pageable memory waits for the stream's earlier
+    work)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t).to(device, non_blocking=True)
+
+
 class PagedKVCache:
     def __init__(
         self,

@@ -8,7 +8,8 @@ caller asks for more blocks than they hold).
 
 Data path, three device ops per layer group whatever the peers, sequences and kv heads. The row
 indices (row = slot * local_heads + head index of a [layer, rows, head_dim] view of the pool) are
-built by vectorised CPU ops from the sequences' block tables and uploaded in one pinned copy. The
+built on the device (fusedpar.kernels.kv_rows.paged_rows) from the sequences' block tables and one
+line per (sequence, head) piece, uploaded in one pinned copy, so the host never touches a token. The
 layers are then moved in groups (about _GROUP_BYTES of the plan's KV per rank each, at most
 _MAX_GROUPS; the same groups on every rank). Per group: one row gather (fusedpar.kernels.kv_rows,
 k and v in one launch) collects every row this rank sends, peers in group order and (sequence,
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fusedpar.kernels.kv_rows import move_kv_rows, paged_rows
-from fusedpar.layers.kv_cache import PagedKVCache
+from fusedpar.layers.kv_cache import PagedKVCache, upload
 from fusedpar.layers.policy import StepBatch
 from fusedpar.layouts.reshard import KVMove
 
@@ -66,9 +67,7 @@ def _row_index(sides: list[tuple[list[list[tuple[int, int]]], Mapping[int, list[
             total += tokens[seq]
         launches.append((t_off, len(seqs), width, p_off, len(pieces), heads, first, total,
                          max((tokens[seq] for seq in seqs), default=0)))
-    flat = torch.tensor(host, dtype=torch.int64)
-    if device.type == "cuda":  # pinned: a copy from pageable memory would make the host wait
-        flat = torch.empty(flat.numel(), dtype=torch.int64, pin_memory=True).copy_(flat).to(device, non_blocking=True)
+    flat = upload(torch.tensor(host, dtype=torch.int64), device)
     rows = torch.empty(total, dtype=torch.int64, device=device)
     out = []
     for t_off, n_seqs, width, p_off, n_pieces, heads, first, end, longest in launches:
