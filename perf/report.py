@@ -134,12 +134,14 @@ def _serve_table(recs: list[dict]) -> list[str]:
     lines = [f"Per policy ({recs[0].get('model')} x{recs[0].get('layers')} layers, {recs[0].get('dtype')}; trace: "
              + (", ".join(f"{k} {v}" for k, v in sorted(trace.items())) if trace else "per record") + "; clock: "
              + str(recs[0].get("clock")) + "). Latencies in ms, throughput in output tokens/s.", "",
-             "| policy | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | tok/s low | tok/s burst | tok/s peak "
-             "| steps per layout | switches | switching s |", "|" + "---|" * 11]
+             "| policy | GPUs | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | tok/s low | tok/s burst | tok/s peak "
+             "| tok/s saturated | steps per layout | switches | switching s |", "|" + "---|" * 13]
     for r in recs:
         steps = ", ".join(f"{k} {v}" for k, v in sorted(r.get("steps", {}).items()))
-        cells = [r["case"], *(ms(r.get(f"{k}_ms")) for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")),
-                 *(tok(r.get(f"{k}_tok_s")) for k in ("throughput_low", "throughput_burst", "peak_throughput")),
+        gpus = f"{r.get('world')}x {str(r.get('gpu', '?')).removeprefix('NVIDIA ').split(' ')[0]}"
+        cells = [r["case"], gpus, *(ms(r.get(f"{k}_ms")) for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")),
+                 *(tok(r.get(f"{k}_tok_s")) for k in ("throughput_low", "throughput_burst", "peak_throughput",
+                                                      "saturated")),
                  steps, str(r.get("switches_total", 0)), f"{r.get('switch_s', 0):.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

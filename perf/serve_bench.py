@@ -70,10 +70,10 @@ TINY = dict(hidden=64, heads=8, kv_heads=4, head_dim=16, intermediate=128, layer
 GPU_DEFAULTS = dict(model="llama8b", dtype="bf16", requests=2000, prompt="100,2000", output="50,500",
                     low_seconds=20.0, burst_seconds=5.0, max_batch_tokens=2048, max_seqs=256, block_size=16,
                     host_tier_tokens=32768, load_low=8, load_high=32, curve_points="1,16,64,256,1024,2048",
-                    curve_iters=3, warmup_requests=16)
+                    curve_iters=3, warmup_requests=16, saturate=256)
 CPU_DEFAULTS = dict(model="tiny", dtype="fp32", requests=24, prompt="4,40", output="2,12", low_seconds=3.0,
                     burst_seconds=1.0, max_batch_tokens=32, max_seqs=16, block_size=4, host_tier_tokens=256,
-                    load_low=2, load_high=6, curve_points="1,4,16,32", curve_iters=2, warmup_requests=4)
+                    load_low=2, load_high=6, curve_points="1,4,16,32", curve_iters=2, warmup_requests=4, saturate=0)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -147,6 +147,8 @@ def parser() -> argparse.ArgumentParser:
                         "(a simulated clock: reproducible schedules on any machine; TTFT/TPOT then count "
                         "iterations, not speed; default 0: measured)")
     g.add_argument("--progress-s", type=float, default=5.0, help="a progress line every this many wall seconds")
+    g.add_argument("--saturate", type=int, help="then serve N more requests arriving at once, per policy: its "
+                   "saturated throughput, i.e. capacity (default 256, --cpu: 0 = no saturated run)")
     g.add_argument("--peak-window", type=float, default=2.0, help="window of the peak throughput, s (default 2)")
     g.add_argument("--out", default="perf/results/serve.json", help="JSON list the records are appended to "
                    "(relative: to the repo root)")
@@ -189,12 +191,26 @@ def decoder_config(o: dict):
 
 def trace_of(o: dict):
     """(requests, phases) of the options' trace."""
-    from _serve.trace import TraceSpec, make_trace
+    from _serve.trace import make_trace
 
-    return make_trace(TraceSpec(
+    return make_trace(_spec(o))
+
+
+def flood_of(o: dict) -> list:
+    """The --saturate requests (all arriving at t = 0; [] without a saturated run)."""
+    from _serve.trace import make_flood
+
+    return make_flood(_spec(o), o["saturate"]) if o["saturate"] else []
+
+
+def _spec(o: dict):
+    from _serve.trace import TraceSpec
+
+    return TraceSpec(
         requests=o["requests"], seed=o["seed"], low_rate=_pair(o["low_rate"]), burst_rate=_pair(o["burst_rate"]),
         low_seconds=o["low_seconds"], burst_seconds=o["burst_seconds"], prompt=_pair(o["prompt"], int),
-        output=_pair(o["output"], int), priority_frac=o["priority_frac"], rate_scale=o["rate_scale"]))
+        output=_pair(o["output"], int), priority_frac=o["priority_frac"], rate_scale=o["rate_scale"])
+
 
 
 def policy_label(key: str, world: int, o: dict) -> str:
@@ -241,7 +257,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     """Every policy over the trace on this rank; rank 0 returns {"records", "outputs", "plot"}."""
     from _serve.engine import Engine, EngineOptions
     from _serve.loop import SLOW_STEP_S, PolicyRun
-    from _serve.metrics import summarize
+    from _serve.metrics import summarize, summarize_saturated
     from _serve.trace import prompt_ids
 
     from fusedpar.layers import StepTimeCurve
@@ -256,14 +272,16 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     cfg = decoder_config(o)
     requests, phases = trace_of(o)
     prompts = {r.rid: prompt_ids(r, o["vocab"], o["seed"]) for r in requests}
+    flood = flood_of(o)
+    flood_prompts = {r.rid: prompt_ids(r, o["vocab"], o["seed"] + 1) for r in flood}
     eo = EngineOptions(cfg=cfg, layers=o["layers"], vocab=o["vocab"], dtype=DTYPES[o["dtype"]], seed=o["seed"],
                        block_size=o["block_size"], kv_blocks=o["kv_blocks"], max_batch_tokens=o["max_batch_tokens"],
-                       max_seqs=o["max_seqs"], max_context=max(r.prompt_len + r.output_len for r in requests),
+                       max_seqs=o["max_seqs"], max_context=max(r.prompt_len + r.output_len for r in requests + flood),
                        graphs=not o["no_graphs"])
     log(f"trace: {len(requests)} requests over {requests[-1].arrival:.1f}s in {len(phases)} phases; building "
         f"the model ({o['layers']} layers, {o['dtype']}) on {world} ranks")
     e = Engine(eo, rank, world, device, log)
-    _check_room(e, requests, o)
+    _check_room(e, requests + flood, o)
     keys = o["policies"].split(",")
     curves, switch_s, curve_points, decode_curves, decode_points = None, o["auto_switch_s"], None, None, None
     if "auto" in keys:
@@ -292,7 +310,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
             PolicyRun(e, f"warm-up {key}", make_policy(key, e, o, None, None), warm, prompts, priorities=False,
                       progress_s=o["progress_s"], log=log).run()
         log("warm-up done")
-    results, labels, policies = [], [], []
+    results, labels, policies, saturated = [], [], [], []
     for key in keys:
         label = policy_label(key, world, o)
         pol = make_policy(key, e, o, curves, switch_s, decode_curves)
@@ -307,9 +325,17 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         log(f"policy {label}: done in {r.wall_s:.1f}s wall, {r.end:.2f}s on the clock; longest iteration "
             f"{r.max_step_s * 1e3:.1f} ms, {len(r.slow_steps)} over {SLOW_STEP_S * 1e3:.0f} ms, Triton compiles "
             f"{dict(r.compiles) or 0}")
+        if flood:  # the same policy, fresh, on requests that all arrive at once
+            run = PolicyRun(e, f"{label} saturated", make_policy(key, e, o, curves, switch_s, decode_curves), flood,
+                            flood_prompts, priorities=o["priority_frac"] > 0, host_tier_tokens=o["host_tier_tokens"],
+                            fixed_step_s=o["fixed_step_s"], progress_s=o["progress_s"], log=log)
+            saturated.append(run.run())
+            log(f"policy {label}: {len(flood)} requests at once served in {saturated[-1].end:.2f}s on the clock")
     if rank != 0:
         return None
     metrics = [summarize(res, requests, phases, o["peak_window"]) for res in results]
+    for m, sat in zip(metrics, saturated, strict=False):
+        m.update(summarize_saturated(sat, flood))
     base = metrics[labels.index("tp")] if "tp" in labels else metrics[0]
     base_label = results[labels.index("tp")].policy if "tp" in labels else results[0].policy
     model = o["shape"].get("name", "tiny")
@@ -340,7 +366,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         if key == "shift":
             rec["shift_threshold"] = pol.rule.threshold
         records.append(rec)
-    return {"records": records, "outputs": {res.policy: res.outputs for res in results},
+    return {"records": records, "outputs": {res.policy: res.outputs for res in (*results, *saturated)},
             "metrics": list(zip([r.policy for r in results], metrics, strict=True)),
             "results": results, "requests": requests}
 

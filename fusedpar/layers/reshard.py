@@ -26,6 +26,7 @@ nothing.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping
 from itertools import pairwise
 
@@ -67,7 +68,9 @@ def _row_index(sides: list[tuple[list[list[tuple[int, int]]], Mapping[int, list[
             total += tokens[seq]
         launches.append((t_off, len(seqs), width, p_off, len(pieces), heads, first, total,
                          max((tokens[seq] for seq in seqs), default=0)))
-    flat = upload(torch.tensor(host, dtype=torch.int64), device)
+    # array -> tensor: a C loop over the ints (torch.tensor(list) inspects each one, ~4x slower)
+    flat = upload(torch.frombuffer(array("q", host), dtype=torch.int64) if host else torch.empty(0, dtype=torch.int64),
+                  device)
     rows = torch.empty(total, dtype=torch.int64, device=device)
     out = []
     for t_off, n_seqs, width, p_off, n_pieces, heads, first, end, longest in launches:

@@ -95,6 +95,12 @@ def greedy(h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: floa
     return torch.argmax(F.linear(rms_norm(h, norm, eps), lm_head).float(), dim=-1)
 
 
+def decode_sizes(cap: int) -> tuple[int, ...]:
+    """Sequence counts of the decode graphs: DEFAULT_CAPTURE_SIZES, then multiples of 32, then cap itself,
+    all <= cap (cap: resident sequences per replica): a decode step of any resident batch replays one."""
+    return tuple(sorted({s for s in (*DEFAULT_CAPTURE_SIZES, *range(96, cap + 1, 32)) if s <= cap} | {cap}))
+
+
 def _graph_sizes(cap: int, multiple: int) -> tuple[int, ...]:
     """Powers of two from 256 below cap, and cap rounded down to `multiple`; () when that is below 256."""
     cap -= cap % multiple
@@ -190,7 +196,7 @@ class Engine:
     def ready_graphs(self, name: str, cache: PagedKVCache) -> float:
         """CUDA graphs of layout `name` on `cache` (CUDA, graphs on), rebound when they were captured on this
         view of the pool, captured otherwise; seconds spent capturing. sp == 1 layouts: decode graphs
-        (DEFAULT_CAPTURE_SIZES) and varlen graphs for the mixed prefill + decode steps (prefill_sizes);
+        (decode_sizes: up to max_seqs sequences) and varlen graphs for the mixed prefill + decode steps (prefill_sizes);
         sp > 1 layouts (every step in base mode): base-mode varlen graphs (base_sizes). Collective: every
         rank calls it at the same switch."""
         stack = self.stacks[name]
@@ -200,7 +206,7 @@ class Engine:
         if self.layouts[name].sp > 1:
             wanted = {"base_graphs": self.base_sizes(stack)}
         else:
-            wanted = {"graphs": tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= min(o.max_seqs, stack.graph_token_cap)),
+            wanted = {"graphs": decode_sizes(min(o.max_seqs, stack.graph_token_cap)),
                       "prefill_graphs": self.prefill_sizes(stack)}
         wanted = {attr: sizes for attr, sizes in wanted.items() if sizes}
         if all(getattr(stack, attr) is not None and getattr(stack, attr).rebind(cache) for attr in wanted):

@@ -4,7 +4,9 @@ TTFT = first token's time - arrival; TPOT = (last token's time - first token's t
 (requests of one output token have none). Percentiles interpolate linearly between order statistics.
 Throughput per load phase: output tokens whose step ended inside the trace's phases of that kind
 (low, burst) over their total duration; "drain" is the time after the last arrival. Peak throughput:
-the most output tokens in one window of peak_window seconds, over the window.
+the most output tokens in one window of peak_window seconds, over the window: on a trace the policy
+keeps up with, that is the offered load, not its capacity. Saturated throughput (serve_bench
+--saturate): output tokens of N requests that all arrive at t = 0, over the time to finish them.
 """
 
 from __future__ import annotations
@@ -75,16 +77,28 @@ def summarize(res: RunResult, requests: list[Request], phases: list[Phase], peak
     return out
 
 
+def summarize_saturated(res: RunResult, requests: list[Request]) -> dict:
+    """The saturated run's metrics: saturated_tok_s, and per layout its steps and switches."""
+    toks = sum(n for _, n in res.emitted)
+    served = sum(1 for r in requests if r.rid in res.done_t and len(res.outputs.get(r.rid, ())) == r.output_len)
+    return {"saturated_tok_s": toks / res.end if res.end > 0 else None,
+            "saturated": {"requests": len(requests), "served": served, "output_tokens": toks, "makespan_s": res.end,
+                          "steps": dict(sorted(res.steps.items())), "switches": dict(sorted(res.switches.items())),
+                          "ttft_p50_ms": _ms(percentile([res.first_t[r.rid] for r in requests if r.rid in res.first_t],
+                                                        50))}}
+
+
 def print_table(rows: list[tuple[str, dict]], log=print) -> None:
     def f(x, fmt="{:.1f}"):
         return "-" if x is None else fmt.format(x)
 
     log(f"{'policy':<26}{'TTFT p50':>10}{'p99':>10}{'TPOT p50':>10}{'p99':>9}{'prio TTFT p99':>15}"
-        f"{'tok/s low':>11}{'burst':>9}{'peak':>9}{'switches':>9}{'switch s':>9}  steps per layout")
+        f"{'tok/s low':>11}{'burst':>9}{'peak':>9}{'saturated':>10}{'switches':>9}{'switch s':>9}  steps per layout")
     for name, m in rows:
         log(f"{name:<26}{f(m['ttft_p50_ms']):>10}{f(m['ttft_p99_ms']):>10}{f(m['tpot_p50_ms']):>10}"
             f"{f(m['tpot_p99_ms']):>9}{f(m.get('prio_ttft_p99_ms')):>15}{f(m['throughput_low_tok_s']):>11}"
-            f"{f(m['throughput_burst_tok_s']):>9}{f(m['peak_throughput_tok_s']):>9}{m['switches_total']:>9}"
+            f"{f(m['throughput_burst_tok_s']):>9}{f(m['peak_throughput_tok_s']):>9}{f(m.get('saturated_tok_s')):>10}"
+            f"{m['switches_total']:>9}"
             f"{m['switch_s'] + m['swap_s']:>9.3f}  {m['steps']}")
 
 

@@ -6,6 +6,7 @@ gaps between arrivals are exponential with that rate; the trace ends at the n-th
 phase is cut there). Prompt and output lengths are uniform integers in their inclusive ranges; a
 request is high priority (0, else 1) with probability priority_frac. One random.Random(seed) draws
 everything in a fixed order, so a seed gives the same trace on every rank and for every policy.
+make_flood draws the requests of a saturated run the same way, all arriving at t = 0.
 """
 
 from __future__ import annotations
@@ -88,6 +89,16 @@ def make_trace(spec: TraceSpec) -> tuple[list[Request], list[Phase]]:
         phases.append(Phase(kind, start, end, rate))
         start = end
     return requests, phases
+
+
+def make_flood(spec: TraceSpec, n: int) -> list[Request]:
+    """n requests arriving at once (t = 0, one "flood" phase), lengths and priorities drawn as in the trace
+    from random.Random(spec.seed + 1): the saturated run that measures a layout policy's capacity."""
+    if n < 1:
+        raise ValueError(f"a flood needs >= 1 request, got {n}")
+    rng = random.Random(spec.seed + 1)
+    return [Request(i, 0.0, rng.randint(*spec.prompt), rng.randint(*spec.output),
+                    0 if rng.random() < spec.priority_frac else 1, 0) for i in range(n)]
 
 
 def prompt_ids(req: Request, vocab: int, seed: int) -> torch.Tensor:

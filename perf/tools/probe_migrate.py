@@ -5,7 +5,8 @@ layers. On W GPUs (torchrun) this times DP=W -> TP=W and back on the Llama-3-8B 
 x 2048 tokens, bf16, block 16; bench_reshard.py's setup) for each group count of --groups (the
 module's group size and cap overridden), wall / host / device ms, max over ranks of the median, beside
 NCCL all_to_all_single of the same bytes; then, for the first and last group count, the CPU ops with
-the most self time under torch.profiler on rank 0 (the host side of one migration). Prints; no records.
+the most self time under torch.profiler on rank 0 (the host side of one migration) and its kernels and
+copies by device time (the exchange against the row moves). Prints; no records.
 
 Usage: torchrun --nproc-per-node 4 perf/tools/probe_migrate.py [--groups 1,2,4,8] [--iters 10]
 """
@@ -29,15 +30,18 @@ from fusedpar.layers import reshard  # noqa: E402  (after the repo is on the pat
 from fusedpar.layouts import ModelDims, kv_plan  # noqa: E402
 
 
-def _host_ops(fn, top: int) -> str:
+def _ops(fn, top: int) -> tuple[str, str]:
+    """(CPU ops by self CPU time, GPU kernels and copies by self device time) of one call of fn."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    ops = prof.key_averages()
+    return (ops.table(sort_by="self_cpu_time_total", row_limit=top),
+            ops.table(sort_by="self_device_time_total", row_limit=top))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((g, t))
             if g in (counts[0], counts[-1]):
                 setup()
-                table = _host_ops(fn, a.top)
+                host, device = _ops(fn, a.top)
                 if rank == 0:
                     print(f"\n{src_key}{world}->{dst_key}{world}, {g} group(s): CPU ops of one migration "
-                          f"on rank 0\n{table}")
+                          f"on rank 0\n{host}\nits device time per kernel\n{device}")
         n = max(world, int(received * world / max(world - 1, 1)) // 2 // world * world)
         send = torch.empty(n, dtype=torch.bfloat16, device=env.device)
         recv = torch.empty_like(send)
