@@ -34,15 +34,19 @@ trace (loads relative to step times are then far lower than on GPUs: --rate-scal
 
 Output per policy: p50 / p99 TTFT and TPOT (all and high priority), output throughput per load phase
 (low, burst, drain) and peak (--peak-window), steps and time per layout, switches per direction, time
-spent switching and swapping; one record per policy appended to --out (a JSON list; bench "serve",
-the keys of every benchmark: baseline = static tpW, baseline_ms / fused_ms = p50 TTFT ms of the
-baseline / the policy, speedup their ratio, roofline_pct null) and a timeline plot (--plot; offered
-load, layout in use, TTFT) when matplotlib is installed.
+spent switching and swapping; with --saturate N (GPU default 256) the same policy then serves N more
+requests that all arrive at once, and saturated_tok_s (their output tokens over the time to finish
+them) measures its capacity, which the windowed peak of a trace it keeps up with does not. One
+record per policy is appended to --out (a JSON list; bench "serve", the keys of every benchmark:
+baseline = static tpW, baseline_ms / fused_ms = p50 TTFT ms of the baseline / the policy, speedup
+their ratio, roofline_pct null), and a timeline plot is drawn (--plot; offered load, layout in
+use, TTFT) when matplotlib is installed.
 
 Duration: every policy replays the whole trace, on GPUs in about its real length (2000 requests at the
-default rates: ~5 minutes each, plus start-up); a device call of perf/run_gpu.sh (540 s) holds one or
-two policies at the defaults. Split them over calls with --policies: the records append to --out, and
-a call without tp takes its baseline from the static tp record of the same trace there.
+default rates: ~5 minutes each, plus start-up; the saturated run adds 6-10 s); a device call of
+perf/run_gpu.sh (540 s) holds one or two policies at the defaults. Split them over calls with
+--policies: the records append to --out, and a call without tp takes its baseline from the static
+tp record of the same trace there.
 
 Usage (repo root):
     torchrun --nproc-per-node 4 perf/serve_bench.py [--policies tp,shift] [--requests 2000] [--out ...]
@@ -147,8 +151,9 @@ def parser() -> argparse.ArgumentParser:
                         "(a simulated clock: reproducible schedules on any machine; TTFT/TPOT then count "
                         "iterations, not speed; default 0: measured)")
     g.add_argument("--progress-s", type=float, default=5.0, help="a progress line every this many wall seconds")
-    g.add_argument("--saturate", type=int, help="then serve N more requests arriving at once, per policy: its "
-                   "saturated throughput, i.e. capacity (default 256, --cpu: 0 = no saturated run)")
+    g.add_argument("--saturate", type=int, metavar="N",
+                   help="then serve N more requests arriving at once, per policy: its saturated throughput, i.e. "
+                        "capacity (default 256, --cpu: 0 = no saturated run)")
     g.add_argument("--peak-window", type=float, default=2.0, help="window of the peak throughput, s (default 2)")
     g.add_argument("--out", default="perf/results/serve.json", help="JSON list the records are appended to "
                    "(relative: to the repo root)")
