@@ -221,6 +221,30 @@ def test_auto_policy_prices_decode_steps_on_the_decode_curves():
         AutoPolicy(curves, latency_goal_s=1.0, decode_curves={tp2: decode[tp2]})
 
 
+def test_auto_policy_on_measured_curves_drains_a_flood_in_dp():
+    """4x H200 start-up curves (Llama-3-8B shape; prefill: tokens per step, decode: sequences; ms) and
+    the measured 3.7 ms DP <-> TP switch: a long queue goes to DP (every replica prefills at once)
+    and so does a full batch of 256 decoding sequences; at 200 sequences and below decode returns to
+    TP, and a prefill-heavy step at light load goes to SP."""
+    sp4 = ParallelLayout(W, sp=4)
+    ms = {TP: [(1, 3.55), (16, 6.20), (64, 6.13), (256, 6.30), (1024, 12.67), (2048, 20.85)],
+          sp4: [(1, 6.64), (16, 6.78), (64, 6.72), (256, 6.84), (1024, 9.52), (2048, 14.40)],
+          DP: [(1, 5.62), (16, 8.56), (64, 8.53), (256, 8.42), (1024, 8.52), (2048, 12.72), (8192, 44.10)]}
+    dec = {TP: [(1, 3.44), (16, 3.49), (64, 4.05), (256, 6.36)],
+           sp4: [(1, 6.93), (16, 7.12), (64, 7.60), (256, 39.37)],
+           DP: [(1, 5.59), (16, 5.63), (64, 5.79), (256, 6.16)]}
+    policy = AutoPolicy({lay: [(n, t * 1e-3) for n, t in c] for lay, c in ms.items()}, latency_goal_s=1.0,
+                        decode_steps=32, switch_s=3.7e-3, initial=TP,
+                        decode_curves={lay: [(n, t * 1e-3) for n, t in c] for lay, c in dec.items()})
+    cases = [(facts(2048, waiting=256, waiting_prefill_tokens=256 * 1050), DP),
+             (facts(2048, running=100, waiting=150, waiting_prefill_tokens=150 * 1050), DP),
+             (facts(256, running=256), DP), (facts(200, running=200), TP), (facts(32, running=32), TP),
+             (facts(1024, running=8, waiting=1, waiting_prefill_tokens=1000), sp4), (facts(8, running=8), TP)]
+    for f, want in cases:
+        for current in (TP, sp4, DP):
+            assert policy.decide(f, current) == want, (f, current)
+
+
 def test_auto_policy_switch_cost_keeps_the_current_layout_for_small_gains():
     curves = {DP: BASE_CURVE, TP: SHIFT_CURVE}
     f = facts(2048)  # DP: 4.86 ms, TP: 8.0 ms
