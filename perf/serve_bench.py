@@ -217,7 +217,6 @@ def _spec(o: dict):
         output=_pair(o["output"], int), priority_frac=o["priority_frac"], rate_scale=o["rate_scale"])
 
 
-
 def policy_label(key: str, world: int, o: dict) -> str:
     a, b = o["pd_layouts"].split(",")
     return {"tp": f"static tp{world}", "dp": f"static dp{world}", "sp": f"static sp{world}",
@@ -315,26 +314,26 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
             PolicyRun(e, f"warm-up {key}", make_policy(key, e, o, None, None), warm, prompts, priorities=False,
                       progress_s=o["progress_s"], log=log).run()
         log("warm-up done")
+    def serve(name: str, pol, reqs: list, reqs_prompts: dict):
+        return PolicyRun(e, name, pol, reqs, reqs_prompts, priorities=o["priority_frac"] > 0,
+                         host_tier_tokens=o["host_tier_tokens"], fixed_step_s=o["fixed_step_s"],
+                         progress_s=o["progress_s"], log=log).run()
+
     results, labels, policies, saturated = [], [], [], []
     for key in keys:
         label = policy_label(key, world, o)
         pol = make_policy(key, e, o, curves, switch_s, decode_curves)
         policies.append(pol)
         log(f"policy {label}: {pol!r}")
-        run = PolicyRun(e, label, pol, requests, prompts, priorities=o["priority_frac"] > 0,
-                        host_tier_tokens=o["host_tier_tokens"], fixed_step_s=o["fixed_step_s"],
-                        progress_s=o["progress_s"], log=log)
-        results.append(run.run())
+        results.append(serve(label, pol, requests, prompts))
         labels.append(key)
         r = results[-1]
         log(f"policy {label}: done in {r.wall_s:.1f}s wall, {r.end:.2f}s on the clock; longest iteration "
             f"{r.max_step_s * 1e3:.1f} ms, {len(r.slow_steps)} over {SLOW_STEP_S * 1e3:.0f} ms, Triton compiles "
             f"{dict(r.compiles) or 0}")
         if flood:  # the same policy, fresh, on requests that all arrive at once
-            run = PolicyRun(e, f"{label} saturated", make_policy(key, e, o, curves, switch_s, decode_curves), flood,
-                            flood_prompts, priorities=o["priority_frac"] > 0, host_tier_tokens=o["host_tier_tokens"],
-                            fixed_step_s=o["fixed_step_s"], progress_s=o["progress_s"], log=log)
-            saturated.append(run.run())
+            saturated.append(serve(f"{label} saturated", make_policy(key, e, o, curves, switch_s, decode_curves),
+                                   flood, flood_prompts))
             log(f"policy {label}: {len(flood)} requests at once served in {saturated[-1].end:.2f}s on the clock")
     if rank != 0:
         return None

@@ -62,7 +62,7 @@ def summarize(res: RunResult, requests: list[Request], phases: list[Phase], peak
     out["output_tokens"] = sum(n for _, n in res.emitted)
     out["makespan_s"] = res.end
     out["throughput_tok_s"] = out["output_tokens"] / res.end if res.end > 0 else None
-    out["served"] = sum(1 for r in requests if r.rid in res.done_t and len(res.outputs.get(r.rid, ())) == r.output_len)
+    out["served"] = _served(res, requests)
     out["steps"] = dict(sorted(res.steps.items()))
     out["switches"] = dict(sorted(res.switches.items()))
     out["switches_total"] = sum(res.switches.values())
@@ -80,12 +80,16 @@ def summarize(res: RunResult, requests: list[Request], phases: list[Phase], peak
 def summarize_saturated(res: RunResult, requests: list[Request]) -> dict:
     """The saturated run's metrics: saturated_tok_s, and per layout its steps and switches."""
     toks = sum(n for _, n in res.emitted)
-    served = sum(1 for r in requests if r.rid in res.done_t and len(res.outputs.get(r.rid, ())) == r.output_len)
+    first = [res.first_t[r.rid] for r in requests if r.rid in res.first_t]  # arrivals at 0: TTFTs
     return {"saturated_tok_s": toks / res.end if res.end > 0 else None,
-            "saturated": {"requests": len(requests), "served": served, "output_tokens": toks, "makespan_s": res.end,
-                          "steps": dict(sorted(res.steps.items())), "switches": dict(sorted(res.switches.items())),
-                          "ttft_p50_ms": _ms(percentile([res.first_t[r.rid] for r in requests if r.rid in res.first_t],
-                                                        50))}}
+            "saturated": {"requests": len(requests), "served": _served(res, requests), "output_tokens": toks,
+                          "makespan_s": res.end, "steps": dict(sorted(res.steps.items())),
+                          "switches": dict(sorted(res.switches.items())), "ttft_p50_ms": _ms(percentile(first, 50))}}
+
+
+def _served(res: RunResult, requests: list[Request]) -> int:
+    """Requests finished with every output token."""
+    return sum(1 for r in requests if r.rid in res.done_t and len(res.outputs.get(r.rid, ())) == r.output_len)
 
 
 def print_table(rows: list[tuple[str, dict]], log=print) -> None:
