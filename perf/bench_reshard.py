@@ -275,7 +275,9 @@ def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefil
     dims = ModelDims(cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["intermediate"])
     seqs = list(range(cfg["seqs"]))
     per_seq_blocks = -(-cfg["tokens"] // cfg["block"])
-    blocks = -(-len(seqs) // W) * per_seq_blocks * cfg["kv_heads"] + cfg["kv_heads"]  # in 1-head blocks
+    # in 1-head blocks: a DP replica's sequences with every kv head, or every sequence with a TP rank's heads
+    blocks = max(-(-len(seqs) // W) * cfg["kv_heads"], len(seqs) * max(1, cfg["kv_heads"] // W)) * per_seq_blocks
+    blocks += cfg["kv_heads"]
     base = _pool(env, cfg, (0,), blocks, dtype)  # one pool, viewed per layout
     records = []
     for a, b in (("dp", "tp"), ("tp", "dp")):

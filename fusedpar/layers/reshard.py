@@ -6,19 +6,24 @@ gets proportionally more blocks, as Flying Serving scales block capacity with th
 new pool only when those bytes hold no block of the target's heads, and a larger one when the
 caller asks for more blocks than they hold).
 
-Data path, three device ops per layer group whatever the peers, sequences and kv heads. The row
-indices (row = slot * local_heads + head index of a [layer, rows, head_dim] view of the pool) are
-built on the device (fusedpar.kernels.kv_rows.paged_rows) from the sequences' block tables and one
-line per (sequence, head) piece, uploaded in one pinned copy, so the host never touches a token. The
-layers are then moved in groups (about _GROUP_BYTES of the plan's KV per rank each, at most
-_MAX_GROUPS; the same groups on every rank). Per group: one row gather (fusedpar.kernels.kv_rows,
-k and v in one launch) collects every row this rank sends, peers in group order and (sequence,
-head) pieces in plan order, then the kept pieces, into a row-major buffer [rows, group layers, 2
-(k | v), 1, head_dim], so that each peer's rows are one contiguous split; one asynchronous
-all_to_all_single exchanges them; two row scatters (received rows, kept rows) write them into
-fresh blocks of the target cache once the exchange is done, issued after the next group's gather,
-so that group g's exchange runs beside group g+1's gather and group g-1's scatters. A layer of the
-source pool is read before the first write to that layer of the target, so the target may
+Data path: per layer group, one gather, one exchange and one scatter, whatever the peers, sequences
+and kv heads. The row indices (row = slot * local_heads + head index of a [layer, rows, head_dim]
+view of the pool) are built on the device (fusedpar.kernels.kv_rows.paged_rows) from the sequences'
+block tables and one line per (sequence, head) piece, uploaded in one pinned copy per side, so the
+host never touches a token. The layers are moved in groups (about _GROUP_BYTES of the plan's KV per
+rank each, at most _MAX_GROUPS, the first and the last half the size of the others, whose gather and
+scatter nothing hides; the same groups on every rank). Each group has one row-major buffer [rows,
+group layers, 2 (k | v), 1, head_dim], so that each peer's rows are one contiguous split:
+
+    [ sent (peers in group order, pieces in plan order) | kept | received (sources in group order) ]
+
+one row gather (fusedpar.kernels.kv_rows, k and v in one launch) fills sent and kept, one
+asynchronous all_to_all_single fills received, and one row scatter writes kept and received into
+fresh blocks of the target cache once the exchange is done. The device starts before the host has
+planned the target: the send side's rows, then the first two groups' gathers and exchanges, are
+issued first; the target cache, its blocks and its rows are set up while they run. Group g's
+scatter is issued after group g + 1's gather, so that group g + 1's exchange runs beside it. A layer
+of the source pool is read before the first write to that layer of the target, so the target may
 reinterpret the source's memory (reinterpret keeps every layer in its own bytes). Collective over
 the world (global ranks): every rank calls it with the same plan; a plan without moves exchanges
 nothing.
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 import torch
 import torch.distributed as dist
@@ -125,7 +130,38 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
         if cache.seq_len(seq) != n:
             raise RuntimeError(f"rank {rank}: the cache holds {cache.seq_len(seq)} tokens of sequence {seq}, "
                                f"the migration says {n}")
-    # the target cache and its blocks (host work only: the pool's memory is untouched so far)
+    tokens = {seq: n for seq, (_, _, n) in sequences.items()}
+    device = cache.k.device
+    n_sent = [sum(tokens[seq] for seq, _ in chunk) for chunk in sends]
+    n_recv = [sum(tokens[seq] for seq, _ in chunk) for chunk in recvs]
+    n_keep = sum(tokens[seq] for seq, _ in keeps)
+    sent, rows = sum(n_sent), sum(n_sent) + n_keep + sum(n_recv)
+    per_token = 2 * layers * hd * cache.k.element_size()  # one (sequence, kv head) token, every layer
+    moved = sum(tokens[m.seq] for m in plan if m.src != m.dst) * per_token // len(group_ranks)
+    groups = _layer_groups(layers, moved)
+    flat = [t.view(layers, -1, hd) for t in (cache.k, cache.v)]
+    # device work first: the send side's rows, then the first groups' gathers and exchanges
+    gather_idx = _row_index([([*sends, keeps], {seq: cache.block_tables[seq] for chunk in (*sends, keeps)
+                                                for seq, _ in chunk}, h_src, src_index)], tokens, bs, device)[0]
+    received, issued = 0, []
+
+    def issue(l0: int, l1: int) -> None:
+        nonlocal received
+        buf = torch.empty((rows, l1 - l0, 2, 1, hd), dtype=cache.k.dtype, device=device)
+        move_kv_rows(flat[0][l0:l1], flat[1][l0:l1], gather_idx, buf[:sent + n_keep], scatter=False)
+        work = None
+        if plan:  # the same plan on every rank: all of them take part, or none
+            per_row = 2 * (l1 - l0)
+            work = dist.all_to_all_single(buf[sent + n_keep:].view(-1, hd), buf[:sent].view(-1, hd),
+                                          [per_row * n for n in n_recv], [per_row * n for n in n_sent],
+                                          group=pg, async_op=True)
+            received += sum(n_recv) * per_row * hd * buf.element_size()
+        issued.append((work, buf, l0, l1))
+
+    for l0, l1 in groups[:2]:
+        issue(l0, l1)
+    # the target cache and its blocks (host work, while the first exchanges run; the target's memory
+    # is written only by the scatters below)
     if cache.k.shape[1] * h_src < h_dst:  # the pool's memory holds no block of the target's heads
         target = PagedKVCache(num_layers=layers, kv_heads=target_heads, head_dim=hd, block_size=bs,
                               num_blocks=max(1, min_blocks), dtype=cache.k.dtype, device=cache.k.device)
@@ -146,63 +182,39 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
             target.reserve(StepBatch(tuple(s for s, _ in held), tuple(n for _, n in held), (0,) * len(held)))
         except RuntimeError as exc:  # out of blocks: raised after the exchange, which the peers wait for
             problem = f"rank {rank}: {exc}"
-
-    device = cache.k.device
-    tokens = {seq: n for seq, (_, _, n) in sequences.items()}
-    # rows: every send piece (peers in group order, then the kept pieces), every received piece (sources
-    # in group order), then the kept pieces again in the target
-    sides = [([*sends, keeps], {seq: cache.block_tables[seq] for chunk in (*sends, keeps) for seq, _ in chunk},
-              h_src, src_index)]
-    if problem is None:
-        sides.append(([*recvs, keeps], {seq: target.block_tables[seq] for seq, _ in held}, h_dst, dst_index))
-    index = _row_index(sides, tokens, bs, device)
-    send_idx = index[0]
-    send_n = [sum(sequences[seq][2] for seq, _ in chunk) for chunk in (*sends, keeps)]
-    recv_n = [sum(sequences[seq][2] for seq, _ in chunk) for chunk in recvs]
-    recv_idx = keep_idx = torch.empty(0, dtype=torch.int64, device=device)
-    if problem is None:
-        recv_idx, keep_idx = index[1].split([sum(recv_n), index[1].numel() - sum(recv_n)])
-    flat = [t.view(layers, -1, hd) for t in (cache.k, cache.v)]
+    scatter_idx = None
+    if problem is None:  # the target's rows of the buffers' tail: kept pieces, then received ones
+        scatter_idx = _row_index([([keeps, *recvs], {seq: target.block_tables[seq] for seq, _ in held}, h_dst,
+                                   dst_index)], tokens, bs, device)[0]
     tflat = [t.view(layers, -1, hd) for t in (target.k, target.v)]
-    per_token = 2 * layers * hd * cache.k.element_size()  # one (sequence, kv head) token, every layer
-    moved = sum(sequences[m.seq][2] for m in plan if m.src != m.dst) * per_token // len(group_ranks)
-    received, pending = 0, None
-    for l0, l1 in _layer_groups(layers, moved):  # the same groups on every rank: one exchange each
-        lg = l1 - l0
-        # gather: row-major [rows, lg, 2, 1, hd], so that each peer's rows (then the kept ones) are contiguous
-        send = torch.empty((send_idx.numel(), lg, 2, 1, hd), dtype=cache.k.dtype, device=device)
-        move_kv_rows(flat[0][l0:l1], flat[1][l0:l1], send_idx, send, scatter=False)
-        recv = torch.empty((sum(recv_n), lg, 2, 1, hd), dtype=cache.k.dtype, device=device)
-        work = None
-        if plan:  # the same plan on every rank: all of them take part, or none
-            work = dist.all_to_all_single(recv.view(-1, hd), send[:sum(send_n[:-1])].view(-1, hd),
-                                          [2 * lg * n for n in recv_n], [2 * lg * n for n in send_n[:-1]],
-                                          group=pg, async_op=True)
-        received += recv.numel() * recv.element_size()
-        if pending is not None:  # the previous group's scatters run while this group's exchange does
-            _scatter(*pending, tflat, recv_idx, keep_idx, problem is None)
-        pending = (work, recv, send[sum(send_n[:-1]):], l0, l1)
-    if pending is not None:
-        _scatter(*pending, tflat, recv_idx, keep_idx, problem is None)
+    for l0, l1 in groups[2:]:
+        issue(l0, l1)  # group g's gather and exchange, then group g - 2's scatter
+        _scatter(issued.pop(0), tflat, scatter_idx, sent)
+    while issued:
+        _scatter(issued.pop(0), tflat, scatter_idx, sent)
     if problem is not None:
         raise RuntimeError(problem)
     return target, received
 
 
 def _layer_groups(layers: int, nbytes: int) -> list[tuple[int, int]]:
-    """[l0, l1) ranges of consecutive layers, about _GROUP_BYTES of nbytes each (at most _MAX_GROUPS,
-    at least one layer): the migration pipelines its gathers, exchanges and scatters over them."""
+    """[l0, l1) ranges of consecutive layers, about _GROUP_BYTES of nbytes each (at most _MAX_GROUPS, at
+    least one layer), the first and the last of three or more groups half the size of the others: the
+    migration pipelines its gathers, exchanges and scatters over them, and only the first gather and
+    the last scatter run beside no exchange."""
     g = max(1, min(layers, _MAX_GROUPS, nbytes // _GROUP_BYTES))
-    bounds = [layers * i // g for i in range(g + 1)]
+    weights = [1] + [2] * (g - 2) + [1] if g > 2 else [1] * g
+    bounds = [0]
+    for i, upto in enumerate(accumulate(weights), 1):  # at least one layer per group, the rest after it
+        bounds.append(max(bounds[-1] + 1, min(layers - (g - i), round(layers * upto / sum(weights)))))
     return list(pairwise(bounds))
 
 
-def _scatter(work, recv: torch.Tensor, kept: torch.Tensor, l0: int, l1: int, tflat: list[torch.Tensor],
-             recv_idx: torch.Tensor, keep_idx: torch.Tensor, write: bool) -> None:
-    """Wait for one layer group's exchange, then write what it received and the kept rows into layers
-    [l0, l1) of the target's fresh blocks (write=False: only wait)."""
+def _scatter(group: tuple, tflat: list[torch.Tensor], idx: torch.Tensor | None, sent: int) -> None:
+    """Wait for one layer group's exchange, then write the buffer's kept and received rows into layers
+    [l0, l1) of the target's fresh blocks (idx None: only wait)."""
+    work, buf, l0, l1 = group
     if work is not None:
         work.wait()
-    if write:
-        move_kv_rows(tflat[0][l0:l1], tflat[1][l0:l1], recv_idx, recv, scatter=True)
-        move_kv_rows(tflat[0][l0:l1], tflat[1][l0:l1], keep_idx, kept, scatter=True)
+    if idx is not None:
+        move_kv_rows(tflat[0][l0:l1], tflat[1][l0:l1], idx, buf[sent:], scatter=True)

@@ -296,6 +296,62 @@ def test_gpu_decode_graphs_stock_baseline_and_rope_tables(nccl_world):
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
 
 
+@pytest.mark.gpu
+def test_gpu_decode_graphs_of_hundreds_of_sequences_match_eager(nccl_world):
+    """TP = world, decode graphs of 96 and 256 sequences (a serving engine's resident batches): steps of
+    90 and 200 sequences (padded), 256 (exact) and 256 again one token later, each vs the fp64 oracle and
+    vs the same stack run eagerly on a second cache, the graphs' outputs poisoned before every replay."""
+    from fusedpar.collectives import ParallelContext
+    from fusedpar.layers import DenseDecoderStack, ShiftParallelStack, ShiftPolicy, random_decoder_weights
+    from fusedpar.layouts import ParallelLayout
+    from fusedpar.testing.gpu import all_ranks_ok
+    from fusedpar.testing.scenarios import rel_error
+
+    rank, world = nccl_world
+    cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=2048,
+                        rope_theta=1e6)
+    dtype, layers, n_seqs = torch.bfloat16, 2, 256
+    ctx = ParallelContext(ParallelLayout(world, tp=world))
+    dev = ctx.device
+    full = [random_decoder_weights(cfg, seed=40 + i, dtype=torch.float64, device=dev) for i in range(layers)]
+    stack = ShiftParallelStack.from_full_weights(cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full],
+                                                 ShiftPolicy(64))
+    stack.enable_fused(max_tokens=512)
+    oracle = DenseDecoderStack(cfg, full)
+    eager_cache, graph_cache = (stack.make_cache(block_size=16, num_blocks=2 * n_seqs + 8, dtype=dtype)
+                                for _ in range(2))
+    gen = torch.Generator().manual_seed(11)
+    lengths = {s: 1 + (7 * s) % 19 for s in range(n_seqs)}  # 1..19 tokens: some decodes cross a block
+    errors = []
+
+    def step(batch, label, graphs=None):
+        x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=gen, dtype=torch.float64).to(dev)
+        for st in (graphs._steps.values() if graphs is not None else ()):
+            st.out.fill_(float("nan"))
+        y_graph = stack(x.to(dtype), batch, graph_cache)
+        y_eager = stack(x.to(dtype), batch, eager_cache)
+        e_oracle, e_eager = rel_error(y_graph, oracle.forward(x, batch)), rel_error(y_graph, y_eager)
+        if not (e_oracle < REL_TOL[dtype] and e_eager < REL_TOL[dtype]):
+            errors.append(f"{label}: vs oracle {e_oracle:.3g}, vs eager {e_eager:.3g}")
+
+    seqs = sorted(lengths)
+    for i in range(0, n_seqs, 32):  # prompts, eager, at most 512 tokens a step
+        part = seqs[i:i + 32]
+        step(StepBatch(tuple(part), tuple(lengths[s] for s in part), (0,) * len(part)), f"prefill {i}")
+    graphs = stack.capture_decode_graphs(graph_cache, max_context=64, sizes=(96, 256))
+    before = stack.graph_steps
+    plan = [seqs[:90], seqs[::-1][:200], seqs, seqs]
+    for i, part in enumerate(plan):
+        step(StepBatch(tuple(part), (1,) * len(part), tuple(lengths[s] for s in part)), f"decode {i} "
+             f"({len(part)} sequences)", graphs)
+        for s in part:
+            lengths[s] += 1
+    if stack.graph_steps - before != len(plan):
+        errors.append(f"graph steps {stack.graph_steps - before}, expected {len(plan)}")
+    errors += _final_checks(rank, stack, graph_cache, eager_cache, lengths, layers, dtype)
+    assert all_ranks_ok(not errors), "\n".join(errors[:8])
+
+
 def _gpu_rebind_check(rank, world, cfg, sp, tp):
     """Decode graphs captured on one cache replay on another cache object over the same memory, seen
     the same way (the pool reinterpreted to other heads and back, as a layout switch and its return

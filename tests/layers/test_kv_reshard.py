@@ -180,7 +180,7 @@ def test_migrate_kv_matches_a_fresh_fill_on_random_values(world, kv_heads, group
     reinterprets the source's bytes) or a grown pool: every target sequence's values, block tables and
     free count are those of a fresh pool filled in sequence order; received bytes are the plan's; SP x TP
     splits of one replica size move nothing; kv-head replication (4 ranks, 2 kv heads) included; the
-    layers in one exchange, one per layer, or in two uneven groups (layers 0 | 1-2)."""
+    layers in one exchange, one per layer, or in two uneven groups (layers 0-1 | 2)."""
     res = run_distributed(_rand_worker, world, kv_heads, groups, timeout=300)
     for rank, out in enumerate(res):
         for r in out:
@@ -197,7 +197,8 @@ def test_layer_groups_cover_every_layer_once():
     from fusedpar.layers.reshard import _GROUP_BYTES, _MAX_GROUPS, _layer_groups
 
     assert _layer_groups(32, 0) == [(0, 32)]
-    assert _layer_groups(32, 3 * _GROUP_BYTES) == [(0, 10), (10, 21), (21, 32)]
+    assert _layer_groups(32, 3 * _GROUP_BYTES) == [(0, 8), (8, 24), (24, 32)]  # the outer groups half size
+    assert _layer_groups(32, 100 * _GROUP_BYTES) == [(0, 5), (5, 16), (16, 27), (27, 32)]
     assert len(_layer_groups(32, 100 * _GROUP_BYTES)) == _MAX_GROUPS
     assert _layer_groups(3, 100 * _GROUP_BYTES) == [(0, 1), (1, 2), (2, 3)]
     for layers in (1, 5, 31):
