@@ -12,7 +12,10 @@ W = world size, SP = (sp=W), TP = (tp=W), DP = (dp=W, one GPU per replica). Live
                    held (weight_plan's pieces, planned beforehand, fetched point to point over NCCL).
                    Both: wall time (device synchronised at both ends), with host_ms (until the call
                    returns) and device_ms (CUDA events) beside. No floor: roofline_pct null.
-  reshard_kv       migrate_kv of the live sequences' KV, DP <-> TP. baseline = NCCL all_to_all_single
+  reshard_kv       migrate_kv of the live sequences' KV, DP <-> TP, on CUDA through a symmetric staging
+                   holding the busiest receiver's KV (exchange "push": rows stored straight from the
+                   sender's pool into the receiver's staging; all_to_all_path_ms: the same migration
+                   through NCCL's all-to-all, the path without a staging). baseline = NCCL all_to_all_single
                    moving as many bytes into each rank as the migration's busiest receiver gets, timed
                    in the same run; roofline = those bytes at the NCCL all-to-all bus bandwidth of a
                    256 MiB message (measured here) over the migration time. A second record per case
@@ -49,6 +52,7 @@ Without CUDA or torchrun (and without --smoke) it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -268,6 +272,7 @@ def _fill(cache, cfg, seqs, dtype, env):
 
 
 def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefill: bool) -> list[dict]:
+    from fusedpar.collectives.symmetric import SymmetricWorkspace
     from fusedpar.layers.reshard import migrate_kv
     from fusedpar.layouts import ModelDims, kv_plan
 
@@ -279,11 +284,18 @@ def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefil
     blocks = max(-(-len(seqs) // W) * cfg["kv_heads"], len(seqs) * max(1, cfg["kv_heads"] // W)) * per_seq_blocks
     blocks += cfg["kv_heads"]
     base = _pool(env, cfg, (0,), blocks, dtype)  # one pool, viewed per layout
+    plans = {}
+    for a, b in (("dp", "tp"), ("tp", "dp")):
+        rep = {s: (s % lays[a].dp, s % lays[b].dp) for s in seqs}
+        plans[a, b] = rep, kv_plan(lays[a], lays[b], dims, rep)
+    # the staging the library's migration pushes through: the busiest receiver's KV of every layer
+    per_token = 2 * cfg["layers"] * cfg["head_dim"] * torch.finfo(dtype).bits // 8
+    most = max(sum(cfg["tokens"] for m in plan if m.dst == r) for _, plan in plans.values() for r in range(W))
+    staging = SymmetricWorkspace(dist.group.WORLD, most * per_token) if env.cuda else None
     records = []
     for a, b in (("dp", "tp"), ("tp", "dp")):
         src, dst = lays[a], lays[b]
-        rep = {s: (s % src.dp, s % dst.dp) for s in seqs}
-        plan = kv_plan(src, dst, dims, rep)
+        rep, plan = plans[a, b]
         heads = src.head_placement(dims.num_q_heads, dims.num_kv_heads).kv_heads(env.rank, "base")
         target_heads = dst.head_placement(dims.num_q_heads, dims.num_kv_heads).kv_heads(env.rank, "base")
         sequences = {s: (src.coords(env.rank).dp == rep[s][0], dst.coords(env.rank).dp == rep[s][1], cfg["tokens"])
@@ -295,10 +307,12 @@ def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefil
             _fill(cache, cfg, [s for s in seqs if src.coords(env.rank).dp == rep[s][0]], dtype, env)
             state["cache"] = cache
 
-        def fn(plan=plan, target_heads=target_heads, sequences=sequences, state=state):
-            state["new"], state["received"] = migrate_kv(state["cache"], env.rank, plan, target_heads, sequences)
+        def fn(plan=plan, target_heads=target_heads, sequences=sequences, state=state, staging=staging):
+            state["new"], state["received"] = migrate_kv(state["cache"], env.rank, plan, target_heads, sequences,
+                                                         staging=staging)
 
         t = env.time(fn, setup)
+        via_a2a = env.time(functools.partial(fn, staging=None), setup)["wall"] if staging is not None else None
         setup()
         split, host_split = op_split_ms(env, fn)
         # check (no assert: a benchmark reports): the migrated KV is the sequences' values
@@ -319,7 +333,8 @@ def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefil
                "fused_ms": t["wall"], "speedup": a2a["wall"] / t["wall"], "roofline_pct": 100.0 * floor_ms / t["wall"],
                "bytes": received, "gbps": received / (t["wall"] * 1e-3) / 1e9,
                "a2a_gbps": received / (a2a["wall"] * 1e-3) / 1e9, "host_ms": t["host"], "device_ms": t["device"],
-               "op_split_ms": split, "host_split_ms": host_split,
+               "op_split_ms": split, "host_split_ms": host_split, "exchange": "push" if staging else "all_to_all",
+               "all_to_all_path_ms": via_a2a,
                "values_ok": bool(env.max(0.0 if ok else 1.0) == 0.0)}
         records.append(rec)
         if prefill:

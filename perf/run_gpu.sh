@@ -4,7 +4,7 @@
 #                                              qkv_all_to_all all_to_all_o_proj layer model demo profile host_cost
 #                                              tune_gemm qkv_sweep pdl_probe qkv_stores launch hf_decode
 #                                              hf_probe vllm_tests vllm reshard serve nccl_timeouts kv_gather
-#                                              migrate_probe
+#                                              migrate_probe peer_copy
 #                                              (default: all but profile, host_cost, the sweeps and probes;
 #                                              those run the tools in perf/tools/)
 # MODEL_ARGS / LAYER_ARGS / ATTN_ARGS / GAR_ARGS / PROFILE_ARGS pass extra arguments to perf/model_bench.py /
@@ -85,6 +85,8 @@ for item in "${ITEMS[@]}"; do
     # KV migration's gathers / scatters: torch index ops vs a flat index vs Triton, beside a plain copy (one GPU)
     kv_gather) run timeout 120 python3 perf/tools/probe_kv_gather.py ${KV_GATHER_ARGS:-} ;;
     # KV migration time per number of layer groups, and its host-side ops (printed)
+    # copy-engine pulls from symmetric memory vs NCCL all-to-all, alone and beside row moves
+    peer_copy) run timeout "${PEER_COPY_TIMEOUT:-180}" "${TRUN[@]}" perf/tools/probe_peer_copy.py ${PEER_COPY_ARGS:-} ;;
     migrate_probe) run timeout "${MIGRATE_TIMEOUT:-240}" "${TRUN[@]}" perf/tools/probe_migrate.py ${MIGRATE_ARGS:-} ;;
     gemm) run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json" ;;
     one_shot) run timeout 120 "${TRUN[@]}" perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json" ;;

@@ -288,14 +288,19 @@ class SymmetricWorkspace:
         """This rank's data buffer as a typed 1-D tensor (see PeerTable.view)."""
         return self.table.view(dtype, numel, byte_offset)
 
-    def barrier(self) -> None:
+    def barrier(self, timeout_ms: int = 0) -> None:
         """Device barrier across the group on the current stream (torch's signal pad, channel 0).
 
         Stream-ordered, not a host barrier: work queued after it on this stream starts only when
         every rank's stream reached it. Our kernels do not use torch's pad, so it never races
-        with their epoch flags.
+        with their epoch flags. timeout_ms > 0: a rank whose peers do not arrive within it traps
+        (a CUDA error that ends the process) instead of waiting forever.
         """
-        self.handle.barrier(channel=0)
+        self.handle.barrier(channel=0, timeout_ms=timeout_ms)
+
+    def peer_addresses(self) -> list[int]:
+        """Every rank's data buffer address (host ints, group order): what a kernel storing to peers needs."""
+        return [int(p) + self.flag_bytes for p in self.handle.buffer_ptrs]
 
     def __repr__(self) -> str:
         return (

@@ -16,6 +16,11 @@ One program per (BLOCK_R rows, layer, k | v) loads its row indices once and copi
 rows. torch's index_select / index_copy_ along dim 1 do the same at about half the bandwidth
 (their index kernels address element by element): perf/tools/probe_kv_gather.py.
 
+push_kv_rows is the gather of a migration that exchanges through peer-addressable memory (a
+symmetric staging buffer per rank): row i of idx goes to destination p, the one with bounds[p] <= i <
+bounds[p + 1], as row offs[p] + i - bounds[p] of p's buffer [rows, layers, 2 (k | v), 1, head_dim] at
+address ptrs[p] (a peer's staging over NVLink, or a local buffer), in one launch for every destination.
+
 The row indices themselves come from the sequences' block tables (paged_rows): for piece p (one
 kv head of one sequence) and its token t,
 
@@ -23,8 +28,9 @@ kv head of one sequence) and its token t,
 
 so that a migration uploads block tables and one line per piece, never a row per token.
 
-_move_rows_kernel (@triton.jit) -> move_kv_rows, _paged_rows_kernel -> paged_rows (checks, strides,
-grid; the torch ops where Triton cannot run: CPU tensors without TRITON_INTERPRET=1).
+_move_rows_kernel (@triton.jit) -> move_kv_rows, _push_rows_kernel -> push_kv_rows, _paged_rows_kernel ->
+paged_rows (checks, strides, grid; the torch ops where Triton cannot run: CPU tensors without
+TRITON_INTERPRET=1; push_kv_rows needs Triton, its destinations being raw addresses).
 """
 
 from __future__ import annotations
@@ -70,6 +76,35 @@ def _move_rows_kernel(k_pool_ptr, v_pool_ptr, idx_ptr, chunk_ptr, n, stride_pool
         tl.store(pool, tl.load(chunk, mask=moved), mask=moved)
     else:
         tl.store(chunk, tl.load(pool, mask=moved, other=0), mask=in_range[:, None] & cmask)
+
+
+@triton.jit(do_not_specialize=["n", "idx_ptr", "meta_ptr"])
+def _push_rows_kernel(k_pool_ptr, v_pool_ptr, idx_ptr, meta_ptr, n, stride_pool_layer, row_elems,
+                      HD: tl.constexpr, HD_P2: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    """Program (row block, layer, kv): rows idx[rb * BLOCK_R ...] of one layer of k (kv 0) or v, each to
+    its destination. meta: ptrs [WORLD] | bounds [WORLD + 1] | offs [WORLD] (int64)."""
+    rb = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    kv = tl.program_id(2).to(tl.int64)
+    rows = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, HD_P2)
+    in_range = rows < n
+    idx = tl.load(idx_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+    peers = tl.arange(0, WORLD_P2)
+    upper = tl.load(meta_ptr + WORLD + 1 + peers, mask=peers < WORLD - 1, other=n)  # bounds[1 .. WORLD - 1]
+    dest = tl.sum((rows[:, None] >= upper[None, :]).to(tl.int32), axis=1)
+    start = tl.load(meta_ptr + WORLD + dest)
+    drow = tl.load(meta_ptr + 2 * WORLD + 1 + dest) + rows - start
+    base = tl.load(meta_ptr + dest).to(tl.pointer_type(k_pool_ptr.dtype.element_ty))
+    moved = (in_range & (idx >= 0))[:, None] & (cols < HD)[None, :]
+    pool_off = layer * stride_pool_layer + tl.maximum(idx, 0)[:, None] * HD + cols[None, :]
+    if kv == 0:  # noqa: SIM108 (a runtime scalar: Triton takes an if, not a ternary)
+        pool = k_pool_ptr + pool_off
+    else:
+        pool = v_pool_ptr + pool_off
+    dst = base[:, None] + (drow * row_elems + (layer * 2 + kv) * HD)[:, None] + cols[None, :]
+    tl.store(dst, tl.load(pool, mask=moved), mask=moved)
 
 
 @triton.jit(do_not_specialize=["table_ptr", "pieces_ptr", "width"])  # slices of one upload, at any offset
@@ -192,6 +227,55 @@ def move_kv_rows_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torc
             rows[j].copy_(part.view(rows[j].shape))
 
 
+def push_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor, meta: torch.Tensor, *,
+                 world: int) -> None:
+    """Row idx[i] of k_pool / v_pool [layers, rows, head_dim] -> row offs[p] + i - bounds[p] of the buffer
+    [rows, layers, 2 (k | v), 1, head_dim] at address ptrs[p], p the destination with bounds[p] <= i <
+    bounds[p + 1] (the pool view's layers are the buffer's). meta: int64 [3 * world + 1] on the pool's
+    device, ptrs | bounds (bounds[0] = 0, bounds[world] = n) | offs. The addresses are not checked: each
+    must hold its rows (a peer's symmetric buffer, or a local tensor kept alive until the launch is
+    done). idx < 0: nothing moved."""
+    problems = []
+    if k_pool.dim() != 3 or v_pool.shape != k_pool.shape or k_pool.stride() != v_pool.stride() \
+            or k_pool.stride(2) != 1 or k_pool.stride(1) != k_pool.shape[2]:
+        problems.append(f"k_pool / v_pool must be one [layers, rows, head_dim] shape with contiguous rows, got "
+                        f"{tuple(k_pool.shape)} {k_pool.stride()} / {tuple(v_pool.shape)} {v_pool.stride()}")
+    if idx.dim() != 1 or idx.dtype != torch.int64:
+        problems.append(f"idx must be int64 [n], got {idx.dtype} {tuple(idx.shape)}")
+    if meta.dtype != torch.int64 or tuple(meta.shape) != (3 * world + 1,) or not meta.is_contiguous():
+        problems.append(f"meta must be contiguous int64 [{3 * world + 1}] (ptrs, bounds, offs of {world} "
+                        f"destinations), got {meta.dtype} {tuple(meta.shape)}")
+    if len({t.device for t in (k_pool, v_pool, idx, meta)}) != 1:
+        problems.append(f"tensors on several devices: {[str(t.device) for t in (k_pool, v_pool, idx, meta)]}")
+    if k_pool.device.type == "cpu" and not INTERPRETED:
+        problems.append("a CPU pool needs TRITON_INTERPRET=1 (the addresses are raw pointers)")
+    if problems:
+        raise ValueError("fusedpar.push_kv_rows: " + "; ".join(problems))
+    n = idx.numel()
+    if n == 0:
+        return
+    layers, _, hd = k_pool.shape
+    grid = (cdiv(n, BLOCK_R), layers, 2)
+    args = (k_pool, v_pool, idx, meta, n, k_pool.stride(0), layers * 2 * hd)
+    kw = {"HD": hd, "HD_P2": next_pow2(hd), "WORLD": world, "WORLD_P2": next_pow2(max(world, 2)), "BLOCK_R": BLOCK_R}
+    if k_pool.device.type == "cuda":
+        with torch.cuda.device(k_pool.device):
+            _push_rows_kernel[grid](*args, **kw)
+    else:
+        _push_rows_kernel[grid](*args, **kw)
+
+
+def push_kv_rows_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor,
+                           outs: list[torch.Tensor], bounds: list[int], offs: list[int]) -> None:
+    """The meaning of push_kv_rows with the destinations as tensors outs[p] [rows, layers, 2, 1, head_dim]
+    (tests)."""
+    for p, out in enumerate(outs):
+        for i in range(bounds[p], bounds[p + 1]):
+            if int(idx[i]) >= 0:
+                out[offs[p] + i - bounds[p], :, 0, 0] = k_pool[:, int(idx[i])]
+                out[offs[p] + i - bounds[p], :, 1, 0] = v_pool[:, int(idx[i])]
+
+
 def paged_rows(table: torch.Tensor, pieces: torch.Tensor, rows: torch.Tensor, *, block_size: int, heads: int,
                max_tokens: int) -> None:
     """rows[start_p + t] = (table[trow_p, t // block_size] * block_size + t % block_size) * heads + head_p
@@ -240,4 +324,5 @@ def paged_rows_reference(table, pieces, rows, *, block_size: int, heads: int) ->
             rows[start + t] = (int(table[trow, t // block_size]) * block_size + t % block_size) * heads + head
 
 
-__all__ = ["BLOCK_R", "BLOCK_T", "move_kv_rows", "move_kv_rows_reference", "paged_rows", "paged_rows_reference"]
+__all__ = ["BLOCK_R", "BLOCK_T", "move_kv_rows", "move_kv_rows_reference", "paged_rows", "paged_rows_reference",
+           "push_kv_rows", "push_kv_rows_reference"]

@@ -38,7 +38,9 @@ from itertools import accumulate, pairwise
 import torch
 import torch.distributed as dist
 
-from fusedpar.kernels.kv_rows import move_kv_rows, paged_rows
+from fusedpar.collectives.context import world_timeout
+from fusedpar.collectives.symmetric import SymmetricWorkspace
+from fusedpar.kernels.kv_rows import move_kv_rows, paged_rows, push_kv_rows
 from fusedpar.layers.kv_cache import PagedKVCache, upload
 from fusedpar.layers.policy import StepBatch
 from fusedpar.layouts.reshard import KVMove
@@ -49,14 +51,16 @@ _MAX_GROUPS = 4
 
 
 def _row_index(sides: list[tuple[list[list[tuple[int, int]]], Mapping[int, list[int]], int, Mapping[int, int]]],
-               tokens: Mapping[int, int], block_size: int, device: torch.device) -> list[torch.Tensor]:
+               tokens: Mapping[int, int], block_size: int, device: torch.device,
+               extra: list[int] | None = None) -> list[torch.Tensor]:
     """Per side (chunks of (seq, head) pieces, the sequences' block tables, local kv heads, head -> local
     index): one tensor of the rows of a [layer, blocks * block_size * heads, head_dim] pool view holding
     every piece's tokens (row = slot * heads + index_of[head], slot from the block table), chunks
     in order, pieces in chunk order, tokens in position order, on `device`. One pinned upload of the
     block tables and one line per piece for all sides, then one fusedpar.kernels.kv_rows.paged_rows
-    launch per side: the host never touches a token."""
-    host: list[int] = []
+    launch per side: the host never touches a token. extra: more int64 values for the device, uploaded
+    in the same copy and returned after the sides' tensors."""
+    host: list[int] = list(extra or ())
     launches = []
     total = 0
     for chunks, tables, heads, index_of in sides:
@@ -82,12 +86,12 @@ def _row_index(sides: list[tuple[list[list[tuple[int, int]]], Mapping[int, list[
         paged_rows(flat[t_off:t_off + n_seqs * width].view(n_seqs, width), flat[p_off:p_off + 4 * n_pieces].view(-1, 4),
                    rows, block_size=block_size, heads=heads, max_tokens=longest)
         out.append(rows[first:end])
-    return out
+    return out if extra is None else [*out, flat[:len(extra)]]
 
 
 def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads: tuple[int, ...],
                sequences: Mapping[int, tuple[bool, bool, int]], pg: dist.ProcessGroup | None = None,
-               min_blocks: int = 0) -> tuple[PagedKVCache, int]:
+               min_blocks: int = 0, staging: SymmetricWorkspace | None = None) -> tuple[PagedKVCache, int]:
     """(this rank's cache for the target layout, KV bytes it received from peers).
 
     cache: this rank's cache in the source layout (its kv_heads: the source placement's); its
@@ -101,6 +105,9 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
         sequences are written: a rank caching more heads per token than before (or more sequences)
         may need more than the reinterpreted memory holds; callers that want identical pools on
         every rank pass one agreed value.
+    staging: peer-addressable memory over the same ranks (fusedpar.collectives.SymmetricWorkspace, built
+        once by the caller): the rows go straight from each sender's pool into their receiver's staging
+        (push_kv_rows, NVLink stores) instead of through an all-to-all. None: the all-to-all.
     """
     target_heads = tuple(target_heads)
     layers, _, bs, h_src, hd = cache.k.shape
@@ -131,6 +138,9 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
             raise RuntimeError(f"rank {rank}: the cache holds {cache.seq_len(seq)} tokens of sequence {seq}, "
                                f"the migration says {n}")
     tokens = {seq: n for seq, (_, _, n) in sequences.items()}
+    if staging is not None and plan:
+        return _migrate_by_push(cache, rank, plan, target_heads, sequences, min_blocks, staging, group_ranks,
+                                (sends, recvs, keeps), tokens)
     device = cache.k.device
     n_sent = [sum(tokens[seq] for seq, _ in chunk) for chunk in sends]
     n_recv = [sum(tokens[seq] for seq, _ in chunk) for chunk in recvs]
@@ -160,28 +170,8 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
 
     for l0, l1 in groups[:2]:
         issue(l0, l1)
-    # the target cache and its blocks (host work, while the first exchanges run; the target's memory
-    # is written only by the scatters below)
-    if cache.k.shape[1] * h_src < h_dst:  # the pool's memory holds no block of the target's heads
-        target = PagedKVCache(num_layers=layers, kv_heads=target_heads, head_dim=hd, block_size=bs,
-                              num_blocks=max(1, min_blocks), dtype=cache.k.dtype, device=cache.k.device)
-    else:
-        target = cache.reinterpret(target_heads)
-    if min_blocks > target.num_blocks:
-        target.grow(min_blocks)
-    held = sorted((seq, n) for seq, (_, there, n) in sequences.items() if there and n > 0)
-    problem = None
-    have = {(seq, h) for seq, h in keeps} | {p for chunk in recvs for p in chunk}
-    missing = [(seq, [h for h in target_heads if (seq, h) not in have]) for seq, _ in held]
-    missing = [(seq, hs) for seq, hs in missing if hs]
-    if missing:
-        seq, hs = missing[0]
-        problem = f"rank {rank}: the plan brings no KV of sequence {seq}, kv heads {hs}"
-    if held and problem is None:
-        try:
-            target.reserve(StepBatch(tuple(s for s, _ in held), tuple(n for _, n in held), (0,) * len(held)))
-        except RuntimeError as exc:  # out of blocks: raised after the exchange, which the peers wait for
-            problem = f"rank {rank}: {exc}"
+    # the target (host work, while the first exchanges run; its memory is written only by the scatters)
+    target, held, problem = _target(cache, rank, target_heads, sequences, min_blocks, keeps, recvs)
     scatter_idx = None
     if problem is None:  # the target's rows of the buffers' tail: kept pieces, then received ones
         scatter_idx = _row_index([([keeps, *recvs], {seq: target.block_tables[seq] for seq, _ in held}, h_dst,
@@ -195,6 +185,122 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
     if problem is not None:
         raise RuntimeError(problem)
     return target, received
+
+
+def _target(cache: PagedKVCache, rank: int, target_heads: tuple[int, ...],
+            sequences: Mapping[int, tuple[bool, bool, int]], min_blocks: int, keeps: list[tuple[int, int]],
+            recvs: list[list[tuple[int, int]]]) -> tuple[PagedKVCache, list[tuple[int, int]], str | None]:
+    """(the target cache with the held sequences' blocks reserved, (seq, tokens) it holds, the problem
+    that makes it unusable or None). Host work only: the pool's memory is untouched."""
+    layers, _, bs, h_src, hd = cache.k.shape
+    if cache.k.shape[1] * h_src < len(target_heads):  # the pool's memory holds no block of the target's heads
+        target = PagedKVCache(num_layers=layers, kv_heads=target_heads, head_dim=hd, block_size=bs,
+                              num_blocks=max(1, min_blocks), dtype=cache.k.dtype, device=cache.k.device)
+    else:
+        target = cache.reinterpret(target_heads)
+    if min_blocks > target.num_blocks:
+        target.grow(min_blocks)
+    held = sorted((seq, n) for seq, (_, there, n) in sequences.items() if there and n > 0)
+    have = {(seq, h) for seq, h in keeps} | {p for chunk in recvs for p in chunk}
+    missing = [(seq, [h for h in target_heads if (seq, h) not in have]) for seq, _ in held]
+    missing = [(seq, hs) for seq, hs in missing if hs]
+    if missing:
+        seq, hs = missing[0]
+        return target, held, f"rank {rank}: the plan brings no KV of sequence {seq}, kv heads {hs}"
+    if held:
+        try:
+            target.reserve(StepBatch(tuple(s for s, _ in held), tuple(n for _, n in held), (0,) * len(held)))
+        except RuntimeError as exc:  # out of blocks: raised after the exchange, which the peers wait for
+            return target, held, f"rank {rank}: {exc}"
+    return target, held, None
+
+
+def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads: tuple[int, ...],
+                     sequences: Mapping[int, tuple[bool, bool, int]], min_blocks: int, staging: SymmetricWorkspace,
+                     group_ranks: list[int], pieces: tuple, tokens: Mapping[int, int]) -> tuple[PagedKVCache, int]:
+    """migrate_kv through `staging` (module docstring): per layer group one push, one device barrier and
+    two scatters."""
+    sends, recvs, keeps = pieces
+    layers, _, bs, h_src, hd = cache.k.shape
+    world, me = len(group_ranks), group_ranks.index(rank)
+    if tuple(staging.ranks) != tuple(group_ranks):
+        raise ValueError(f"migrate_kv: the staging spans ranks {list(staging.ranks)}, the migration "
+                         f"{group_ranks}")
+    place = {r: i for i, r in enumerate(group_ranks)}
+    counts = [[0] * world for _ in range(world)]  # counts[q][p]: rows q sends p, the same on every rank
+    for m in plan:
+        if m.src != m.dst:
+            counts[place[m.src]][place[m.dst]] += tokens[m.seq]
+    elt = cache.k.element_size()
+    per_layer = max(sum(c[p] for c in counts) for p in range(world)) * 2 * hd * elt  # the busiest receiver
+    groups = _push_groups(layers, per_layer, staging.buffer_bytes)
+    if groups is None:
+        raise ValueError(f"migrate_kv: the staging's {staging.buffer_bytes} bytes per rank hold no layer of the "
+                         f"busiest receiver's KV ({per_layer} bytes per layer; two layers' worth to pipeline)")
+    halves = [0] if len(groups) == 1 else [0, staging.buffer_bytes // 2 // 256 * 256]
+    n_keep = sum(tokens[seq] for seq, _ in keeps)
+    keep_buf = torch.empty(n_keep * layers * 2 * hd, dtype=cache.k.dtype, device=cache.k.device)
+    # push order: destination after destination, this rank's own slot holding the kept pieces
+    chunks = [keeps if p == me else sends[p] for p in range(world)]
+    bounds = list(accumulate((sum(tokens[seq] for seq, _ in c) for c in chunks), initial=0))
+    offs = [0 if p == me else sum(counts[q][p] for q in range(me)) for p in range(world)]
+    addrs = staging.peer_addresses()
+    meta = []
+    for g, (l0, _) in enumerate(groups):
+        half = halves[g % len(halves)]
+        ptrs = [keep_buf.data_ptr() + n_keep * l0 * 2 * hd * elt if p == me else addrs[p] + half
+                for p in range(world)]
+        meta += [*ptrs, *bounds, *offs]
+    tables = {seq: cache.block_tables[seq] for chunk in chunks for seq, _ in chunk}
+    push_idx, meta_dev = _row_index([(chunks, tables, h_src, {h: i for i, h in enumerate(cache.kv_heads)})],
+                                    tokens, bs, cache.k.device, extra=meta)
+    flat = [t.view(layers, -1, hd) for t in (cache.k, cache.v)]
+    n_recv = sum(counts[q][me] for q in range(world))
+    staged = staging.view(cache.k.dtype)
+    m = 3 * world + 1
+
+    wait_ms = int(world_timeout().total_seconds() * 1000)  # a peer that never arrives: an error, not a hang
+
+    def push(g: int) -> None:
+        l0, l1 = groups[g]
+        push_kv_rows(flat[0][l0:l1], flat[1][l0:l1], push_idx, meta_dev[g * m:(g + 1) * m], world=world)
+        staging.barrier(timeout_ms=wait_ms)  # every push of group g has landed in its receiver's staging
+
+    staging.barrier(timeout_ms=wait_ms)  # the peers are done with the staging (an earlier migration's scatters)
+    push(0)
+    # the target (host work, while the first push runs; its memory is written only by the scatters)
+    target, held, problem = _target(cache, rank, target_heads, sequences, min_blocks, keeps, recvs)
+    recv_idx = keep_idx = None
+    if problem is None:
+        idx = _row_index([([*recvs, keeps], {seq: target.block_tables[seq] for seq, _ in held}, len(target_heads),
+                           {h: j for j, h in enumerate(target_heads)})], tokens, bs, cache.k.device)[0]
+        recv_idx, keep_idx = idx.split([n_recv, n_keep])
+    tflat = [t.view(layers, -1, hd) for t in (target.k, target.v)]
+    for g, (l0, l1) in enumerate(groups):
+        if g:
+            push(g)  # into the other half: its readers passed the last barrier after scattering from it
+        if problem is None:
+            lg, half = l1 - l0, halves[g % len(halves)] // elt
+            recv = staged[half:half + n_recv * lg * 2 * hd].view(n_recv, lg, 2, 1, hd)
+            keep = keep_buf[n_keep * l0 * 2 * hd:n_keep * l1 * 2 * hd].view(n_keep, lg, 2, 1, hd)
+            move_kv_rows(tflat[0][l0:l1], tflat[1][l0:l1], recv_idx, recv, scatter=True)
+            move_kv_rows(tflat[0][l0:l1], tflat[1][l0:l1], keep_idx, keep, scatter=True)
+    if problem is not None:
+        raise RuntimeError(problem)
+    return target, n_recv * layers * 2 * hd * elt
+
+
+def _push_groups(layers: int, per_layer: int, capacity: int) -> list[tuple[int, int]] | None:
+    """[l0, l1) layer ranges whose received rows (per_layer bytes per layer) fit the staging: all layers in
+    one group when they fit its capacity, else as few groups as fit half of it each (two halves, so that
+    one group's push runs while the other's rows are still being read); None when one layer does not."""
+    if per_layer * layers <= capacity:
+        return [(0, layers)]
+    most = capacity // 2 // 256 * 256 // max(per_layer, 1)
+    if most < 1:
+        return None
+    g = -(-layers // most)
+    return list(pairwise(layers * i // g for i in range(g + 1)))
 
 
 def _layer_groups(layers: int, nbytes: int) -> list[tuple[int, int]]:

@@ -4,7 +4,8 @@ fusedpar.layers.reshard.migrate_kv pipelines its gathers, all-to-alls and scatte
 layers. On W GPUs (torchrun) this times DP=W -> TP=W and back on the Llama-3-8B shape (8 sequences
 x 2048 tokens, bf16, block 16; bench_reshard.py's setup) for each group count of --groups (the
 module's group size and cap overridden), wall / host / device ms, max over ranks of the median, beside
-NCCL all_to_all_single of the same bytes; then, for the first and last group count, the CPU ops with
+NCCL all_to_all_single of the same bytes, and through a symmetric staging (push_kv_rows) in one push
+and in four; then, for the first and last group count and the single push, the CPU ops with
 the most self time under torch.profiler on rank 0 (the host side of one migration) and its kernels and
 copies by device time (the exchange against the row moves). Prints; no records.
 
@@ -14,6 +15,7 @@ Usage: torchrun --nproc-per-node 4 perf/tools/probe_migrate.py [--groups 1,2,4,8
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -26,7 +28,8 @@ import bench_reshard as br
 import shapes
 
 _bench.add_repo_to_path()
-from fusedpar.layers import reshard  # noqa: E402  (after the repo is on the path)
+from fusedpar.collectives.symmetric import SymmetricWorkspace  # noqa: E402  (after the repo is on the path)
+from fusedpar.layers import reshard  # noqa: E402
 from fusedpar.layouts import ModelDims, kv_plan  # noqa: E402
 
 
@@ -80,21 +83,34 @@ def main(argv: list[str] | None = None) -> int:
             state["cache"] = base.reinterpret(heads)
             br._fill(state["cache"], cfg, [q for q in seqs if src.coords(rank).dp == rep[q][0]], dtype, env)
 
-        def fn(plan=plan, target=target, sequences=sequences, state=state):
-            state["out"] = reshard.migrate_kv(state["cache"], rank, plan, target, sequences)
+        def fn(plan=plan, target=target, sequences=sequences, state=state, staging=None):
+            state["out"] = reshard.migrate_kv(state["cache"], rank, plan, target, sequences, staging=staging)
 
         rows = []
         for g in counts:
             reshard._GROUP_BYTES, reshard._MAX_GROUPS = 1, g
             t = env.time(fn, setup)
             received = env.max(state["out"][1])
-            rows.append((g, t))
+            rows.append((f"{g}", t))
             if g in (counts[0], counts[-1]):
                 setup()
                 host, device = _ops(fn, a.top)
                 if rank == 0:
                     print(f"\n{src_key}{world}->{dst_key}{world}, {g} group(s): CPU ops of one migration "
                           f"on rank 0\n{host}\nits device time per kernel\n{device}")
+        # through a symmetric staging (push_kv_rows): one push, then four (the staging's halves alternating)
+        most = int(env.max(float(received)))
+        for label, nbytes in (("push 1", most), ("push 4", most // 2 + 512)):
+            staging = SymmetricWorkspace(dist.group.WORLD, nbytes)
+            t = env.time(functools.partial(fn, staging=staging), setup)
+            rows.append((label, t))
+            if label == "push 1":
+                setup()
+                host, device = _ops(functools.partial(fn, staging=staging), a.top)
+                if rank == 0:
+                    print(f"\n{src_key}{world}->{dst_key}{world}, {label}: CPU ops of one migration "
+                          f"on rank 0\n{host}\nits device time per kernel\n{device}")
+            del staging
         n = max(world, int(received * world / max(world - 1, 1)) // 2 // world * world)
         send = torch.empty(n, dtype=torch.bfloat16, device=env.device)
         recv = torch.empty_like(send)
@@ -102,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"\n{src_key}{world}->{dst_key}{world}: {received / 2**20:.0f} MiB into the busiest rank; "
                   f"all_to_all_single {a2a:.3f} ms")
-            print(f"{'groups':>6} {'wall ms':>9} {'host ms':>9} {'device ms':>10} {'% a2a':>7}")
+            print(f"{'groups':>8} {'wall ms':>9} {'host ms':>9} {'device ms':>10} {'% a2a':>7}")
             for g, t in rows:
-                print(f"{g:>6} {t['wall']:>9.3f} {t['host']:>9.3f} {t['device']:>10.3f} {100 * a2a / t['wall']:>6.0f}%")
+                print(f"{g:>8} {t['wall']:>9.3f} {t['host']:>9.3f} {t['device']:>10.3f} {100 * a2a / t['wall']:>6.0f}%")
         state.clear()
     _bench.finish_distributed()
     return 0

@@ -6,7 +6,9 @@ block), odd head dims (masked columns), a pool view with a layer stride larger t
 NaN-poisoned outputs; a scatter leaves every other row as it was. The host tier's block order
 ([n / B, layers, 2, B, head_dim]) with missing rows (idx < 0: zeros gathered, nothing scattered),
 through the kernel and through the torch path that CPU runs take without the interpreter. GPU
-(pytest -m gpu): bf16 at the Llama-3-8B shape, both orders.
+(pytest -m gpu): bf16 at the Llama-3-8B shape, both orders. The push of a migration through
+peer-addressable memory (push_kv_rows: every row to its destination's buffer at a raw address) vs
+the same rows written by indexing, destinations of 0, 1 and many rows at odd offsets.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from fusedpar.kernels.kv_rows import (
     move_kv_rows_reference,
     paged_rows,
     paged_rows_reference,
+    push_kv_rows,
+    push_kv_rows_reference,
 )
 from fusedpar.testing.numerics import poison_
 
@@ -155,6 +159,36 @@ def test_paged_rows_match_token_by_token_rows(path, block_size, heads):
     t = BLOCK_T + 1
     assert int(want[first + t]) == (int(table[trow, t // block_size]) * block_size + t % block_size) * heads + head
     assert int((want == -7).sum()) == got.numel() - sum(lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("world", "counts", "hd"), [(2, (5, BLOCK_R + 3), 16), (3, (0, 7, 40), 24),
+                                                     (4, (1, 0, BLOCK_R, 2 * BLOCK_R + 1), 8)])
+def test_push_writes_each_row_at_its_destination_and_nothing_else(dtype, world, counts, hd):
+    """Rows of a fragmented pool (a padded view, missing rows idx < 0 included) pushed to `world`
+    destination buffers at raw addresses, each destination's rows at an offset into its buffer; the
+    buffers are poisoned first, and every byte outside the pushed rows must stay poisoned."""
+    gen = torch.Generator().manual_seed(sum(counts) + world)
+    n = sum(counts)
+    layers, rows = 3, n + 11
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    k, v = _pools(layers, rows, hd, dtype, device, gen, padded=True)
+    idx = torch.randperm(rows, generator=gen)[:n]
+    idx[n // 3] = -1  # a missing row: nothing moved
+    bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    offs = [int(torch.randint(0, 9, (1,), generator=gen)) for _ in range(world)]
+    outs = [poison_(torch.empty((offs[p] + counts[p] + 4, layers, 2, 1, hd), dtype=dtype, device=device))
+            for p in range(world)]
+    want = [o.clone() for o in outs]
+    meta = torch.tensor([o.data_ptr() for o in outs] + bounds + offs, dtype=torch.int64, device=device)
+    push_kv_rows(k, v, idx.to(device), meta, world=world)
+    push_kv_rows_reference(k, v, idx, want, bounds, offs)
+    for p in range(world):
+        assert torch.equal(_bits(outs[p]), _bits(want[p])), f"destination {p} of {world}"
+    wrong = world + 1  # a meta of another world size names both sizes
+    with pytest.raises(ValueError, match=rf"meta must be contiguous int64 \[{3 * wrong + 1}\].*got torch.int64 "
+                                         rf"\({3 * world + 1},\)"):
+        push_kv_rows(k, v, idx.to(device), meta, world=wrong)
 
 
 def test_empty_index_is_a_no_op_and_bad_shapes_name_the_numbers():

@@ -278,3 +278,78 @@ def test_row_index_matches_the_slots_of_begin_step(seed):
         assert torch.equal(rows, back), "a second side in the same upload must index the same way"
         want = [slots[s] * len(heads) + index_of[h] for s, h in chunk]
         assert torch.equal(rows, torch.cat(want) if want else torch.empty(0, dtype=torch.int64)), chunk
+
+
+@pytest.mark.gpu
+def test_gpu_migrate_kv_through_staging_and_all_to_all_match_a_fresh_fill(nccl_world):
+    """NCCL ranks, bf16, 8 kv heads of 128, 4 layers, 6 sequences ending mid-block: DP <-> TP (and DP2 x TP2
+    <-> TP on 4 GPUs) through the all-to-all, through a staging that holds every layer (one push), and
+    through one that holds one layer per half (a push per layer, the halves alternating). The pool is
+    poisoned with NaN and the staging with junk before each migration; every target sequence's k and v
+    must equal its values bit for bit, and the received bytes the plan's."""
+    import torch
+
+    from fusedpar.collectives.symmetric import SymmetricWorkspace
+    from fusedpar.layers.kv_cache import PagedKVCache
+    from fusedpar.layers.reshard import migrate_kv
+    from fusedpar.layouts import ModelDims, ParallelLayout, kv_plan
+    from fusedpar.testing.gpu import all_ranks_ok
+
+    rank, world = nccl_world
+    if world < 2:
+        pytest.skip("a migration needs 2 or more GPUs")
+    layers, kv_heads, hd, block = 4, 8, 128, 16
+    dev = torch.device("cuda", torch.cuda.current_device())
+    lengths = {s: 37 + 61 * s for s in range(6)}
+    dims = ModelDims(32, kv_heads, hd, 256)
+
+    def values(seq, heads):
+        g = torch.Generator(device=dev).manual_seed(100 + seq)
+        kv = torch.randn(2, layers, lengths[seq], kv_heads, hd, generator=g, device=dev).to(torch.bfloat16)
+        return kv[:, :, :, list(heads)]
+
+    lays = [ParallelLayout(world, dp=world), ParallelLayout(world, tp=world)]
+    if world == 4:
+        lays.append(ParallelLayout(4, dp=2, tp=2))
+    base = PagedKVCache(num_layers=layers, kv_heads=(0,), head_dim=hd, block_size=block,
+                        num_blocks=2 * kv_heads * sum(-(-n // block) for n in lengths.values()), dtype=torch.bfloat16,
+                        device=dev)
+    errors = []
+    for src in lays:
+        for dst in lays:
+            if src is dst:
+                continue
+            reps = {s: (s % src.dp, (s + 1) % dst.dp) for s in lengths}
+            plan = kv_plan(src, dst, dims, reps)
+            heads = src.head_placement(32, kv_heads).kv_heads(rank, "base")
+            target = dst.head_placement(32, kv_heads).kv_heads(rank, "base")
+            sequences = {s: (src.coords(rank).dp == reps[s][0], dst.coords(rank).dp == reps[s][1], n)
+                         for s, n in lengths.items()}
+            expect = sum(2 * layers * lengths[m.seq] * hd * 2 for m in plan if m.dst == rank)
+            per_layer = max(sum(2 * lengths[m.seq] * hd * 2 for m in plan if m.dst == r) for r in range(world))
+            stagings = {"all-to-all": None,  # one group, then one layer per half
+                        "staging": SymmetricWorkspace(torch.distributed.group.WORLD, layers * per_layer),
+                        "staging per layer": SymmetricWorkspace(torch.distributed.group.WORLD, 2 * per_layer + 512)}
+            for name, staging in stagings.items():
+                base.k.fill_(float("nan"))
+                base.v.fill_(float("nan"))
+                if staging is not None:
+                    staging.view(torch.uint8).fill_(0x7F)
+                cache = base.reinterpret(heads)
+                for s, (here, _, _) in sequences.items():
+                    if here:
+                        k, v = values(s, heads)
+                        cache.fill(s, k, v)
+                new, received = migrate_kv(cache, rank, plan, target, sequences, staging=staging)
+                where = f"{src!r} -> {dst!r} via {name}"
+                if received != expect:
+                    errors.append(f"{where}: received {received} bytes, the plan moves {expect}")
+                for s, (_, there, _) in sequences.items():
+                    if not there:
+                        continue
+                    k, v = values(s, target)
+                    for layer in range(layers):
+                        gk, gv = new.gather(layer, s)
+                        if not (torch.equal(gk, k[layer]) and torch.equal(gv, v[layer])):
+                            errors.append(f"{where}: sequence {s} layer {layer} differs")
+    assert all_ranks_ok(not errors), "\n".join(errors[:8])
