@@ -27,6 +27,19 @@ of the source pool is read before the first write to that layer of the target, s
 reinterpret the source's memory (reinterpret keeps every layer in its own bytes). Collective over
 the world (global ranks): every rank calls it with the same plan; a plan without moves exchanges
 nothing.
+
+Through a staging (a SymmetricWorkspace the caller builds once, peer-addressable over NVLink) the
+rows take one pass instead of three: per layer group, one push (fusedpar.kernels.kv_rows.push_kv_rows)
+stores every row this rank sends straight from its pool into its receiver's staging (senders in
+group order, pieces in plan order: the offsets follow from the plan, the same on every rank) and the
+kept rows into a local buffer; a device barrier; two scatters into the target's blocks. The row
+moves and an all-to-all share the HBM: run side by side, each slows the other about as much as it
+hides, so the push's single pass is what shortens the migration. Groups only where the staging is
+short of the busiest receiver's KV: as few as fit half of it each, the halves alternating, so that a
+group's push never overwrites rows a peer is still scattering (a peer passed the barrier after its
+push into that half only after its scatter of the half's previous group). A barrier before the first
+push keeps an earlier migration's scatters safe. Every barrier has the world's timeout: a peer that
+never arrives ends the process with a CUDA error instead of a hang.
 """
 
 from __future__ import annotations
@@ -107,7 +120,9 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
         every rank pass one agreed value.
     staging: peer-addressable memory over the same ranks (fusedpar.collectives.SymmetricWorkspace, built
         once by the caller): the rows go straight from each sender's pool into their receiver's staging
-        (push_kv_rows, NVLink stores) instead of through an all-to-all. None: the all-to-all.
+        (push_kv_rows, NVLink stores) instead of through an all-to-all, in as few layer groups as it
+        holds. None, or a staging whose half holds no layer of the busiest receiver's KV: the
+        all-to-all.
     """
     target_heads = tuple(target_heads)
     layers, _, bs, h_src, hd = cache.k.shape
@@ -139,8 +154,10 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
                                f"the migration says {n}")
     tokens = {seq: n for seq, (_, _, n) in sequences.items()}
     if staging is not None and plan:
-        return _migrate_by_push(cache, rank, plan, target_heads, sequences, min_blocks, staging, group_ranks,
+        done = _migrate_by_push(cache, rank, plan, target_heads, sequences, min_blocks, staging, group_ranks,
                                 (sends, recvs, keeps), tokens)
+        if done is not None:
+            return done
     device = cache.k.device
     n_sent = [sum(tokens[seq] for seq, _ in chunk) for chunk in sends]
     n_recv = [sum(tokens[seq] for seq, _ in chunk) for chunk in recvs]
@@ -217,9 +234,11 @@ def _target(cache: PagedKVCache, rank: int, target_heads: tuple[int, ...],
 
 def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads: tuple[int, ...],
                      sequences: Mapping[int, tuple[bool, bool, int]], min_blocks: int, staging: SymmetricWorkspace,
-                     group_ranks: list[int], pieces: tuple, tokens: Mapping[int, int]) -> tuple[PagedKVCache, int]:
+                     group_ranks: list[int], pieces: tuple,
+                     tokens: Mapping[int, int]) -> tuple[PagedKVCache, int] | None:
     """migrate_kv through `staging` (module docstring): per layer group one push, one device barrier and
-    two scatters."""
+    two scatters. None, before any device work, when half the staging holds no layer of the busiest
+    receiver's KV (the same answer on every rank: the plan is)."""
     sends, recvs, keeps = pieces
     layers, _, bs, h_src, hd = cache.k.shape
     world, me = len(group_ranks), group_ranks.index(rank)
@@ -234,9 +253,8 @@ def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_
     elt = cache.k.element_size()
     per_layer = max(sum(c[p] for c in counts) for p in range(world)) * 2 * hd * elt  # the busiest receiver
     groups = _push_groups(layers, per_layer, staging.buffer_bytes)
-    if groups is None:
-        raise ValueError(f"migrate_kv: the staging's {staging.buffer_bytes} bytes per rank hold no layer of the "
-                         f"busiest receiver's KV ({per_layer} bytes per layer; two layers' worth to pipeline)")
+    if groups is None:  # half the staging holds no layer of the busiest receiver's KV: the all-to-all
+        return None
     halves = [0] if len(groups) == 1 else [0, staging.buffer_bytes // 2 // 256 * 256]
     n_keep = sum(tokens[seq] for seq, _ in keeps)
     keep_buf = torch.empty(n_keep * layers * 2 * hd, dtype=cache.k.dtype, device=cache.k.device)

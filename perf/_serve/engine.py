@@ -12,7 +12,9 @@ KV: one pool per rank of `kv_blocks` blocks of ONE kv head; a layout caching h k
 views it as kv_blocks // h blocks (PagedKVCache.reinterpret). A switch between layouts of one replica
 size (sp <-> tp) keeps the cache (the same kv heads on the same ranks); across replica sizes the live
 sequences' KV moves along fusedpar.layouts.kv_plan with fusedpar.layers.reshard.migrate_kv, as the
-HF adapter's switching does, into a pool grown to one agreed block count on every rank.
+HF adapter's switching does, into a pool grown to one agreed block count on every rank. On CUDA the
+rows go through a symmetric staging of STAGING_BYTES per rank (pushed from the sender's pool
+straight into the receiver's staging), on CPU through gloo's all-to-all.
 
 CUDA: the stacks run the fused path (perf/_bench.enable_stack); the sp == 1 layouts replay CUDA graphs
 of their decode steps (DecodeGraphs) and of their mixed prefill + decode steps up to the step budget
@@ -35,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fusedpar.collectives import ParallelContext
+from fusedpar.collectives.symmetric import SymmetricWorkspace
 from fusedpar.kernels.reference import rms_norm
 from fusedpar.layers import (
     DecoderConfig,
@@ -52,6 +55,7 @@ from fusedpar.layers.graphs import DEFAULT_CAPTURE_SIZES
 from fusedpar.layouts import ParallelLayout, kv_plan
 
 LAYOUT_NAMES = ("tp", "sp", "dp")
+STAGING_BYTES = 1 << 30  # per rank: a KV migration's staging; larger migrations push in layer groups
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,8 @@ class Engine:
             self.stacks[k] = stack
         self.heads = {k: tuple(self.stacks[k].layers[0].kv_heads) for k in LAYOUT_NAMES}
         self.embed, self.norm, self.lm_head = head_weights(cfg, opts.vocab, opts.seed, opts.dtype, device)
+        # KV migrations push through this (fusedpar.layers.reshard); made before the pool takes its share
+        self.staging = SymmetricWorkspace(dist.group.WORLD, STAGING_BYTES) if self.cuda else None
         blocks = opts.kv_blocks or self._auto_kv_blocks()
         # a multiple of the kv heads: every layout's view of the pool, reached directly or through another
         # layout's view, then has the same block count (decode graphs rebind across switches)
@@ -258,7 +264,8 @@ class Engine:
         fit = cache.num_blocks * len(cache.kv_heads) // len(heads)
         t = torch.tensor([max(fit, need_blocks, 1)], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return migrate_kv(cache, self.rank, plan, heads, sequences, min_blocks=int(t.item()))
+        return migrate_kv(cache, self.rank, plan, heads, sequences, min_blocks=int(t.item()),
+                          staging=self.staging)
 
     def host_tier(self, tokens: int, min_footprint: int) -> HostKVTier:
         """The host KV tier, sized so that sequences of at most `tokens` tokens in all fit whichever rank

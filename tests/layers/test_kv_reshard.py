@@ -117,7 +117,7 @@ def _reference_target(target_heads, num_blocks, sequences, kv_heads, trial):
     return ref
 
 
-def _rand_worker(rank, world, kv_heads, groups):
+def _rand_worker(rank, world, kv_heads, groups, directory=None):
     import torch
 
     from fusedpar.layers import reshard
@@ -156,7 +156,22 @@ def _rand_worker(rank, world, kv_heads, groups):
                      for s, n in RAND_SEQS.items()}
         plan = kv_plan(src, dst, dims, reps)
         min_blocks = 4 * 24 // len(target_heads) + (trial % 2) * 8  # odd trials grow the pool
-        new, received = migrate_kv(cache, rank, plan, target_heads, sequences, min_blocks=min_blocks)
+        staging = None
+        if groups.startswith("staging"):  # pushed through peers' buffers: every layer at once, or one per half
+            from fusedpar.testing.staging import FileStaging
+
+            per_layer = max(sum(2 * RAND_SEQS[m.seq] * HEAD_DIM * 4 for m in plan if m.dst == r) for r in range(world))
+            staging = FileStaging(directory, LAYERS * per_layer if groups == "staging" else 2 * per_layer + 512,
+                                  tag=f"trial{trial}")
+            staging.view(torch.uint8).fill_(0x7F)  # junk where nothing was pushed
+        pushes = []
+        push = reshard.push_kv_rows
+        reshard.push_kv_rows = lambda *a, pushes=pushes, push=push, **kw: (pushes.append(1), push(*a, **kw))
+        try:
+            new, received = migrate_kv(cache, rank, plan, target_heads, sequences, min_blocks=min_blocks,
+                                       staging=staging)
+        finally:
+            reshard.push_kv_rows = push
         ref = _reference_target(target_heads, new.num_blocks, sequences, kv_heads, trial)
         ok = new.block_tables == ref.block_tables and new.lengths == ref.lengths and new.kv_heads == target_heads
         for seq in ref.block_tables:
@@ -168,20 +183,24 @@ def _rand_worker(rank, world, kv_heads, groups):
                     "moves": len(plan), "free": new.free_blocks == ref.free_blocks,
                     "blocks": new.num_blocks == max(min_blocks, 4 * 24 // len(target_heads)),
                     "aliases": new.k.untyped_storage().data_ptr() == base.k.untyped_storage().data_ptr(),
-                    "grown": min_blocks > 4 * 24 // len(target_heads),
+                    "grown": min_blocks > 4 * 24 // len(target_heads), "pushes": len(pushes),
                     "same_p": src.replica_size == dst.replica_size and all(a == b for a, b in reps.values())})
     return out
 
 
 @pytest.mark.parametrize("world,kv_heads,groups", [(2, 2, "one"), (4, 2, "one"), (4, 4, "one"), (2, 1, "one"),
-                                                   (4, 2, "per-layer"), (2, 2, "two")])
-def test_migrate_kv_matches_a_fresh_fill_on_random_values(world, kv_heads, groups):
+                                                   (4, 2, "per-layer"), (2, 2, "two"), (4, 2, "staging"),
+                                                   (2, 1, "staging"), (4, 4, "staging per layer"),
+                                                   (2, 2, "staging per layer")])
+def test_migrate_kv_matches_a_fresh_fill_on_random_values(world, kv_heads, groups, tmp_path):
     """Random KV in a fragmented pool full of junk, migrated onto views of the same memory (the target
     reinterprets the source's bytes) or a grown pool: every target sequence's values, block tables and
     free count are those of a fresh pool filled in sequence order; received bytes are the plan's; SP x TP
     splits of one replica size move nothing; kv-head replication (4 ranks, 2 kv heads) included; the
-    layers in one exchange, one per layer, or in two uneven groups (layers 0-1 | 2)."""
-    res = run_distributed(_rand_worker, world, kv_heads, groups, timeout=300)
+    layers in one exchange, one per layer, or in two uneven groups (layers 0-1 | 2); or pushed through
+    peers' staging buffers (fusedpar.testing.staging: shared files, the Triton interpreter's stores at
+    raw addresses), every layer in one push or one layer per half of a short staging."""
+    res = run_distributed(_rand_worker, world, kv_heads, groups, str(tmp_path), timeout=300)
     for rank, out in enumerate(res):
         for r in out:
             where = f"rank {rank}, {r['case']}"
@@ -190,6 +209,8 @@ def test_migrate_kv_matches_a_fresh_fill_on_random_values(world, kv_heads, group
             assert r["aliases"] != r["grown"], f"{where}: {r}"
             if r["same_p"]:
                 assert r["moves"] == 0 and r["received"] == 0, f"{where}: {r}"
+            pushes = 0 if not (r["moves"] and groups.startswith("staging")) else 1 if groups == "staging" else LAYERS
+            assert r["pushes"] == pushes, f"{where}: {r['pushes']} pushes, expected {pushes}"
     assert any(r["received"] for out in res for r in out)
 
 
@@ -353,3 +374,18 @@ def test_gpu_migrate_kv_through_staging_and_all_to_all_match_a_fresh_fill(nccl_w
                         if not (torch.equal(gk, k[layer]) and torch.equal(gv, v[layer])):
                             errors.append(f"{where}: sequence {s} layer {layer} differs")
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
+
+
+def test_push_groups_fit_the_staging_or_decline():
+    """One push when the staging holds every layer of the busiest receiver; else as few groups as fit half
+    of it each; None (migrate_kv then takes the all-to-all) when half of it holds no layer."""
+    from fusedpar.layers.reshard import _push_groups
+
+    assert _push_groups(32, 1 << 20, 32 << 20) == [(0, 32)]
+    assert _push_groups(32, 1 << 20, 16 << 20) == [(0, 8), (8, 16), (16, 24), (24, 32)]  # halves of 8 layers
+    assert _push_groups(5, 1 << 20, 4 << 20) == [(0, 1), (1, 3), (3, 5)]  # halves of 2 layers, 3 groups
+    assert _push_groups(32, 1 << 20, (2 << 20) - 1) is None
+    for layers, per_layer, cap in ((7, 300, 4000), (31, 4096, 50000), (3, 1, 10**9)):
+        groups = _push_groups(layers, per_layer, cap)
+        assert [x for a, b in groups for x in range(a, b)] == list(range(layers))
+        assert len(groups) == 1 or all((b - a) * per_layer <= cap // 2 for a, b in groups)
