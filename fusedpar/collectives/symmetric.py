@@ -233,6 +233,7 @@ class SymmetricWorkspace:
         self._raw.zero_()
         counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=device)
         bases = [int(p) for p in self.handle.buffer_ptrs]
+        self._peer_addresses = [b + self.flag_bytes for b in bases]
         buffer_ptrs = torch.tensor([b + self.flag_bytes for b in bases], dtype=torch.int64, device=device)
         signal_ptrs = torch.tensor(bases, dtype=torch.int64, device=device)
         # Every peer's zeroing must have landed before any kernel of ours can set a flag there:
@@ -300,7 +301,7 @@ class SymmetricWorkspace:
 
     def peer_addresses(self) -> list[int]:
         """Every rank's data buffer address (host ints, group order): what a kernel storing to peers needs."""
-        return [int(p) + self.flag_bytes for p in self.handle.buffer_ptrs]
+        return list(self._peer_addresses)
 
     def __repr__(self) -> str:
         return (
