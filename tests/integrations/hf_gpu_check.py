@@ -7,7 +7,8 @@ tokens, parallelizes it and compares (fp32 with TF32 off: 1e-4 relative at the r
 padded positions, left and right padding; bf16: reported, tokens
 may legitimately diverge once a near-tie flips; the reference path, then the fused kernels
 for bf16 models with head_dim 16, Qwen2's q/k/v bias and llama3 RoPE included). Also loads a
-sharded checkpoint with load_parallel straight onto the GPU. Rank 0 prints one line per case;
+sharded checkpoint with load_parallel straight onto the GPU, and switches a fused model between TP and
+DP mid-generation (its KV pushed through the symmetric staging). Rank 0 prints one line per case;
 exits 1 on a fp32 mismatch.
 """
 
@@ -189,6 +190,44 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+def _reshard_through_staging(device) -> bool:
+    """model.reshard on the fused path (bf16, CUDA): TP -> DP -> TP -> DP -> TP in the middle of greedy
+    decoding of a left-padded batch; each switch moves the live KV through the model's symmetric staging
+    (the push path of migrate_kv). Logits within 5e-2 of the unsharded model at every step (fed the
+    parallel model's own greedy tokens), KV received on every rank, the staging made."""
+    from fusedpar.integrations.hf import parallelize
+
+    world = dist.get_world_size()
+    tp, dp = ParallelLayout(world, tp=world), ParallelLayout(world, dp=world)
+    ref = make_model("qwen3", seed=5, dtype=torch.bfloat16).to(device)
+    pm = parallelize(make_model("qwen3", seed=5, dtype=torch.bfloat16).to(device), tp, shift_threshold=8,
+                     reshard_layouts=[dp])
+    ids, mask = left_padded([9, 6, 11, 7], vocab=ref.config.vocab_size, seed=8)
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.no_grad():
+        out = pm(ids, attention_mask=mask, use_cache=True)
+        logits, past, seq, m, received = [out.logits], out.past_key_values, ids, mask, 0
+        for lay in (dp, tp, dp, tp):
+            received += pm.reshard(lay)["kv_bytes_received"]
+            nxt = logits[-1][:, -1:].argmax(-1)
+            seq, m = torch.cat([seq, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1)
+            out = pm(nxt, attention_mask=m, past_key_values=past, use_cache=True)
+            logits.append(out.logits)
+            past = out.past_key_values
+        want = ref(seq, attention_mask=m, use_cache=False).logits
+    real = mask.bool()
+    errs = [_rel_err(logits[0][real], want[:, :ids.shape[1]][real])]
+    errs += [_rel_err(got, want[:, ids.shape[1] + i:ids.shape[1] + i + 1]) for i, got in enumerate(logits[1:])]
+    staged = pm._fusedpar.staging is not None
+    flag = torch.tensor([int(max(errs) < 5e-2 and staged and received > 0)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if dist.get_rank() == 0:
+        print(f"RESHARD fused qwen3 bfloat16 tp<->dp x4 through the staging: max err {max(errs):.2e}, "
+              f"staging {staged}, received {received} bytes on rank 0: {'ok' if flag.item() else 'FAIL'}",
+              flush=True)
+    return bool(flag.item())
+
+
 def main() -> int:
     from fusedpar.integrations.hf import load_parallel, parallelize
 
@@ -230,6 +269,7 @@ def main() -> int:
         ok &= _graphs_vs_eager("llama", dict(hidden_size=128), lay, device, block_size=16)
     ok &= _graphs_vs_eager("qwen3", {}, ParallelLayout(world, sp=world, tp=1), device, block_size=4)
     ok &= _graphs_after_inference_mode(ParallelLayout(world, sp=1, tp=world), device)
+    ok &= _reshard_through_staging(device)
     # loader: a sharded checkpoint written by rank 0, read in slices by every rank onto its GPU
     path = [tempfile.mkdtemp(prefix="fusedpar_ckpt_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path)

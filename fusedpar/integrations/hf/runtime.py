@@ -86,6 +86,7 @@ class _Runtime:
         self._next_seq = 0
         self.replayed: int | None = None  # the decode graph size the last run() replayed, None if eager
         self.heads: dict[int, _HeadGraph] = {}  # final norm + lm_head graphs per decode graph size
+        self.staging = None  # KV migrations' symmetric staging (switching._staging), made at the first one
 
     def local_rows(self, rows: int) -> range:
         """The rows of a `rows`-row batch this rank's replica runs (all of them when dp = 1)."""

@@ -9,7 +9,8 @@ and keep one shard per size.
 
 KV: layouts of one replica size cache the same kv heads on the same ranks (nothing moves); across
 sizes every cached row moves to the replica that runs it (runtime.row_blocks) along
-fusedpar.layouts.kv_plan, carried out by fusedpar.layers.reshard.migrate_kv.
+fusedpar.layouts.kv_plan, carried out by fusedpar.layers.reshard.migrate_kv (on the fused path, CUDA,
+through a symmetric staging the runtime keeps: _staging).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import torch
 
 from fusedpar.collectives import ParallelContext
+from fusedpar.collectives.symmetric import SymmetricWorkspace
 from fusedpar.layers import ShiftParallelStack
 from fusedpar.layers.reshard import migrate_kv
 from fusedpar.layouts import ParallelLayout, kv_plan, shard_problems
@@ -26,6 +28,8 @@ from fusedpar.layouts import ParallelLayout, kv_plan, shard_problems
 from .cache import ShiftParallelCache
 from .runtime import _Runtime, row_blocks
 from .spec import HFModelSpec
+
+_STAGING_BYTES = 512 << 20  # the most a KV migration's staging takes per rank (fused path, CUDA)
 
 
 def reshard_runtime(rt: _Runtime, layout: ParallelLayout) -> dict:
@@ -191,6 +195,22 @@ def _live_states(rt: _Runtime) -> list[ShiftParallelCache]:
     return [mine[ids] for ids in sorted(common)]
 
 
+def _staging(rt: _Runtime, stack: ShiftParallelStack, plan: list, tokens: dict[int, int]) -> SymmetricWorkspace | None:
+    """The migration's staging on the fused path (CUDA): sized for the busiest receiver's KV, at most
+    _STAGING_BYTES (a larger migration pushes in layer groups), made or enlarged collectively when a plan
+    needs more than the one held (every rank computes the same size from the plan); None elsewhere."""
+    kv = rt.kv
+    if not plan or stack.fused is None or kv is None or kv.k.device.type != "cuda":
+        return None
+    per_token = 2 * kv.k.shape[0] * kv.k.shape[-1] * kv.k.element_size()  # one kv head, every layer
+    world = torch.distributed.get_world_size()
+    need = min(_STAGING_BYTES, per_token * max(sum(tokens[m.seq] for m in plan if m.dst == r) for r in range(world)))
+    if rt.staging is None or rt.staging.buffer_bytes < need:
+        rt.staging = None  # the old one's memory back before the larger one is allocated
+        rt.staging = SymmetricWorkspace(torch.distributed.group.WORLD, need)
+    return rt.staging
+
+
 def _migrate_live_kv(rt: _Runtime, src: ParallelLayout, dst: ParallelLayout, ctx: ParallelContext,
                      stack: ShiftParallelStack) -> tuple[int, int]:
     """Move the KV of every live sequence from `src`'s placement to `dst`'s (collective over the world):
@@ -218,7 +238,8 @@ def _migrate_live_kv(rt: _Runtime, src: ParallelLayout, dst: ParallelLayout, ctx
     blocks = torch.tensor([max(kv.num_blocks * len(kv.kv_heads) // len(heads), need, 1)], dtype=torch.int64,
                           device=kv.k.device)  # where the world's backend reduces (NCCL: the GPU)
     torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MAX)
-    target, received = migrate_kv(kv, rank, plan, heads, sequences, min_blocks=int(blocks))
+    target, received = migrate_kv(kv, rank, plan, heads, sequences, min_blocks=int(blocks),
+                                  staging=_staging(rt, stack, plan, tokens))
     element = kv.k.element_size()
     moved = sum(2 * kv.k.shape[0] * tokens[m.seq] * kv.k.shape[-1] * element for m in plan)
     rt.kv = target
