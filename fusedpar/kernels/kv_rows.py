@@ -79,11 +79,12 @@ def _move_rows_kernel(k_pool_ptr, v_pool_ptr, idx_ptr, chunk_ptr, n, stride_pool
 
 
 @triton.jit(do_not_specialize=["n", "idx_ptr", "meta_ptr"])
-def _push_rows_kernel(k_pool_ptr, v_pool_ptr, idx_ptr, meta_ptr, n, stride_pool_layer, row_elems,
-                      HD: tl.constexpr, HD_P2: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
-                      BLOCK_R: tl.constexpr):
+def _push_rows_kernel(k_pool_ptr, v_pool_ptr, idx_ptr, meta_ptr, anchor, n, stride_pool_layer, row_elems,
+                      HD: tl.constexpr, HD_P2: tl.constexpr, ELT: tl.constexpr, WORLD: tl.constexpr,
+                      WORLD_P2: tl.constexpr, BLOCK_R: tl.constexpr):
     """Program (row block, layer, kv): rows idx[rb * BLOCK_R ...] of one layer of k (kv 0) or v, each to
-    its destination. meta: ptrs [WORLD] | bounds [WORLD + 1] | offs [WORLD] (int64)."""
+    its destination. meta: ptrs [WORLD] | bounds [WORLD + 1] | offs [WORLD] (int64). anchor: k_pool_ptr's
+    address, ELT its element size."""
     rb = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
     kv = tl.program_id(2).to(tl.int64)
@@ -96,14 +97,17 @@ def _push_rows_kernel(k_pool_ptr, v_pool_ptr, idx_ptr, meta_ptr, n, stride_pool_
     dest = tl.sum((rows[:, None] >= upper[None, :]).to(tl.int32), axis=1)
     start = tl.load(meta_ptr + WORLD + dest)
     drow = tl.load(meta_ptr + 2 * WORLD + 1 + dest) + rows - start
-    base = tl.load(meta_ptr + dest).to(tl.pointer_type(k_pool_ptr.dtype.element_ty))
+    # a destination as k_pool_ptr + elements: the compiler knows that pointer's alignment, and the hint
+    # gives the distance's (16-byte aligned addresses, push_kv_rows' contract), so the stores go out 16
+    # bytes at a time (an address read from memory as a pointer would get 2-byte stores)
+    delta = tl.multiple_of((tl.load(meta_ptr + dest) - anchor) // ELT, 16 // ELT)
     moved = (in_range & (idx >= 0))[:, None] & (cols < HD)[None, :]
     pool_off = layer * stride_pool_layer + tl.maximum(idx, 0)[:, None] * HD + cols[None, :]
     if kv == 0:  # noqa: SIM108 (a runtime scalar: Triton takes an if, not a ternary)
         pool = k_pool_ptr + pool_off
     else:
         pool = v_pool_ptr + pool_off
-    dst = base[:, None] + (drow * row_elems + (layer * 2 + kv) * HD)[:, None] + cols[None, :]
+    dst = k_pool_ptr + (delta + drow * row_elems + (layer * 2 + kv) * HD)[:, None] + cols[None, :]
     tl.store(dst, tl.load(pool, mask=moved), mask=moved)
 
 
@@ -233,8 +237,8 @@ def push_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor, 
     [rows, layers, 2 (k | v), 1, head_dim] at address ptrs[p], p the destination with bounds[p] <= i <
     bounds[p + 1] (the pool view's layers are the buffer's). meta: int64 [3 * world + 1] on the pool's
     device, ptrs | bounds (bounds[0] = 0, bounds[world] = n) | offs. The addresses are not checked: each
-    must hold its rows (a peer's symmetric buffer, or a local tensor kept alive until the launch is
-    done). idx < 0: nothing moved."""
+    must be 16-byte aligned and hold its rows (a peer's symmetric buffer, or a local tensor kept alive
+    until the launch is done). idx < 0: nothing moved."""
     problems = []
     if k_pool.dim() != 3 or v_pool.shape != k_pool.shape or k_pool.stride() != v_pool.stride() \
             or k_pool.stride(2) != 1 or k_pool.stride(1) != k_pool.shape[2]:
@@ -249,6 +253,9 @@ def push_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor, 
         problems.append(f"tensors on several devices: {[str(t.device) for t in (k_pool, v_pool, idx, meta)]}")
     if k_pool.device.type == "cpu" and not INTERPRETED:
         problems.append("a CPU pool needs TRITON_INTERPRET=1 (the addresses are raw pointers)")
+    if k_pool.data_ptr() % 16 or k_pool.element_size() > 16:
+        problems.append(f"k_pool must start 16-byte aligned with elements of at most 16 bytes (the stores are "
+                        f"addressed from it), got address {k_pool.data_ptr()}, {k_pool.element_size()}-byte elements")
     if problems:
         raise ValueError("fusedpar.push_kv_rows: " + "; ".join(problems))
     n = idx.numel()
@@ -256,8 +263,9 @@ def push_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor, 
         return
     layers, _, hd = k_pool.shape
     grid = (cdiv(n, BLOCK_R), layers, 2)
-    args = (k_pool, v_pool, idx, meta, n, k_pool.stride(0), layers * 2 * hd)
-    kw = {"HD": hd, "HD_P2": next_pow2(hd), "WORLD": world, "WORLD_P2": next_pow2(max(world, 2)), "BLOCK_R": BLOCK_R}
+    args = (k_pool, v_pool, idx, meta, k_pool.data_ptr(), n, k_pool.stride(0), layers * 2 * hd)
+    kw = {"HD": hd, "HD_P2": next_pow2(hd), "ELT": k_pool.element_size(), "WORLD": world,
+          "WORLD_P2": next_pow2(max(world, 2)), "BLOCK_R": BLOCK_R}
     if k_pool.device.type == "cuda":
         with torch.cuda.device(k_pool.device):
             _push_rows_kernel[grid](*args, **kw)

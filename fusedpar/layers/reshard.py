@@ -269,13 +269,15 @@ def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_
         ptrs = [keep_buf.data_ptr() + n_keep * l0 * 2 * hd * elt if p == me else addrs[p] + half
                 for p in range(world)]
         meta += [*ptrs, *bounds, *offs]
+    m = 3 * world + 1  # meta values per group
+    if any(x % 16 for g in range(len(groups)) for x in meta[g * m:g * m + world]):  # 16-byte stores
+        raise RuntimeError(f"migrate_kv: a staging or keep buffer address is not 16-byte aligned: {meta}")
     tables = {seq: cache.block_tables[seq] for chunk in chunks for seq, _ in chunk}
     push_idx, meta_dev = _row_index([(chunks, tables, h_src, {h: i for i, h in enumerate(cache.kv_heads)})],
                                     tokens, bs, cache.k.device, extra=meta)
     flat = [t.view(layers, -1, hd) for t in (cache.k, cache.v)]
     n_recv = sum(counts[q][me] for q in range(world))
     staged = staging.view(cache.k.dtype)
-    m = 3 * world + 1
 
     wait_ms = int(world_timeout().total_seconds() * 1000)  # a peer that never arrives: an error, not a hang
 
