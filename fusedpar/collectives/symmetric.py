@@ -241,6 +241,9 @@ class SymmetricWorkspace:
         torch.cuda.synchronize(device)
         self.handle.barrier(channel=0)
         torch.cuda.synchronize(device)
+        from fusedpar.collectives.context import world_timeout
+
+        self.timeout_ms = int(world_timeout().total_seconds() * 1000)  # barrier()'s bound on a missing peer
 
         buffer = self._raw[self.flag_bytes : self.flag_bytes + data_bytes]
         self.table = PeerTable(
@@ -289,15 +292,16 @@ class SymmetricWorkspace:
         """This rank's data buffer as a typed 1-D tensor (see PeerTable.view)."""
         return self.table.view(dtype, numel, byte_offset)
 
-    def barrier(self, timeout_ms: int = 0) -> None:
+    def barrier(self, timeout_ms: int | None = None) -> None:
         """Device barrier across the group on the current stream (torch's signal pad, channel 0).
 
         Stream-ordered, not a host barrier: work queued after it on this stream starts only when
         every rank's stream reached it. Our kernels do not use torch's pad, so it never races
-        with their epoch flags. timeout_ms > 0: a rank whose peers do not arrive within it traps
-        (a CUDA error that ends the process) instead of waiting forever.
+        with their epoch flags. A rank whose peers do not arrive within timeout_ms (default: the
+        world process group's timeout; 0: forever) traps, a CUDA error that ends the process,
+        instead of hanging.
         """
-        self.handle.barrier(channel=0, timeout_ms=timeout_ms)
+        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms if timeout_ms is None else timeout_ms)
 
     def peer_addresses(self) -> list[int]:
         """Every rank's data buffer address (host ints, group order): what a kernel storing to peers needs."""

@@ -51,7 +51,6 @@ from itertools import accumulate, pairwise
 import torch
 import torch.distributed as dist
 
-from fusedpar.collectives.context import world_timeout
 from fusedpar.collectives.symmetric import SymmetricWorkspace
 from fusedpar.kernels.kv_rows import move_kv_rows, paged_rows, push_kv_rows
 from fusedpar.layers.kv_cache import PagedKVCache, upload
@@ -129,7 +128,12 @@ def migrate_kv(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads:
     h_dst = len(target_heads)
     src_index = {h: i for i, h in enumerate(cache.kv_heads)}
     dst_index = {h: j for j, h in enumerate(target_heads)}
-    if not dist.is_initialized():
+    if staging is not None:  # its ranks: no lookup on the way to the first push
+        group_ranks = list(staging.ranks)
+        if pg is not None and dist.get_process_group_ranks(pg) != group_ranks:
+            raise ValueError(f"migrate_kv: the staging spans ranks {group_ranks}, the process group "
+                             f"{dist.get_process_group_ranks(pg)}")
+    elif not dist.is_initialized():
         group_ranks = [rank]
     else:
         group_ranks = list(range(dist.get_world_size())) if pg is None else dist.get_process_group_ranks(pg)
@@ -242,9 +246,6 @@ def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_
     sends, recvs, keeps = pieces
     layers, _, bs, h_src, hd = cache.k.shape
     world, me = len(group_ranks), group_ranks.index(rank)
-    if tuple(staging.ranks) != tuple(group_ranks):
-        raise ValueError(f"migrate_kv: the staging spans ranks {list(staging.ranks)}, the migration "
-                         f"{group_ranks}")
     place = {r: i for i, r in enumerate(group_ranks)}
     counts = [[0] * world for _ in range(world)]  # counts[q][p]: rows q sends p, the same on every rank
     for m in plan:
@@ -279,14 +280,12 @@ def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_
     n_recv = sum(counts[q][me] for q in range(world))
     staged = staging.view(cache.k.dtype)
 
-    wait_ms = int(world_timeout().total_seconds() * 1000)  # a peer that never arrives: an error, not a hang
-
     def push(g: int) -> None:
         l0, l1 = groups[g]
         push_kv_rows(flat[0][l0:l1], flat[1][l0:l1], push_idx, meta_dev[g * m:(g + 1) * m], world=world)
-        staging.barrier(timeout_ms=wait_ms)  # every push of group g has landed in its receiver's staging
+        staging.barrier()  # every push of group g has landed in its receiver's staging
 
-    staging.barrier(timeout_ms=wait_ms)  # the peers are done with the staging (an earlier migration's scatters)
+    staging.barrier()  # the peers are done with the staging (an earlier migration's scatters)
     push(0)
     # the target (host work, while the first push runs; its memory is written only by the scatters)
     target, held, problem = _target(cache, rank, target_heads, sequences, min_blocks, keeps, recvs)
