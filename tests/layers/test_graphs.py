@@ -207,6 +207,23 @@ def _final_checks(rank, stack, graph_cache, eager_cache, lengths, layers, dtype)
     return errors
 
 
+def _step_vs_eager(stack, oracle, x, batch, cache, eager_cache, graphs, label, errors):
+    """One step of `stack` on `cache` (a graph replay where one fits; every graph's output poisoned
+    first) against the same stack eager on `eager_cache` and the fp64 oracle: a line into errors
+    where either differs; the step's output."""
+    from fusedpar.testing.scenarios import rel_error
+
+    dtype = stack.weight_dtype
+    for st in graphs._steps.values() if graphs is not None else ():
+        st.out.fill_(float("nan"))
+    y = stack(x.to(dtype), batch, cache)
+    y_eager = stack(x.to(dtype), batch, eager_cache)
+    e_oracle, e_eager = rel_error(y, oracle.forward(x, batch)), rel_error(y, y_eager)
+    if not (e_oracle < REL_TOL[dtype] and e_eager < REL_TOL[dtype]):
+        errors.append(f"{label}: vs oracle {e_oracle:.3g}, vs eager {e_eager:.3g}")
+    return y
+
+
 def _gpu_graph_check(rank, world, cfg, sp, tp, *, options=None):
     """Prefill 6 sequences (eager, base mode), then decode steps of 1..8 sequences through the
     captured graphs (sizes 1, 4, 8: batches of 3, 5, 6 run padded), crossing cache blocks, and
@@ -224,15 +241,7 @@ def _gpu_graph_check(rank, world, cfg, sp, tp, *, options=None):
 
     def step(batch, label):
         x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=gen, dtype=torch.float64).to(dev)
-        for st in graphs._steps.values():
-            st.out.fill_(float("nan"))
-        y_graph = stack(x.to(dtype), batch, graph_cache)
-        y_eager = stack(x.to(dtype), batch, eager_cache)
-        want = oracle.forward(x, batch)
-        e_oracle, e_eager = rel_error(y_graph, want), rel_error(y_graph, y_eager)
-        if not (e_oracle < REL_TOL[dtype] and e_eager < REL_TOL[dtype]):
-            errors.append(f"{label}: vs oracle {e_oracle:.3g}, vs eager {e_eager:.3g}")
-        return y_graph
+        return _step_vs_eager(stack, oracle, x, batch, graph_cache, eager_cache, graphs, label, errors)
 
     step(StepBatch(tuple(lengths), tuple(lengths.values()), (0,) * 6), "prefill")
     before = stack.graph_steps
@@ -305,7 +314,6 @@ def test_gpu_decode_graphs_of_hundreds_of_sequences_match_eager(nccl_world):
     from fusedpar.layers import DenseDecoderStack, ShiftParallelStack, ShiftPolicy, random_decoder_weights
     from fusedpar.layouts import ParallelLayout
     from fusedpar.testing.gpu import all_ranks_ok
-    from fusedpar.testing.scenarios import rel_error
 
     rank, world = nccl_world
     cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=2048,
@@ -326,13 +334,7 @@ def test_gpu_decode_graphs_of_hundreds_of_sequences_match_eager(nccl_world):
 
     def step(batch, label, graphs=None):
         x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=gen, dtype=torch.float64).to(dev)
-        for st in (graphs._steps.values() if graphs is not None else ()):
-            st.out.fill_(float("nan"))
-        y_graph = stack(x.to(dtype), batch, graph_cache)
-        y_eager = stack(x.to(dtype), batch, eager_cache)
-        e_oracle, e_eager = rel_error(y_graph, oracle.forward(x, batch)), rel_error(y_graph, y_eager)
-        if not (e_oracle < REL_TOL[dtype] and e_eager < REL_TOL[dtype]):
-            errors.append(f"{label}: vs oracle {e_oracle:.3g}, vs eager {e_eager:.3g}")
+        _step_vs_eager(stack, oracle, x, batch, graph_cache, eager_cache, graphs, label, errors)
 
     seqs = sorted(lengths)
     for i in range(0, n_seqs, 32):  # prompts, eager, at most 512 tokens a step
@@ -357,7 +359,6 @@ def _gpu_rebind_check(rank, world, cfg, sp, tp):
     the same way (the pool reinterpreted to other heads and back, as a layout switch and its return
     leave it), after rebind(): the sequences' KV moved into it, steps vs the oracle and the eager
     stack, every step a replay. Other memory refuses to rebind."""
-    from fusedpar.testing.scenarios import rel_error
 
     dtype, layers = torch.bfloat16, 2
     dev, oracle, stack, eager_cache, graph_cache = _graph_setup(world, cfg, sp, tp, layers, dtype, seed=11,
@@ -369,13 +370,7 @@ def _gpu_rebind_check(rank, world, cfg, sp, tp):
 
     def step(cache, batch, label):
         x = torch.randn(batch.num_tokens, cfg.hidden_size, generator=gen, dtype=torch.float64).to(dev)
-        for st in graphs._steps.values():
-            st.out.fill_(float("nan"))
-        y = stack(x.to(dtype), batch, cache)
-        y_eager = stack(x.to(dtype), batch, eager_cache)
-        e_oracle, e_eager = rel_error(y, oracle.forward(x, batch)), rel_error(y, y_eager)
-        if not (e_oracle < REL_TOL[dtype] and e_eager < REL_TOL[dtype]):
-            errors.append(f"{label}: vs oracle {e_oracle:.3g}, vs eager {e_eager:.3g}")
+        _step_vs_eager(stack, oracle, x, batch, cache, eager_cache, graphs, label, errors)
 
     def decode(cache, seqs, label):
         step(cache, StepBatch(seqs, (1,) * len(seqs), tuple(lengths[s] for s in seqs)), label)
