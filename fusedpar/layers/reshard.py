@@ -256,6 +256,9 @@ def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_
     groups = _push_groups(layers, per_layer, staging.buffer_bytes)
     if groups is None:  # half the staging holds no layer of the busiest receiver's KV: the all-to-all
         return None
+    # the peers are done with the staging (an earlier migration's scatters); issued first, so that the
+    # device waits for the slowest peer while this host builds the push
+    staging.barrier()
     halves = [0] if len(groups) == 1 else [0, staging.buffer_bytes // 2 // 256 * 256]
     n_keep = sum(tokens[seq] for seq, _ in keeps)
     keep_buf = torch.empty(n_keep * layers * 2 * hd, dtype=cache.k.dtype, device=cache.k.device)
@@ -285,7 +288,6 @@ def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_
         push_kv_rows(flat[0][l0:l1], flat[1][l0:l1], push_idx, meta_dev[g * m:(g + 1) * m], world=world)
         staging.barrier()  # every push of group g has landed in its receiver's staging
 
-    staging.barrier()  # the peers are done with the staging (an earlier migration's scatters)
     push(0)
     # the target (host work, while the first push runs; its memory is written only by the scatters)
     target, held, problem = _target(cache, rank, target_heads, sequences, min_blocks, keeps, recvs)
