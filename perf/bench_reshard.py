@@ -273,7 +273,7 @@ def _fill(cache, cfg, seqs, dtype, env):
 
 def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefill: bool) -> list[dict]:
     from fusedpar.collectives.symmetric import SymmetricWorkspace
-    from fusedpar.layers.reshard import migrate_kv
+    from fusedpar.layers.reshard import migrate_kv, push_staging_bytes
     from fusedpar.layouts import ModelDims, kv_plan
 
     lays, W = _layouts(env.world), env.world
@@ -290,8 +290,9 @@ def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefil
         plans[a, b] = rep, kv_plan(lays[a], lays[b], dims, rep)
     # the staging the library's migration pushes through: the busiest receiver's KV of every layer
     per_token = 2 * cfg["layers"] * cfg["head_dim"] * torch.finfo(dtype).bits // 8
-    most = max(sum(cfg["tokens"] for m in plan if m.dst == r) for _, plan in plans.values() for r in range(W))
-    staging = SymmetricWorkspace(dist.group.WORLD, most * per_token) if env.cuda else None
+    tokens = dict.fromkeys(seqs, cfg["tokens"])
+    most = max(push_staging_bytes(plan, tokens, W, per_token) for _, plan in plans.values())
+    staging = SymmetricWorkspace(dist.group.WORLD, most) if env.cuda else None
     records = []
     for a, b in (("dp", "tp"), ("tp", "dp")):
         src, dst = lays[a], lays[b]

@@ -236,6 +236,12 @@ def _target(cache: PagedKVCache, rank: int, target_heads: tuple[int, ...],
     return target, held, None
 
 
+def push_staging_bytes(plan: list[KVMove], tokens: Mapping[int, int], world: int, per_token: int) -> int:
+    """Bytes a staging needs per rank for migrate_kv to push `plan` in one group: the busiest receiver's
+    rows (ranks 0 .. world - 1) at per_token bytes each (2 * layers * head_dim * element size)."""
+    return per_token * max(sum(tokens[m.seq] for m in plan if m.dst == r and m.src != r) for r in range(world))
+
+
 def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_heads: tuple[int, ...],
                      sequences: Mapping[int, tuple[bool, bool, int]], min_blocks: int, staging: SymmetricWorkspace,
                      group_ranks: list[int], pieces: tuple,

@@ -22,7 +22,7 @@ import torch
 from fusedpar.collectives import ParallelContext
 from fusedpar.collectives.symmetric import SymmetricWorkspace
 from fusedpar.layers import ShiftParallelStack
-from fusedpar.layers.reshard import migrate_kv
+from fusedpar.layers.reshard import migrate_kv, push_staging_bytes
 from fusedpar.layouts import ParallelLayout, kv_plan, shard_problems
 
 from .cache import ShiftParallelCache
@@ -196,18 +196,21 @@ def _live_states(rt: _Runtime) -> list[ShiftParallelCache]:
 
 
 def _staging(rt: _Runtime, stack: ShiftParallelStack, plan: list, tokens: dict[int, int]) -> SymmetricWorkspace | None:
-    """The migration's staging on the fused path (CUDA): sized for the busiest receiver's KV, at most
-    _STAGING_BYTES (a larger migration pushes in layer groups), made or enlarged collectively when a plan
-    needs more than the one held (every rank computes the same size from the plan); None elsewhere."""
+    """The migration's staging on the fused path (CUDA): the busiest receiver's KV rounded up to a power
+    of two, at most _STAGING_BYTES (a larger migration pushes in layer groups), made or enlarged
+    collectively when a plan needs more than the one held (every rank computes the same size from the
+    plan); None elsewhere."""
     kv = rt.kv
     if not plan or stack.fused is None or kv is None or kv.k.device.type != "cuda":
         return None
     per_token = 2 * kv.k.shape[0] * kv.k.shape[-1] * kv.k.element_size()  # one kv head, every layer
-    world = torch.distributed.get_world_size()
-    need = min(_STAGING_BYTES, per_token * max(sum(tokens[m.seq] for m in plan if m.dst == r) for r in range(world)))
-    if rt.staging is None or rt.staging.buffer_bytes < need:
+    need = push_staging_bytes(plan, tokens, torch.distributed.get_world_size(), per_token)
+    if rt.staging is None or rt.staging.buffer_bytes < min(need, _STAGING_BYTES):
+        # a power of two from 1 MiB: a growing batch re-allocates (a collective rendezvous) a few times, not
+        # at every switch
+        size = min(_STAGING_BYTES, max(1 << 20, 1 << (need - 1).bit_length()))
         rt.staging = None  # the old one's memory back before the larger one is allocated
-        rt.staging = SymmetricWorkspace(torch.distributed.group.WORLD, need)
+        rt.staging = SymmetricWorkspace(torch.distributed.group.WORLD, size)
     return rt.staging
 
 
