@@ -28,22 +28,26 @@ reinterpret the source's memory (reinterpret keeps every layer in its own bytes)
 the world (global ranks): every rank calls it with the same plan; a plan without moves exchanges
 nothing.
 
-Through a staging (a SymmetricWorkspace the caller builds once, peer-addressable over NVLink) the
-rows take one pass instead of three: per layer group, one push (fusedpar.kernels.kv_rows.push_kv_rows)
-stores every row this rank sends straight from its pool into its receiver's staging (senders in
-group order, pieces in plan order: the offsets follow from the plan, the same on every rank) and the
-kept rows into a local buffer; a device barrier; two scatters into the target's blocks. The row
-moves and an all-to-all share the HBM: run side by side, each slows the other about as much as it
-hides, so the push's single pass is what shortens the migration. Groups only where the staging is
-short of the busiest receiver's KV: as few as fit half of it each, the halves alternating, so that a
-group's push never overwrites rows a peer is still scattering (a peer passed the barrier after its
-push into that half only after its scatter of the half's previous group). A barrier before the first
-push keeps an earlier migration's scatters safe. Every barrier has the world's timeout: a peer that
-never arrives ends the process with a CUDA error instead of a hang.
+Through a staging (a SymmetricWorkspace the caller builds once, peer-addressable over NVLink) the rows
+take one pass instead of three: per layer group, one push (fusedpar.kernels.kv_rows.push_kv_rows) stores
+every row this rank sends straight from its pool into its receiver's staging (senders in group order,
+pieces in plan order: the offsets follow from the plan, the same on every rank) and the kept rows into a
+local buffer; a device barrier; two scatters into the target's blocks. The row moves and an all-to-all
+share the HBM: run side by side, each slows the other about as much as it hides, so the push's single
+pass is what shortens the migration. _PUSH_GROUPS groups when the staging holds the busiest receiver's
+KV, each in its own region of it (one: at two GPUs the host issues more groups slower than the device
+runs them, perf/tools/probe_migrate.py); where it is short, as few groups as fit half of it each, the
+halves alternating. Several groups: the pushes and barriers go on a high-priority stream, every push
+into a fresh region before the host plans the target, and group g's scatters run on the caller's stream
+beside the later pushes; a push into a region a group used before waits until every rank has scattered
+that group (its stream waits for this rank's scatter, then a barrier). A barrier before the first push
+keeps an earlier migration's scatters safe. Every barrier has the world's timeout: a peer that never
+arrives ends the process with a CUDA error instead of a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from collections.abc import Mapping
 from itertools import accumulate, pairwise
@@ -60,6 +64,8 @@ from fusedpar.layouts.reshard import KVMove
 # KV bytes (of the whole plan, per rank on average) per layer group of a migration, and the most groups
 _GROUP_BYTES = 32 << 20
 _MAX_GROUPS = 4
+# layer groups of a migration through a staging at least (more where the staging is short)
+_PUSH_GROUPS = 1
 
 
 def _row_index(sides: list[tuple[list[list[tuple[int, int]]], Mapping[int, list[int]], int, Mapping[int, int]]],
@@ -259,13 +265,13 @@ def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_
             counts[place[m.src]][place[m.dst]] += tokens[m.seq]
     elt = cache.k.element_size()
     per_layer = max(sum(c[p] for c in counts) for p in range(world)) * 2 * hd * elt  # the busiest receiver
-    groups = _push_groups(layers, per_layer, staging.buffer_bytes)
-    if groups is None:  # half the staging holds no layer of the busiest receiver's KV: the all-to-all
+    plan_ = _push_groups(layers, per_layer, staging.buffer_bytes)
+    if plan_ is None:  # half the staging holds no layer of the busiest receiver's KV: the all-to-all
         return None
+    groups, regions, reuse = plan_
     # the peers are done with the staging (an earlier migration's scatters); issued first, so that the
     # device waits for the slowest peer while this host builds the push
     staging.barrier()
-    halves = [0] if len(groups) == 1 else [0, staging.buffer_bytes // 2 // 256 * 256]
     n_keep = sum(tokens[seq] for seq, _ in keeps)
     keep_buf = torch.empty(n_keep * layers * 2 * hd, dtype=cache.k.dtype, device=cache.k.device)
     # push order: destination after destination, this rank's own slot holding the kept pieces
@@ -275,8 +281,7 @@ def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_
     addrs = staging.peer_addresses()
     meta = []
     for g, (l0, _) in enumerate(groups):
-        half = halves[g % len(halves)]
-        ptrs = [keep_buf.data_ptr() + n_keep * l0 * 2 * hd * elt if p == me else addrs[p] + half
+        ptrs = [keep_buf.data_ptr() + n_keep * l0 * 2 * hd * elt if p == me else addrs[p] + regions[g]
                 for p in range(world)]
         meta += [*ptrs, *bounds, *offs]
     m = 3 * world + 1  # meta values per group
@@ -288,14 +293,33 @@ def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_
     flat = [t.view(layers, -1, hd) for t in (cache.k, cache.v)]
     n_recv = sum(counts[q][me] for q in range(world))
     staged = staging.view(cache.k.dtype)
+    # several groups (CUDA): the pushes and barriers on a high-priority stream, the scatters on the caller's, so
+    # that group g's scatter runs beside the later pushes and never holds up a barrier the peers wait on
+    main = torch.cuda.current_stream(cache.k.device) if cache.k.is_cuda and len(groups) > 1 else None
+    hi = torch.cuda.Stream(cache.k.device, priority=-1) if main is not None else None
+    on_hi = torch.cuda.stream(hi) if hi is not None else contextlib.nullcontext()
+    landed: list = []  # per group: its rows are in their receivers' stagings
+    scattered: list = []  # per group: its received rows are scattered (its staging region is free again)
+    if hi is not None:
+        hi.wait_stream(main)  # the caller's work on the pool, the push's index
 
     def push(g: int) -> None:
         l0, l1 = groups[g]
-        push_kv_rows(flat[0][l0:l1], flat[1][l0:l1], push_idx, meta_dev[g * m:(g + 1) * m], world=world)
-        staging.barrier()  # every push of group g has landed in its receiver's staging
+        with on_hi:
+            if reuse[g] is not None:  # a region reused: every rank has scattered what it held
+                if hi is not None:
+                    hi.wait_event(scattered[reuse[g]])
+                staging.barrier()
+            push_kv_rows(flat[0][l0:l1], flat[1][l0:l1], push_idx, meta_dev[g * m:(g + 1) * m], world=world)
+            staging.barrier()  # every push of group g has landed in its receiver's staging
+            landed.append(hi.record_event() if hi is not None else None)
 
-    push(0)
-    # the target (host work, while the first push runs; its memory is written only by the scatters)
+    # every push into a fresh region goes out before the host plans the target
+    pushed = 0
+    while pushed < len(groups) and reuse[pushed] is None:
+        push(pushed)
+        pushed += 1
+    # the target (host work, while the pushes run; its memory is written only by the scatters)
     target, held, problem = _target(cache, rank, target_heads, sequences, min_blocks, keeps, recvs)
     recv_idx = keep_idx = None
     if problem is None:
@@ -304,30 +328,45 @@ def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_
         recv_idx, keep_idx = idx.split([n_recv, n_keep])
     tflat = [t.view(layers, -1, hd) for t in (target.k, target.v)]
     for g, (l0, l1) in enumerate(groups):
-        if g:
-            push(g)  # into the other half: its readers passed the last barrier after scattering from it
+        if main is not None:
+            main.wait_event(landed[g])
         if problem is None:
-            lg, half = l1 - l0, halves[g % len(halves)] // elt
-            recv = staged[half:half + n_recv * lg * 2 * hd].view(n_recv, lg, 2, 1, hd)
+            lg, at = l1 - l0, regions[g] // elt
+            recv = staged[at:at + n_recv * lg * 2 * hd].view(n_recv, lg, 2, 1, hd)
             keep = keep_buf[n_keep * l0 * 2 * hd:n_keep * l1 * 2 * hd].view(n_keep, lg, 2, 1, hd)
             move_kv_rows(tflat[0][l0:l1], tflat[1][l0:l1], recv_idx, recv, scatter=True)
             move_kv_rows(tflat[0][l0:l1], tflat[1][l0:l1], keep_idx, keep, scatter=True)
+        scattered.append(main.record_event() if main is not None else None)
+        while pushed < len(groups) and reuse[pushed] <= g:  # their regions' readers are done here
+            push(pushed)
+            pushed += 1
     if problem is not None:
         raise RuntimeError(problem)
     return target, n_recv * layers * 2 * hd * elt
 
 
-def _push_groups(layers: int, per_layer: int, capacity: int) -> list[tuple[int, int]] | None:
-    """[l0, l1) layer ranges whose received rows (per_layer bytes per layer) fit the staging: all layers in
-    one group when they fit its capacity, else as few groups as fit half of it each (two halves, so that
-    one group's push runs while the other's rows are still being read); None when one layer does not."""
+def _push_groups(layers: int, per_layer: int,
+                 capacity: int) -> tuple[list[tuple[int, int]], list[int], list[int | None]] | None:
+    """([l0, l1) layer ranges, their byte offsets in the staging, the earlier group whose region each one
+    reuses or None) for received rows of per_layer bytes per layer; None when half the staging holds no
+    layer. _PUSH_GROUPS groups (at most one per layer) each in its own region when all of them fit the
+    staging; else as few groups as fit half of it each, alternating between its halves, so that one
+    group's push runs while the other half's rows are still being read."""
+    g = min(layers, max(1, _PUSH_GROUPS))
     if per_layer * layers <= capacity:
-        return [(0, layers)]
-    most = capacity // 2 // 256 * 256 // max(per_layer, 1)
+        groups = list(pairwise(layers * i // g for i in range(g + 1)))
+        regions = [0]  # each group's rows after the last one's, 256-byte aligned
+        for l0, l1 in groups[:-1]:
+            regions.append(-(-(regions[-1] + (l1 - l0) * per_layer) // 256) * 256)
+        if regions[-1] + (groups[-1][1] - groups[-1][0]) * per_layer <= capacity:
+            return groups, regions, [None] * g
+    half = capacity // 2 // 256 * 256
+    most = half // max(per_layer, 1)
     if most < 1:
         return None
-    g = -(-layers // most)
-    return list(pairwise(layers * i // g for i in range(g + 1)))
+    g = max(g, -(-layers // most), 2)
+    groups = list(pairwise(layers * i // g for i in range(g + 1)))
+    return groups, [half * (i % 2) for i in range(g)], [i - 2 if i > 1 else None for i in range(g)]
 
 
 def _layer_groups(layers: int, nbytes: int) -> list[tuple[int, int]]:

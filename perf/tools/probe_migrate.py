@@ -4,8 +4,9 @@ fusedpar.layers.reshard.migrate_kv pipelines its gathers, all-to-alls and scatte
 layers. On W GPUs (torchrun) this times DP=W -> TP=W and back on the Llama-3-8B shape (8 sequences
 x 2048 tokens, bf16, block 16; bench_reshard.py's setup) for each group count of --groups (the
 module's group size and cap overridden), wall / host / device ms, max over ranks of the median, beside
-NCCL all_to_all_single of the same bytes, and through a symmetric staging (push_kv_rows) in one push
-and in four; then, for the first and last group count and the single push, the CPU ops with
+NCCL all_to_all_single of the same bytes, and through a symmetric staging (push_kv_rows) in one, two, four
+and eight layer groups and through a staging of half the KV (four groups); then, for the first and last group count and
+one and four pushes, the CPU ops with
 the most self time under torch.profiler on rank 0 (the host side of one migration) and its kernels and
 copies by device time (the exchange against the row moves). Prints; no records.
 
@@ -33,8 +34,9 @@ from fusedpar.layers import reshard  # noqa: E402
 from fusedpar.layouts import ModelDims, kv_plan  # noqa: E402
 
 
-def _ops(fn, top: int) -> tuple[str, str]:
-    """(CPU ops by self CPU time, GPU kernels and copies by self device time) of one call of fn."""
+def _ops(fn, top: int, trace: Path | None = None) -> tuple[str, str]:
+    """(CPU ops by self CPU time, GPU kernels and copies by self device time) of one call of fn; trace: a
+    chrome trace of it written there (host launches against kernel start times)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -42,6 +44,9 @@ def _ops(fn, top: int) -> tuple[str, str]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    if trace:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
     ops = prof.key_averages()
     return (ops.table(sort_by="self_cpu_time_total", row_limit=top),
             ops.table(sort_by="self_device_time_total", row_limit=top))
@@ -54,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--top", type=int, default=15, help="CPU ops listed per profile")
+    p.add_argument("--trace", default=None, help="a directory: chrome traces of the profiled migrations, per rank")
     a = p.parse_args(argv)
     if not _bench.torchrun_available():
         print("probe_migrate: needs CUDA GPUs and torchrun (torchrun --nproc-per-node N ...); skipped")
@@ -94,23 +100,29 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"{g}", t))
             if g in (counts[0], counts[-1]):
                 setup()
-                host, device = _ops(fn, a.top)
+                host, device = _ops(fn, a.top, a.trace and Path(a.trace) / f"{src_key}{world}-{dst_key}{world}-"
+                                    f"a2a{g}-rank{rank}.json")
                 if rank == 0:
                     print(f"\n{src_key}{world}->{dst_key}{world}, {g} group(s): CPU ops of one migration "
                           f"on rank 0\n{host}\nits device time per kernel\n{device}")
-        # through a symmetric staging (push_kv_rows): one push, then four (the staging's halves alternating)
+        # through a symmetric staging (push_kv_rows) that holds the busiest receiver's KV, in 1, 2, 4 and 8
+        # layer groups (a region each), then through half of it (four groups, its halves alternating)
         most = int(env.max(float(received)))
-        for label, nbytes in (("push 1", most), ("push 4", most // 2 + 512)):
+        for label, nbytes, least in (("push 1", most, 1), ("push 2", most, 2), ("push 4", most, 4),
+                                     ("push 8", most, 8), ("push 4 short", most // 2 + 512, 1)):
             staging = SymmetricWorkspace(dist.group.WORLD, nbytes)
+            reshard._PUSH_GROUPS = least
             t = env.time(functools.partial(fn, staging=staging), setup)
             rows.append((label, t))
-            if label == "push 1":
+            if label in ("push 1", "push 4"):
                 setup()
-                host, device = _ops(functools.partial(fn, staging=staging), a.top)
+                host, device = _ops(functools.partial(fn, staging=staging), a.top, a.trace and Path(
+                    a.trace) / f"{src_key}{world}-{dst_key}{world}-{label.replace(' ', '')}-rank{rank}.json")
                 if rank == 0:
                     print(f"\n{src_key}{world}->{dst_key}{world}, {label}: CPU ops of one migration "
                           f"on rank 0\n{host}\nits device time per kernel\n{device}")
             del staging
+        reshard._PUSH_GROUPS = 1
         n = max(world, int(received * world / max(world - 1, 1)) // 2 // world * world)
         send = torch.empty(n, dtype=torch.bfloat16, device=env.device)
         recv = torch.empty_like(send)
@@ -122,8 +134,50 @@ def main(argv: list[str] | None = None) -> int:
             for g, t in rows:
                 print(f"{g:>8} {t['wall']:>9.3f} {t['host']:>9.3f} {t['device']:>10.3f} {100 * a2a / t['wall']:>6.0f}%")
         state.clear()
+    _host_costs(base, world, rank)
     _bench.finish_distributed()
     return 0
+
+
+def _host_costs(cache, world: int, rank: int, calls: int = 200) -> None:
+    """Host us per call of what a migration launches, on tiny inputs (rank 0 prints): each launcher
+    against its Triton kernel launched through the JIT directly (the rest is the launcher's Python)."""
+    import time
+
+    from fusedpar.kernels import kv_rows
+
+    layers, _, _, _, hd = cache.k.shape
+    flat = [t.view(layers, -1, hd) for t in (cache.k, cache.v)]
+    idx = torch.arange(64, dtype=torch.int64, device=cache.k.device)
+    chunk = torch.empty((64, layers, 2, 1, hd), dtype=cache.k.dtype, device=cache.k.device)
+    meta = torch.tensor([chunk.data_ptr()] * world + [0] * (world - 1) + [64, 64] + [0] * world,
+                        dtype=torch.int64, device=cache.k.device)[:3 * world + 1]
+    staging = SymmetricWorkspace(dist.group.WORLD, 1 << 20)
+    grid = (2, layers, 2)
+    stream = torch.cuda.current_stream()
+    cases = {
+        "move_kv_rows (scatter)": lambda: kv_rows.move_kv_rows(flat[0], flat[1], idx, chunk, scatter=True),
+        "  its kernel, jit[grid]": lambda: kv_rows._move_rows_kernel[grid](
+            flat[0], flat[1], idx, chunk, 64, flat[0].stride(0), 1, 0, 64 * hd, layers * 64 * hd, HD=hd, HD_P2=hd,
+            SCATTER=False, BLOCKED=False, BLOCK_R=32),
+        "push_kv_rows": lambda: kv_rows.push_kv_rows(flat[0], flat[1], idx, meta, world=world),
+        "staging.barrier()": staging.barrier,
+        "torch.empty 512 MiB": lambda: torch.empty(1 << 29, dtype=torch.uint8, device=cache.k.device),
+        "record + wait event": lambda: stream.wait_event(stream.record_event()),
+    }
+    out = []
+    for name, fn in cases.items():
+        fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        out.append(f"{name:32s} {(t1 - t0) / calls * 1e6:8.1f}")
+    if rank == 0:
+        print("\nhost us per call (tiny inputs)\n" + "\n".join(out))
 
 
 if __name__ == "__main__":

@@ -129,6 +129,8 @@ def _rand_worker(rank, world, kv_heads, groups, directory=None):
         reshard._GROUP_BYTES = 1
     elif groups == "two":
         reshard._GROUP_BYTES, reshard._MAX_GROUPS = 1, 2
+    elif groups == "staging regions":  # a push per layer, each into its own region of the staging
+        reshard._PUSH_GROUPS = LAYERS
     q_heads = 8
     dims = ModelDims(q_heads, kv_heads, HEAD_DIM, 16)
     out = []
@@ -161,8 +163,8 @@ def _rand_worker(rank, world, kv_heads, groups, directory=None):
             from fusedpar.testing.staging import FileStaging
 
             per_layer = max(sum(2 * RAND_SEQS[m.seq] * HEAD_DIM * 4 for m in plan if m.dst == r) for r in range(world))
-            staging = FileStaging(directory, LAYERS * per_layer if groups == "staging" else 2 * per_layer + 512,
-                                  tag=f"trial{trial}")
+            nbytes = 2 * per_layer + 512 if groups == "staging per layer" else LAYERS * per_layer
+            staging = FileStaging(directory, nbytes, tag=f"trial{trial}")
             staging.view(torch.uint8).fill_(0x7F)  # junk where nothing was pushed
         pushes = []
         push = reshard.push_kv_rows
@@ -191,7 +193,7 @@ def _rand_worker(rank, world, kv_heads, groups, directory=None):
 @pytest.mark.parametrize("world,kv_heads,groups", [(2, 2, "one"), (4, 2, "one"), (4, 4, "one"), (2, 1, "one"),
                                                    (4, 2, "per-layer"), (2, 2, "two"), (4, 2, "staging"),
                                                    (2, 1, "staging"), (4, 4, "staging per layer"),
-                                                   (2, 2, "staging per layer")])
+                                                   (2, 2, "staging per layer"), (4, 2, "staging regions")])
 def test_migrate_kv_matches_a_fresh_fill_on_random_values(world, kv_heads, groups, tmp_path):
     """Random KV in a fragmented pool full of junk, migrated onto views of the same memory (the target
     reinterprets the source's bytes) or a grown pool: every target sequence's values, block tables and
@@ -199,7 +201,8 @@ def test_migrate_kv_matches_a_fresh_fill_on_random_values(world, kv_heads, group
     splits of one replica size move nothing; kv-head replication (4 ranks, 2 kv heads) included; the
     layers in one exchange, one per layer, or in two uneven groups (layers 0-1 | 2); or pushed through
     peers' staging buffers (fusedpar.testing.staging: shared files, the Triton interpreter's stores at
-    raw addresses), every layer in one push or one layer per half of a short staging."""
+    raw addresses), every layer in one push, one layer per region of a staging that holds them all, or
+    one layer per half of a short staging."""
     res = run_distributed(_rand_worker, world, kv_heads, groups, str(tmp_path), timeout=300)
     for rank, out in enumerate(res):
         for r in out:
@@ -304,19 +307,22 @@ def test_row_index_matches_the_slots_of_begin_step(seed):
 @pytest.mark.gpu
 def test_gpu_migrate_kv_through_staging_and_all_to_all_match_a_fresh_fill(nccl_world):
     """NCCL ranks, bf16, 8 kv heads of 128, 4 layers, 6 sequences ending mid-block: DP <-> TP (and DP2 x TP2
-    <-> TP on 4 GPUs) through the all-to-all, through a staging that holds every layer (one push), and
-    through one that holds one layer per half (a push per layer, the halves alternating). The pool is
+    <-> TP on 4 GPUs) through the all-to-all, through a staging that holds every layer (one push, or one
+    per layer into its own region), and through one that holds one layer per half (a push per layer, the
+    halves alternating). The pool is
     poisoned with NaN and the staging with junk before each migration; every target sequence's k and v
     must equal its values bit for bit, and the received bytes the plan's."""
     import torch
 
     from fusedpar.collectives.symmetric import SymmetricWorkspace
+    from fusedpar.layers import reshard
     from fusedpar.layers.kv_cache import PagedKVCache
     from fusedpar.layers.reshard import migrate_kv
     from fusedpar.layouts import ModelDims, ParallelLayout, kv_plan
     from fusedpar.testing.gpu import all_ranks_ok
 
     rank, world = nccl_world
+    default_groups = reshard._PUSH_GROUPS
     if world < 2:
         pytest.skip("a migration needs 2 or more GPUs")
     layers, kv_heads, hd, block = 4, 8, 128, 16
@@ -348,10 +354,12 @@ def test_gpu_migrate_kv_through_staging_and_all_to_all_match_a_fresh_fill(nccl_w
                          for s, n in lengths.items()}
             expect = sum(2 * layers * lengths[m.seq] * hd * 2 for m in plan if m.dst == rank)
             per_layer = max(sum(2 * lengths[m.seq] * hd * 2 for m in plan if m.dst == r) for r in range(world))
-            stagings = {"all-to-all": None,  # one group, then one layer per half
-                        "staging": SymmetricWorkspace(torch.distributed.group.WORLD, layers * per_layer),
-                        "staging per layer": SymmetricWorkspace(torch.distributed.group.WORLD, 2 * per_layer + 512)}
-            for name, staging in stagings.items():
+            full = SymmetricWorkspace(torch.distributed.group.WORLD, layers * per_layer)
+            short = SymmetricWorkspace(torch.distributed.group.WORLD, 2 * per_layer + 512)
+            stagings = {"all-to-all": (None, 1),  # one group, one group per layer in regions, one layer per half
+                        "staging": (full, 1), "staging regions": (full, layers), "staging per layer": (short, 1)}
+            for name, (staging, least) in stagings.items():
+                reshard._PUSH_GROUPS = least
                 base.k.fill_(float("nan"))
                 base.v.fill_(float("nan"))
                 if staging is not None:
@@ -361,7 +369,10 @@ def test_gpu_migrate_kv_through_staging_and_all_to_all_match_a_fresh_fill(nccl_w
                     if here:
                         k, v = values(s, heads)
                         cache.fill(s, k, v)
-                new, received = migrate_kv(cache, rank, plan, target, sequences, staging=staging)
+                try:
+                    new, received = migrate_kv(cache, rank, plan, target, sequences, staging=staging)
+                finally:
+                    reshard._PUSH_GROUPS = default_groups
                 where = f"{src!r} -> {dst!r} via {name}"
                 if received != expect:
                     errors.append(f"{where}: received {received} bytes, the plan moves {expect}")
@@ -376,16 +387,32 @@ def test_gpu_migrate_kv_through_staging_and_all_to_all_match_a_fresh_fill(nccl_w
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
 
 
-def test_push_groups_fit_the_staging_or_decline():
-    """One push when the staging holds every layer of the busiest receiver; else as few groups as fit half
-    of it each; None (migrate_kv then takes the all-to-all) when half of it holds no layer."""
+def test_push_groups_fit_the_staging_or_decline(monkeypatch):
+    """_PUSH_GROUPS groups, each in its own region, when the staging holds every layer of the busiest
+    receiver; else as few groups as fit half of it each, a group reusing a region only after the one
+    before it there; None (migrate_kv then takes the all-to-all) when half of it holds no layer."""
+    from fusedpar.layers import reshard
     from fusedpar.layers.reshard import _push_groups
 
-    assert _push_groups(32, 1 << 20, 32 << 20) == [(0, 32)]
-    assert _push_groups(32, 1 << 20, 16 << 20) == [(0, 8), (8, 16), (16, 24), (24, 32)]  # halves of 8 layers
-    assert _push_groups(5, 1 << 20, 4 << 20) == [(0, 1), (1, 3), (3, 5)]  # halves of 2 layers, 3 groups
-    assert _push_groups(32, 1 << 20, (2 << 20) - 1) is None
-    for layers, per_layer, cap in ((7, 300, 4000), (31, 4096, 50000), (3, 1, 10**9)):
-        groups = _push_groups(layers, per_layer, cap)
-        assert [x for a, b in groups for x in range(a, b)] == list(range(layers))
-        assert len(groups) == 1 or all((b - a) * per_layer <= cap // 2 for a, b in groups)
+    mib = 1 << 20
+    monkeypatch.setattr(reshard, "_PUSH_GROUPS", 1)
+    assert _push_groups(32, mib, 32 * mib) == ([(0, 32)], [0], [None])
+    assert _push_groups(32, mib, 16 * mib) == ([(0, 8), (8, 16), (16, 24), (24, 32)], [0, 8 * mib] * 2,
+                                              [None, None, 0, 1])  # halves of 8 layers
+    assert _push_groups(5, mib, 4 * mib) == ([(0, 1), (1, 3), (3, 5)], [0, 2 * mib, 0], [None, None, 0])
+    assert _push_groups(32, mib, 2 * mib - 1) is None
+    monkeypatch.setattr(reshard, "_PUSH_GROUPS", 4)  # a region each where they all fit
+    assert _push_groups(32, mib, 32 * mib) == ([(0, 8), (8, 16), (16, 24), (24, 32)], [0, 8 * mib, 16 * mib, 24 * mib],
+                                              [None] * 4)
+    assert _push_groups(3, mib, 3 * mib)[0] == [(0, 1), (1, 2), (2, 3)]  # at most a group per layer
+    for least in (1, 3):
+        monkeypatch.setattr(reshard, "_PUSH_GROUPS", least)
+        for layers, per_layer, cap in ((7, 300, 4000), (31, 4096, 50000), (3, 1, 10**9), (5, 512, 5 * 512 + 100)):
+            groups, regions, reuse = _push_groups(layers, per_layer, cap)
+            assert [x for a, b in groups for x in range(a, b)] == list(range(layers))
+            assert len(groups) >= min(least, layers)
+            spans = [(r, r + (b - a) * per_layer) for r, (a, b) in zip(regions, groups, strict=True)]
+            assert all(r % 256 == 0 and 0 <= r < e <= cap for r, e in spans), spans
+            for i, j in ((a, b) for a in range(len(spans)) for b in range(a)):  # overlapping regions: a reuse
+                if spans[i][0] < spans[j][1] and spans[j][0] < spans[i][1]:
+                    assert reuse[i] is not None and reuse[i] >= j, (spans, reuse)
