@@ -1,16 +1,20 @@
 """Probe: a KV migration's time against its number of layer groups, and where its host time goes.
 
-fusedpar.layers.reshard.migrate_kv pipelines its gathers, all-to-alls and scatters over groups of
-layers. On W GPUs (torchrun) this times DP=W -> TP=W and back on the Llama-3-8B shape (8 sequences
-x 2048 tokens, bf16, block 16; bench_reshard.py's setup) for each group count of --groups (the
-module's group size and cap overridden), wall / host / device ms, max over ranks of the median, beside
-NCCL all_to_all_single of the same bytes, and through a symmetric staging (push_kv_rows) in one, two, four
-and eight layer groups and through a staging of half the KV (four groups); then, for the first and last group count and
-one and four pushes, the CPU ops with
-the most self time under torch.profiler on rank 0 (the host side of one migration) and its kernels and
-copies by device time (the exchange against the row moves). Prints; no records.
+On W GPUs (torchrun) this times fusedpar.layers.reshard.migrate_kv DP=W -> TP=W and back on the
+Llama-3-8B shape (8 sequences x 2048 tokens, bf16, block 16; bench_reshard.py's setup): wall / host /
+device ms, max over ranks of the median, beside NCCL all_to_all_single of the same bytes, for
 
-Usage: torchrun --nproc-per-node 4 perf/tools/probe_migrate.py [--groups 1,2,4,8] [--iters 10]
+  - the all-to-all path, per group count of --groups (the module's group size and cap overridden);
+  - the push path through a symmetric staging (push_kv_rows) that holds the busiest receiver's KV, in
+    1, 2, 4 and 8 layer groups, and through one of half that (four groups, its halves alternating).
+
+Then, for the first and last group count and for one and four pushes: the CPU ops with the most self
+time under torch.profiler on rank 0 and its kernels by device time (--trace DIR also writes each
+rank's chrome trace there); for one and four pushes, the host timeline of one migration without a
+profiler (when the host enters and leaves each launch and planning step); last, the host cost per
+call of each launch a migration makes. Prints; no records.
+
+Usage: torchrun --nproc-per-node 4 perf/tools/probe_migrate.py [--groups 1,2,4,8] [--iters 10] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -115,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             t = env.time(functools.partial(fn, staging=staging), setup)
             rows.append((label, t))
             if label in ("push 1", "push 4"):
+                line = _host_timeline(functools.partial(fn, staging=staging), setup, staging)
+                if rank == 0:
+                    print(f"\n{src_key}{world}->{dst_key}{world}, {label}: host timeline of one migration on rank 0 "
+                          f"(us from the call, enter-exit; median of 5)\n{line}")
                 setup()
                 host, device = _ops(functools.partial(fn, staging=staging), a.top, a.trace and Path(
                     a.trace) / f"{src_key}{world}-{dst_key}{world}-{label.replace(' ', '')}-rank{rank}.json")
@@ -139,15 +147,69 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _host_timeline(fn, setup, staging, runs: int = 5) -> str:
+    """When the host enters and leaves each launch and planning step of a migration (fn), in us from the
+    call: the median over `runs` calls (without a profiler's overhead)."""
+    import statistics
+    import time
+
+    names = ["push_kv_rows", "move_kv_rows", "_target", "_row_index"]
+    saved = {n: getattr(reshard, n) for n in names}
+    barrier = staging.barrier
+    log: list = []
+
+    def wrap(name, f):
+        def inner(*args, **kw):
+            t = time.perf_counter()
+            out = f(*args, **kw)
+            log.append((name, t, time.perf_counter()))
+            return out
+        return inner
+
+    runs_out = []
+    try:
+        for n in names:
+            setattr(reshard, n, wrap(n, saved[n]))
+        staging.barrier = wrap("barrier", barrier)
+        for _ in range(runs):
+            setup()
+            torch.cuda.synchronize()
+            dist.barrier()
+            log.clear()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            runs_out.append(([(n, (a - t0) * 1e6, (b - t0) * 1e6) for n, a, b in log], (t1 - t0) * 1e6))
+    finally:
+        for n in names:
+            setattr(reshard, n, saved[n])
+        staging.barrier = barrier
+    rows = []
+    for i, (name, _, _) in enumerate(runs_out[0][0]):
+        a = statistics.median(r[0][i][1] for r in runs_out)
+        b = statistics.median(r[0][i][2] for r in runs_out)
+        rows.append(f"  {name:14s} {a:8.0f} {b:8.0f}")
+    rows.append(f"  {'return':14s} {statistics.median(r[1] for r in runs_out):8.0f}")
+    return "\n".join(rows)
+
+
 def _host_costs(cache, world: int, rank: int, calls: int = 200) -> None:
     """Host us per call of what a migration launches, on tiny inputs (rank 0 prints): each launcher
     against its Triton kernel launched through the JIT directly (the rest is the launcher's Python)."""
     import time
+    from array import array
 
     from fusedpar.kernels import kv_rows
+    from fusedpar.layers.kv_cache import upload
 
-    layers, _, _, _, hd = cache.k.shape
+    layers, _, bs, _, hd = cache.k.shape
     flat = [t.view(layers, -1, hd) for t in (cache.k, cache.v)]
+    ints = list(range(4096))
+    host = torch.zeros(4096, dtype=torch.int64)
+    table = torch.arange(8 * 128, dtype=torch.int64, device=cache.k.device).view(8, 128)
+    pieces = torch.tensor([[i, 0, 2048, 2048 * i] for i in range(8)], dtype=torch.int64, device=cache.k.device)
+    rows = torch.empty(8 * 2048, dtype=torch.int64, device=cache.k.device)
     idx = torch.arange(64, dtype=torch.int64, device=cache.k.device)
     chunk = torch.empty((64, layers, 2, 1, hd), dtype=cache.k.dtype, device=cache.k.device)
     meta = torch.tensor([chunk.data_ptr()] * world + [0] * (world - 1) + [64, 64] + [0] * world,
@@ -162,6 +224,10 @@ def _host_costs(cache, world: int, rank: int, calls: int = 200) -> None:
             SCATTER=False, BLOCKED=False, BLOCK_R=32),
         "push_kv_rows": lambda: kv_rows.push_kv_rows(flat[0], flat[1], idx, meta, world=world),
         "staging.barrier()": staging.barrier,
+        "upload 4096 int64 (pinned)": lambda: upload(host, cache.k.device),
+        "paged_rows (8 x 128 blocks)": lambda: kv_rows.paged_rows(table, pieces, rows, block_size=bs, heads=1,
+                                                                  max_tokens=2048),
+        "torch.frombuffer(array) 4096": lambda: torch.frombuffer(array("q", ints), dtype=torch.int64),
         "torch.empty 512 MiB": lambda: torch.empty(1 << 29, dtype=torch.uint8, device=cache.k.device),
         "record + wait event": lambda: stream.wait_event(stream.record_event()),
     }
