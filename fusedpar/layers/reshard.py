@@ -265,10 +265,10 @@ def _migrate_by_push(cache: PagedKVCache, rank: int, plan: list[KVMove], target_
             counts[place[m.src]][place[m.dst]] += tokens[m.seq]
     elt = cache.k.element_size()
     per_layer = max(sum(c[p] for c in counts) for p in range(world)) * 2 * hd * elt  # the busiest receiver
-    plan_ = _push_groups(layers, per_layer, staging.buffer_bytes)
-    if plan_ is None:  # half the staging holds no layer of the busiest receiver's KV: the all-to-all
+    split = _push_groups(layers, per_layer, staging.buffer_bytes)
+    if split is None:  # half the staging holds no layer of the busiest receiver's KV: the all-to-all
         return None
-    groups, regions, reuse = plan_
+    groups, regions, reuse = split
     # the peers are done with the staging (an earlier migration's scatters); issued first, so that the
     # device waits for the slowest peer while this host builds the push
     staging.barrier()
