@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import logging
 
 import torch
@@ -277,7 +278,13 @@ class WorkerState:
                     len(rows), rows[0], rows[-1], seconds)
 
     # ---- per step -----------------------------------------------------------------------------
-    def begin_step(self, num_tokens: int) -> None:
+    def begin_step(self, num_tokens: int, compile_shift=None) -> None:
+        """Decide the mode of a step of `num_tokens` tokens and set the step up for it.
+
+        compile_shift: a callable that runs the decoder model on this step's inputs through vLLM's
+        compiled path (see `_first_compile`); called at most once, before the compiled path has
+        been traced.
+        """
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
         fc = get_forward_context() if is_forward_context_available() else None
@@ -285,6 +292,8 @@ class WorkerState:
         if mode == "base" and fc is None:
             # without a forward context the compiled model cannot be bypassed: shift is always exact
             mode = "shift"
+        if fc is not None and self._shift_trace_pending():
+            self._first_compile(fc, mode, num_tokens, compile_shift)
         if mode == "base":
             from vllm.config import CUDAGraphMode
 
@@ -315,6 +324,38 @@ class WorkerState:
         # profile / warm-up runs carry no attention metadata, graph captures run on a capturing
         # stream: neither is a step of the workload, so neither is counted
         self._counted = self._is_workload_step(fc)
+
+    # The compiled (shift) path must be traced at a token count that torch does not specialize on.
+    # vLLM marks the token dimension dynamic and traces the decoder model once, at its first compiled
+    # call, with dynamo's guards dropped. A dimension of size 0 or 1 is specialized (a constant) even
+    # when marked dynamic, so a trace taken at a one-token step is a graph for exactly one token, and
+    # with no guard left it is replayed for every later shift step: a multi-token shift step then
+    # writes past buffers sized for one row. Plain vLLM traces at its profile run (max_num_batched_tokens
+    # tokens); with fusedpar that run is a base step, which bypasses the compiled model, so without
+    # `_first_compile` the first compiled call would be the first shift step the workload happens to
+    # send, often a one-token decode.
+    MIN_TRACE_TOKENS = 2
+
+    def _shift_trace_pending(self) -> bool:
+        """Whether vLLM will compile the decoder model and has not traced it yet."""
+        m = self.decoder_model
+        return m is not None and not getattr(m, "do_not_compile", True) and not self._decoder_compiled()
+
+    def _first_compile(self, fc, mode: str, num_tokens: int, compile_shift) -> None:
+        """Before the compiled path is traced: a base step traces it first, on its own inputs (the
+        profile run: the size and the inputs plain vLLM traces with); a shift step too small to trace
+        at runs vLLM's eager model instead, and the trace waits for a step that can take it."""
+        if self._is_capturing():
+            return
+        if mode == "base" and compile_shift is not None and num_tokens >= self.MIN_TRACE_TOKENS:
+            logger.info("fusedpar: tracing vLLM's compiled model (shift mode) at this %d-token base step, "
+                        "before running it in base mode", num_tokens)
+            compile_shift()  # the layers are in shift mode: vLLM's TP = P model, output dropped
+            if self._shift_trace_pending():
+                raise RuntimeError("fusedpar: running the decoder model through vLLM's compiled path did not "
+                                   "compile it; the shift path would be traced later at an arbitrary size")
+        elif mode == "shift" and num_tokens < self.MIN_TRACE_TOKENS:
+            fc.skip_compiled = True  # vLLM's own eager model: the same shift math, nothing traced
 
     def _is_capturing(self) -> bool:
         return self.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -443,14 +484,15 @@ class WorkerState:
                     self.base_kernels.describe())
 
     def _root_pre(self, module, args, kwargs):
-        x = kwargs.get("input_ids")
-        if x is None:
-            x = kwargs.get("inputs_embeds")
-        if x is None and args:
-            x = args[0]
-        if x is None:
-            x = kwargs.get("positions")
-        self.begin_step(int(x.shape[0]) if x is not None else 0)
+        inputs = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+        x = next((inputs.get(k) for k in ("input_ids", "inputs_embeds", "positions") if inputs.get(k) is not None),
+                 None)
+
+        def compile_shift():  # the root's own call of its decoder model (vLLM's llama.py / qwen2.py / qwen3.py)
+            self.decoder_model(inputs.get("input_ids"), inputs.get("positions"), inputs.get("intermediate_tensors"),
+                               inputs.get("inputs_embeds"))
+
+        self.begin_step(int(x.shape[0]) if x is not None else 0, compile_shift)
         return None
 
     def _root_post(self, module, args, output):
