@@ -65,8 +65,8 @@ def finish_distributed() -> None:
 
 def exit_without_teardown(code: int = 0) -> None:
     """End a benchmark that captured CUDA graphs containing NCCL / symmetric-memory work: after a
-    barrier, leave with os._exit. Tearing the process group down while such graphs exist hung past
-    the records being written (4x H200); the OS reclaims all."""
+    barrier, leave with os._exit. Tearing the process group down while such graphs exist can hang
+    after the records are written; the OS reclaims all."""
     dist.barrier()
     torch.cuda.synchronize()
     sys.stdout.flush()
@@ -119,14 +119,13 @@ class BarrierTimer:
         host-bound, and on a shared host the launch speed drifts over seconds, so timing one variant
         after the other lets the drift decide the ratio. interleaved_order() varies each variant's
         predecessor as well as its position, and runs each variant once, untimed and synchronized,
-        right before each of its timed samples. The predecessor matters: on 4x H200
-        (perf/tools/probe_eager_fallback.py) an eager F.linear + NCCL all-reduce sample took
-        96.6 / 79.6 / 106.0 us per call right after a sample of the Triton one-shot and 73.7-77.6 /
-        62.8-64.2 / 92.5-96.7 us after any other variant, at 8 / 64 / 512 rows; a fixed cycle
-        (A B C, B C A, ...) that always runs the router's fallback right after the fused path
-        measures it at 0.83-0.97x of a plain path it is identical to on the GPU. The priming run
-        helps but does not remove the effect, so its cause is not only the host's caches; the
-        random order spreads what is left over all variants alike.
+        right before each of its timed samples. The predecessor matters: an eager F.linear + NCCL
+        all-reduce sample runs slower right after a sample of the Triton one-shot than after any
+        other variant (perf/tools/probe_eager_fallback.py prints it by predecessor), so a fixed
+        cycle (A B C, B C A, ...) that always runs the router's fallback right after the fused path
+        times it below a plain path it is identical to on the GPU. The priming run helps but does
+        not remove the effect, so its cause is not only the host's caches; the random order
+        spreads what is left over all variants alike.
         by_predecessor, if given, receives the timed medians by (variant, variant timed before it)."""
         names = list(variants)
         runs = {name: (lambda calls=calls: [c() for c in calls]) for name, calls in variants.items()}

@@ -21,7 +21,7 @@ Decode graph records ("case": "decode Bx4096 graph", "timing": "cuda graph"; the
 the same shape carries "timing": "eager"). In the layer stack a decode step runs as one CUDA-graph
 replay, so the host's launch cost is not paid per kernel there; timed eagerly, the decode shapes
 (1 .. 8 sequences) measure the host instead: the fused path is three Triton launches plus Python
-argument handling against SDPA's one launch (eager speedup 0.3 - 0.55x). So every decode shape run
+argument handling against SDPA's one launch. So every decode shape run
 with pick_config's tiling is also timed with both sides captured: per side one graph holding one
 call on each operand set in turn (SDPA; the fused full path; the fused attention-only path), so
 one replay still rotates the operands through L2 and amortises the replay's own launch. ms per
@@ -47,8 +47,8 @@ incl. prerotate_q) on prefill 1x4096, 4x1024 and 4x256 and on decode 1x4096, 8x4
 benchmark's decode case) and 64x4096, to tune pick_config on the GPU. Sweep records ("sweep": true) are measured like
 the others: fused_ms is the full path the layer runs (RoPE on q/k + KV-cache write + attention)
 with that tiling, fused_attention_only_ms the attention alone with it (write_kv=False, no RoPE).
-Both matter: the attention-only time hid the cost of the in-kernel q norm/RoPE prologue (0.23 vs
-0.37 ms at 4096 tokens), which is what prerotate_q removes. Each tiling compiles its kernels once;
+Both matter: the attention-only time hid the cost of the in-kernel q norm/RoPE prologue, which is
+what prerotate_q removes. Each tiling compiles its kernels once;
 a tiling that fails (compile error, shared memory) is recorded with its error, the sweep goes on.
 
 Usage (GPU machine, repo root):
@@ -160,9 +160,8 @@ def _rope_stock(qkv, cos_sin, positions):
 
 # torch.compile'd RoPE (Inductor fuses it into one kernel): the best stock form of that step;
 # compiled lazily on first use, so importing this file compiles nothing. The cache write stays
-# eager: with it inside the compiled function the stock step cost 0.35 ms at decode 64 x 4096
-# (H200), about one copy of the whole 134 MB cache, which an in-place write into a functionalised
-# input would explain.
+# eager: with it inside the compiled function the stock step cost about one copy of the whole
+# cache, which an in-place write into a functionalised input would explain.
 _rope_compiled = None
 
 
@@ -363,17 +362,17 @@ def bench_case(kind, seq_lens, context, args, ctx, config=None) -> dict:
 # earlier pick_config choices (3 / 4 stages, no page prefetch; the 32-key tile for sequences over
 # 1024 tokens), the third its current choice. Without page_prefetch the K/V
 # addresses come from a block-table load in the same loop iteration, and Triton 3.6's pipeliner
-# gives such indirect loads about (stages - 2) // 2 tiles of lookahead (5-8 stages measured
-# not faster); with it the entries are loaded a tile ahead and stages - 1 tiles are in flight.
+# gives such indirect loads about (stages - 2) // 2 tiles of lookahead (5-8 stages were not
+# faster); with it the entries are loaded a tile ahead and stages - 1 tiles are in flight.
 PREFILL_SWEEP = (
     (128, 64, 8, 3, True, False), (128, 32, 4, 4, True, False), (128, 64, 8, 3, True, True),
     (128, 64, 8, 4, True, True),
 )
 PREFILL_SWEEP_SHAPES = ([16384], [4096] * 4, [256] * 4, [128] * 4)
 # --short-prefill-sweep: batches of short sequences, where the full path (write kernel + attention)
-# trailed SDPA. Optional 7th field: more AttentionConfig fields (pdl). On one H200, PDL saves ~1 us per
+# trailed SDPA. Optional 7th field: more AttentionConfig fields (pdl). On an H200, PDL saves time per
 # launch pair and q pre-rotation stays ahead of or ties with the unrotated path; 64-row tiles are
-# slower.
+# slower. Records: the "sweep" ones in perf/results/attention.json.
 SHORT_PREFILL_SWEEP_SHAPES = ([128] * 4, [256] * 4, [512] * 4, [1024] * 4, [512], [1024], [2048])
 SHORT_PREFILL_SWEEP = (
     (128, 64, 8, 3, True, True, {"pdl": False}), (128, 64, 8, 3, True, True),

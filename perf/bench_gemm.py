@@ -40,8 +40,8 @@ import shapes
 
 TP = 4  # per-rank shapes of a TP=4 layer; the shift view is block SHIFT_BLOCK of TP blocks
 SHIFT_BLOCK = 1  # not 0, so the view really starts at an offset
-SLEEP_CYCLES = 1_000_000  # ~0.5 ms GPU spin ahead of each timed call: longer than a launch (~0.1 ms of host
-# time per launch on some hosts, which a 0.1 ms spin let into the timings)
+SLEEP_CYCLES = 1_000_000  # GPU spin ahead of each timed call (~0.5 ms): longer than the host's launch of
+# the call on slow hosts, which a shorter spin let into the timings
 BASELINE = "cuBLAS torch.nn.functional.linear"
 
 MODELS = ("llama70b", "qwen32b")  # keys of shapes.SHAPES
@@ -176,7 +176,7 @@ def bench_case(case, tokens, args, dtype, peak, bandwidth, l2_bytes, gemm, devic
 
 
 def diagnose_tma(args, dtype, l2_bytes, gemm, device) -> None:
-    """Why a TMA tiling can time slower here than in perf/tune_gemm.py: GPU time of the pointer-load
+    """Why a TMA tiling can time slower here than in perf/tools/tune_gemm.py: GPU time of the pointer-load
     and the TMA pick on this bench's operand sets (a separate weight per set, so weights are cold)
     and on one shared weight (tune_gemm's setup), and the host us per launch of each (printed)."""
     import time

@@ -39,7 +39,7 @@ sum, with every constant measured in this run:
     all-reduce floor 2 (W-1)/W * out bytes / B_bus, B_bus the NCCL all-reduce bus bandwidth at
                      256 MiB (NVLink as the stock stack reaches it; NVLS/multicast off).
 roofline_pct = floor / fused time * 100. For decode the floor ignores latency (launch + one
-cross-GPU hop, ~7 us here: perf/results/one_shot_all_reduce.json), so decode percentages are low
+cross-GPU hop: perf/results/one_shot_all_reduce.json), so decode percentages are low
 by construction.
 
 Usage (GPU machine, repo root):

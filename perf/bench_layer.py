@@ -344,7 +344,7 @@ def main() -> int:
                                       r[f"plain TP {kind}"], kind))
             # The policy in the steady state of a deep model: its mode's per-layer time against the
             # faster plain mode's, measured the same way (the "eager" policy record above charges a
-            # one-layer stack the whole step's host work, which swings by 10-30% between samples).
+            # one-layer stack the whole step's host work, which swings widely between samples).
             policy_mode = policy.mode(n, world // args.base_tp)
             if "plain TP layer pipelined" in r:
                 runs_here.append((

@@ -14,8 +14,8 @@
 # options (per-rank logs: TORCHRUN_ARGS="--log-dir /tmp/ranks --tee 3", then copy the logs you need into $OUT:
 # the device tool brings back files at most two folders below it).
 # A device call lasts at most 600 s: "all" does not fit one call; pass a subset per call, e.g.
-#   bash perf/run_gpu.sh tests hf          # the GPU tests: 226 s on a 4x H200 host, ~400 s on a
-#                                          # slower one (Triton compiles on the CPU), hence TEST_TIMEOUT 520
+#   bash perf/run_gpu.sh tests hf          # the GPU tests; Triton compiles on the CPU, so a slow host
+#                                          # needs most of TEST_TIMEOUT (520 s)
 #   bash perf/run_gpu.sh qkv_all_to_all all_to_all_o_proj gemm one_shot
 # Results: $OUT if set, else perf/results/ (the tools' outputs: perf/tools/out/). Each run writes
 # gpu_run.log (environment, every command and its output; not committed) and one JSON per benchmark;
@@ -84,9 +84,9 @@ for item in "${ITEMS[@]}"; do
     launch) run timeout 120 python3 perf/tools/probe_launch.py ;;
     # KV migration's gathers / scatters: torch index ops vs a flat index vs Triton, beside a plain copy (one GPU)
     kv_gather) run timeout 120 python3 perf/tools/probe_kv_gather.py ${KV_GATHER_ARGS:-} ;;
-    # KV migration time per number of layer groups, and its host-side ops (printed)
     # copy-engine pulls from symmetric memory vs NCCL all-to-all, alone and beside row moves
     peer_copy) run timeout "${PEER_COPY_TIMEOUT:-180}" "${TRUN[@]}" perf/tools/probe_peer_copy.py ${PEER_COPY_ARGS:-} ;;
+    # KV migration time per number of layer groups, and its host-side ops (printed)
     migrate_probe) run timeout "${MIGRATE_TIMEOUT:-240}" "${TRUN[@]}" perf/tools/probe_migrate.py ${MIGRATE_ARGS:-} ;;
     gemm) run timeout 150 python3 perf/bench_gemm.py --out "$RES/gemm.json" ;;
     one_shot) run timeout 120 "${TRUN[@]}" perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json" ;;

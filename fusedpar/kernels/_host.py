@@ -1,8 +1,8 @@
 """Integer helpers for the launchers' host code.
 
 triton.cdiv and triton.next_power_of_2 are Triton constexpr functions: called from host code
-they go through Triton's constexpr unwrapping, ~2 us per call on a typical GPU host's CPU, and
-an eager decode step makes a dozen such calls per layer. These are the plain-int versions,
+they go through Triton's constexpr unwrapping, which costs host time on every call, and an eager
+decode step makes a dozen such calls per layer. These are the plain-int versions,
 plus the argument checks the launchers run per launch (power-of-two tilings, output overlap),
 kept to a few integer operations each. Also the facts every launcher shares: the dtypes the
 kernels take, whether Triton runs interpreted, and the device's SM count.

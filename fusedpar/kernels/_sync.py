@@ -53,8 +53,8 @@ STATUS = tl.constexpr(COUNTER_STATUS)
 
 # Interpreter: the phased emulations set every flag before it is waited on; a few polls suffice.
 INTERPRETER_SPIN_LIMIT = 8
-# GPUs: polls of a local flag word (a system-scope acquire RMW, ~0.2-1 us each) before a wait gives
-# up and reports counters[STATUS] = 1: seconds, far above any legitimate wait (a peer's GEMM, launch
+# GPUs: polls of a local flag word (a system-scope acquire RMW each) before a wait gives up and
+# reports counters[STATUS] = 1: seconds, far above any legitimate wait (a peer's GEMM, launch
 # skew, a peer's first-call Triton compile), yet a reported error rather than a hang.
 GPU_SPIN_LIMIT = 1 << 25
 

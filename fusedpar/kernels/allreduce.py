@@ -449,7 +449,7 @@ def one_shot_all_reduce(
     one_shot_capacity_bytes(peers) bytes (it is copied into the workspace); out=x is allowed
     (in place). Capture-safe: allocates only `out` (nothing when out is given).
     Under torch.compile it is the registered op; in eager it launches directly, because the
-    custom-op dispatcher's host cost is a sizeable part of a ~10 us decode all-reduce.
+    custom-op dispatcher's host cost is a sizeable part of a decode-size all-reduce.
     options: AllReduceOptions (config, use_flags); None: defaults.
     """
     opts = options or _DEFAULT_OPTIONS
@@ -518,8 +518,8 @@ def _sum_options():
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
     # What dist.all_reduce(async_op=False) sets. The default (True) makes NCCL run the collective
-    # on its internal stream, fenced by events both ways: the same host cost, but 10-25% more GPU
-    # time per eager decode-size GEMM + all-reduce than the synchronous form on the caller's stream.
+    # on its internal stream, fenced by events both ways: the same host cost, but more GPU time per
+    # eager decode-size GEMM + all-reduce than the synchronous form on the caller's stream.
     if hasattr(opts, "asyncOp"):
         opts.asyncOp = False
     return opts

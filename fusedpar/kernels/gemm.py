@@ -262,7 +262,8 @@ def pick_config(
     Interpreter: 32x32x32 tiles, GROUP_M=2, so CPU tests are quick yet still see several tiles,
     ragged edges and more than one swizzle group per program.
 
-    GPU (tuned on H200 over the Llama-3-70B and Qwen3-32B TP=4 shapes, perf/tune_gemm.py). A config
+    GPU (tuned on H200 over the Llama-3-70B and Qwen3-32B TP=4 shapes with perf/tools/tune_gemm.py; the
+    chosen tilings' times: perf/bench_gemm.py, perf/results/gemm.json). A config
     needs num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + BLOCK_M * BLOCK_N * 2 bytes of the 227 KiB
     of shared memory per CTA.
       - m <= 64 (decode): weight-read bound, so the grid must cover the SMs: BLOCK_M = next power
@@ -278,11 +279,11 @@ def pick_config(
         score of four tiles, score = wave fill (tiles / (waves * #SMs)) x the tile's own efficiency:
         128x256x64 (8 warps, 4 stages) 1.0, 128x128x64 (4 warps, 5 stages) 0.97, 64x128x128 (4
         warps, 4 stages) 0.82, and the split tile 64 x (256 + 64) (BLOCK_N2; 4 warps, 4 stages,
-        nested loop) 0.91: where both fill their waves (N = 5120 x 2048 rows) 128x128 is 5-6%
+        nested loop) 0.91: where both fill their waves (N = 5120 x 2048 rows) 128x128 is
         faster. With N and K both >= 4096 the split tile takes GROUP_M = 16 (all 16 tile rows of
         1024 rows in one swizzle group); narrower or shallower shapes keep 8.
     fp32 inputs halve BLOCK_K so the operand buffers keep the same byte size.
-    Not offered, measured slower on these shapes: cutting K so narrow-N GEMMs fill every SM,
+    Not offered, slower on these shapes: cutting K so narrow-N GEMMs fill every SM,
     stream-K (every SM starts at its own K offset, so shared operands no longer meet in L2), and
     a lockstep split-K of the last partial wave (its fp32 partial round trip costs more than the
     fuller wave gains).

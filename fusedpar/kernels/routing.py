@@ -45,11 +45,12 @@ def in_ranges(rows: int, ranges: RowRanges) -> bool:
 
 
 TABLE: dict[tuple[str, int], Thresholds] = {
-    # SP=4 / TP=4, Llama-3-70B and Qwen3-32B shapes. qkv_all_to_all beats cuBLAS + NCCL all_to_all
-    # at every m from 8 to 16384 (1.01-1.47x); all_to_all_o_proj beats NCCL + cuBLAS up to 128 rows
-    # (1.05-1.23x), not above. gemm_all_reduce one-shot in graphs: 1.07-1.33x for 8-64 rows;
-    # two-shot with interleaved samples: 0.88-1.02x at 4096 rows, 1.00-1.10x at 8192, 1.00-1.15x
-    # at 16384. One-shot all-reduce beats torch's symm_mem one-shot and NCCL up to 256 KiB.
+    # SP=4 / TP=4, Llama-3-70B and Qwen3-32B shapes; each field is where the fused path beat the plain one:
+    #   qkv_fused_rows                 perf/bench_qkv_all_to_all.py       perf/results/qkv_all_to_all.json
+    #   o_proj_fused_rows              perf/bench_all_to_all_o_proj.py    perf/results/all_to_all_o_proj.json
+    #   one_shot_max_rows (graphs),
+    #   two_shot_min_rows              perf/bench_gemm_all_reduce.py      perf/results/gemm_all_reduce.json
+    #   all_reduce_one_shot_max_bytes  perf/bench_one_shot_all_reduce.py  perf/results/one_shot_all_reduce.json
     ("H200", 4): Thresholds(
         qkv_fused_rows=((1, None),),
         o_proj_fused_rows=((1, 128),),

@@ -13,7 +13,7 @@ here one program per (row, column tile) reads gate and up once and writes act on
 _silu_mul_kernel (@triton.jit) -> silu_mul launcher (checks, tiling, allocation); silu_mul_reference
 (fusedpar.kernels.reference.blocked_swiglu: the plain path, CPU and tests).
 Computing the same thing inside the down projection's GEMM operand load instead (no act tensor)
-was measured 2x slower on the decode path (fusedpar.kernels.gemm_all_reduce docstring).
+was slower on the decode path (fusedpar.kernels.gemm_all_reduce docstring).
 """
 
 from __future__ import annotations

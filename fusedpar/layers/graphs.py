@@ -5,9 +5,9 @@ the decode graphs; the varlen graphs differ in their static inputs and padding (
 and base graphs also in what runs inside (each SP rank's rows in, all rows gathered out).
 
 A decode step (every sequence adds one token) at low traffic is short enough that launching
-~10 kernels per layer from Python costs more than the GPU work: 64 layers x 10 launches x
-~5 us is 3 ms of host time for a step whose weight read takes ~3 ms on 4 GPUs. DecodeGraphs
-captures the whole stack once per batch size and replays it.
+~10 kernels per layer from Python costs as much host time as the step's GPU work (eager against
+replayed steps: perf/bench_layer.py, perf/results/layer.json). DecodeGraphs captures the whole
+stack once per batch size and replays it.
 
 What is captured, per batch size B (sizes <= the policy's shift threshold, so every captured
 step is a shift-mode step, and every rank captures the same graphs in the same order):
@@ -439,9 +439,10 @@ class PrefillGraphs(_StackGraphs):
     decode batches larger than the decode graphs) for a set of token counts. A step of n tokens
     replays the smallest captured size >= n, padded as fill_prefill_inputs describes.
 
-    Why: a shift-mode step of 128-1024 tokens does ~0.1-0.5 ms of GPU work per layer, while
-    launching its ~12 kernels from Python takes 0.6-1.2 ms of host time per layer, so eagerly
-    those steps run at the host's speed. A replay costs one staging copy per step, whatever the layer count.
+    Why: launching a shift-mode step's ~12 kernels per layer from Python takes longer than their GPU
+    work at 128-1024 tokens, so eagerly those steps run at the host's speed (the "prefill replay"
+    records of perf/bench_layer.py in perf/results/layer.json against the eager ones). A replay costs
+    one staging copy per step, whatever the layer count.
 
     stack, cache: as DecodeGraphs; sizes: token counts to capture (each <= the shift threshold when
     SP > 1, and <= enable_fused's max_tokens); max_seqs: the most sequences a replayed step may have;
@@ -510,7 +511,7 @@ class BaseGraphs(PrefillGraphs):
     the step in, the Ulysses exchanges inside every layer, every rank's rows all-gathered at the end).
 
     Why: an eager base-mode step launches ~15 kernels per layer from Python whatever its size; at 8B
-    shapes that is ~35 ms of host time for a step whose GPU work takes 5-20 ms.
+    shapes that host time exceeds the GPU work of steps of a few thousand tokens.
 
     sizes: token counts, each a multiple of SP and above the shift threshold (smaller steps are
     shift-mode steps); the rest as PrefillGraphs.

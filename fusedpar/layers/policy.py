@@ -9,10 +9,9 @@ import torch
 
 from fusedpar.layouts import check_mode
 
-# The fused crossover measured on 4x H200 (perf/bench_layer.py, Llama-3-70B layer, bf16,
-# perf/results/layer.json): shift beats base at 512 tokens (1.39 vs 1.58 ms), base beats shift
-# at 2048 (2.39 vs 2.70 ms) and beyond; the plain-path crossover lies in the same 512-2048 range.
-# 1024 sits between the two measured points.
+# Steps of more tokens than this run in base mode. The value lies between the layer benchmark's
+# 512-token point (a shift step beats a base step) and its 2048-token point (base beats shift);
+# Llama-3-70B layer, bf16, 4x H200: perf/bench_layer.py; perf/results/layer.json.
 DEFAULT_SHIFT_THRESHOLD = 1024
 
 

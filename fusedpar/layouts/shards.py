@@ -34,7 +34,7 @@ heads per TP shard, r = SP_AG replicas of each kv head, kv row = 2*hd values):
     layer) for 32 q / 4 kv heads at SP=8 (Qwen3-30B-A3B attention).
 So duplicate_columns moves the same bytes in one fused collective for a few % more GEMM work.
 (Algorithm 1 is not implemented, so this is a bytes/collectives argument, not a timed
-comparison; the replicated layouts are verified on 4x H200 by tests/layers/test_fused_gpu.py.)
+comparison; the GPU tests in tests/layers/test_fused_gpu.py cover the replicated layouts.)
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ class _Runtime:
     def head_logits(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
         """The final norm + lm_head of a step that replayed a decode graph, [b, 1, vocab], from a CUDA
         graph of those two modules for its size (None for any other step: the caller runs them). Why:
-        the norm alone is ~7 eager launches per step, ~0.1 ms of host time. The
+        the norm alone is ~7 eager launches per step, host time a replayed step would otherwise pay. The
         modules are replicated and collective-free, so each rank captures on its own, lazily; a graph
         is recaptured when a parameter of the two modules is no longer the tensor it captured."""
         size = self.replayed

@@ -1,7 +1,8 @@
 """What the user asked for (`--additional-config '{"fusedpar": {...}}'`) and whether it can run.
 
-Pure Python (no vllm, no torch.distributed): the worker-side adapter (`plugin.py`) extracts the
-numbers from vLLM's config and calls `check_deployment`, and the unit tests call it directly.
+Pure Python (no vllm, no torch.distributed): `state.deployment_info` extracts the numbers from vLLM's
+config; `check_deployment` runs on them where the engine config is built (`check_engine_config` in
+`__init__.py`) and again in each worker (`state.py`), and the unit tests call it directly.
 Every problem found is collected and raised together as one `FusedparConfigError` (a
 ValueError) whose message names each constraint and its numbers.
 """
@@ -17,13 +18,12 @@ CONFIG_KEY = "fusedpar"
 KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels")
 MAX_SHIFT_THRESHOLD = 2**31 - 1  # any value >= max_num_batched_tokens already means "always shift"
 FUSED_KERNEL_CHOICES = ("auto", True, False)
-# shift_threshold when the section names none. With base-step CUDA graphs (bf16 / fp16 with the fused
-# kernels, base TP = 1, vLLM graphs on) it is vLLM's largest graph, at every P: above it vLLM runs its
-# compiled model without graphs, and base steps, replayed as graphs, were faster at every measured size
-# from 1024 tokens on (perf/bench_vllm.py, Qwen3-32B shape, docs/vllm.md). Eager base steps are bound by
-# host time up to a few thousand tokens: P = 4 measured its TTFT crossover at 3584 (base 0.77x at 2048
-# tokens, 1.07x at 4096); other P are not measured eagerly, and 4096 keeps every step up to 4096 tokens on
-# vLLM's path.
+# shift_threshold when the section names none (default_shift_threshold). With base-step CUDA graphs (bf16 /
+# fp16 with the fused kernels, base TP = 1, vLLM graphs on) it is vLLM's largest graph at every P: above it
+# vLLM runs its compiled model without graphs (TTFT sweep: perf/bench_vllm.py; perf/results/vllm.json).
+# Eager base steps are bound by host time up to a few thousand tokens, so their default is the TTFT
+# crossover per P (tensor_parallel_size); a P without an entry gets FALLBACK_SHIFT_THRESHOLD.
+# Eager base steps, Qwen3-32B shape, 4x H200: the eager TTFT sweep of perf/bench_vllm.py (enforce_eager).
 EAGER_SHIFT_THRESHOLDS = {4: 3584}
 FALLBACK_SHIFT_THRESHOLD = 4096
 GRAPH_CAPTURE_DEFAULT = 512  # vLLM's default max_cudagraph_capture_size

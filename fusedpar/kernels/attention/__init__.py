@@ -137,8 +137,8 @@ def paged_attention(
     )
     if config is not None or not torch.compiler.is_compiling():
         # Eager (and CUDA-graph capture, which records kernels, not ops): launch directly. The
-        # custom-op dispatcher costs ~20 us of host time per call, as much as a decode step's
-        # attention on the GPU.
+        # custom-op dispatcher's host time per call is of the order of a decode step's attention on
+        # the GPU.
         if out is None and scatter is None:
             out = torch.empty((qkv.shape[0], num_q_heads * hd), dtype=qkv.dtype, device=qkv.device)
         return _launch(qkv, out, k_cache, v_cache, *args, **kwargs, config=config, scatter=scatter)

@@ -2,8 +2,9 @@
 
 pick_config maps one launch's shape (head dim, GQA group, sequences, kv heads, query / kv length
 bounds, dtype, SM count) to an AttentionConfig; AttentionOptions carries an explicit one through the
-public router (tests, tuning and A/B measurements). The GPU choices were measured on an H200 with
-perf/bench_attention.py (hd 128, 16 q / 2 kv heads, bf16, 16-token pages, CUDA graphs).
+public router (tests, tuning and A/B measurements). The GPU choices were tuned on an H200 with
+perf/bench_attention.py (hd 128, 16 q / 2 kv heads, bf16, 16-token pages, CUDA graphs); its records,
+sweeps included ("sweep": true): perf/results/attention.json.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ ROPE_NONE, ROPE_THETA, ROPE_TABLES, ROPE_THETA_FAST = 0, 1, 2, 3
 ROPE_THETA_MAX_KV_LEN = 6 * 2**16
 
 # Decode batches of up to this many sequences write their new k/v inside the attention launch
-# (WRITE_NEW_KV: one launch fewer). On an H200 at 4096-token contexts that saves ~15% up to 8
-# sequences; from 16 on the extra prologue in every program costs more than the launch it saves.
+# (WRITE_NEW_KV: one launch fewer); from 16 on the extra prologue in every program costs more than the
+# launch it saves. Chosen with perf/bench_attention.py's decode cases at 4096-token contexts
+# (perf/results/attention.json keeps the resulting times, not the A/B).
 FUSED_WRITE_MAX_SEQS = 8
 
 # The SM count pick_config assumes under the interpreter. Larger than the shared
@@ -93,11 +95,11 @@ def pick_config(
 
     Decode (max_query_len == 1): block_q = 1, block_m = max(16, next_pow2(G)) (one token's G heads;
       tl.dot needs M >= 16, and decode is bound by the K/V bytes, read once per kv head), block_n 64,
-      4 warps, 2 stages (more stages were slower at 8 x 4096); q transformed in the kernel (a
+      4 warps, 2 stages (more stages were slower at 8 sequences x 4096 tokens); q transformed in the kernel (a
       memory round trip would cost more than the tiny per-program prologue).
     Prefill/mixed: block_m 128 with block_q = 128 // G tokens, block_n 64, 8 warps, 3 stages,
-      prerotate_q (the in-kernel q prologue's live registers slow the whole main loop: ~0.13 ms at
-      4096 tokens against ~7 us for the scratch round trip). hd 256 or fp32: block_m 64, block_n 32,
+      prerotate_q (the in-kernel q prologue's live registers slow the whole main loop, which costs
+      more than the scratch round trip). hd 256 or fp32: block_m 64, block_n 32,
       4 warps, 2 stages, inside 227 KiB of shared memory.
     Split-KV when every sequence fits one q tile and the (sequence, kv head) programs cannot fill the
       GPU: ~4 programs per SM in whole waves, at most one split per key tile and MAX_SPLITS.

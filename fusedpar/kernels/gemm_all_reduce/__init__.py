@@ -14,11 +14,12 @@ Every rank's output has identical bits. With split-K the partials are per (rank,
 Paths: one_shot (decode: GEMM + one-shot all-reduce in one launch), two_shot (prefill: GEMM +
 reduce-scatter + all-gather), both in one kernel (kernels.py); unfused (cuBLAS + all_reduce: our
 one-shot in graphs, NCCL otherwise) and local (a group of one). `gemm_all_reduce` routes by size
-(fusedpar.kernels.routing: where each fused path was measured to win) and by the workspace's room.
-A residual identical on every rank can be added in the reduce epilogue: the decode MLP tail
-(silu_mul -> down -> all-reduce -> + residual) in a CUDA graph ran 1.07-1.17x the stock tail on
-4x H200 at 1-64 rows. A SwiGLU prologue (silu(gate) * up in the A load) measured 2-2.6x slower
-than silu_mul + this kernel: the exp and the second A load in every K step outweigh one pass.
+(fusedpar.kernels.routing: where each fused path beat the plain one) and by the workspace's room.
+A residual identical on every rank can be added in the reduce epilogue, so the decode MLP tail
+(silu_mul -> down -> all-reduce -> + residual) is two launches (perf/bench_gemm_all_reduce.py's
+"mlp-tail graph" records in perf/results/gemm_all_reduce.json). A SwiGLU prologue (silu(gate) * up
+in the A load) is not offered: it was slower than silu_mul + this kernel, since the exp and the
+second A load in every K step cost more than one separate pass.
 
 Modules: kernels (@triton.jit), plan (configs, tiling, workspace sizes), launch (checks, raw
 launchers), ops (torch.library ops + fakes), this router. CPU: TRITON_INTERPRET=1 before the
@@ -169,9 +170,10 @@ def _eager_plain_or_none(x, w, group, workspace, residual, two_shot_min_rows: in
     allreduce [+ residual], reached in as few Python steps as possible; None where the full path
     must decide (capture, a group of one, a workspace of another size, a residual of another shape).
 
-    Such calls are bound by the host's launch cost, where every Python step shows: behind the full
-    router's prelude (views, checks, table lookups) these launches measured 0.86-0.93x of F.linear +
-    dist.all_reduce, alone 1.05-1.23x."""
+    Such calls are bound by the host's launch cost, where every Python step shows, so this path skips
+    the full router's prelude (views, checks, table lookups). Its time against F.linear + dist.all_reduce:
+    routed_ms of the eager records (perf/bench_gemm_all_reduce.py, perf/results/gemm_all_reduce.json);
+    per call form: perf/tools/probe_eager_fallback.py."""
     if x.shape[0] >= two_shot_min_rows or routes_as_captured(x.device):
         return None
     route = getattr(workspace, "eager_route", None)  # a SymmetricWorkspace's cached answer

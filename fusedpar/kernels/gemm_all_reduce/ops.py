@@ -6,7 +6,7 @@ given one. The peer table travels as its tensors + ints (no registry of workspac
 declared mutated: it is (the epoch advances), and that keeps the op from being dead-code
 eliminated or reordered across another launch on the same table, which would desynchronise the
 ranks. `_call_fused` is the router's entry: the op under torch.compile, a direct launch in eager
-(the custom-op dispatcher's host cost is a sizeable part of a ~20 us decode step).
+(the custom-op dispatcher's host cost is a sizeable part of a decode-size call).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _fused_out_fake(x, w, buffer_ptrs, signal_ptrs, counters, out, rank, world_s
 def _call_fused(x, w, table: PeerTable, out, plan: FusedPlan, use_flags: bool = True,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
     """Run a fused plan: through the registered op under torch.compile, else a direct launch (the
-    custom-op dispatcher's host cost is a sizeable part of a ~20 us decode step)."""
+    custom-op dispatcher's host cost is a sizeable part of a decode-size call)."""
     if torch.compiler.is_compiling():
         args = (table.buffer_ptrs, table.signal_ptrs, table.counters)
         meta = (table.rank, table.world_size, table.buffer_bytes, table.max_blocks, plan.path,

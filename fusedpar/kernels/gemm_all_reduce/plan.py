@@ -142,9 +142,11 @@ def default_config(path: str, m: int, n: int, k: int, dtype: torch.dtype, partia
 # One-shot split-K pays at 1-2 rows only (from 4 rows every unit's push of its partial rows to every
 # rank and the W x split sums cost more than the extra SMs gain) and only with >= _SPLIT_MIN_K of K per
 # range; 8192-wide outputs (128 tiles) never gain. Split tile: 128 columns, 128-deep K steps, 4 warps,
-# 4 stages (fp32 inputs get fewer stages). Measured on 4x H200 (perf/bench_gemm_all_reduce.py).
+# 4 stages (fp32 inputs get fewer stages). Tuned on 4x H200: perf/bench_gemm_all_reduce.py --split-sweep,
+# perf/results/gemm_all_reduce.json ("graph split-sweep" records).
 SPLIT_K_MAX_ROWS = 2
-# One-shot decode of 17-32 rows takes 256-deep K steps (see default_config); at 64 rows they lost.
+# One-shot decode of 17-32 rows takes 256-deep K steps (see default_config); at 64 rows they lost
+# (same benchmark and record).
 DEEP_K_ROWS = (17, 32)
 _SPLIT_MIN_K = 1024
 _SPLIT_TILE = (128, 128, 4, 4)  # block_n, block_k, warps, stages

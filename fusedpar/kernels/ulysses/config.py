@@ -100,12 +100,15 @@ def o_proj_workspace_bytes(tokens: int, c: int, sp: int, dtype: torch.dtype) -> 
     return sp * tokens * c * esize(dtype)
 
 
+# Row ranges tuned on 4x H200; the resulting kernel's times: perf/bench_qkv_all_to_all.py,
+# perf/results/qkv_all_to_all.json.
 # Rows per rank (inclusive) where 16-bit TMA-able qkv GEMMs take split 64 x (256 + 64) tiles, when
-# 320 columns tile a block exactly (blk 2560: Llama-3-70B and Qwen3-32B at SP=4).
+# 320 columns tile a block exactly (blk 2560: Llama-3-70B and Qwen3-32B at SP=4). Tuned with
+# perf/bench_qkv_all_to_all.py --sweep-configs (run_gpu.sh qkv_sweep; printed, not recorded).
 QKV_SPLIT_TILE_ROWS = (512, 1024)
-# Rows per rank (inclusive) where the qkv kernel rotates its tile order (the kernel's ROTATE): the
-# ranks' peer stores then go to different owners at any moment (2.5-5% faster at 1024-2048 rows on
-# 4x H200; mixed or slower at 512 and 4096).
+# Rows per rank (inclusive) where the qkv kernel rotates its tile order (the kernel's ROTATE), so that the
+# ranks' peer stores go to different owners at any moment; outside this range the rotation did not pay.
+# Tuned with perf/tools/probe_qkv_stores.py (run_gpu.sh qkv_stores; printed, not recorded).
 QKV_ROTATE_ROWS = (1024, 2048)
 
 
