@@ -255,6 +255,37 @@ def _prompts(seed: int) -> list[list[list[int]]]:
     return [first, second]
 
 
+def _orders(seed: int, threshold: int = MIXED_THRESHOLD) -> list[list[list[int]]]:
+    """Batches whose steps cross the threshold in every order, each batch a fresh set of prompts.
+
+    The engine's first batch is one long prompt, so the first shift steps are one-token decodes;
+    then a multi-token prefill below the threshold (shift after base), single tokens, prompts at
+    threshold - 1, threshold and threshold + 1, short prompts that only together exceed it, and
+    random mixes of 1-3 prompts of 1..3 x threshold tokens. The last batch extends the first
+    prompt (a prefix-cache hit: a short step with a long context)."""
+    import random
+
+    rng = random.Random(1000 + seed)
+    ids = lambda n: [rng.randrange(5, 500) for _ in range(n)]  # noqa: E731
+    t = threshold
+    long = ids(100)
+    fixed = [[long], [ids(5)], [ids(1)], [ids(t + 1)], [ids(t)], [ids(t - 1), ids(2)], [ids(1), ids(1)]]
+    mixes = [[ids(rng.randint(1, 3 * t)) for _ in range(rng.randint(1, 3))] for _ in range(4)]
+    return [*fixed, *mixes, [long + ids(6)]]
+
+
+def _batches(family: str) -> list[list[list[int]]]:
+    """What every engine of `family` generates: the threshold-crossing orders, then the two batches."""
+    seed = FAMILIES.index(family)
+    return _orders(seed) + _prompts(seed)
+
+
+def _steps(batch: list[list[int]]) -> list[int]:
+    """Token counts of the steps a fresh batch runs with an unchunked budget: every prompt in one
+    prefill step, then one token per sequence for each further token (ignore_eos: all end together)."""
+    return [sum(map(len, batch))] + [len(batch)] * (MAX_TOKENS - 1)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     if not HAS_VLLM:
@@ -275,14 +306,14 @@ _RESULTS: dict[str, dict] = {}
 
 
 def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None, *, tp: int = 2,
-            enforce_eager: bool = False) -> dict:
+            enforce_eager: bool = False, engine_args: dict | None = None) -> dict:
     """Run (once per module) the engine of `family` with this fusedpar section; its JSON result + log."""
-    key = json.dumps([family, fusedpar, tp, enforce_eager], sort_keys=True)
+    key = json.dumps([family, fusedpar, tp, enforce_eager, engine_args], sort_keys=True)
     if key not in _RESULTS:
         work = tmp_path_factory.mktemp("engine")
         spec = {"model": models[family], "tensor_parallel_size": tp, "fusedpar": fusedpar,
-                "max_tokens": MAX_TOKENS, "batches": _prompts(seed=FAMILIES.index(family)),
-                "enforce_eager": enforce_eager}
+                "max_tokens": MAX_TOKENS, "batches": _batches(family),
+                "enforce_eager": enforce_eager, "engine_args": engine_args or {}}
         (work / "spec.json").write_text(json.dumps(spec))
         proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
                                str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -311,24 +342,39 @@ def _check_stats(per_worker: list[dict], prompts: list[list[int]], *, tp: int = 
     return first
 
 
+def _modes_of_orders(per_batch_stats: list, family: str, threshold: int, tp: int = 2) -> None:
+    """Each fresh batch of the threshold-crossing orders ran the base / shift steps its token counts call for."""
+    orders = _orders(FAMILIES.index(family))
+    for b, batch in enumerate(orders[:-1]):  # the last one reuses a cached prefix
+        s = _check_stats(per_batch_stats[b], batch, tp=tp)
+        steps = _steps(batch)
+        base = [n for n in steps if n > threshold]
+        shift = [n for n in steps if n <= threshold]
+        assert (s["base_steps"], s["base_tokens"]) == (len(base), sum(base)), (b, batch, s)
+        assert (s["shift_steps"], s["shift_tokens"]) == (len(shift), sum(shift)), (b, batch, s)
+
+
 @needs_vllm
 @pytest.mark.parametrize("family", FAMILIES)
 def test_always_base_matches_plain(models, tmp_path_factory, family):
     plain = _ok(_engine(models, tmp_path_factory, family, None))
     fp = _ok(_engine(models, tmp_path_factory, family, {"sequence_parallel_size": 2, "shift_threshold": 0}))
     assert fp["tokens"] == plain["tokens"]
+    _modes_of_orders(fp["stats"], family, threshold=0)
+    n_orders = len(_orders(0))
     batches = _prompts(seed=FAMILIES.index(family))
-    for b, (per_worker, prompts) in enumerate(zip(fp["stats"], batches, strict=True)):
+    stats = fp["stats"][n_orders:]
+    for b, (per_worker, prompts) in enumerate(zip(stats, batches, strict=True)):
         s = _check_stats(per_worker, prompts)
         assert (s["sequence_parallel_size"], s["base_tensor_parallel_size"], s["shift_threshold"]) == (2, 1, 0)
         assert s["shift_steps"] == 0 and s["shift_tokens"] == 0, s
         # one copy of the weights: the base shards (2x vLLM's TP=2 shard at SP=2), shift = views
         assert s["weight_bytes"] == s["base_shard_bytes"] > 0, s
         assert s["base_steps"] >= MAX_TOKENS, s
-        if b == 0:  # fresh cache: every prompt token and every fed-back token is one scheduled token
+        if b == 0:  # fresh prompts: every prompt token and every fed-back token is one scheduled token
             assert s["base_tokens"] == sum(map(len, prompts)) + len(prompts) * (MAX_TOKENS - 1), s
         # 6 or 4 running sequences never make every step even; odd steps are padded to SP
-    total_padding = sum(_check_stats(w, p)["base_padding_tokens"] for w, p in zip(fp["stats"], batches, strict=True))
+    total_padding = sum(_check_stats(w, p)["base_padding_tokens"] for w, p in zip(stats, batches, strict=True))
     assert total_padding > 0
 
 
@@ -339,8 +385,10 @@ def test_mixed_modes_match_plain(models, tmp_path_factory, family):
     fp = _ok(_engine(models, tmp_path_factory, family,
                      {"sequence_parallel_size": 2, "shift_threshold": MIXED_THRESHOLD}))
     assert fp["tokens"] == plain["tokens"]
+    _modes_of_orders(fp["stats"], family, threshold=MIXED_THRESHOLD)
+    n_orders = len(_orders(0))
     batches = _prompts(seed=FAMILIES.index(family))
-    for b, (per_worker, prompts) in enumerate(zip(fp["stats"], batches, strict=True)):
+    for b, (per_worker, prompts) in enumerate(zip(fp["stats"][n_orders:], batches, strict=True)):
         s = _check_stats(per_worker, prompts)
         # prompts longer than the threshold prefill in base mode; decode steps (<= 6 tokens) shift
         assert s["base_steps"] >= 1 and s["shift_steps"] >= MAX_TOKENS - 1, s
@@ -349,24 +397,54 @@ def test_mixed_modes_match_plain(models, tmp_path_factory, family):
         if b == 0:
             assert s["base_tokens"] + s["shift_tokens"] == sum(map(len, prompts)) + len(prompts) * (MAX_TOKENS - 1)
         # vLLM's CPU default (DYNAMO_TRACE_ONCE, guards dropped) compiled the decoder: shift steps ran
-        # the compiled graph, base steps (batch 2's come after that compile) the eager path
+        # the compiled graph, base steps the eager path
         assert s["shift_compiled"] is True, s
+
+
+@needs_vllm
+def test_compiled_shift_path_is_traced_at_the_profile_run(models, tmp_path_factory):
+    """vLLM's profile run (max_num_batched_tokens tokens) is a base step; the plugin traces the
+    compiled shift path there, on the size plain vLLM traces at, not at the first shift step the
+    workload sends (a one-token decode, whose trace torch specializes to exactly one token)."""
+    fp = _ok(_engine(models, tmp_path_factory, "llama",
+                     {"sequence_parallel_size": 2, "shift_threshold": MIXED_THRESHOLD}))
+    traced = [line for line in fp["log"].splitlines() if "tracing vLLM's compiled model (shift mode)" in line]
+    assert len(traced) == 2 and all("8192-token base step" in line for line in traced), traced
+
+
+@needs_vllm
+def test_chunked_prefill_without_prefix_caching_matches_plain(models, tmp_path_factory):
+    """A 32-token budget chunks the long prompts: base chunks, shift chunks with a context (the last
+    piece of a prompt), and steps that mix decodes with a prefill chunk; prefix caching off, so the
+    last batch recomputes its whole prompt."""
+    plain = _ok(_engine(models, tmp_path_factory, "llama", None))
+    chunked = {"enable_prefix_caching": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 32,
+               "max_num_seqs": 8}
+    fp = _ok(_engine(models, tmp_path_factory, "llama",
+                     {"sequence_parallel_size": 2, "shift_threshold": MIXED_THRESHOLD}, engine_args=chunked))
+    assert fp["tokens"] == plain["tokens"]
+    totals = [_check_stats(w, []) for w in fp["stats"]]
+    for batch, s in zip(_batches("llama"), totals, strict=True):  # no prefix cache: every token computed once
+        assert s["base_tokens"] + s["shift_tokens"] == sum(map(len, batch)) + len(batch) * (MAX_TOKENS - 1), s
+    first = totals[0]  # the 100-token prompt: base chunks of 32 tokens, a 4-token shift chunk, 9 one-token decodes
+    assert (first["base_steps"], first["base_tokens"]) == (3, 96), first
+    assert (first["shift_steps"], first["shift_tokens"]) == (MAX_TOKENS, 4 + MAX_TOKENS - 1), first
 
 
 @needs_vllm
 def test_first_step_honours_the_threshold(models, tmp_path_factory):
     """enforce_eager on CPU: vLLM makes no warm-up forward, so the engine's first model call is the
-    first batch's prefill (86 tokens > threshold 8). The hooks are on the model from its construction,
-    so that step already runs in base mode; the 9 decode steps of 6 tokens shift; every step counts."""
+    first batch's prefill (100 tokens > threshold 8). The hooks are on the model from its construction,
+    so that step already runs in base mode; the 9 one-token decode steps shift; every step counts.
+    Every later batch crosses the threshold in the eager path too."""
     plain = _ok(_engine(models, tmp_path_factory, "llama", None))
     fp = _ok(_engine(models, tmp_path_factory, "llama", {"sequence_parallel_size": 2,
                                                          "shift_threshold": MIXED_THRESHOLD}, enforce_eager=True))
     assert fp["tokens"] == plain["tokens"]
-    prompts = _prompts(seed=FAMILIES.index("llama"))[0]
-    s = _check_stats(fp["stats"][0], prompts)
-    prefill = sum(map(len, prompts))
-    assert (s["base_steps"], s["base_tokens"]) == (1, prefill), s
-    assert (s["shift_steps"], s["shift_tokens"]) == (MAX_TOKENS - 1, len(prompts) * (MAX_TOKENS - 1)), s
+    _modes_of_orders(fp["stats"], "llama", threshold=MIXED_THRESHOLD)
+    s = _check_stats(fp["stats"][0], [])
+    assert (s["base_steps"], s["base_tokens"]) == (1, 100), s
+    assert (s["shift_steps"], s["shift_tokens"]) == (MAX_TOKENS - 1, MAX_TOKENS - 1), s
     assert s["shift_compiled"] is False, s
 
 
@@ -375,7 +453,7 @@ def test_sp2_tp2_on_four_ranks_matches_plain(models, tmp_path_factory):
     """P=4: base SP=2 x TP=2 (base-TP all-reduces, 2 kv heads replicated over 4 ranks) <-> TP=4.
 
     Greedy tokens equal plain vLLM's at tensor_parallel_size=2 (the tokens do not depend on the
-    parallel layout); 4 worker processes on the CI's 2 cores take about 90 s.
+    parallel layout), for every threshold-crossing order too.
     """
     plain = _ok(_engine(models, tmp_path_factory, "qwen3", None))
     fp = _ok(_engine(models, tmp_path_factory, "qwen3", {"sequence_parallel_size": 2,
@@ -384,7 +462,7 @@ def test_sp2_tp2_on_four_ranks_matches_plain(models, tmp_path_factory):
     for per_worker in fp["stats"]:
         s = _check_stats(per_worker, [], tp=4)
         assert (s["sequence_parallel_size"], s["base_tensor_parallel_size"], s["tensor_parallel_size"]) == (2, 2, 4)
-        assert s["base_steps"] >= 1 and s["shift_steps"] >= MAX_TOKENS - 1, s
+    _modes_of_orders(fp["stats"], "qwen3", threshold=MIXED_THRESHOLD, tp=4)
 
 
 @needs_vllm

@@ -337,9 +337,11 @@ class WorkerState:
     MIN_TRACE_TOKENS = 2
 
     def _shift_trace_pending(self) -> bool:
-        """Whether vLLM will compile the decoder model and has not traced it yet."""
+        """Whether vLLM will compile the decoder model for shift steps and has not traced it yet
+        (threshold 0: every step is a base step, nothing runs the compiled model)."""
         m = self.decoder_model
-        return m is not None and not getattr(m, "do_not_compile", True) and not self._decoder_compiled()
+        return (self.policy.threshold > 0 and m is not None and not getattr(m, "do_not_compile", True)
+                and not self._decoder_compiled())
 
     def _first_compile(self, fc, mode: str, num_tokens: int, compile_shift) -> None:
         """Before the compiled path is traced: a base step traces it first, on its own inputs (the
