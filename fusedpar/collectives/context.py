@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fusedpar.layouts import MODES, ParallelLayout, RankCoords
+from fusedpar.layouts import ParallelLayout, RankCoords, StepMode, check_mode
 
 
 @dataclass(frozen=True)
@@ -174,12 +174,12 @@ class ParallelContext:
 
     def attention_group(self, mode: str) -> CommGroup:
         """The group the post-attention row-parallel all-reduce spans: TP in base, shift in shift."""
-        if mode == "base":
+        if mode == StepMode.BASE:
             return self.tp
-        if mode == "shift":
+        if mode == StepMode.SHIFT:
             return self.shift
         # Checked after the two valid modes, so the per-layer lookup costs nothing extra.
-        raise ValueError(f"attention_group: mode must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"attention_group: {check_mode(mode)!r} is no step mode")
 
     def __repr__(self) -> str:
         return f"ParallelContext(rank={self.global_rank}, {self.coords}, {self.layout!r}, backend={self.backend!r})"

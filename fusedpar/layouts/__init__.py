@@ -1,6 +1,6 @@
 """Who holds what: rank grid, groups, head placement and weight shard maps. Pure Python."""
 
-from fusedpar.layouts._checks import MODES, check_mode
+from fusedpar.layouts._checks import MODES, StepMode, check_mode
 from fusedpar.layouts.grid import ParallelLayout, RankCoords
 from fusedpar.layouts.heads import HeadPlacement, check_head_counts, head_count_problems
 from fusedpar.layouts.reshard import KVMove, Piece, holdings, kv_plan, view_range, weight_plan
@@ -16,6 +16,7 @@ __all__ = [
     "Piece",
     "RankCoords",
     "Segment",
+    "StepMode",
     "WeightShard",
     "WeightShardMap",
     "check_head_counts",

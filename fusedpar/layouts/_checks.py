@@ -1,12 +1,29 @@
-"""Argument checks shared by the layout objects (ValueError that names the numbers)."""
+"""The step modes and the argument checks shared by the layout objects (ValueError that names the numbers)."""
 
-MODES = ("base", "shift")
+from enum import Enum
 
 
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return mode
+class StepMode(str, Enum):
+    """The layout a forward step runs in: BASE (SP x TP) or SHIFT (TP over the whole replica).
+
+    A str: a member equals its value ("base", "shift"), formats as it and serializes as it."""
+
+    BASE = "base"
+    SHIFT = "shift"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+MODES = tuple(StepMode)
+
+
+def check_mode(mode: str) -> StepMode:
+    """`mode` as a StepMode; ValueError naming the modes for anything else."""
+    try:
+        return StepMode(mode)
+    except ValueError:
+        raise ValueError(f"mode must be one of {tuple(m.value for m in StepMode)}, got {mode!r}") from None
 
 
 def positive_int(name: str, value: object) -> int:
