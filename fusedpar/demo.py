@@ -2,7 +2,7 @@
 data parallelism and live re-sharding between layouts.
 
 With no arguments: a small built-in Llama-architecture transformers model (4 layers, hidden 256,
-16 q / 4 kv heads, vocab 1024, seeded random fp32 weights; nothing is downloaded) is sharded by
+16 q / 4 kv heads, vocab 1024, seeded random fp32 weights; no model is downloaded) is sharded by
 fusedpar.integrations.hf.parallelize on 4 local CPU processes (gloo) and runs a mixed workload:
 3 long prompts (237, 150, 93 tokens) generating 8 tokens each, then 16 short requests (5-20
 tokens) generating 24 tokens each, greedy. Modes: static TP (every step TP over all processes),
@@ -22,8 +22,9 @@ Each mode's logits at every real position of every step, and its greedy tokens, 
 against the unsharded model (one teacher-forced forward per request on rank 0). Prints one
 table: TTFT (prefill latency, mean over requests), TPOT (decode step latency, mean over
 requests), tokens/s (prompt + generated tokens over the summed step latencies), steps run in
-base / shift mode, max |logit error|; then a line per switching mode: its switches, the weight
-and KV bytes they moved, and their time.
+the base layout / the others (shift steps, TP over all W processes, except those marked DP: steps
+a replica smaller than W ran on its own rows), max |logit error|; then a line per switching mode:
+its switches, the weight and KV bytes they moved, and their time.
 Exit status: 0 all modes match, 1 a mismatch (or a worker failed), 2 impossible options.
 """
 
@@ -45,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser(
         "demo",
-        help="serve a small HF Llama model with static TP, static SP and shift parallelism on local "
-             "processes, check every mode against the unsharded model, print latency and errors",
+        help="serve a small HF Llama model on local processes in up to seven modes: static TP, static SP, "
+             "shift parallelism (SP <-> TP, and SP=2xTP <-> TP when distinct), static DP, DP <-> TP switched "
+             "live mid-decode and prefill SP -> decode DP (the DP modes by default on CPU only); check every "
+             "mode against the unsharded model, print latency and errors",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -225,10 +228,20 @@ def _summarise(job, per_rank: list[list]) -> list[dict]:
             if r0.token_mismatches:
                 problems.append(f"{r0.token_mismatches} tokens")
         rows.append(dict(label=mode.label, ttft=ttft, tpot=tpot, tps=total_tokens / wall, base=r0.steps["base"],
-                         shift=r0.steps["shift"], err=r0.max_abs_err if r0.checked else None, tol=tol,
+                         shift=r0.steps["shift"], dp=r0.steps.get("dp", 0),
+                         err=r0.max_abs_err if r0.checked else None, tol=tol,
                          scale=r0.max_abs_logit, ties=r0.near_ties, bitwise=bitwise, problems=problems,
                          ok=not problems))
     return rows
+
+
+def _steps_cell(r: dict) -> str:
+    """'base / others': the others are shift steps, except the DP ones named in parentheses."""
+    dp = r.get("dp", 0)
+    cell = f"{r['base']} / {r['shift'] + dp}"
+    if dp:
+        cell += " (all DP)" if not r["shift"] else f" ({r['shift']} shift, {dp} DP)"
+    return cell
 
 
 def _table(rows: list[dict]) -> str:
@@ -240,7 +253,7 @@ def _table(rows: list[dict]) -> str:
         if r["ok"] and r["err"] is None:
             check = "ok (ranks agree)"
         cells.append((r["label"], f"{1e3 * r['ttft']:.1f}", f"{1e3 * r['tpot']:.1f}", f"{r['tps']:.0f}",
-                      f"{r['base']} / {r['shift']}", err, check))
+                      _steps_cell(r), err, check))
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
     lines = []
     for k, c in enumerate(cells):
@@ -307,6 +320,9 @@ def run_demo(args, parser) -> int:
               "several message rounds, an all-to-all one); they show the mechanics, not GPU performance.")
     print("TTFT: prefill step latency; TPOT: decode step latency (both slowest rank, mean over requests); "
           "tokens/s: (prompt + generated tokens) / sum of step latencies.")
+    print(f"steps base/shift: steps in the base layout (SP x TP) / the others: shift steps (TP over all {W} "
+          "processes), or the DP steps the parentheses name (replicas smaller than the world, each running its "
+          "own rows of the batch: neither the base nor the shift layout).")
     ok = all(r["ok"] for r in rows)
     print("All modes match the unsharded model." if ok and job.check else
           "All modes ran; ranks agree." if ok else "MISMATCH: see the FAIL rows.", flush=True)

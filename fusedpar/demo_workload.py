@@ -118,7 +118,7 @@ class ModeResult:
     label: str
     prefill_s: list[float] = field(default_factory=list)  # per phase
     decode_s: list[list[float]] = field(default_factory=list)  # per phase, per decode step
-    steps: dict[str, int] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)  # timed steps per kind: "base", "shift", "dp" (step_kind)
     reshards: list[dict] = field(default_factory=list)  # model.reshard's results (seconds, bytes moved)
     digest: str = ""  # hash of this rank's logits (bitwise equality across ranks)
     token_digest: str = ""  # hash of this rank's greedy tokens
@@ -208,15 +208,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(model, device: torch.device, **kwargs):
-    """One step between barriers: forward + greedy choice of the next tokens; (output, tokens, seconds)."""
+def step_kind(layout: ParallelLayout, mode: str) -> str:
+    """What a step ran as: "base" (SP x TP within a replica), "shift" (TP over the whole replica) or, for a
+    step a replica smaller than the world ran on its own rows, "dp": the stack counts that one as "shift"
+    (TP over its replica, 1 rank at DP=W), but it is neither the base nor the shift layout of the world."""
+    if mode == "base":
+        return "base"
+    return "dp" if layout.dp > 1 else "shift"
+
+
+def steps_text(steps: dict[str, int]) -> str:
+    """'2 base / 30 shift steps', with '/ n DP' when some steps ran data-parallel."""
+    parts = [f"{steps.get('base', 0)} base", f"{steps.get('shift', 0)} shift"]
+    if steps.get("dp", 0):
+        parts.append(f"{steps['dp']} DP")
+    return " / ".join(parts) + " steps"
+
+
+def model_cache(out):
+    """The KV cache a forward returned: `cache` where transformers names it so (there `past_key_values`
+    is a deprecated alias), `past_key_values` in the versions before the rename."""
+    return out.cache if "cache" in getattr(type(out), "__dataclass_fields__", {}) else out.past_key_values
+
+
+def _timed(model, device: torch.device, steps: dict[str, int] | None = None, **kwargs):
+    """One step between barriers: forward + greedy choice of the next tokens; (output, tokens, seconds).
+    `steps` (when given) counts the step under its step_kind."""
+    stack = model.fusedpar_stack  # the layout's stack this step runs on (a switch happens between steps)
+    base_before = stack.steps["base"]
     _sync(device)
     dist.barrier()
     t0 = time.perf_counter()
     out = model(**kwargs)
     nxt = out.logits[:, -1].argmax(-1)
     nxt_cpu = nxt.cpu()  # the sampler's result on the host (synchronises)
-    return out, nxt, nxt_cpu, time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if steps is not None:
+        kind = step_kind(stack.ctx.layout, "base" if stack.steps["base"] > base_before else "shift")
+        steps[kind] = steps.get(kind, 0) + 1
+    return out, nxt, nxt_cpu, seconds
 
 
 def _reshard(model, layout: ParallelLayout, device: torch.device, log: list | None) -> None:
@@ -231,30 +261,31 @@ def _reshard(model, layout: ParallelLayout, device: torch.device, log: list | No
 
 
 def run_phase(model, phase: Phase, rows: list[list[int]], device: torch.device, keep: bool, hasher, tok_hasher,
-              mode: Mode | None = None, reshards: list | None = None):
+              mode: Mode | None = None, reshards: list | None = None, steps: dict[str, int] | None = None):
     """Prefill + greedy decode of one batch. Returns (prefill s, [decode s], per-request logits, tokens).
     A re-sharding `mode` switches to its prefill layout first and to its decode layout after
-    mode.switch_after decode steps, appending each switch's result to `reshards`."""
+    mode.switch_after decode steps, appending each switch's result to `reshards`. `steps` (when given)
+    counts every step by its step_kind."""
     layouts = mode.layouts(dist.get_world_size()) if mode is not None else ()
     switching = len(layouts) > 1
     if switching:
         _reshard(model, layouts[0], device, reshards)
     ids, mask = left_padded(rows, device)
     lens = [len(r) for r in rows]
-    out, nxt, nxt_cpu, t_prefill = _timed(model, device, input_ids=ids, attention_mask=mask, use_cache=True)
+    out, nxt, nxt_cpu, t_prefill = _timed(model, device, steps, input_ids=ids, attention_mask=mask, use_cache=True)
     width = ids.shape[1]
     logits = [[out.logits[i, width - n:].float().cpu()] if keep else [] for i, n in enumerate(lens)]
     hasher.update(out.logits[mask.bool()].float().cpu().numpy().tobytes())
     tokens = [[t] for t in nxt_cpu.tolist()]
-    past, decode_s = out.past_key_values, []
+    past, decode_s = model_cache(out), []
     for k in range(phase.new_tokens - 1):
         if switching and k == mode.switch_after:
             _reshard(model, layouts[1], device, reshards)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out, nxt, nxt_cpu, t = _timed(model, device, input_ids=nxt[:, None], attention_mask=mask,
+        out, nxt, nxt_cpu, t = _timed(model, device, steps, input_ids=nxt[:, None], attention_mask=mask,
                                       past_key_values=past, use_cache=True)
         decode_s.append(t)
-        past = out.past_key_values
+        past = model_cache(out)
         step_logits = out.logits[:, -1].float().cpu()
         hasher.update(step_logits.numpy().tobytes())
         for i, t_i in enumerate(nxt_cpu.tolist()):
@@ -277,19 +308,17 @@ def run_mode(job: DemoJob, mode: Mode, rank: int, world: int, device: torch.devi
     # allocator and paged cache grown), so the timed run measures steady-state steps
     for j, phase in enumerate(job.workload):
         run_phase(model, phase, prompts(phase, vocab, job.seed + 100 + j), device, False, null, null, mode, [])
-    before = model.fusedpar_steps
-    res = ModeResult(mode.label)
+    res = ModeResult(mode.label, steps={"base": 0, "shift": 0, "dp": 0})
     hasher, tok_hasher = hashlib.sha256(), hashlib.sha256()
     logits: list[torch.Tensor] = []
     for j, phase in enumerate(job.workload):
         t_prefill, decode_s, lg, toks = run_phase(model, phase, prompts(phase, vocab, job.seed + 1 + j), device,
-                                                  rank == 0, hasher, tok_hasher, mode, res.reshards)
+                                                  rank == 0, hasher, tok_hasher, mode, res.reshards, res.steps)
         res.prefill_s.append(t_prefill)
         res.decode_s.append(decode_s)
         if rank == 0:
             logits += lg
             res.tokens += toks
-    res.steps = {m: n - before[m] for m, n in model.fusedpar_steps.items()}
     res.digest, res.token_digest = hasher.hexdigest(), tok_hasher.hexdigest()
     del model
     gc.collect()
@@ -373,7 +402,7 @@ def run_ranks(rank: int, world: int, job: DemoJob) -> list[ModeResult]:
             results.append(res)
             logits.append(lg)
             log(f"[{i}/{len(job.modes)}] {mode.label}: done in {time.perf_counter() - t0:.1f}s "
-                f"({res.steps.get('base', 0)} base / {res.steps.get('shift', 0)} shift steps)")
+                f"({steps_text(res.steps)})")
     if rank == 0 and job.check:
         log("reference: the unsharded model on rank 0, one teacher-forced forward per request")
         check_against_reference(job, results, logits, device, vocab, log)
