@@ -1,4 +1,4 @@
-"""The vLLM plugin on the GPU build of vLLM (marked gpu; skipped without vLLM; each test needs the GPUs its engines use).
+"""The vLLM plugin on the GPU build of vLLM (marked gpu; skipped without vLLM; a test needs its engines' GPUs).
 
 Runs as one process, not under torchrun (each engine starts its own workers):
     python -m pytest -m gpu tests/integrations/test_vllm_gpu.py
