@@ -7,12 +7,19 @@ Groups with identical rank lists are created once and shared (e.g. the SP group 
 group when tp == 1), so no communicator is duplicated. Every group gets one timeout (by default
 the world group's), so a stalled or dead peer ends the other ranks' waits within that bound (how,
 on NCCL, depends on torch's error-handling mode: see ParallelContext).
+
+ParallelContext.close() destroys the groups; contexts still open when the interpreter exits are
+released by an atexit hook (see close), so no gloo worker thread of theirs outlives them.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
+import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +40,30 @@ class CommGroup:
     def size(self) -> int:
         return len(self.ranks)
 
+    def _revoke(self) -> None:
+        """Drop the process group (its ParallelContext closed): every later use of `pg` raises."""
+        if self.pg is not None:
+            object.__setattr__(self, "pg", _ClosedGroup(self.ranks))
+
     def __repr__(self) -> str:
         return f"CommGroup(ranks={list(self.ranks)}, rank={self.rank})"
+
+
+class _ClosedGroup:
+    """The `pg` of a CommGroup whose ParallelContext was closed: any use raises RuntimeError."""
+
+    __slots__ = ("ranks",)
+
+    def __init__(self, ranks: tuple[int, ...]):
+        self.ranks = ranks
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise RuntimeError(f"the process group of ranks {list(self.ranks)} was destroyed by ParallelContext.close()")
+
+    def __repr__(self) -> str:
+        return f"<closed process group of ranks {list(self.ranks)}>"
 
 
 def _default_backend(device: torch.device) -> str:
@@ -81,6 +110,9 @@ class ParallelContext:
         handle to wait on, and that mode also stops the watchdog.
       Creating the world group with device_id (eager NCCL communicators) keeps communicator set-up
       out of the first collective, so the timeout covers the collectives alone.
+
+    Shutdown: call close() on every rank before dist.destroy_process_group() (see close). A context
+    still open at interpreter exit is released without the barrier by an atexit hook.
     """
 
     def __init__(self, layout: ParallelLayout, backend: str | None = None, device: torch.device | str | None = None,
@@ -111,6 +143,9 @@ class ParallelContext:
                                  f"got {timeout!r}")
             timeout = datetime.timedelta(seconds=timeout)
         self.timeout: datetime.timedelta = timeout
+        self.closed = False
+        # this rank's groups, each once, in creation order: (ranks, group, backend)
+        self._owned: list[tuple[tuple[int, ...], dist.ProcessGroup, str]] = []
 
         made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         # Same iteration order on every rank: the order of new_group calls must match.
@@ -118,8 +153,7 @@ class ParallelContext:
             for ranks in groups:
                 key = tuple(ranks)
                 if key not in made:
-                    made[key] = (dist.new_group(list(key), backend=self.backend, timeout=timeout)
-                                 if len(key) > 1 else None)
+                    made[key] = (self._new_group(key, self.backend) if len(key) > 1 else None)
         self._pgs = made
         self._host_pgs: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         if host_groups:
@@ -131,24 +165,96 @@ class ParallelContext:
                     elif self.backend == "gloo" and key in made:
                         self._host_pgs[key] = made[key]
                     else:
-                        self._host_pgs[key] = dist.new_group(list(key), backend="gloo", timeout=timeout)
+                        self._host_pgs[key] = self._new_group(key, "gloo")
+        # the CommGroups handed out, one per rank list: close() revokes them
+        self._issued: dict[tuple[int, ...], CommGroup] = {}
+        self._issued_host: dict[tuple[int, ...], CommGroup] = {}
         self.sp = self._mine(layout.sp_group_of(self.global_rank))
         self.tp = self._mine(layout.tp_group_of(self.global_rank))
         self.shift = self._mine(layout.shift_group_of(self.global_rank))
         self.dp = self._mine(layout.dp_group_of(self.global_rank))
+        _OPEN.add(self)
+
+    def _new_group(self, key: tuple[int, ...], backend: str) -> dist.ProcessGroup:
+        pg = dist.new_group(list(key), backend=backend, timeout=self.timeout)
+        if self.global_rank in key:
+            self._owned.append((key, pg, backend))
+        return pg
 
     def _mine(self, ranks: list[int]) -> CommGroup:
         key = tuple(ranks)
-        return CommGroup(ranks=key, rank=key.index(self.global_rank), pg=self._pgs[key])
+        if key not in self._issued:
+            self._issued[key] = CommGroup(ranks=key, rank=key.index(self.global_rank), pg=self._pgs[key])
+        return self._issued[key]
 
     def host(self, group: CommGroup) -> CommGroup:
         """The gloo twin of `group` (same ranks; CPU tensors): a shift group or the world, built with
         host_groups=True."""
+        if self.closed:
+            raise RuntimeError("ParallelContext.host: the context is closed")
         if group.ranks not in self._host_pgs:
             raise ValueError(f"ParallelContext.host: no host group for ranks {list(group.ranks)} (the context makes "
                              f"them for the shift groups and the world, with host_groups=True; it has "
                              f"{[list(k) for k in self._host_pgs]})")
-        return CommGroup(ranks=group.ranks, rank=group.rank, pg=self._host_pgs[group.ranks])
+        if group.ranks not in self._issued_host:
+            self._issued_host[group.ranks] = CommGroup(ranks=group.ranks, rank=group.rank,
+                                                       pg=self._host_pgs[group.ranks])
+        return self._issued_host[group.ranks]
+
+    def close(self) -> None:
+        """Destroy this context's process groups. Collective: every rank calls it, before
+        dist.destroy_process_group(); a second call does nothing.
+
+        A barrier on each of this rank's groups (so no rank tears a group down while a peer still
+        uses it), then each group is destroyed (reverse creation order) and every CommGroup this
+        context handed out (sp, tp, shift, dp, host twins) is revoked: its `pg` raises on any use.
+        Once nothing references a gloo group any more its worker threads are joined, here, with
+        the interpreter intact: a gloo worker finishes each collective by releasing the tensors
+        it held, which takes the GIL, and a thread that takes the GIL while the interpreter
+        finalises is ended by the interpreter, which aborts the process ("terminate called
+        without an active exception"). A gloo group still referenced elsewhere (a `.pg` kept
+        outside a CommGroup) is warned about.
+
+        A context still open at interpreter exit is released the same way by an atexit hook,
+        without the barrier (its peers may be gone) and destroying only its gloo groups in
+        torch.distributed (NCCL ones are left to dist.destroy_process_group).
+        """
+        if self.closed:
+            return
+        try:
+            if dist.is_initialized():
+                self._barriers()
+        finally:
+            self._release(destroy_all=True)
+
+    def _barriers(self) -> None:
+        """A barrier on each of this rank's groups, in creation order (the same on every rank)."""
+        for ranks, pg, backend in self._owned:
+            if backend == "gloo":  # no tensor: leaves the group's worker threads nothing to release
+                dist.barrier(group=pg, timeout=self.timeout)
+            else:
+                self.barrier(CommGroup(ranks=ranks, rank=ranks.index(self.global_rank), pg=pg))
+
+    def _release(self, destroy_all: bool) -> None:
+        """Revoke the issued CommGroups, drop this context's references to its groups and destroy them
+        in torch.distributed (all of them, or the gloo ones only); then check the gloo ones are gone."""
+        self.closed = True
+        _OPEN.discard(self)
+        owned, self._owned = self._owned, []
+        for group in (*self._issued.values(), *self._issued_host.values()):
+            group._revoke()
+        self._pgs, self._host_pgs = {}, {}
+        if dist.is_initialized():
+            _destroy([pg for _, pg, backend in reversed(owned) if destroy_all or backend == "gloo"])
+        gloo = [weakref.ref(pg) for _, pg, backend in owned if backend == "gloo"]
+        del owned
+        if any(ref() is not None for ref in gloo):
+            gc.collect()  # a reference cycle may still hold one
+        alive = sum(ref() is not None for ref in gloo)
+        if alive:
+            warnings.warn(f"ParallelContext.close: {alive} gloo process group(s) of this context are still referenced "
+                          "outside it (a .pg kept beyond its CommGroup); their worker threads run until those "
+                          "references go", RuntimeWarning, stacklevel=3)
 
     def barrier(self, group: CommGroup | None = None) -> None:
         """Return once every rank of `group` (default: the shift group, i.e. the replica) reached this
@@ -182,4 +288,23 @@ class ParallelContext:
         raise ValueError(f"attention_group: {check_mode(mode)!r} is no step mode")
 
     def __repr__(self) -> str:
-        return f"ParallelContext(rank={self.global_rank}, {self.coords}, {self.layout!r}, backend={self.backend!r})"
+        closed = ", closed" if self.closed else ""
+        return (f"ParallelContext(rank={self.global_rank}, {self.coords}, {self.layout!r}, "
+                f"backend={self.backend!r}{closed})")
+
+
+def _destroy(pgs: list[dist.ProcessGroup]) -> None:
+    """dist.destroy_process_group for each of `pgs` still registered (a helper: no loop variable outlives it)."""
+    for pg in pgs:
+        with contextlib.suppress(ValueError):  # already destroyed (torch raises "Invalid process group")
+            dist.destroy_process_group(pg)
+
+
+_OPEN: weakref.WeakSet[ParallelContext] = weakref.WeakSet()  # contexts not closed yet
+
+
+@atexit.register
+def _release_open_contexts() -> None:
+    """At interpreter exit, before it finalises: release every context still open (see close)."""
+    for ctx in list(_OPEN):
+        ctx._release(destroy_all=False)
