@@ -33,6 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fusedpar.collectives import ParallelContext, check_agreement, tensor_checksum
 from fusedpar.layers import ShardedDecoderWeights, ShiftParallelDecoderLayer, ShiftParallelStack, ShiftPolicy
+from fusedpar.layers.kernel_choice import choose_cuda_graphs, choose_fused_kernels
 from fusedpar.layouts import ParallelLayout, holdings
 
 from .cache import ShiftParallelCache
@@ -317,45 +318,32 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def fused_decision(spec: HFModelSpec, device: torch.device, fused: bool | None) -> bool:
-    """Whether the stack runs on the fused kernels (Triton + symmetric memory).
+    """Whether the stack runs on the fused kernels (Triton + symmetric memory): the shared rule
+    (fusedpar.layers.kernel_choice) with the attention kernel's head_dim as this adapter's blocker.
 
     None (auto): yes on CUDA for bf16/fp16 models with a power-of-two head_dim >= 16 (q/k/v bias
     and RoPE tables included); fp32 stays on the exact reference path
     (tl.dot would use TF32). True: required, else UnsupportedModelError naming why. Decided from
     the model alone, so every rank agrees (enable_fused is collective).
     """
-    if fused is not None and not isinstance(fused, bool):
-        raise ValueError(f"fused must be None, True or False, got {fused!r}")
-    if fused is False:
-        return False
     hd = spec.decoder.head_dim
-    why = []
-    if device.type != "cuda":
-        why.append(f"the model is on {device} (fused kernels need CUDA)")
-    if hd < 16 or hd & (hd - 1):
-        why.append(f"head_dim={hd} (the attention kernel needs a power of two >= 16)")
-    if fused is None:
-        return not why and spec.dtype in (torch.bfloat16, torch.float16)
-    if why:
-        raise UnsupportedModelError("fusedpar.integrations.hf: fused=True is not possible: " + "; ".join(why))
-    return True
+    blockers = [f"head_dim={hd} (the attention kernel needs a power of two >= 16)"] if hd < 16 or hd & (hd - 1) else []
+    return choose_fused_kernels(
+        fused, device=device, dtype=spec.dtype, blockers=blockers,
+        refuse=lambda why: UnsupportedModelError("fusedpar.integrations.hf: fused=True is not possible: "
+                                                 + "; ".join(why)))
 
 
 def graphs_decision(use_fused: bool, device: torch.device, cuda_graphs: bool | None) -> bool:
-    """Whether decode steps replay CUDA graphs of the stack (_Runtime._ready_graphs).
+    """Whether decode steps replay CUDA graphs of the stack (_Runtime._ready_graphs): the shared rule
+    (fusedpar.layers.kernel_choice).
 
     None (auto): on the fused path (which is CUDA only). True: required, else UnsupportedModelError
     naming why; False: every step eager. Decided from the model and the arguments, so every rank agrees.
     """
-    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-        raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
-    if cuda_graphs is None:
-        return use_fused
-    if cuda_graphs and not use_fused:
-        raise UnsupportedModelError(
-            f"fusedpar.integrations.hf: cuda_graphs=True needs the fused kernels (the graphs capture them), and "
-            f"this model runs on the reference path (on {device}; see fused=): pass fused=True or cuda_graphs=None")
-    return cuda_graphs
+    return choose_cuda_graphs(cuda_graphs, use_fused=use_fused, refuse=lambda why: UnsupportedModelError(
+        f"fusedpar.integrations.hf: cuda_graphs=True needs the fused kernels (the graphs capture them), and "
+        f"this model runs on the reference path (on {device}; see fused=): pass fused=True or cuda_graphs=None"))
 
 
 def check_arguments(*, shift_threshold, block_size, fused, fused_max_tokens, cuda_graphs, check_inputs=True) -> None:
