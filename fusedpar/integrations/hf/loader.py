@@ -37,18 +37,9 @@ from fusedpar.layers.weights import REPLICATED
 from fusedpar.layouts import WEIGHT_NAMES, ParallelLayout
 
 from .model import assemble, check_arguments, fused_decision, graphs_decision
-from .spec import HFModelSpec, UnsupportedModelError, inspect_model, rotary_tables
+from .spec import LAYER_PARAMS, HFModelSpec, UnsupportedModelError, inspect_model, rotary_tables
 
 __all__ = ["CheckpointReader", "load_parallel"]
-
-# core weight name -> parameter path inside a decoder layer
-LAYER_PARAMS = {
-    "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
-    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-    "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
-    "down": "mlp.down_proj.weight", "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
-    "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
-}
 
 
 class CheckpointReader:

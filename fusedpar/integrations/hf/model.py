@@ -32,13 +32,19 @@ from transformers.cache_utils import Cache, QuantizedCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fusedpar.collectives import ParallelContext, check_agreement, tensor_checksum
-from fusedpar.layers import ShardedDecoderWeights, ShiftParallelDecoderLayer, ShiftParallelStack, ShiftPolicy
+from fusedpar.layers import (
+    ShardedDecoderWeights,
+    ShiftParallelDecoderLayer,
+    ShiftParallelStack,
+    ShiftPolicy,
+    weight_shapes,
+)
 from fusedpar.layers.kernel_choice import choose_cuda_graphs, choose_fused_kernels
 from fusedpar.layouts import ParallelLayout, holdings
 
 from .cache import ShiftParallelCache
 from .runtime import _run_step, _Runtime
-from .spec import HFModelSpec, UnsupportedModelError, inspect_model
+from .spec import LAYER_PARAMS, HFModelSpec, UnsupportedModelError, inspect_model
 from .switching import check_reshard_layouts, follow_policy, held_layouts_for, reshard_runtime, share_row_parallel
 
 __all__ = ["base_shard_bytes", "parallelize", "resident_decoder_bytes"]
@@ -46,17 +52,7 @@ __all__ = ["base_shard_bytes", "parallelize", "resident_decoder_bytes"]
 
 def full_layer_weights(layer: nn.Module, spec: HFModelSpec) -> dict[str, torch.Tensor]:
     """One HF decoder layer's weights under the core names (fusedpar.layers.config.weight_shapes)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    full = {
-        "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-        "q": attn.q_proj.weight, "k": attn.k_proj.weight, "v": attn.v_proj.weight, "o": attn.o_proj.weight,
-        "gate": mlp.gate_proj.weight, "up": mlp.up_proj.weight, "down": mlp.down_proj.weight,
-    }
-    if spec.decoder.qk_norm:
-        full["q_norm"], full["k_norm"] = attn.q_norm.weight, attn.k_norm.weight
-    if spec.decoder.qkv_bias:
-        full["q_bias"], full["k_bias"], full["v_bias"] = attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias
-    return {k: v.detach() for k, v in full.items()}
+    return {n: layer.get_parameter(LAYER_PARAMS[n]).detach() for n in weight_shapes(spec.decoder)}
 
 
 # ---- the model ------------------------------------------------------------------------------

@@ -29,6 +29,16 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CONFIG_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "rms_norm_eps")
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
+# core weight name (fusedpar.layers.config.weight_shapes) -> parameter path inside an HF decoder layer
+# of the supported families: the checkpoint key below model.layers.<i>., and the module path in a model
+LAYER_PARAMS = {
+    "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight", "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+}
+
 
 class UnsupportedModelError(ValueError):
     """The model or its config uses something fusedpar.integrations.hf cannot run exactly."""
