@@ -12,14 +12,20 @@ configuration; the plugin only adds the base (SP x TP) path on the same weights 
 - `register` (entry point `vllm.general_plugins: fusedpar`, run by vLLM in every process)
   registers three PluggableLayer out-of-tree linear layers (layers.py). They are inert unless
   the engine's additional_config has a "fusedpar" section.
-- In each worker the first such layer validates the deployment (config.py; every problem named,
-  the engine fails to start), builds fusedpar's process groups after vLLM's, and the layers
-  load their base shard with the shift shard as a view (state.py, layers.py).
+- In each worker the first such layer validates the deployment (config.py, deployment.py; every
+  problem named, the engine fails to start), builds fusedpar's process groups after vLLM's
+  (comms.py), and the layers load their base shard with the shift shard as a view (layers.py).
 - Per step, the mode comes from the scheduled token count (state.py, which also explains why
   this is correct under vLLM's torch.compile and CUDA graphs).
 
-Modules: config (pure Python: knobs and checks), state (per-worker state, hooks, stats),
-layers (the linear layers). Only this package imports vllm; fusedpar's core never does.
+Modules: config (pure Python: knobs and checks), deployment (the validated deployment and the
+decisions taken from it), state (the per-worker object wiring the others together, and the RPC
+worker methods), step (the facts of the running step), hooks (the hooks on vLLM's model),
+comms (process groups and base-mode communicators: warm-up, graph capture), base_runner /
+base_step (a base step's forward and kernels), shift_trace (when the compiled shift path is
+traced), counters (step counts; a submodule named `stats` would shadow the function `stats`
+once imported), layers (the linear layers). Only this package imports vllm; fusedpar's core
+never does.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ def check_engine_config(vllm_config) -> None:
     deployment it asks for); nothing when the engine has no fusedpar section."""
     cfg = parse_additional_config(vllm_config.additional_config)
     if cfg is not None:
-        from .state import deployment_info
+        from .deployment import deployment_info
 
         check_deployment(cfg, deployment_info(vllm_config))
 
@@ -76,7 +82,7 @@ def check_engine_config(vllm_config) -> None:
 def _check_configs_where_built() -> None:
     """Check the fusedpar section in the process that builds the engine config (the caller of LLM(...)
     or `vllm serve`), so a bad section fails there at once with fusedpar's message instead of in each
-    worker's log after the engine started. The workers check it again (fusedpar.integrations.vllm.state)."""
+    worker's log after the engine started. The workers check it again (deployment.Deployment.of)."""
     from vllm.engine.arg_utils import EngineArgs
 
     original = EngineArgs.create_engine_config

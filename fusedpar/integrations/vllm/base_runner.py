@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 from fusedpar.collectives import all_gather_rows
 
+from .step import Step
+
 logger = logging.getLogger("vllm.fusedpar")
 
 BUCKET_ROWS = 64  # rows per rank between graph buckets: whole 64-row GEMM tiles, <= 7% padding at 896+ rows
@@ -56,12 +58,14 @@ def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
 class BaseRunner:
     """The base-step forward of one decoder model (see the module docstring).
 
-    state: the WorkerState (mode, token counts, groups); inner: the decoder model; layers / norm:
-    its decoder layers and final norm; attns: each layer's vLLM Attention module.
+    worker: the state.WorkerState whose current step (step.Step) the forward runs; inner: the
+    decoder model; layers / norm: its decoder layers and final norm; attns: each layer's vLLM
+    Attention module; kernels: the base_step.BaseKernels a base step switches vLLM's custom ops to.
     """
 
-    def __init__(self, state, inner: torch.nn.Module, layers, norm: torch.nn.Module, attns: list):
-        self.state, self.inner, self.layers, self.norm, self.attns = state, inner, list(layers), norm, attns
+    def __init__(self, worker, inner: torch.nn.Module, layers, norm: torch.nn.Module, attns: list, kernels):
+        self.worker, self.inner, self.layers, self.norm, self.attns = worker, inner, list(layers), norm, attns
+        self.kernels = kernels
         self.graphs: BaseGraphs | None = None
         self.ran = False  # set by forward: the step really ran the base path
 
@@ -70,23 +74,23 @@ class BaseRunner:
         return embed(input_ids)
 
     def forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **kwargs):
-        st = self.state
+        step, worker = self.worker.step, self.worker
         if intermediate_tensors is not None:
             raise RuntimeError("fusedpar: base steps take no intermediate tensors (pipeline parallel is not supported)")
         hidden = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
         n = hidden.shape[0]
-        if n != st.num_tokens:
-            raise RuntimeError(f"fusedpar: the decoder model got {n} rows, the step has {st.num_tokens} tokens")
-        m, s = st.local_rows, st.coords.sp
-        if st.padded_tokens != n:
-            hidden = F.pad(hidden, (0, 0, 0, st.padded_tokens - n))  # zero rows: never reach attention
+        if n != step.num_tokens:
+            raise RuntimeError(f"fusedpar: the decoder model got {n} rows, the step has {step.num_tokens} tokens")
+        m, s = step.local_rows, worker.deployment.coords.sp
+        if step.padded_tokens != n:
+            hidden = F.pad(hidden, (0, 0, 0, step.padded_tokens - n))  # zero rows: never reach attention
         local = hidden[s * m:(s + 1) * m]
         if self.graphs is not None and not kwargs and self.graphs.serves(m):
             out = self.graphs.run(local, positions, n)
         else:
             out = self.run_layers(local, positions, **kwargs)
         self.ran = True
-        return all_gather_rows(out.contiguous(), st.ctx.sp)[:n]
+        return all_gather_rows(out.contiguous(), worker.comms.ctx.sp)[:n]
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, **kwargs) -> torch.Tensor:
         residual = None
@@ -117,8 +121,7 @@ class BaseGraphs:
 
     def __init__(self, runner: BaseRunner, buckets: tuple[int, ...], *, hidden_size: int, q_width: int,
                  kv_width: int, dtype: torch.dtype, device: torch.device, pool=None):
-        st = runner.state
-        self.runner, self.buckets, self.sp = runner, buckets, st.layout.sp
+        self.runner, self.buckets, self.sp = runner, buckets, runner.worker.deployment.layout.sp
         m_max = buckets[-1]
         n_max = m_max * self.sp
 
@@ -146,43 +149,47 @@ class BaseGraphs:
         return time.perf_counter() - t0
 
     def _capture(self, m: int) -> None:
-        st, runner = self.runner.state, self.runner
+        runner = self.runner
         n = m * self.sp
-        saved = st.mode, st.num_tokens, st.padded_tokens
-        st.mode = "base"
-        st.num_tokens = st.padded_tokens = n  # the layers see a full bucket: no slicing, no padding
-        st.base_kernels.begin()
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(stream):
-                with _attention_calls(runner.attns, lambda q, k, v: self._stage(n, q, k, v)):
-                    runner.run_layers(self.hidden[:m], self.positions[:n])  # eager warm-up pass
-                graphs: list[torch.cuda.CUDAGraph] = []
-                graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(pool=self.pool)
-                try:
-                    def split(q, k, v):
-                        nonlocal graph
-                        out = self._stage(n, q, k, v)
-                        graph.capture_end()
-                        graphs.append(graph)
-                        graph = torch.cuda.CUDAGraph()
-                        graph.capture_begin(pool=self.pool)
-                        return out
-
-                    with _attention_calls(runner.attns, split):
-                        self.out[:m].copy_(runner.run_layers(self.hidden[:m], self.positions[:n]))
-                finally:
-                    graph.capture_end()
-                graphs.append(graph)
-        finally:
-            st.base_kernels.end()
-            st.mode, st.num_tokens, st.padded_tokens = saved
+        # the layers see a full bucket: no slicing, no padding
+        with runner.worker.running(Step.base(n, m, self.sp)):
+            runner.kernels.begin()
+            try:
+                with torch.cuda.stream(stream):
+                    graphs = self._capture_set(m, n)
+            finally:
+                runner.kernels.end()
         torch.cuda.current_stream().wait_stream(stream)
         if len(graphs) != len(runner.attns) + 1:
             raise RuntimeError(f"fusedpar: captured {len(graphs)} graphs for {len(runner.attns)} attention layers")
         self.sets[m] = graphs
+
+    def _capture_set(self, m: int, n: int) -> list[torch.cuda.CUDAGraph]:
+        """An eager pass, then the graphs of bucket m (n tokens), split at every attention call."""
+        runner = self.runner
+        with _attention_calls(runner.attns, lambda q, k, v: self._stage(n, q, k, v)):
+            runner.run_layers(self.hidden[:m], self.positions[:n])  # eager warm-up pass
+        graphs: list[torch.cuda.CUDAGraph] = []
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        try:
+            def split(q, k, v):
+                nonlocal graph
+                out = self._stage(n, q, k, v)
+                graph.capture_end()
+                graphs.append(graph)
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=self.pool)
+                return out
+
+            with _attention_calls(runner.attns, split):
+                self.out[:m].copy_(runner.run_layers(self.hidden[:m], self.positions[:n]))
+        finally:
+            graph.capture_end()
+        graphs.append(graph)
+        return graphs
 
     def _stage(self, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         for dst, src in ((self.q, q), (self.k, k), (self.v, v)):

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fusedpar.layouts import StepMode
+
 logger = logging.getLogger("vllm.fusedpar")
 
 
@@ -148,9 +150,9 @@ def warm_up_fused(comm, rows: Sequence[int], qkv, o_proj, down) -> float:
     attn = torch.zeros(m_max * sp, w_o.shape[1] // sp, device=dev, dtype=dt)
     act = torch.zeros(m_max, w_down.shape[1], device=dev, dtype=dt)
     for i, m in enumerate(rows):
-        comm.qkv(h[:m], w_qkv, "base", qkv.bias)
-        comm.o_proj(attn[: m * sp], w_o, "base")
-        comm.row_parallel(act[:m], w_down, "base")
+        comm.qkv(h[:m], w_qkv, StepMode.BASE, qkv.bias)
+        comm.o_proj(attn[: m * sp], w_o, StepMode.BASE)
+        comm.row_parallel(act[:m], w_down, StepMode.BASE)
         now = time.perf_counter()
         if now - last > 10:
             logger.info("fusedpar: compiling the base-mode kernels: %d of %d row counts", i + 1, len(rows))

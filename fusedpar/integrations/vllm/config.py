@@ -1,8 +1,8 @@
 """What the user asked for (`--additional-config '{"fusedpar": {...}}'`) and whether it can run.
 
-Pure Python (no vllm, no torch.distributed): `state.deployment_info` extracts the numbers from vLLM's
-config; `check_deployment` runs on them where the engine config is built (`check_engine_config` in
-`__init__.py`) and again in each worker (`state.py`), and the unit tests call it directly.
+Pure Python (no vllm, no torch.distributed): `deployment.deployment_info` extracts the numbers from
+vLLM's config; `check_deployment` runs on them where the engine config is built (`check_engine_config`
+in `__init__.py`) and again in each worker (`deployment.Deployment.of`), and the unit tests call it directly.
 Every problem found is collected and raised together as one `FusedparConfigError` (a
 ValueError) whose message names each constraint and its numbers.
 """

@@ -14,7 +14,7 @@ place of its own classes; each one decides in its constructor whether to take ov
   each global segment of the checkpoint tensors into it. The shift (TP = P) weight is a
   `narrow` view of the base shard, taken in forward: zero extra bytes.
 
-Modes (the WorkerState decides per step; under torch.compile the shift path is traced):
+Modes (the worker's current step.Step says which; under torch.compile the shift path is traced):
 
   qkv_proj   base: [m, d] @ base qkv -> [m, SP blocks] -> seq->head all-to-all -> [n_pad, blk]
                    -> first n rows: q|k|v of this rank's TP=P heads for every token, exactly
@@ -56,6 +56,8 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 
+from fusedpar.layouts import StepMode
+
 from .config import parse_additional_config
 from .state import WorkerState, state_for
 
@@ -96,20 +98,18 @@ class _FusedparLinear:
         if self.skip_bias_add and self.bias is not None:
             raise RuntimeError(f"fusedpar: {self.prefix}: skip_bias_add with a bias is not supported")
         self._fp, self._fp_kind = state, kind
-        shard = state.shards.shard(state.rank, kind)
+        dep = state.deployment
+        shard = dep.shards.shard(dep.rank, kind)
         self._fp_shard = shard
         self._fp_view = shard.shift  # (lo, hi) along shard.torch_dim
-        if kind == "qkv":
-            state.watch_for_root(layer_prefix)
-        state.layers_taken[kind] = state.layers_taken.get(kind, 0) + 1
-        state.modules.append(self)
+        state.model.adopt(self, kind, layer_prefix)
         dim = shard.torch_dim
         old = self.weight
         shape = list(old.shape)
         shape[dim] = shard.size
         hi_lo = self._fp_view[1] - self._fp_view[0]
         if old.shape[dim] != hi_lo:
-            raise RuntimeError(f"fusedpar: {self.prefix}: vLLM's TP={state.layout.replica_size} shard has "
+            raise RuntimeError(f"fusedpar: {self.prefix}: vLLM's TP={dep.layout.replica_size} shard has "
                                f"{old.shape[dim]} rows/columns, fusedpar's shift view {hi_lo}")
         self.weight = self._fp_param(torch.empty(shape, dtype=old.dtype, device=old.device),
                                      input_dim=1, output_dim=0)
@@ -140,21 +140,21 @@ class _FusedparLinear:
         if not hit:
             raise ValueError(f"fusedpar: {self.prefix}: no base segment of {source!r}")
 
-    def _fp_weight(self, mode: str) -> torch.Tensor:
-        if mode == "base":
+    def _fp_weight(self, mode: StepMode) -> torch.Tensor:
+        if mode is StepMode.BASE:
             return self.weight
         lo, hi = self._fp_view
         return self.weight.narrow(self._fp_shard.torch_dim, lo, hi - lo)
 
-    def _fp_bias(self, mode: str) -> torch.Tensor | None:
-        if self.bias is None or mode == "base" or self._fp_shard.torch_dim != 0:
+    def _fp_bias(self, mode: StepMode) -> torch.Tensor | None:
+        if self.bias is None or mode is StepMode.BASE or self._fp_shard.torch_dim != 0:
             return self.bias
         lo, hi = self._fp_view
         return self.bias.narrow(0, lo, hi - lo)
 
     def _fp_base_active(self) -> bool:
         # Under torch.compile this is constant False: the compiled graph is always the shift path.
-        return not torch.compiler.is_compiling() and self._fp.mode == "base"
+        return not torch.compiler.is_compiling() and self._fp.step.is_base
 
     def _fp_return(self, out: torch.Tensor):
         # skip_bias_add with a bias is rejected in _fp_adopt: the returned bias is always None
@@ -174,24 +174,24 @@ class FusedparQKVParallelLinear(_FusedparLinear, QKVParallelLinear):
             QKVParallelLinear.__init__(self, *args, **kwargs)
             return
         super().__init__(*args, **kwargs)
-        state = took[0]
+        dep = took[0].deployment
         mine = (self.total_num_heads, self.total_num_kv_heads, self.head_size, self.v_head_size)
-        dims = state.dims
+        dims = dep.dims
         if mine != (dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.head_dim):
             raise RuntimeError(f"fusedpar: {self.prefix} has heads {self.total_num_heads}/{self.total_num_kv_heads} x "
-                               f"{self.head_size} (v {self.v_head_size}), the config {state.dims}")
+                               f"{self.head_size} (v {self.v_head_size}), the config {dep.dims}")
         # The KV cache vLLM allocates for this rank holds the kv heads of its own TP=P sharding
         # (QKVParallelLinear: rank // replicas when kv heads are replicated); fusedpar's placement
         # must name the same heads in both modes, or base-mode steps would fill the wrong cache.
         r = self.tp_rank
         vllm_kv = ((r // self.num_kv_head_replicas,) if self.num_kv_head_replicas > 1
                    else tuple(range(r * self.num_kv_heads, (r + 1) * self.num_kv_heads)))
-        place = state.placement
+        place = dep.placement
         mine_q = tuple(range(r * self.num_heads, (r + 1) * self.num_heads))
-        for mode in ("base", "shift"):
-            if place.kv_heads(state.rank, mode) != vllm_kv or place.q_heads(state.rank, mode) != mine_q:
-                raise RuntimeError(f"fusedpar: rank {r} {mode} heads q {place.q_heads(state.rank, mode)} kv "
-                                   f"{place.kv_heads(state.rank, mode)} differ from vLLM's q {mine_q} kv {vllm_kv}")
+        for mode in StepMode:
+            if place.kv_heads(dep.rank, mode) != vllm_kv or place.q_heads(dep.rank, mode) != mine_q:
+                raise RuntimeError(f"fusedpar: rank {r} {mode} heads q {place.q_heads(dep.rank, mode)} kv "
+                                   f"{place.kv_heads(dep.rank, mode)} differ from vLLM's q {mine_q} kv {vllm_kv}")
         self._fp_adopt(*took)
 
     def _fp_load(self, param, loaded_weight, loaded_shard_id=None):
@@ -208,14 +208,15 @@ class FusedparQKVParallelLinear(_FusedparLinear, QKVParallelLinear):
     def forward(self, input_):
         if self._fp_base_active():
             return self._fp_return(self._fp_forward_base(input_))
-        return self._fp_return(F.linear(input_, self._fp_weight("shift"), self._fp_bias("shift")))
+        return self._fp_return(F.linear(input_, self._fp_weight(StepMode.SHIFT), self._fp_bias(StepMode.SHIFT)))
 
     def _fp_forward_base(self, x: torch.Tensor) -> torch.Tensor:
-        st = self._fp
-        if x.shape[0] != st.local_rows:
-            raise RuntimeError(f"fusedpar: {self.prefix} got {x.shape[0]} rows in base mode, expected {st.local_rows}")
-        out = st.comm(x).qkv(x, self.weight, "base", self.bias)  # [n_pad, blk]
-        return out[: st.num_tokens]  # padding rows never reach rotary, attention or the KV cache
+        step = self._fp.step
+        if x.shape[0] != step.local_rows:
+            raise RuntimeError(f"fusedpar: {self.prefix} got {x.shape[0]} rows in base mode, "
+                               f"expected {step.local_rows}")
+        out = self._fp.comms.comm(x).qkv(x, self.weight, StepMode.BASE, self.bias)  # [n_pad, blk]
+        return out[: step.num_tokens]  # padding rows never reach rotary, attention or the KV cache
 
 
 class FusedparMergedColumnParallelLinear(_FusedparLinear, MergedColumnParallelLinear):
@@ -226,10 +227,10 @@ class FusedparMergedColumnParallelLinear(_FusedparLinear, MergedColumnParallelLi
             MergedColumnParallelLinear.__init__(self, *args, **kwargs)
             return
         super().__init__(*args, **kwargs)
-        state = took[0]
-        if list(self.output_sizes) != [state.dims.intermediate_size] * 2:
+        dims = took[0].deployment.dims
+        if list(self.output_sizes) != [dims.intermediate_size] * 2:
             raise RuntimeError(f"fusedpar: {self.prefix} has output sizes {self.output_sizes}, expected "
-                               f"[{state.dims.intermediate_size}] * 2 (gate, up)")
+                               f"[{dims.intermediate_size}] * 2 (gate, up)")
         self._fp_adopt(*took)
 
     def _fp_load(self, param, loaded_weight, loaded_shard_id=None):
@@ -246,7 +247,7 @@ class FusedparMergedColumnParallelLinear(_FusedparLinear, MergedColumnParallelLi
             # [m, SP blocks of (gate c | up c)]: the MLP's SiluAndMul takes this blocked layout in base
             # steps (base_step.BaseKernels), so no reordering copy
             return self._fp_return(F.linear(input_, self.weight, self.bias))
-        return self._fp_return(F.linear(input_, self._fp_weight("shift"), self._fp_bias("shift")))
+        return self._fp_return(F.linear(input_, self._fp_weight(StepMode.SHIFT), self._fp_bias(StepMode.SHIFT)))
 
 
 class FusedparRowParallelLinear(_FusedparLinear, RowParallelLinear):
@@ -271,21 +272,21 @@ class FusedparRowParallelLinear(_FusedparLinear, RowParallelLinear):
     def forward(self, input_):
         add_bias = self.bias is not None
         if self._fp_base_active():
-            st = self._fp
-            comm = st.comm(input_)
+            step = self._fp.step
+            comm = self._fp.comms.comm(input_)
             if self._fp_kind == "o":
                 n = input_.shape[0]
-                if n != st.num_tokens:
-                    raise RuntimeError(f"fusedpar: {self.prefix} got {n} rows, the step has {st.num_tokens}")
-                attn = F.pad(input_, (0, 0, 0, st.padded_tokens - n))  # zero padding rows
-                out = comm.o_proj(attn, self.weight, "base")  # all-to-all + GEMM + TP all-reduce
+                if n != step.num_tokens:
+                    raise RuntimeError(f"fusedpar: {self.prefix} got {n} rows, the step has {step.num_tokens}")
+                attn = F.pad(input_, (0, 0, 0, step.padded_tokens - n))  # zero padding rows
+                out = comm.o_proj(attn, self.weight, StepMode.BASE)  # all-to-all + GEMM + TP all-reduce
             else:
-                out = comm.row_parallel(input_, self.weight, "base")
+                out = comm.row_parallel(input_, self.weight, StepMode.BASE)
             if add_bias:
                 out = out + self.bias  # once, after the reduction
             return self._fp_return(out)
         bias_ = self.bias if add_bias and self.tp_rank == 0 else None
-        out = F.linear(input_, self._fp_weight("shift"), bias_)
+        out = F.linear(input_, self._fp_weight(StepMode.SHIFT), bias_)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)  # vLLM's own (custom / shm) all-reduce
         return self._fp_return(out)
