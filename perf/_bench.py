@@ -113,20 +113,17 @@ class BarrierTimer:
         torch.cuda.synchronize()
         return statistics.median(self._sample(run, len(calls)) for _ in range(self.iters))
 
-    def eager_interleaved(self, variants: dict[str, list[Callable[[], object]]],
-                          by_predecessor: dict[tuple[str, str], float] | None = None) -> dict[str, float]:
+    def eager_interleaved(self, variants: dict[str, list[Callable[[], object]]]) -> dict[str, float]:
         """eager() of several call sequences whose samples alternate: an eager call of a small op is
         host-bound, and on a shared host the launch speed drifts over seconds, so timing one variant
         after the other lets the drift decide the ratio. interleaved_order() varies each variant's
         predecessor as well as its position, and runs each variant once, untimed and synchronized,
         right before each of its timed samples. The predecessor matters: an eager F.linear + NCCL
         all-reduce sample runs slower right after a sample of the Triton one-shot than after any
-        other variant (perf/tools/probe_eager_fallback.py prints it by predecessor), so a fixed
-        cycle (A B C, B C A, ...) that always runs the router's fallback right after the fused path
-        times it below a plain path it is identical to on the GPU. The priming run helps but does
-        not remove the effect, so its cause is not only the host's caches; the random order
-        spreads what is left over all variants alike.
-        by_predecessor, if given, receives the timed medians by (variant, variant timed before it)."""
+        other variant, so a fixed cycle (A B C, B C A, ...) that always runs the router's fallback
+        right after the fused path times it below a plain path it is identical to on the GPU. The
+        priming run helps but does not remove the effect, so its cause is not only the host's
+        caches; the random order spreads what is left over all variants alike."""
         names = list(variants)
         runs = {name: (lambda calls=calls: [c() for c in calls]) for name, calls in variants.items()}
         for _ in range(self.warmup):
@@ -134,17 +131,11 @@ class BarrierTimer:
                 runs[name]()
         torch.cuda.synchronize()
         samples: dict[str, list[float]] = {name: [] for name in names}
-        after: dict[tuple[str, str], list[float]] = {}
-        prev = ""
         for i in range(self.iters):
             for name in interleaved_order(names, i):
                 runs[name]()  # the priming run: the timed sample follows its own variant
                 torch.cuda.synchronize()
                 samples[name].append(self._sample(runs[name], len(variants[name])))
-                after.setdefault((name, prev), []).append(samples[name][-1])
-                prev = name
-        if by_predecessor is not None:  # (variant, the variant sampled just before it) -> median
-            by_predecessor.update({key: statistics.median(v) for key, v in after.items() if key[1]})
         return {name: statistics.median(v) for name, v in samples.items()}
 
     def graph(self, calls: list[Callable[[], object]]) -> float:

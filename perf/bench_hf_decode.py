@@ -55,7 +55,7 @@ def build_model(args, device):
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The model, layout and generate-length options shared with probe_hf_decode.py."""
+    """The model, layout and generate-length options."""
     p.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-3-8B: 32)")
     p.add_argument("--sp", type=int, default=1, help="SP of the layout (TP = world / SP)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")

@@ -99,8 +99,10 @@ def operands(model: str, m: int, W: int) -> tuple[list[torch.Tensor], list[torch
 
 
 def sweep_configs(model, m, W, ws, timer, match: str = "") -> list[tuple[str, float]]:
-    """The fused kernel's time (max over ranks) with its default tiling and each of SWEEP_CONFIGS
-    (those whose name contains `match`)."""
+    """The fused kernel's time (max over ranks) with its default tiling, in the plain and in the rotated
+    tile order (ulysses.config.QKV_ROTATE_ROWS), and with each of SWEEP_CONFIGS (those whose name
+    contains `match`)."""
+    from fusedpar.collectives.symmetric import as_peer_table
     from fusedpar.kernels import ulysses as u
     FUSED = u.UlyssesOptions(path="fused")
     from fusedpar.kernels.gemm import GemmConfig
@@ -108,6 +110,10 @@ def sweep_configs(model, m, W, ws, timer, match: str = "") -> list[tuple[str, fl
     xs, wts = operands(model, m, W)
     ref = u.qkv_all_to_all(xs[0], wts[0], ws, options=FUSED).clone()
     out = [("default", timer(lambda i: u.qkv_all_to_all(xs[i % SETS], wts[i % SETS], ws, options=FUSED)))]
+    table = as_peer_table(ws)
+    for name, rotate in (("plain order", False), ("rotated", True)):
+        ms = timer(lambda i, r=rotate: u.launch_qkv_all_to_all(xs[i % SETS], wts[i % SETS], table, rotate=r))
+        out.append((name, ms))
     for bm, bn, bk, warps, stages, tma, nested, *rest in SWEEP_CONFIGS:
         n2 = rest[0] if rest else 0
         group_m = rest[1] if len(rest) > 1 else 8
@@ -212,11 +218,12 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sweep-configs", action="store_true",
-                   help="instead of the benchmark: time the fused kernel with each tiling of SWEEP_CONFIGS at every "
-                        "--tokens (printed, no records): the data behind ulysses.config.pick_qkv_config")
+                   help="instead of the benchmark: time the fused kernel with each tiling of SWEEP_CONFIGS and in "
+                        "both tile orders at every --tokens (printed, no records): the data behind "
+                        "ulysses.config.pick_qkv_config and QKV_ROTATE_ROWS")
     p.add_argument("--sweep-match", default="",
                    help="with --sweep-configs: only the tilings whose printed name contains this (e.g. '+64' for "
-                        "the split tiles); the default tiling is always timed")
+                        "the split tiles); the default tiling is always timed, in both tile orders")
     p.add_argument("--out", default=f"perf/results/{BENCH}.json")
     args = p.parse_args(argv)
     if args.iters < 20:

@@ -22,9 +22,10 @@ Policies (--policies; fusedpar.layers.layout_policy):
   pd      prefill in one layout, decode in another, through the host KV tier (PrefillDecodePolicy +
           HostKVTier: prompts done go to the tier, the decode phase swaps them in)
   auto    AutoPolicy over tpW, spW, dpW from step-time curves measured at start-up on this machine
-          (a prefill step per token count and a decode step per sequence count, per layout, on the
-          path serving takes: graph replays for the sp == 1 layouts) and a dp <-> tp switch cost measured
-          the same way (unless --auto-switch-s), plus the queue the scheduler sees.
+          (fusedpar.layers.measure_step_times: a prefill step per token count and a decode step per
+          sequence count, per layout, on the path serving takes: graph replays for the sp == 1 layouts)
+          and a dp <-> tp switch cost measured the same way (unless --auto-switch-s), plus the queue the
+          scheduler sees.
 
 Clock (perf/_serve/loop.py): virtual. Every iteration of the loop is timed on the wall clock (max over
 ranks) and the clock advances by it; when nothing runs or waits the clock jumps to the next arrival.
@@ -42,11 +43,9 @@ baseline = static tpW, baseline_ms / fused_ms = p50 TTFT ms of the baseline / th
 their ratio, roofline_pct null), and a timeline plot is drawn (--plot; offered load, layout in
 use, TTFT) when matplotlib is installed.
 
-Duration: every policy replays the whole trace, on GPUs in about its real length (2000 requests at the
-default rates: ~5 minutes each, plus start-up; the saturated run adds 6-10 s); a device call of
-perf/run_gpu.sh (540 s) holds one or two policies at the defaults. Split them over calls with
---policies: the records append to --out, and a call without tp takes its baseline from the static
-tp record of the same trace there.
+Duration: every policy replays the whole trace, on GPUs in about its real length. Policies can be
+split over runs with --policies: the records append to --out, and a run without tp takes its
+baseline from the static tp record of the same trace there.
 
 Usage (repo root):
     torchrun --nproc-per-node 4 perf/serve_bench.py [--policies tp,shift] [--requests 2000] [--out ...]
@@ -245,6 +244,11 @@ def make_policy(key: str, e, o: dict, curves: dict | None, switch_s: float | Non
                       decode_curves={L[k]: decode_curves[k] for k in ("tp", "sp", "dp")})
 
 
+def curve_ms(curve) -> list[list]:
+    """A StepTimeCurve as [[tokens, ms], ...] (the records' form)."""
+    return [[n, s * 1e3] for n, s in zip(curve.tokens, curve.seconds, strict=True)]
+
+
 def _check_room(e, requests, o: dict) -> None:
     """Every request fits every layout's KV cache and the host tier (else no policy could serve it)."""
     worst = max(r.footprint for r in requests)
@@ -263,8 +267,6 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     from _serve.loop import SLOW_STEP_S, PolicyRun
     from _serve.metrics import summarize, summarize_saturated
     from _serve.trace import prompt_ids
-
-    from fusedpar.layers import StepTimeCurve
 
     t_start = time.perf_counter()
 
@@ -287,24 +289,22 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     e = Engine(eo, rank, world, device, log)
     _check_room(e, requests + flood, o)
     keys = o["policies"].split(",")
-    curves, switch_s, curve_points, decode_curves, decode_points = None, o["auto_switch_s"], None, None, None
+    curves, switch_s, decode_curves = None, o["auto_switch_s"], None
     if "auto" in keys:
         asked, budget = [int(x) for x in o["curve_points"].split(",")], o["max_batch_tokens"]
         # each layout up to the tokens one of its steps can take: the budget per replica times its replicas
         pts = {k: sorted({min(n, budget * e.layouts[k].dp) for n in asked} | {budget * e.layouts[k].dp})
                for k in ("tp", "sp", "dp")}
-        curve_points = {k: e.step_curve(k, pts[k], o["curve_iters"]) for k in ("tp", "sp", "dp")}
-        curves = {k: StepTimeCurve(v) for k, v in curve_points.items()}
+        curves = {k: e.step_curve(k, pts[k], o["curve_iters"]) for k in ("tp", "sp", "dp")}
         # decode steps run other paths (TP / DP: decode graphs): their own curve, up to max_seqs sequences
         dec = sorted({min(n, o["max_seqs"]) for n in asked})
-        decode_points = {k: e.step_curve(k, dec, o["curve_iters"], decode=True) for k in ("tp", "sp", "dp")}
-        decode_curves = {k: StepTimeCurve(v) for k, v in decode_points.items()}
+        decode_curves = {k: e.step_curve(k, dec, o["curve_iters"], decode=True) for k in ("tp", "sp", "dp")}
         if switch_s is None:
             switch_s = e.switch_cost(o["max_batch_tokens"], o["curve_iters"])
         log("auto: step-time curves (tokens:ms) " + "; ".join(
-            f"{k}: " + " ".join(f"{n}:{s * 1e3:.2f}" for n, s in v) for k, v in curve_points.items())
+            f"{k}: " + " ".join(f"{n}:{s:.2f}" for n, s in curve_ms(c)) for k, c in curves.items())
             + "; decode (sequences:ms) " + "; ".join(
-            f"{k}: " + " ".join(f"{n}:{s * 1e3:.2f}" for n, s in v) for k, v in decode_points.items())
+            f"{k}: " + " ".join(f"{n}:{s:.2f}" for n, s in curve_ms(c)) for k, c in decode_curves.items())
             + f"; switch {switch_s * 1e3:.2f} ms")
     if o["warmup_requests"]:
         steps = e.warm_base("sp", log)
@@ -362,8 +362,8 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
                                     "sequences": q} for t, d, lay, n, q in res.slow_steps[:20]],
                "slow_iterations_total": len(res.slow_steps), "triton_compiles": dict(res.compiles)}
         if key == "auto":
-            rec["curves_ms"] = {k: [[n, s * 1e3] for n, s in v] for k, v in curve_points.items()}
-            rec["decode_curves_ms"] = {k: [[n, s * 1e3] for n, s in v] for k, v in decode_points.items()}
+            rec["curves_ms"] = {k: curve_ms(c) for k, c in curves.items()}
+            rec["decode_curves_ms"] = {k: curve_ms(c) for k, c in decode_curves.items()}
             rec["auto_switch_ms"] = switch_s * 1e3
         if key == "pd":
             rec["host_tier_tokens"] = o["host_tier_tokens"]

@@ -1,16 +1,97 @@
-"""Every perf/ script and tool imports on CPU without running (no work at import), and
+"""Every perf/ script and tool imports on CPU without running (no work at import); perf/run_gpu.sh's
+item table names files that exist, an item for every benchmark and tool, and only documented knobs;
 perf/report.py's output is deterministic and touches README.md only between its markers."""
 
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-PERF = Path(__file__).resolve().parents[1] / "perf"
+REPO = Path(__file__).resolve().parents[1]
+PERF = REPO / "perf"
 SCRIPTS = sorted(p for p in [*PERF.glob("*.py"), *(PERF / "tools").glob("*.py")])
+BENCHMARKS = sorted(p.name for p in [*PERF.glob("bench_*.py"), *PERF.glob("[a-z]*_bench.py")])
+RUN_GPU = PERF / "run_gpu.sh"
+# names run_gpu.sh sets or reads for itself; any other variable it reads is a knob perf/README.md documents
+RUN_GPU_OWN = {"RES", "LOG", "NGPU", "TRUN", "ITEMS", "PWD", "PYTHONPATH", "PIPESTATUS"}
+
+
+def run_gpu_items() -> dict[str, str]:
+    """perf/run_gpu.sh's table: item -> command, in table order."""
+    table = re.search(r"^declare -A ITEMS=\($(.*?)^\)$", RUN_GPU.read_text(), re.S | re.M)
+    assert table, "perf/run_gpu.sh: no `declare -A ITEMS=(` ... `)` table"
+    items = {}
+    for line in table[1].strip("\n").splitlines():
+        m = re.fullmatch(r"  \[(\w+)\]='([^']+)'", line)
+        assert m, f"perf/run_gpu.sh: not an item line of the table: {line!r}"
+        assert m[1] not in items, f"perf/run_gpu.sh: item {m[1]} twice"
+        items[m[1]] = m[2]
+    return items
+
+
+def _words(command: str) -> list[str]:
+    """The command's words with the script's variables left as written (${TEST_PATHS:-tests}: its default)."""
+    return shlex.split(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", command))
+
+
+def test_run_gpu_sh_parses_and_keeps_nvlink_multicast_off():
+    run = subprocess.run(["bash", "-n", str(RUN_GPU)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    exports = [line.split()[1:] for line in RUN_GPU.read_text().splitlines() if line.startswith("export ")]
+    assert any({"NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1"} <= set(e)
+               for e in exports), exports
+
+
+def test_every_run_gpu_item_runs_files_that_exist():
+    for item, command in run_gpu_items().items():
+        words = _words(command)
+        named = [w for w in words if w.endswith(".py") or w == "tests" or w.startswith("tests/")]
+        named += [words[i + 1].replace(".", "/") + ".py" for i, w in enumerate(words[:-1])
+                  if w == "-m" and words[i + 1].startswith(("tests.", "fusedpar"))]
+        assert named, f"item {item}: names no script or test path: {command}"
+        for path in named:
+            assert (REPO / path).exists(), f"item {item}: {path} does not exist"
+        if "pytest" in words:
+            assert words[words.index("pytest") + 1:][:2] == ["-m", "gpu"], f"item {item}: runs other than gpu tests"
+
+
+def test_every_benchmark_and_tool_has_an_item_and_every_record_a_writer():
+    from tests.test_perf_records import BENCHES
+
+    items = run_gpu_items()
+    scripts = {Path(w).name for c in items.values() for w in _words(c) if w.startswith("perf/")}
+    tools = {p.name for p in (PERF / "tools").iterdir()}
+    assert set(BENCHMARKS) | tools <= scripts, f"no run_gpu.sh item: {sorted(set(BENCHMARKS) | tools - scripts)}"
+    records = [m for c in items.values() for m in re.findall(r'--out "\$RES/(\w+)\.json"', c)]
+    assert sorted(records) == sorted(BENCHES), f"records written: {sorted(records)}, perf/results: {sorted(BENCHES)}"
+
+
+def test_run_gpu_knobs_and_items_are_the_ones_perf_readme_documents():
+    text = RUN_GPU.read_text()
+    read = set(re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", text))
+    knobs = (read - RUN_GPU_OWN) | ({"<ITEM>_ARGS"} if re.search(r'"\$\{item\^\^\}_ARGS"', text) else set())
+    readme = (PERF / "README.md").read_text()
+    rows = set(re.findall(r"^\| `([^`]+)` \|", readme, re.M))
+    assert rows == set(run_gpu_items()) | knobs, (f"perf/README.md rows without an item or knob: "
+                                                  f"{sorted(rows - set(run_gpu_items()) - knobs)}; items and "
+                                                  f"knobs without a row: {sorted(set(run_gpu_items()) | knobs - rows)}")
+
+
+def test_run_gpu_sh_refuses_unknown_items_before_running_anything(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path)}
+    run = subprocess.run(["bash", str(RUN_GPU), "gemm", "no_such_item"], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert run.returncode == 2 and "unknown items: no_such_item" in run.stderr, run.stderr
+    assert not list(tmp_path.iterdir()), "an item ran, or the log was written, before the unknown item was refused"
+    run = subprocess.run(["bash", str(RUN_GPU)], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 2 and run.stderr.split("items: ")[1].split() == sorted(run_gpu_items()), run.stderr
 
 
 @pytest.fixture

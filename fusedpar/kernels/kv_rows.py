@@ -13,8 +13,8 @@ chunk row i, a scatter skips it. chunk, contiguous, in one of two orders:
     [2 (k | v), layers, n, head_dim]           rows: what the exchange of a migration sends;
     [n / B, layers, 2 (k | v), B, head_dim]    blocks of B rows: the host tier's block order.
 One program per (BLOCK_R rows, layer, k | v) loads its row indices once and copies head_dim-wide
-rows. torch's index_select / index_copy_ along dim 1 do the same at about half the bandwidth
-(their index kernels address element by element): perf/tools/probe_kv_gather.py.
+rows. torch's index_select / index_copy_ along dim 1 do the same more slowly (their index kernels
+address element by element). A migration's time: perf/bench_reshard.py, perf/results/reshard.json.
 
 push_kv_rows is the gather of a migration that exchanges through peer-addressable memory (a
 symmetric staging buffer per rank): row i of idx goes to destination p, the one with bounds[p] <= i <

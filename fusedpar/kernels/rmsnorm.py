@@ -2,9 +2,8 @@
 
 The decoder layer's norms in plain PyTorch are a chain of ~8 kernels (cast to fp32, square,
 mean, add eps, rsqrt, scale, cast back, weight multiply), each a full pass over the hidden
-states, and at decode sizes each a launch-bound tiny kernel (per-kernel times of a layer:
-perf/tools/profile_layer.py). One program per row does it in one read and one write, with exactly
-the reference's rounding points:
+states, and at decode sizes each a launch-bound tiny kernel. One program per row does it in one
+read and one write, with exactly the reference's rounding points:
 
     rms_norm(x, w):            y = w * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)
     add_rms_norm(x, d, w):     s = (x + d) in dtype (one rounding, as torch's add); y = rms_norm(s, w)

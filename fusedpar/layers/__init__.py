@@ -17,6 +17,7 @@ from fusedpar.layers.policy import DEFAULT_SHIFT_THRESHOLD, ShiftPolicy, StepBat
 from fusedpar.layers.reference import DenseDecoderStack
 from fusedpar.layers.reshard import migrate_kv
 from fusedpar.layers.stack import ShiftParallelStack
+from fusedpar.layers.step_times import measure_step_times, stack_step_times
 from fusedpar.layers.weights import ShardedDecoderWeights
 
 __all__ = [
@@ -39,8 +40,10 @@ __all__ = [
     "StepState",
     "StepTimeCurve",
     "SwapHandle",
+    "measure_step_times",
     "migrate_kv",
     "padded_token_count",
     "random_decoder_weights",
+    "stack_step_times",
     "weight_shapes",
 ]

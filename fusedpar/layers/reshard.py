@@ -28,21 +28,21 @@ reinterpret the source's memory (reinterpret keeps every layer in its own bytes)
 the world (global ranks): every rank calls it with the same plan; a plan without moves exchanges
 nothing.
 
-Through a staging (a SymmetricWorkspace the caller builds once, peer-addressable over NVLink) the rows
-take one pass instead of three: per layer group, one push (fusedpar.kernels.kv_rows.push_kv_rows) stores
-every row this rank sends straight from its pool into its receiver's staging (senders in group order,
-pieces in plan order: the offsets follow from the plan, the same on every rank) and the kept rows into a
-local buffer; a device barrier; two scatters into the target's blocks. The row moves and an all-to-all
-share the HBM: run side by side, each slows the other about as much as it hides, so the push's single
-pass is what shortens the migration. _PUSH_GROUPS groups when the staging holds the busiest receiver's
-KV, each in its own region of it (one: at two GPUs the host issues more groups slower than the device
-runs them, perf/tools/probe_migrate.py); where it is short, as few groups as fit half of it each, the
-halves alternating. Several groups: the pushes and barriers go on a high-priority stream, every push
-into a fresh region before the host plans the target, and group g's scatters run on the caller's stream
-beside the later pushes; a push into a region a group used before waits until every rank has scattered
-that group (its stream waits for this rank's scatter, then a barrier). A barrier before the first push
-keeps an earlier migration's scatters safe. Every barrier has the world's timeout: a peer that never
-arrives ends the process with a CUDA error instead of a hang.
+Through a staging (a SymmetricWorkspace the caller builds once, peer-addressable over NVLink) the rows take
+one pass instead of three: per layer group, one push (fusedpar.kernels.kv_rows.push_kv_rows) stores every
+row this rank sends straight from its pool into its receiver's staging (senders in group order, pieces in
+plan order: the offsets follow from the plan, the same on every rank) and the kept rows into a local buffer;
+a device barrier; two scatters into the target's blocks. The row moves and an all-to-all share the HBM: run
+side by side, each slows the other about as much as it hides, so the push's single pass is what shortens the
+migration. _PUSH_GROUPS groups when the staging holds the busiest receiver's KV, each in its own region of
+it (one: at two GPUs the host issues more groups slower than the device runs them; perf/bench_reshard.py,
+perf/results/reshard.json); where it is short, as few groups as fit half of it each, the halves alternating.
+Several groups: the pushes and barriers go on a high-priority stream, every push into a fresh region before
+the host plans the target, and group g's scatters run on the caller's stream beside the later pushes; a push
+into a region a group used before waits until every rank has scattered that group (its stream waits for this
+rank's scatter, then a barrier). A barrier before the first push keeps an earlier migration's scatters safe.
+Every barrier has the world's timeout: a peer that never arrives ends the process with a CUDA error instead
+of a hang.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ the reference path, eager.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ from fusedpar.layers import (
     ShiftParallelStack,
     ShiftPolicy,
     StepBatch,
+    StepTimeCurve,
+    measure_step_times,
     migrate_kv,
     random_decoder_weights,
 )
@@ -294,38 +297,18 @@ class Engine:
         rows = torch.tensor(emit_rows, device=self.device)
         return greedy(h[rows], self.norm, self.lm_head, self.opts.cfg.rms_norm_eps).tolist()
 
-    def step_curve(self, name: str, points: list[int], iters: int, decode: bool = False) -> list[tuple[int, float]]:
-        """(tokens, seconds) per point: a prefill step of `tokens` tokens split over the layout's
-        replicas (one sequence each), or with decode=True a decode step of `tokens` sequences split over
-        them (each holding one token of context, one new token each, every row emitted), on a fresh
-        cache, median of iters after one warm-up, max over ranks. Collective."""
-        lay = self.layouts[name]
+    def step_curve(self, name: str, points: list[int], iters: int, decode: bool = False) -> StepTimeCurve:
+        """Layout `name`'s step-time curve at `points` (fusedpar.layers.measure_step_times: prefill steps of n
+        tokens, or with decode=True decode steps of n sequences, split over its replicas) on a fresh cache,
+        through forward (embedding, stack, greedy head) and the graphs serving replays. Collective."""
         cache = self.fresh_cache(name)
         self.ready_graphs(name, cache)  # the path serving takes: graph replays where a step fits one
-        out = []
-        for n in points:
-            q = -(-n // lay.dp)
-            seqs = tuple(range(-q, 0))
-            if decode:
-                batch = StepBatch(seqs, (1,) * q, (1,) * q)
-                ids, emit = torch.zeros(q, dtype=torch.int64), list(range(q))
-            else:
-                batch, ids, emit = StepBatch((-1,), (q,), (0,)), torch.zeros(q, dtype=torch.int64), [q - 1]
-            times = []
-            for i in range(iters + 1):
-                if decode:  # the sequences' first token, untimed
-                    self.forward(name, cache, StepBatch(seqs, (1,) * q, (0,) * q), ids, [])
-                if self.cuda:
-                    torch.cuda.synchronize(self.device)
-                dist.barrier()
-                t0 = time.perf_counter()
-                self.forward(name, cache, batch, ids, emit)
-                if i:
-                    times.append(time.perf_counter() - t0)
-                for seq in batch.seq_ids:
-                    cache.free(seq)
-            out.append((n, world_max([statistics.median(times)], self.device)[0]))
-        return out
+
+        def step(batch: StepBatch) -> list[int]:
+            last_rows = list(itertools.accumulate(batch.query_lens, initial=-1))[1:]  # each sequence's last token
+            return self.forward(name, cache, batch, torch.zeros(batch.num_tokens, dtype=torch.int64), last_rows)
+
+        return measure_step_times(step, cache, points, replicas=self.layouts[name].dp, decode=decode, iters=iters)
 
     def warm_base(self, name: str, log=print) -> int:
         """Run the eager base-mode steps of layout `name` (sp > 1) once per shape the scheduler can hand

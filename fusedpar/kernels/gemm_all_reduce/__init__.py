@@ -172,8 +172,7 @@ def _eager_plain_or_none(x, w, group, workspace, residual, two_shot_min_rows: in
 
     Such calls are bound by the host's launch cost, where every Python step shows, so this path skips
     the full router's prelude (views, checks, table lookups). Its time against F.linear + dist.all_reduce:
-    routed_ms of the eager records (perf/bench_gemm_all_reduce.py, perf/results/gemm_all_reduce.json);
-    per call form: perf/tools/probe_eager_fallback.py."""
+    routed_ms of the eager records (perf/bench_gemm_all_reduce.py, perf/results/gemm_all_reduce.json)."""
     if x.shape[0] >= two_shot_min_rows or routes_as_captured(x.device):
         return None
     route = getattr(workspace, "eager_route", None)  # a SymmetricWorkspace's cached answer

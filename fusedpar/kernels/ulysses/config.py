@@ -108,7 +108,8 @@ def o_proj_workspace_bytes(tokens: int, c: int, sp: int, dtype: torch.dtype) -> 
 QKV_SPLIT_TILE_ROWS = (512, 1024)
 # Rows per rank (inclusive) where the qkv kernel rotates its tile order (the kernel's ROTATE), so that the
 # ranks' peer stores go to different owners at any moment; outside this range the rotation did not pay.
-# Tuned with perf/tools/probe_qkv_stores.py (run_gpu.sh qkv_stores; printed, not recorded).
+# Tuned with perf/bench_qkv_all_to_all.py --sweep-configs (run_gpu.sh qkv_sweep: the plain and the rotated
+# tile order; printed, not recorded).
 QKV_ROTATE_ROWS = (1024, 2048)
 
 
