@@ -12,7 +12,6 @@ settings:
        first near-tie, logprobs within bf16 rounding before it, and vLLM's JIT monitor (active after
        warm-up) names no fusedpar kernel compiled while serving
   4 GPUs: SP=4 with 2 kv heads (kv heads replicated in shift mode), eager, fp32
-  1 GPU: the threshold-crossing step orders on the compiled path and CUDA graphs, fp32, TP = 1
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ def _prompts() -> list[list[list[int]]]:
     return [first, second]
 
 
-def _engines(tmp_path, model: str, fusedpar: dict, batches=None, **spec) -> tuple[dict, dict]:
+def _engines(tmp_path, model: str, fusedpar: dict, **spec) -> tuple[dict, dict]:
     """(plain, fusedpar): one engine each, in processes of their own; side by side on disjoint GPUs
     when there are twice the GPUs an engine needs (engine start-up dominates the test's time)."""
     world = spec.get("tensor_parallel_size", 2)
@@ -95,7 +94,7 @@ def _engines(tmp_path, model: str, fusedpar: dict, batches=None, **spec) -> tupl
         d = tmp_path / name
         d.mkdir()
         (d / "spec.json").write_text(json.dumps({
-            "model": model, "fusedpar": section, "batches": batches or _prompts(), "max_tokens": 12, "logprobs": True,
+            "model": model, "fusedpar": section, "batches": _prompts(), "max_tokens": 12, "logprobs": True,
             "max_model_len": 1024, **spec}))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "NCCL_NVLS_ENABLE": "0",
                "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -205,24 +204,3 @@ def test_kv_heads_replicated_on_four_gpus(models, tmp_path):
     s = _stats_ok(fp, 4)
     assert (s["sequence_parallel_size"], s["base_tensor_parallel_size"]) == (4, 1), s
 
-
-def test_threshold_orders_on_the_compiled_path_with_one_gpu(models, tmp_path):
-    """The threshold-crossing step orders of the CPU tests (a long prompt whose one-token decodes are the
-    first shift steps, then a multi-token shift prefill, single tokens, counts around the threshold,
-    random mixes, a prefix-cache hit) on vLLM's compiled path and CUDA graphs, fp32, TP = 1 (SP = 1: a
-    base step is vLLM's eager model under fusedpar's base runner): plain vLLM's tokens, and the shift
-    path traced at the profile run."""
-    from tests.integrations.test_vllm import MIXED_THRESHOLD, _orders
-
-    args = {"dtype": "float32", "tensor_parallel_size": 1,
-            "engine_args": {"attention_config": {"backend": "TRITON_ATTN"},
-                            "compilation_config": {"max_cudagraph_capture_size": MIXED_THRESHOLD}}}
-    plain, fp = _engines(tmp_path, models["llama"], {"sequence_parallel_size": 1, "shift_threshold": MIXED_THRESHOLD},
-                         batches=_orders(0), **args)
-    assert fp["tokens"] == plain["tokens"]
-    gap, _ = _max_logprob_gap(fp, plain, upto_first_difference=False)
-    assert gap <= 1e-3, gap
-    s = _stats_ok(fp, 1)
-    assert s["shift_compiled"] is True, s
-    traced = [line for line in fp["log"].splitlines() if "tracing vLLM's compiled model (shift mode)" in line]
-    assert len(traced) == 1, traced
