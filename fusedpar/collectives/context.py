@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import gc
 import warnings
 import weakref
@@ -173,7 +174,7 @@ class ParallelContext:
         self.tp = self._mine(layout.tp_group_of(self.global_rank))
         self.shift = self._mine(layout.shift_group_of(self.global_rank))
         self.dp = self._mine(layout.dp_group_of(self.global_rank))
-        _OPEN.add(self)
+        _track_open(self)
 
     def _new_group(self, key: tuple[int, ...], backend: str) -> dist.ProcessGroup:
         pg = dist.new_group(list(key), backend=backend, timeout=self.timeout)
@@ -303,7 +304,17 @@ def _destroy(pgs: list[dist.ProcessGroup]) -> None:
 _OPEN: weakref.WeakSet[ParallelContext] = weakref.WeakSet()  # contexts not closed yet
 
 
-@atexit.register
+def _track_open(ctx: ParallelContext) -> None:
+    """Remember an open context; the exit hook is registered with the first one (nothing at import)."""
+    _register_exit_hook()
+    _OPEN.add(ctx)
+
+
+@functools.cache
+def _register_exit_hook() -> None:
+    atexit.register(_release_open_contexts)
+
+
 def _release_open_contexts() -> None:
     """At interpreter exit, before it finalises: release every context still open (see close)."""
     for ctx in list(_OPEN):
