@@ -163,11 +163,16 @@ class ModelHooks:
                     self.base_kernels.describe())
 
     def _root_pre(self, module, args, kwargs):
-        inputs = inspect.signature(module.forward).bind(*args, **kwargs).arguments
-        x = next((inputs.get(k) for k in ("input_ids", "inputs_embeds", "positions") if inputs.get(k) is not None),
-                 None)
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None and args:
+            x = args[0]
+        if x is None:
+            x = kwargs.get("positions")
 
         def compile_shift():  # the root's own call of its decoder model (vLLM's llama.py / qwen2.py / qwen3.py)
+            inputs = inspect.signature(module.forward).bind(*args, **kwargs).arguments  # once: not per step
             self.decoder_model(inputs.get("input_ids"), inputs.get("positions"), inputs.get("intermediate_tensors"),
                                inputs.get("inputs_embeds"))
 
