@@ -15,8 +15,8 @@ _LAZY = {
     "PagedKVCache": "fusedpar.layers",
     "ShiftParallelDecoderLayer": "fusedpar.layers",
     "ShiftParallelStack": "fusedpar.layers",
-    "ShiftPolicy": "fusedpar.layers",
     "StepBatch": "fusedpar.layers",
+    "StepModeRule": "fusedpar.layers",
     "random_decoder_weights": "fusedpar.layers",
 }
 

@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fusedpar.layouts import ParallelLayout
+from fusedpar.layouts import ParallelLayout, StepMode
 
 # The built-in model: Llama architecture, small enough for 4 CPU processes on 2 cores.
 BUILTIN_CONFIG = dict(
@@ -212,7 +212,7 @@ def step_kind(layout: ParallelLayout, mode: str) -> str:
     """What a step ran as: "base" (SP x TP within a replica), "shift" (TP over the whole replica) or, for a
     step a replica smaller than the world ran on its own rows, "dp": the stack counts that one as "shift"
     (TP over its replica, 1 rank at DP=W), but it is neither the base nor the shift layout of the world."""
-    if mode == "base":
+    if mode == StepMode.BASE:
         return "base"
     return "dp" if layout.dp > 1 else "shift"
 
@@ -235,7 +235,7 @@ def _timed(model, device: torch.device, steps: dict[str, int] | None = None, **k
     """One step between barriers: forward + greedy choice of the next tokens; (output, tokens, seconds).
     `steps` (when given) counts the step under its step_kind."""
     stack = model.fusedpar_stack  # the layout's stack this step runs on (a switch happens between steps)
-    base_before = stack.steps["base"]
+    base_before = stack.steps[StepMode.BASE]
     _sync(device)
     dist.barrier()
     t0 = time.perf_counter()
@@ -244,7 +244,8 @@ def _timed(model, device: torch.device, steps: dict[str, int] | None = None, **k
     nxt_cpu = nxt.cpu()  # the sampler's result on the host (synchronises)
     seconds = time.perf_counter() - t0
     if steps is not None:
-        kind = step_kind(stack.ctx.layout, "base" if stack.steps["base"] > base_before else "shift")
+        ran_base = stack.steps[StepMode.BASE] > base_before
+        kind = step_kind(stack.ctx.layout, StepMode.BASE if ran_base else StepMode.SHIFT)
         steps[kind] = steps.get(kind, 0) + 1
     return out, nxt, nxt_cpu, seconds
 

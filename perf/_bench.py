@@ -341,17 +341,36 @@ def print_fused_wins(records: list[dict], ranges_name: str) -> None:
 
 
 def enable_stack(stack, *, max_tokens: int, fused: bool, o_scatter: bool = True, symm_mem_rows: int = 64):
-    """stack.enable_fused for a benchmark: the fused communication, or (fused=False) the plain baseline
-    (cuBLAS + NCCL around the same attention and norms) whose shift-mode row-parallel GEMMs of up to
-    symm_mem_rows rows reduce with torch's symm_mem one-shot instead of NCCL: the fastest stock decode
-    path inside a CUDA graph, so the baseline is the best a user could assemble from stock parts."""
-    from fusedpar.layers.comm import FusedOptions
+    """stack.enable_fused for a benchmark, with the communicator the benchmark picks: a FusedComm
+    (fused=True), or the plain baseline, a PlainComm (cuBLAS + NCCL around the same attention and norms)
+    whose shift-mode row-parallel GEMMs of up to symm_mem_rows rows reduce with torch's symm_mem one-shot
+    instead of NCCL: the fastest stock decode path inside a CUDA graph, so the baseline is the best a user
+    could assemble from stock parts. o_scatter=False (fused only): base mode's attention output stays local
+    and all_to_all_o_proj returns it, instead of the attention storing its rows into the owners' o staging
+    (the A/B of the return all-to-all's two plans)."""
+    from fusedpar.layers.comm import FusedComm, PlainComm
 
-    stack.enable_fused(max_tokens=max_tokens, options=FusedOptions(plain_comm=not fused, o_scatter=o_scatter))
-    if not fused and stack.ctx.shift.size > 1 and hasattr(torch.ops, "symm_mem"):
-        comm = _symm_mem_plain_comm()
-        stack.fused.plain = comm(stack.ctx, stack.cfg.hidden_size, symm_mem_rows, stack.weight_dtype)
-    return stack
+    ctx, dtype = stack.ctx, stack.weight_dtype
+    if fused:
+        comm = (FusedComm if o_scatter else _local_out_fused_comm())(ctx, stack.cfg, max_tokens=max_tokens,
+                                                                       dtype=dtype)
+    elif ctx.shift.size > 1 and hasattr(torch.ops, "symm_mem"):
+        comm = _symm_mem_plain_comm()(ctx, stack.cfg.hidden_size, symm_mem_rows, dtype)
+    else:
+        comm = PlainComm(ctx)
+    return stack.enable_fused(max_tokens=max_tokens, comm=comm)
+
+
+def _local_out_fused_comm() -> type:
+    """The FusedComm subclass whose base mode never scatters the attention's rows (defined on first use,
+    as _symm_mem_plain_comm): no o_target, so the attention writes a local output for o_proj."""
+    from fusedpar.layers.comm import FusedComm
+
+    class _LocalOutFusedComm(FusedComm):
+        def o_target(self, mode, rows):
+            return None
+
+    return _LocalOutFusedComm
 
 
 def _symm_mem_plain_comm() -> type:

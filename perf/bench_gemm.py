@@ -181,6 +181,8 @@ def diagnose_tma(args, dtype, l2_bytes, gemm, device) -> None:
     and on one shared weight (tune_gemm's setup), and the host us per launch of each (printed)."""
     import time
 
+    from fusedpar.kernels.gemm.launch import _launch
+
     print(f"{'case':<18}{'tokens':>7}  {'path':<8}{'cold w ms':>10}{'shared w ms':>12}{'host us':>9}  config")
     for model in args.shapes.split(","):
         for case in layer_cases(model):
@@ -197,7 +199,7 @@ def diagnose_tma(args, dtype, l2_bytes, gemm, device) -> None:
                     cfg = gemm.pick_config(m, n, k, dtype=dtype, num_sms=sms, interpret=False, tma=tma)
 
                     def call(a, w, o, c=cfg):
-                        gemm._launch(a, w, o, config=c)
+                        _launch(a, w, o, config=c)
 
                     cold_ms = time_ms(call, cold, args.iters, args.warmup)
                     shared_ms = time_ms(call, shared, args.iters, args.warmup)

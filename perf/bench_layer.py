@@ -12,7 +12,7 @@ Modes on P GPUs, all with the same Triton paged attention (so only the communica
                 attention into a local buffer, then all_to_all_o_proj (routed by size): the A/B of
                 the return all-to-all's two plans, records layer_base with case "... o-a2a"
   fused shift   sp=P layout run in shift mode (TP=P over zero-copy views), fused reductions
-  fused policy  the ShiftPolicy's choice at that size (--threshold)
+  fused policy  the StepModeRule's choice at that size (--threshold)
 Steps: tokens <= 64 -> decode: that many sequences, one new token each, against --context cached
 tokens; larger -> prefill of one sequence of that many tokens. Time = eager step latency: CUDA
 events around the whole step after a barrier (host launch cost included, as an eager engine sees
@@ -169,7 +169,7 @@ def main() -> int:
         raise SystemExit(f"--base-tp {args.base_tp} must divide the world size {world}")
     from fusedpar import ParallelLayout
     from fusedpar.collectives import ParallelContext
-    from fusedpar.layers import DecoderConfig, ShiftParallelStack, ShiftPolicy, StepBatch
+    from fusedpar.layers import DecoderConfig, ShiftParallelStack, StepBatch, StepModeRule
 
     dev, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     cfg = DecoderConfig(**shapes.decoder_config_kwargs(args.model))
@@ -186,7 +186,7 @@ def main() -> int:
     def build(sp: int, tp: int, fuse_comm: bool, weights: dict[str, torch.Tensor], o_scatter=True,
               graphs_ok=True, prefill_graphs_ok=False):
         ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
-        stack = ShiftParallelStack.from_full_weights(cfg, ctx, [weights], ShiftPolicy(args.threshold))
+        stack = ShiftParallelStack.from_full_weights(cfg, ctx, [weights], StepModeRule(args.threshold))
         _bench.enable_stack(stack, max_tokens=max_tokens, fused=fuse_comm, o_scatter=o_scatter)
         need = max(max([t for t in tokens if t > 64], default=1),
                    max(decode_sizes, default=1) * (max_context + 16))
@@ -217,7 +217,7 @@ def main() -> int:
         """Per GPU: GEMM work at the measured TFLOP/s, or reading the weight shard at HBM speed."""
         return max(2 * n * layer_params / world / peak, 2 * layer_params / world / hbm) * 1e3
 
-    policy = ShiftPolicy(args.threshold)
+    policy = StepModeRule(args.threshold)
     runs = [("plain TP", "plain TP", None), ("plain SP", "plain SP", "base"), ("fused base", "fused", "base"),
             ("fused shift", "fused", "shift"), ("fused policy", "fused", None)]
     gen = torch.Generator(device=dev).manual_seed(1)

@@ -153,7 +153,7 @@ def _name(key: str, world: int) -> str:
 
 def _held_weights(layouts, dims, rank: int, hidden: int, layers: int, env: Env, dtype):
     """Per layer, weight name -> Held: the union of `layouts`' shards of this rank (values irrelevant)."""
-    from fusedpar.collectives.reshard import Held
+    from fusedpar.collectives.weight_reshard import Held
     from fusedpar.layouts import holdings
     from fusedpar.layouts.shards import WEIGHT_NAMES
 
@@ -172,7 +172,7 @@ def _held_weights(layouts, dims, rank: int, hidden: int, layers: int, env: Env, 
 
 def switch(weights, plan, target_map, rank: int) -> tuple[list, int]:
     """Every layer's every weight for the target layout: (tensors, bytes received)."""
-    from fusedpar.collectives.reshard import reshard_weight
+    from fusedpar.collectives.weight_reshard import reshard_weight
     from fusedpar.layouts.shards import WEIGHT_NAMES
 
     got, received = [], 0
@@ -273,7 +273,7 @@ def _fill(cache, cfg, seqs, dtype, env):
 
 def measure_kv(env: Env, cfg: dict, dtype, common: dict, link_bps: float, prefill: bool) -> list[dict]:
     from fusedpar.collectives.symmetric import SymmetricWorkspace
-    from fusedpar.layers.reshard import migrate_kv, push_staging_bytes
+    from fusedpar.layers.kv_reshard import migrate_kv, push_staging_bytes
     from fusedpar.layouts import ModelDims, kv_plan
 
     lays, W = _layouts(env.world), env.world

@@ -14,10 +14,10 @@ decoder stack differs:
                 steps replay CUDA graphs
   plain SP      layout sp=P: Ulysses with cuBLAS + NCCL all-to-all, every step (eager; base mode
                 is never captured)
-  fusedpar      layout sp=P, ShiftPolicy(--threshold): base mode on the fused kernels above the
+  fusedpar      layout sp=P, StepModeRule(--threshold): base mode on the fused kernels above the
                 threshold, shift mode (TP=P over zero-copy views of the same weights) at or below
                 it, decode replaying CUDA graphs of the fused shift step
-  fusedpar o-a2a  (only when named in --modes) fusedpar with FusedOptions(o_scatter=False): base-mode
+  fusedpar o-a2a  (only when named in --modes) fusedpar with _bench.enable_stack(o_scatter=False): base-mode
                 attention into a local buffer, then all_to_all_o_proj, instead of the attention
                 storing its rows into the owners' o staging (the A/B of that change; all_modes only)
 plain SP and fusedpar share one copy of the SP=P weights; plain TP has its own.
@@ -219,7 +219,7 @@ def main() -> int:
     p.add_argument("--request-output", type=int, default=250, help="throughput: output tokens each (default 250)")
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="throughput: prefill step size cap")
     p.add_argument("--threshold", type=int, default=None,
-                   help="fusedpar shift threshold (default: fusedpar.layers.policy.DEFAULT_SHIFT_THRESHOLD)")
+                   help="fusedpar shift threshold (default: fusedpar.layers.step_plan.DEFAULT_SHIFT_THRESHOLD)")
     p.add_argument("--iters", type=int, default=3, help="TTFT repetitions per round (median)")
     p.add_argument("--rounds", type=int, default=5,
                    help="TTFT/TPOT rounds, each visiting every mode in turn; median over rounds (default 5)")
@@ -240,9 +240,9 @@ def main() -> int:
         ShardedDecoderWeights,
         ShiftParallelDecoderLayer,
         ShiftParallelStack,
-        ShiftPolicy,
+        StepModeRule,
     )
-    from fusedpar.layers.policy import DEFAULT_SHIFT_THRESHOLD
+    from fusedpar.layers.step_plan import DEFAULT_SHIFT_THRESHOLD
 
     dev, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     cfg = DecoderConfig(**shapes.decoder_config_kwargs(args.model))
@@ -296,13 +296,13 @@ def main() -> int:
     stacks_any: dict[str, ShiftParallelStack] = {}
     graph_sizes = tuple(sorted({1, decode_batch}))
     if need_tp:
-        st = stack_of("tp", ShiftPolicy(), False)
+        st = stack_of("tp", StepModeRule(), False)
         stacks_any["tp"] = st
         engines["plain TP"] = Engine("plain TP", st, cache_of("tp"), model)
         st.capture_decode_graphs(cache_of("tp"), max_context=max_context, sizes=graph_sizes)
         log(f"plain TP: decode graphs captured for batch sizes {graph_sizes}")
     if "plain SP" in modes:
-        st = stack_of("sp", ShiftPolicy(0), False)
+        st = stack_of("sp", StepModeRule(0), False)
         stacks_any["sp"] = st
         engines["plain SP"] = Engine("plain SP", st, cache_of("sp"), model)
     for label, o_scatter in (("fusedpar", True), ("fusedpar o-a2a", False)):
@@ -311,7 +311,7 @@ def main() -> int:
         if decode_batch > threshold:
             raise SystemExit(f"--requests {decode_batch} decodes above the threshold {threshold}: base-mode decode "
                              f"is not captured; raise --threshold")
-        st = stack_of("sp", ShiftPolicy(threshold), True, o_scatter=o_scatter)
+        st = stack_of("sp", StepModeRule(threshold), True, o_scatter=o_scatter)
         stacks_any["sp"] = st
         engines[label] = Engine(label, st, cache_of("sp"), model)
         st.capture_decode_graphs(cache_of("sp"), max_context=max_context, sizes=graph_sizes)

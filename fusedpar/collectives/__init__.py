@@ -8,7 +8,7 @@ from fusedpar.collectives.comm import (
     seq_to_head_all_to_all,
 )
 from fusedpar.collectives.context import CommGroup, ParallelContext
-from fusedpar.collectives.reshard import Held, reshard_weight
+from fusedpar.collectives.weight_reshard import Held, reshard_weight
 
 __all__ = [
     "CommGroup",

@@ -60,8 +60,9 @@ def require_pow2(owner: str, **fields: int) -> None:
             raise ValueError(f"{owner}: {name}={value} must be a power of two (Triton block sizes are)")
 
 
-def _last_offset(t) -> int:
-    """Element offset of t's last element from its first (strides are >= 0 in torch)."""
+def max_offset(t) -> int:
+    """Element offset of t's last element from its first (strides are >= 0 in torch): the largest
+    offset a kernel forms from t's base pointer, which the launchers keep below 2**31 (int32 offsets)."""
     last = 0
     for size, stride in zip(t.shape, t.stride(), strict=True):
         last += (size - 1) * stride
@@ -77,7 +78,7 @@ def overlaps(a, b) -> bool:
     if a.numel() == 0 or b.numel() == 0:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + (_last_offset(b) + 1) * b.itemsize and b0 < a0 + (_last_offset(a) + 1) * a.itemsize
+    return a0 < b0 + (max_offset(b) + 1) * b.itemsize and b0 < a0 + (max_offset(a) + 1) * a.itemsize
 
 
 def overlaps_other_view(out, t) -> bool:

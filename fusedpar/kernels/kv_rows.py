@@ -1,6 +1,6 @@
 """Gather and scatter of token rows of a paged KV pool, k and v in one Triton launch.
 
-A KV migration (fusedpar.layers.reshard.migrate_kv) reads the pieces it sends out of the paged
+A KV migration (fusedpar.layers.kv_reshard.migrate_kv) reads the pieces it sends out of the paged
 pool and writes what it receives into fresh blocks; the host KV tier (fusedpar.layers.host_tier)
 stages swapped sequences the same way. Seen as [layers, rows, head_dim] (row = cache slot * local
 kv heads + head index), both are row moves with one row index shared by every layer:

@@ -4,6 +4,7 @@ from fusedpar.layers.config import DecoderConfig, random_decoder_weights, weight
 from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState
 from fusedpar.layers.host_tier import HostKVTier, SwapHandle
 from fusedpar.layers.kv_cache import PagedKVCache
+from fusedpar.layers.kv_reshard import migrate_kv
 from fusedpar.layers.layout_policy import (
     AutoPolicy,
     LayoutPolicy,
@@ -13,10 +14,9 @@ from fusedpar.layers.layout_policy import (
     StepFacts,
     StepTimeCurve,
 )
-from fusedpar.layers.policy import DEFAULT_SHIFT_THRESHOLD, ShiftPolicy, StepBatch, padded_token_count
 from fusedpar.layers.reference import DenseDecoderStack
-from fusedpar.layers.reshard import migrate_kv
 from fusedpar.layers.stack import ShiftParallelStack
+from fusedpar.layers.step_plan import DEFAULT_SHIFT_THRESHOLD, StepBatch, StepModeRule, padded_token_count
 from fusedpar.layers.step_times import measure_step_times, stack_step_times
 from fusedpar.layers.weights import ShardedDecoderWeights
 
@@ -33,10 +33,10 @@ __all__ = [
     "ShardedDecoderWeights",
     "ShiftParallelDecoderLayer",
     "ShiftParallelStack",
-    "ShiftPolicy",
     "ShiftThresholdPolicy",
     "StepBatch",
     "StepFacts",
+    "StepModeRule",
     "StepState",
     "StepTimeCurve",
     "SwapHandle",

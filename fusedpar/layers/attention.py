@@ -17,7 +17,7 @@ from fusedpar.kernels.attention import AttentionMetadata, ScatterOut, check_kv_i
 if TYPE_CHECKING:  # annotations only (decoder imports this module)
     from fusedpar.layers.decoder import StepState
     from fusedpar.layers.kv_cache import PagedKVCache
-    from fusedpar.layers.policy import StepBatch
+    from fusedpar.layers.step_plan import StepBatch
 
 __all__ = ["attention_step", "step_metadata"]
 

@@ -20,6 +20,9 @@ PlainComm's; the kernels route by size themselves. `should_use(x)` says whether 
 take hidden states x at all; `select` returns the first of several that can (callers list them
 fused first). Every choice depends on shapes only, so all ranks agree. Collective: every rank
 builds a FusedComm with the same arguments, in the same order.
+
+One class per backend: a caller picks the communicator (ShiftParallelStack.enable_fused(comm=...));
+the layer benchmarks' cuBLAS + NCCL baseline is a PlainComm on the fused layer path.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 
 from fusedpar.collectives import ParallelContext, all_reduce_sum, head_to_seq_all_to_all, seq_to_head_all_to_all
 from fusedpar.layers.config import DecoderConfig
+from fusedpar.layouts import StepMode
 
 if TYPE_CHECKING:
     from fusedpar.kernels.ulysses.config import UlyssesOptions
@@ -65,7 +69,7 @@ class PlainComm:
 
     def qkv(self, h: torch.Tensor, w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         qkv = F.linear(h, w, bias)  # the base bias rows follow the base block order
-        return seq_to_head_all_to_all(qkv, self.ctx.sp) if mode == "base" else qkv
+        return seq_to_head_all_to_all(qkv, self.ctx.sp) if mode == StepMode.BASE else qkv
 
     def o_target(self, mode: str, rows: int):
         return None
@@ -75,7 +79,7 @@ class PlainComm:
 
     def o_proj(self, attn: torch.Tensor, w: torch.Tensor, mode: str, *, residual: torch.Tensor | None = None
                ) -> torch.Tensor:
-        if mode == "base":
+        if mode == StepMode.BASE:
             attn = head_to_seq_all_to_all(attn, self.ctx.sp)  # [m, SP*q*hd]
         return self.row_parallel(attn, w, mode, residual=residual)
 
@@ -101,30 +105,25 @@ class PlainComm:
 
 @dataclass(frozen=True)
 class FusedOptions:
-    """Benchmark switches of FusedComm.
+    """Options of FusedComm.
 
-    plain_comm: build no workspaces; every stage runs PlainComm's (cuBLAS + NCCL around the same
-        Triton attention and norms): the baseline the layer benchmarks compare against.
-    o_scatter: base mode's return all-to-all is the attention's own stores into the owners'
-        staging (o_target + o_proj_scattered); False: a local attention output and all_to_all_o_proj.
     ulysses: the options of the qkv / o routers (None: their defaults, routed by the routing table's
         GPU times; a caller whose eager steps are bound by host time can route more rows fused).
     """
 
-    plain_comm: bool = False
-    o_scatter: bool = True
     ulysses: UlyssesOptions | None = None
 
 
 class FusedComm:
-    """The stages on symmetric-memory workspaces sized for steps of up to max_tokens tokens (CUDA;
-    with options.plain_comm no workspace, so any device).
+    """The stages on symmetric-memory workspaces sized for steps of up to max_tokens tokens (CUDA).
 
     Workspaces: qkv_ws / o_ws over SP (qkv_all_to_all, all_to_all_o_proj and the scattered o), one
     gemm_all_reduce workspace per mode's reduce group (gemm_ar_ws), tp_allreduce_ws for the base
     o-projection's TP all-reduce. A group of one gets none. The fused reduces add the residual in
     their epilogue (one-shot in CUDA graphs, two-shot at prefill sizes); elsewhere it is a torch add.
     A q/k/v bias is added after the exchange (the rank's own block of it; the kernel has no bias input).
+    In base mode with SP > 1 the attention stores its rows into the owners' staging (o_target) for
+    steps that fit the o workspace: its stores are the return all-to-all.
     """
 
     def __init__(self, ctx: ParallelContext, cfg: DecoderConfig, *, max_tokens: int, dtype: torch.dtype,
@@ -136,9 +135,8 @@ class FusedComm:
         self.blk = (place.q_heads_per_rank + 2 * place.kv_heads_per_rank) * cfg.head_dim
         self.attn_width = place.q_heads_per_rank * cfg.head_dim  # C: this rank's attention output columns
         self.qkv_ws = self.o_ws = self.tp_allreduce_ws = None
-        self.gemm_ar_ws: dict[str, object | None] = {"base": None, "shift": None}
-        if not self.options.plain_comm:
-            self._build_workspaces()
+        self.gemm_ar_ws: dict[StepMode, object | None] = {StepMode.BASE: None, StepMode.SHIFT: None}
+        self._build_workspaces()
 
     def _build_workspaces(self) -> None:
         from fusedpar.collectives.symmetric import SymmetricWorkspace
@@ -168,13 +166,13 @@ class FusedComm:
                                            ranks=ctx.sp.ranks)
         if tp > 1:
             nbytes, blocks = reduce_bytes(tp, sp * self.attn_width, cfg.intermediate_size // tp, m_max)
-            self.gemm_ar_ws["base"] = SymmetricWorkspace(ctx.tp, nbytes, max_blocks=blocks, ranks=ctx.tp.ranks)
+            self.gemm_ar_ws[StepMode.BASE] = SymmetricWorkspace(ctx.tp, nbytes, max_blocks=blocks, ranks=ctx.tp.ranks)
             # base mode with SP > 1 all-reduces the fused o-projection's output over TP
             self.tp_allreduce_ws = SymmetricWorkspace(
                 ctx.tp, routing.thresholds(ctx.device, tp).all_reduce_one_shot_max_bytes, ranks=ctx.tp.ranks)
         if P > 1:
             nbytes, blocks = reduce_bytes(P, self.attn_width, cfg.intermediate_size // P, self.max_tokens)
-            self.gemm_ar_ws["shift"] = SymmetricWorkspace(ctx.shift, nbytes, max_blocks=blocks,
+            self.gemm_ar_ws[StepMode.SHIFT] = SymmetricWorkspace(ctx.shift, nbytes, max_blocks=blocks,
                                                           ranks=ctx.shift.ranks)
         torch.cuda.synchronize(ctx.device)
 
@@ -189,7 +187,7 @@ class FusedComm:
         return [name for name, ws in named.items() if ws is not None and ws.table.status() != 0]
 
     def _exchanges(self, mode: str) -> bool:
-        return mode == "base" and self.ctx.sp.size > 1
+        return mode == StepMode.BASE and self.ctx.sp.size > 1
 
     def _tp_sum(self, out: torch.Tensor) -> torch.Tensor:
         from fusedpar.kernels.allreduce import all_reduce
@@ -215,7 +213,7 @@ class FusedComm:
         """None for a step larger than the o workspace (and outside base mode with SP > 1)."""
         from fusedpar.kernels.ulysses import o_proj_workspace_bytes, o_scatter_target
 
-        if not (self.options.o_scatter and self.o_ws is not None and self._exchanges(mode) and rows >= 1):
+        if not (self.o_ws is not None and self._exchanges(mode) and rows >= 1):
             return None
         if o_proj_workspace_bytes(rows, self.attn_width, self.ctx.sp.size, self.dtype) > self.o_ws.table.buffer_bytes:
             return None
@@ -240,7 +238,7 @@ class FusedComm:
     def row_parallel(self, x: torch.Tensor, w: torch.Tensor, mode: str, *, residual: torch.Tensor | None = None,
                      swiglu_block: int = 0) -> torch.Tensor:
         ws = self.gemm_ar_ws[mode]
-        if ws is None:  # a group of one, or plain_comm
+        if ws is None:  # a group of one
             return self.plain.row_parallel(x, w, mode, residual=residual, swiglu_block=swiglu_block)
         from fusedpar.kernels.gemm_all_reduce import gemm_all_reduce
 

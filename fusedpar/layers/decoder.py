@@ -44,9 +44,9 @@ from fusedpar.kernels.reference import (
 from fusedpar.layers.comm import PlainComm
 from fusedpar.layers.config import DecoderConfig
 from fusedpar.layers.kv_cache import PagedKVCache
-from fusedpar.layers.policy import StepBatch
+from fusedpar.layers.step_plan import StepBatch
 from fusedpar.layers.weights import ShardedDecoderWeights
-from fusedpar.layouts import check_mode
+from fusedpar.layouts import StepMode, check_mode
 
 
 def needs_rope_tables(cfg: DecoderConfig, max_kv_len: int) -> bool:
@@ -77,7 +77,7 @@ class StepState:
     fused layer then builds them itself).
     """
 
-    mode: str
+    mode: StepMode
     batch: StepBatch
     padded_tokens: int
     positions: torch.Tensor
@@ -117,11 +117,11 @@ class ShiftParallelDecoderLayer(nn.Module):
         placement = ctx.layout.head_placement(cfg.num_q_heads, cfg.num_kv_heads)
         rank = ctx.global_rank
         for attr in ("q_heads", "kv_heads"):
-            base, shift = getattr(placement, attr)(rank, "base"), getattr(placement, attr)(rank, "shift")
+            base, shift = getattr(placement, attr)(rank, StepMode.BASE), getattr(placement, attr)(rank, StepMode.SHIFT)
             if base != shift:  # the whole design rests on this; never run with a broken placement
                 raise AssertionError(f"rank {rank}: base {attr} {base} != shift {shift}")
-        self.q_heads = placement.q_heads(rank, "shift")
-        self.kv_heads = placement.kv_heads(rank, "shift")
+        self.q_heads = placement.q_heads(rank, StepMode.SHIFT)
+        self.kv_heads = placement.kv_heads(rank, StepMode.SHIFT)
         self.register_buffer("kv_index", torch.tensor(placement.q_to_kv_index(rank), device=ctx.device),
                              persistent=False)
         self.nq, self.nkv = len(self.q_heads), len(self.kv_heads)
@@ -138,13 +138,13 @@ class ShiftParallelDecoderLayer(nn.Module):
         return cls(cfg, ctx, w, layer_idx)
 
     def forward(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
-        if self.fused is not None and self.fused.should_use(x):
+        if self.fused is not None and x.is_cuda and self.fused.should_use(x):  # Triton kernels: CUDA inputs
             return self.fused_fwd(x, step, cache)
         return self.torch_fwd(x, step, cache)
 
-    def _check(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> tuple[str, int]:
+    def _check(self, x: torch.Tensor, step: StepState, cache: PagedKVCache) -> tuple[StepMode, int]:
         mode = check_mode(step.mode)
-        sp = self.ctx.sp.size if mode == "base" else 1
+        sp = self.ctx.sp.size if mode is StepMode.BASE else 1
         rows = step.padded_tokens // sp
         if x.dim() != 2 or x.shape != (rows, self.cfg.hidden_size):
             raise ValueError(
@@ -210,7 +210,7 @@ class ShiftParallelDecoderLayer(nn.Module):
         h = rms_norm(x, self.w.replicated["input_norm"], self.cfg.rms_norm_eps)
         qkv = comm.qkv(h, w["qkv"], mode, w.get("qkv_bias"))  # [n_pad, (q+2kv)*hd] in base mode
         attn = self._attention(qkv[: step.num_tokens], step, cache)  # [n, q*hd]
-        if mode == "base":
+        if mode is StepMode.BASE:
             attn = F.pad(attn, (0, 0, 0, step.padded_tokens - step.num_tokens))  # pad rows stay zero
         x = comm.o_proj(attn, w["o"], mode, residual=x)
         return self._mlp_reference(x, w, mode)
@@ -238,7 +238,7 @@ class ShiftParallelDecoderLayer(nn.Module):
         if x.dim() != 2 or x.shape[1] != cfg.hidden_size or positions.shape != (k,) or len(visible) != k:
             raise ValueError(f"side_queries expects hidden [k, {cfg.hidden_size}], positions [k] and k visible "
                              f"ranges, got {tuple(x.shape)}, {tuple(positions.shape)}, {len(visible)}")
-        w, rep = self.w.weights("shift"), self.w.replicated
+        w, rep = self.w.weights(StepMode.SHIFT), self.w.replicated
         rows = [i for i, (_, lo, hi) in enumerate(visible) if hi > lo]
         if rows:  # the same on every rank, so the o all-reduce below is called by all or by none
             idx = torch.tensor(rows, device=x.device)
@@ -265,8 +265,8 @@ class ShiftParallelDecoderLayer(nn.Module):
                 sel = torch.tensor(members, device=x.device)
                 out = gqa_attention(q[sel], kc[lo:hi], vc[lo:hi], self.kv_index, hd ** -0.5, causal=False)
                 attn[idx[sel]] = out.reshape(len(members), -1)
-            x = self.comm.row_parallel(attn, w["o"], "shift", residual=x)
-        return self._mlp_reference(x, w, "shift")
+            x = self.comm.row_parallel(attn, w["o"], StepMode.SHIFT, residual=x)
+        return self._mlp_reference(x, w, StepMode.SHIFT)
 
     def _attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache) -> torch.Tensor:
         """qkv [n, (q+2kv)*hd] of the rank's heads for the n real tokens -> [n, q*hd].

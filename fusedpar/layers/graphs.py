@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusedpar.layers.policy import StepBatch
+from fusedpar.layers.step_plan import StepBatch
+from fusedpar.layouts import StepMode
 
 # The scratch sequence holding the padding rows' cache block. Negative: StepBatch accepts any
 # int id, callers use their own non-negative request ids.
@@ -184,7 +185,7 @@ class _StackGraphs:
     of its step sequence."""
 
     kind = "decode"
-    mode = "shift"  # the mode of the steps these graphs run (BaseGraphs: "base")
+    mode = StepMode.SHIFT  # the mode of the steps these graphs run (BaseGraphs: StepMode.BASE)
 
     def _setup(self, stack, cache, *, max_context: int, sizes, max_blocks: int) -> None:
         from fusedpar.kernels.attention import AttentionMetadata
@@ -196,15 +197,15 @@ class _StackGraphs:
         sizes = tuple(sorted(set(int(s) for s in sizes)))
         if not sizes or sizes[0] < 1:
             raise ValueError(f"capture sizes must be >= 1, got {sizes}")
-        if sizes[-1] > stack.fused.max_tokens:
+        if sizes[-1] > stack.fused_max_tokens:
             raise ValueError(f"{self.kind} graph size {sizes[-1]} > the fused kernels' max_tokens "
-                             f"{stack.fused.max_tokens} (enable_fused(max_tokens=...))")
+                             f"{stack.fused_max_tokens} (enable_fused(max_tokens=...))")
         sp, threshold = stack.ctx.sp.size, stack.policy.threshold
-        if self.mode == "shift" and sp > 1 and sizes[-1] > threshold:
+        if self.mode == StepMode.SHIFT and sp > 1 and sizes[-1] > threshold:
             raise ValueError(f"capture size {sizes[-1]} > shift threshold {threshold}: a {self.kind} step of "
                              f"{sizes[-1]} tokens runs in base mode (BaseGraphs captures those); {self.kind} "
                              f"capture sizes must be <= the threshold")
-        if self.mode == "base":
+        if self.mode == StepMode.BASE:
             problems = []
             if sp < 2:
                 problems.append(f"SP = {sp}: base mode is shift mode without SP (capture PrefillGraphs)")
@@ -280,7 +281,7 @@ class _StackGraphs:
         x = stack.layer_input(st.hidden, step)  # base mode: this SP rank's rows
         for layer in stack.layers:
             x = layer(x, step, self.cache)
-        if self.mode == "base":
+        if self.mode == StepMode.BASE:
             from fusedpar.collectives.comm import all_gather_rows
 
             x = all_gather_rows(x, stack.ctx.sp)
@@ -518,7 +519,7 @@ class BaseGraphs(PrefillGraphs):
     """
 
     kind = "base"
-    mode = "base"
+    mode = StepMode.BASE
 
     def __init__(self, stack, cache, *, max_context: int, sizes: tuple[int, ...], max_seqs: int = 64):
         super().__init__(stack, cache, max_context=max_context, sizes=sizes, max_seqs=max_seqs)

@@ -55,8 +55,8 @@ import torch.distributed as dist
 
 from fusedpar.kernels.kv_rows import move_kv_rows
 from fusedpar.layers.kv_cache import PagedKVCache, upload
-from fusedpar.layers.policy import StepBatch
-from fusedpar.layouts.grid import ParallelLayout
+from fusedpar.layers.step_plan import StepBatch
+from fusedpar.layouts import ParallelLayout, StepMode
 
 
 class SwapHandle:
@@ -298,12 +298,12 @@ class HostKVTier:
         P = layout.replica_size
         holders: dict[int, list[int]] = {}
         for r in range(replica * P, (replica + 1) * P):
-            for h in placement.kv_heads(r, "base"):
+            for h in placement.kv_heads(r, StepMode.BASE):
                 holders.setdefault(h, []).append(r)
         return dict(sorted(holders.items()))
 
     def _check_cache(self, cache: PagedKVCache | None, layout: ParallelLayout, what: str) -> None:
-        want = layout.head_placement(self.num_q_heads, self.num_kv_heads).kv_heads(self.rank, "base")
+        want = layout.head_placement(self.num_q_heads, self.num_kv_heads).kv_heads(self.rank, StepMode.BASE)
         if cache is None:
             raise ValueError(f"{what}: rank {self.rank} serves a sequence of {layout!r} but got no cache")
         if tuple(cache.kv_heads) != tuple(want):

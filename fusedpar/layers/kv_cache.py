@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedpar.layers.policy import StepBatch
+from fusedpar.layers.step_plan import StepBatch
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -14,8 +14,8 @@ Contract of every policy:
   * Bad configurations and facts raise ValueError naming the constraint and the numbers.
 
 Policies:
-  ShiftThresholdPolicy  base (SP x TP) above a token threshold, shift (TP over the replica) otherwise;
-                        ShiftPolicy's rule, unchanged.
+  ShiftThresholdPolicy  base (SP x TP) above a token threshold, shift (TP over the replica) otherwise:
+                        the step's StepModeRule (fusedpar.layers.step_plan) as a choice of layout.
   LoadPolicy            DP under high load, TP when light, with hysteresis; an urgent request moves
                         to TP at once (dynamic DP <-> TP serving).
   PrefillDecodePolicy   prefill in one layout until the host KV tier is full or nothing waits, then
@@ -32,8 +32,8 @@ import math
 import operator
 from dataclasses import dataclass
 
-from fusedpar.layers.policy import ShiftPolicy
-from fusedpar.layouts import ParallelLayout
+from fusedpar.layers.step_plan import StepModeRule
+from fusedpar.layouts import ParallelLayout, StepMode
 
 
 def _count(name: str, value: object, minimum: int = 0) -> int:
@@ -127,20 +127,20 @@ class LayoutPolicy:
 
 class ShiftThresholdPolicy(LayoutPolicy):
     """`base` when scheduled_tokens > threshold, else its shift layout (TP over each replica:
-    sp=1, tp=base.sp*base.tp, same dp). The rule is ShiftPolicy's, including threshold=None for
+    sp=1, tp=base.sp*base.tp, same dp). The rule is StepModeRule's, including threshold=None for
     DEFAULT_SHIFT_THRESHOLD and sp == 1 (one layout, always answered)."""
 
     def __init__(self, base: ParallelLayout, threshold: int | None = None):
         if not isinstance(base, ParallelLayout):
             raise ValueError(f"base must be a ParallelLayout, got {base!r}")
-        self.rule = ShiftPolicy(threshold)
+        self.rule = StepModeRule(threshold)
         shift = ParallelLayout(base.world_size, sp=1, tp=base.replica_size, dp=base.dp)
         self.base, self.shift = base, (base if shift == base else shift)
         super().__init__(*((base,) if self.shift is base else (base, shift)))
 
     def decide(self, facts: StepFacts, current: ParallelLayout) -> ParallelLayout:
         self._declared(current, "current")
-        return self.base if self.rule.mode(facts.scheduled_tokens, self.base.sp) == "base" else self.shift
+        return self.base if self.rule.mode(facts.scheduled_tokens, self.base.sp) == StepMode.BASE else self.shift
 
     def __repr__(self) -> str:
         return f"ShiftThresholdPolicy({self.base!r}, threshold={self.rule.threshold})"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fusedpar.kernels.reference import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin, swiglu
 from fusedpar.layers.config import DecoderConfig
-from fusedpar.layers.policy import StepBatch
+from fusedpar.layers.step_plan import StepBatch
 
 
 class DenseDecoderStack:

@@ -16,24 +16,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar.collectives import ParallelContext, all_gather_rows
-from fusedpar.layers.comm import FusedComm, FusedOptions
+from fusedpar.layers.comm import FusedComm, PlainComm
 from fusedpar.layers.config import DecoderConfig
 from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState, needs_rope_tables, rope_tables
 from fusedpar.layers.graphs import SCRATCH_SEQ_ID
 from fusedpar.layers.kv_cache import PagedKVCache
-from fusedpar.layers.policy import ShiftPolicy, StepBatch, padded_token_count
-from fusedpar.layouts import check_mode
+from fusedpar.layers.step_plan import StepBatch, StepModeRule, padded_token_count
+from fusedpar.layouts import StepMode, check_mode
 
 
 class ShiftParallelStack(nn.Module):
     def __init__(self, cfg: DecoderConfig, ctx: ParallelContext, layers: list[ShiftParallelDecoderLayer],
-                 policy: ShiftPolicy | None = None):
+                 policy: StepModeRule | None = None):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.layers = nn.ModuleList(layers)
-        self.policy = policy or ShiftPolicy()
-        self.steps = {"base": 0, "shift": 0}
-        self.fused: FusedComm | None = None  # the fused path's communicator (enable_fused)
+        self.policy = policy or StepModeRule()
+        self.steps = {StepMode.BASE: 0, StepMode.SHIFT: 0}
+        self.fused: FusedComm | PlainComm | None = None  # the fused path's communicator (enable_fused)
+        self.fused_max_tokens = 0  # enable_fused's max_tokens: the fused workspaces' and graphs' largest step
         self.graphs = None  # DecodeGraphs, once captured
         self.prefill_graphs = None  # PrefillGraphs, once captured
         self.base_graphs = None  # BaseGraphs (base-mode steps), once captured
@@ -44,13 +45,19 @@ class ShiftParallelStack(nn.Module):
         """The dtype of the layers' weights: what the hidden states and the KV cache must hold."""
         return self.layers[0].w.base["qkv"].dtype
 
-    def enable_fused(self, *, max_tokens: int, options: FusedOptions | None = None) -> ShiftParallelStack:
-        """Switch the layers to the Triton path with a FusedComm (CUDA only); steps up to max_tokens
-        fit its symmetric workspaces (larger ones fall back per stage). options: benchmark switches
-        (FusedOptions, e.g. plain_comm=True for the cuBLAS + NCCL baseline). Collective: every rank.
-        CUDA graphs captured before belong to the old workspaces: they are dropped (capture again)."""
+    def enable_fused(self, *, max_tokens: int, comm: FusedComm | PlainComm | None = None) -> ShiftParallelStack:
+        """Switch the layers to the Triton path (norms, paged attention; CUDA only) with the communicator
+        `comm` for its stages, by default a FusedComm whose symmetric workspaces fit steps of up to
+        max_tokens tokens (larger ones fall back per stage). A benchmark's baseline passes its own
+        communicator: comm=PlainComm(ctx) runs cuBLAS + NCCL around the same Triton attention and norms.
+        max_tokens also bounds the captured graphs' sizes. Collective: every rank.
+        CUDA graphs captured before belong to the old communicator: they are dropped (capture again)."""
         self.graphs = self.prefill_graphs = None
-        self.fused = FusedComm(self.ctx, self.cfg, max_tokens=max_tokens, dtype=self.weight_dtype, options=options)
+        if comm is None:
+            comm = FusedComm(self.ctx, self.cfg, max_tokens=max_tokens, dtype=self.weight_dtype)
+        elif isinstance(comm, FusedComm) and comm.max_tokens != max_tokens:
+            raise ValueError(f"comm's workspaces fit steps of {comm.max_tokens} tokens, max_tokens is {max_tokens}")
+        self.fused, self.fused_max_tokens = comm, max_tokens
         for layer in self.layers:
             layer.fused = self.fused
         return self
@@ -62,8 +69,8 @@ class ShiftParallelStack(nn.Module):
         if self.fused is None:
             raise ValueError("CUDA graphs need the fused path: call enable_fused(...) first")
         if self.ctx.sp.size == 1:
-            return self.fused.max_tokens
-        return min(self.policy.threshold, self.fused.max_tokens)
+            return self.fused_max_tokens
+        return min(self.policy.threshold, self.fused_max_tokens)
 
     def capture_decode_graphs(self, cache: PagedKVCache, *, max_context: int,
                               sizes: tuple[int, ...] | None = None):
@@ -121,7 +128,7 @@ class ShiftParallelStack(nn.Module):
 
     @classmethod
     def from_full_weights(cls, cfg: DecoderConfig, ctx: ParallelContext, layer_weights: list[dict],
-                          policy: ShiftPolicy | None = None) -> ShiftParallelStack:
+                          policy: StepModeRule | None = None) -> ShiftParallelStack:
         layers = [ShiftParallelDecoderLayer.from_full_weights(cfg, ctx, w, i) for i, w in enumerate(layer_weights)]
         return cls(cfg, ctx, layers, policy)
 
@@ -146,7 +153,7 @@ class ShiftParallelStack(nn.Module):
         if (layers, head_dim, cache.k.dtype) != (len(self.layers), self.cfg.head_dim, dtype):
             raise ValueError(f"cache holds {layers} layers of head_dim {head_dim} in {cache.k.dtype}; this stack "
                              f"needs {len(self.layers)} layers of head_dim {self.cfg.head_dim} in {dtype}")
-        padded = padded_token_count(batch.num_tokens, self.ctx.sp.size) if mode == "base" else batch.num_tokens
+        padded = padded_token_count(batch.num_tokens, self.ctx.sp.size) if mode == StepMode.BASE else batch.num_tokens
         slots = cache.begin_step(batch)
         positions = batch.positions(self.ctx.device)
         metadata = tables = None
@@ -162,7 +169,7 @@ class ShiftParallelStack(nn.Module):
     def layer_input(self, hidden: torch.Tensor, step: StepState) -> torch.Tensor:
         """What the first layer takes from the step's hidden states [n, d]: in base mode this SP rank's
         rows of the step padded to padded_tokens (a view of a padded copy), in shift mode all rows."""
-        if step.mode != "base":
+        if step.mode != StepMode.BASE:
             return hidden
         rows = step.padded_tokens // self.ctx.sp.size
         return F.pad(hidden, (0, 0, 0, step.padded_tokens - step.num_tokens)).narrow(0, self.ctx.sp.rank * rows, rows)
@@ -185,7 +192,7 @@ class ShiftParallelStack(nn.Module):
                              f"CUDA graphs' padding rows use its cache block")
         if use_graphs and (self.graphs is not None or self.prefill_graphs is not None or self.base_graphs is not None):
             step_mode = mode or self.policy.mode(n, self.ctx.sp.size)
-            for graphs in (self.graphs, self.prefill_graphs) if step_mode == "shift" else (self.base_graphs,):
+            for graphs in (self.graphs, self.prefill_graphs) if step_mode == StepMode.SHIFT else (self.base_graphs,):
                 if graphs is not None and graphs.cache is cache and graphs.size_for(batch) is not None:
                     self.steps[step_mode] += 1
                     self.graph_steps += 1
@@ -195,6 +202,6 @@ class ShiftParallelStack(nn.Module):
         x = self.layer_input(hidden, step)
         for layer in self.layers:
             x = layer(x, step, cache)
-        if step.mode == "base":
+        if step.mode == StepMode.BASE:
             x = all_gather_rows(x, self.ctx.sp)[:n]  # padding rows dropped here, never returned
         return x

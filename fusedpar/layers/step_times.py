@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.layout_policy import StepTimeCurve
-from fusedpar.layers.policy import StepBatch
 from fusedpar.layers.stack import ShiftParallelStack
+from fusedpar.layers.step_plan import StepBatch
 
 
 def _positive(name: str, value: object) -> int:

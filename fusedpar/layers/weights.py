@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedpar.layers.config import DecoderConfig, weight_shapes
-from fusedpar.layouts import WEIGHT_NAMES, ParallelLayout, WeightShard
+from fusedpar.layouts import WEIGHT_NAMES, ParallelLayout, StepMode, WeightShard
 
 REPLICATED = ("input_norm", "post_norm", "q_norm", "k_norm")
 QKV_BIAS_SOURCES = {"q": "q_bias", "k": "k_bias", "v": "v_bias"}  # qkv segment source -> its bias
@@ -100,7 +100,7 @@ class ShardedDecoderWeights:
         return cls(base, shift, held.replicated)
 
     def weights(self, mode: str) -> dict[str, torch.Tensor]:
-        return self.base if mode == "base" else self.shift
+        return self.base if mode == StepMode.BASE else self.shift
 
     def storage_bytes(self) -> int:
         """Bytes of distinct storages behind base and shift (shift views must add nothing).

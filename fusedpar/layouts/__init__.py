@@ -3,7 +3,7 @@
 from fusedpar.layouts._checks import MODES, StepMode, check_mode
 from fusedpar.layouts.grid import ParallelLayout, RankCoords
 from fusedpar.layouts.heads import HeadPlacement, check_head_counts, head_count_problems
-from fusedpar.layouts.reshard import KVMove, Piece, holdings, kv_plan, view_range, weight_plan
+from fusedpar.layouts.reshard_plan import KVMove, Piece, holdings, kv_plan, view_range, weight_plan
 from fusedpar.layouts.shards import WEIGHT_NAMES, ModelDims, Segment, WeightShard, WeightShardMap, shard_problems
 
 __all__ = [

@@ -6,13 +6,16 @@ from enum import Enum
 class StepMode(str, Enum):
     """The layout a forward step runs in: BASE (SP x TP) or SHIFT (TP over the whole replica).
 
-    A str: a member equals its value ("base", "shift"), formats as it and serializes as it."""
+    A str: a member equals its value ("base", "shift"), hashes, formats, prints and serializes as it,
+    so a public function taking a mode takes the plain strings too, and dicts keyed by mode (such as
+    ShiftParallelStack.steps) read, print and dump as they would with string keys."""
 
     BASE = "base"
     SHIFT = "shift"
 
     __str__ = str.__str__
     __format__ = str.__format__
+    __repr__ = str.__repr__
 
 
 MODES = tuple(StepMode)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fusedpar.layouts._checks import check_mode, positive_int
+from fusedpar.layouts._checks import StepMode, check_mode, positive_int
 
 if TYPE_CHECKING:
     from fusedpar.layouts.grid import ParallelLayout
@@ -103,16 +103,16 @@ class HeadPlacement:
         return q_head // self.group_size
 
     def q_heads(self, rank: int, mode: str) -> tuple[int, ...]:
-        if check_mode(mode) == "shift":
+        if check_mode(mode) is StepMode.SHIFT:
             return self._shift_q(rank)
         return self._base_q(rank)
 
     def kv_heads(self, rank: int, mode: str) -> tuple[int, ...]:
-        if check_mode(mode) == "shift":
+        if check_mode(mode) is StepMode.SHIFT:
             return self._shift_kv(rank)
         return self._base_kv(rank)
 
-    def q_to_kv_index(self, rank: int, mode: str = "base") -> tuple[int, ...]:
+    def q_to_kv_index(self, rank: int, mode: str = StepMode.BASE) -> tuple[int, ...]:
         """For each q head the rank holds, the index of its kv head in kv_heads(rank, mode)."""
         kv = self.kv_heads(rank, mode)
         return tuple(kv.index(self.kv_head_of(q)) for q in self.q_heads(rank, mode))

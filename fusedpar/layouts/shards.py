@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fusedpar.layouts._checks import positive_int
+from fusedpar.layouts._checks import StepMode, positive_int
 from fusedpar.layouts.heads import head_count_problems
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ class WeightShardMap:
         if name == "qkv":
             blocks = []
             for peer in peers:
-                q, kv = place.q_heads(peer, "base"), place.kv_heads(peer, "base")
+                q, kv = place.q_heads(peer, StepMode.BASE), place.kv_heads(peer, StepMode.BASE)
                 blocks.append(head_segments("q", q, d) + head_segments("k", kv, d) + head_segments("v", kv, d))
             blk = sum(seg.size for seg in blocks[0])
             return WeightShard("qkv", "out", tuple(x for b in blocks for x in b), (s * blk, (s + 1) * blk))
@@ -179,7 +179,7 @@ class WeightShardMap:
         if name == "o":
             # o's input columns follow the head order attention hands back after the return
             # all-to-all: the SP peers' q heads, in SP order.
-            heads = tuple(h for peer in peers for h in place.q_heads(peer, "base"))
+            heads = tuple(h for peer in peers for h in place.q_heads(peer, StepMode.BASE))
             per = place.q_heads_per_rank * d
             return WeightShard("o", "in", head_segments("o", heads, d), (s * per, (s + 1) * per))
         per = I // P

@@ -21,11 +21,12 @@ from fusedpar.layers import (
     DecoderConfig,
     DenseDecoderStack,
     ShiftParallelStack,
-    ShiftPolicy,
     StepBatch,
+    StepModeRule,
     random_decoder_weights,
 )
-from fusedpar.layouts import ParallelLayout
+from fusedpar.layers.comm import FusedComm
+from fusedpar.layouts import ParallelLayout, StepMode
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Step:
 
 @dataclass
 class StepRecord:
-    mode: str
+    mode: StepMode
     tokens: int
     padded_tokens: int
     rel_error: float
@@ -59,6 +60,14 @@ class ScenarioResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class FallbackFusedComm(FusedComm):
+    """FusedComm without workspaces, so on any device: every stage takes its PlainComm fallback (as a
+    group of one or a step larger than the workspaces does). Tests that fallback logic on CPU."""
+
+    def _build_workspaces(self) -> None:
+        pass
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -92,7 +101,7 @@ def run_layer_scenario(
     full = [random_decoder_weights(cfg, seed=seed + i, dtype=torch.float64, device=dev) for i in range(num_layers)]
     oracle = DenseDecoderStack(cfg, full)
     stack = ShiftParallelStack.from_full_weights(
-        cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full], ShiftPolicy(threshold)
+        cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full], StepModeRule(threshold)
     )
     total = sum(q for s in steps for _, q in s.seqs)
     if fused:  # Triton + symmetric-memory path (CUDA); workspaces sized for the largest step
@@ -120,7 +129,7 @@ def run_layer_scenario(
         expected = oracle.forward(x, batch)
         if y.shape != expected.shape:
             raise AssertionError(f"output shape {tuple(y.shape)} != expected {tuple(expected.shape)}")
-        padded = -(-batch.num_tokens // sp) * sp if mode == "base" else batch.num_tokens
+        padded = -(-batch.num_tokens // sp) * sp if mode == StepMode.BASE else batch.num_tokens
         result.steps.append(StepRecord(mode, batch.num_tokens, padded, rel_error(y, expected), seconds))
         for s, q in step.seqs:
             lengths[s] = lengths.get(s, 0) + q

@@ -1,6 +1,6 @@
 """A SymmetricWorkspace stand-in for gloo processes on CPU: each rank's buffer is a shared file mapping.
 
-fusedpar.layers.reshard.migrate_kv(staging=...) stores rows into peers' buffers at raw addresses
+fusedpar.layers.kv_reshard.migrate_kv(staging=...) stores rows into peers' buffers at raw addresses
 (fusedpar.kernels.kv_rows.push_kv_rows, run by the Triton interpreter on CPU). Here every rank maps
 every rank's file, so a peer's buffer has an address in this process and a store through it lands in
 the peer's file; the device barrier becomes gloo's barrier (CPU work is done when the call returns).

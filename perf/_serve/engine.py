@@ -11,7 +11,7 @@ ties), the same in every layout, so only the decoder differs.
 KV: one pool per rank of `kv_blocks` blocks of ONE kv head; a layout caching h kv heads per rank
 views it as kv_blocks // h blocks (PagedKVCache.reinterpret). A switch between layouts of one replica
 size (sp <-> tp) keeps the cache (the same kv heads on the same ranks); across replica sizes the live
-sequences' KV moves along fusedpar.layouts.kv_plan with fusedpar.layers.reshard.migrate_kv, as the
+sequences' KV moves along fusedpar.layouts.kv_plan with fusedpar.layers.kv_reshard.migrate_kv, as the
 HF adapter's switching does, into a pool grown to one agreed block count on every rank. On CUDA the
 rows go through a symmetric staging of STAGING_BYTES per rank (pushed from the sender's pool
 straight into the receiver's staging), on CPU through gloo's all-to-all.
@@ -47,8 +47,8 @@ from fusedpar.layers import (
     ShardedDecoderWeights,
     ShiftParallelDecoderLayer,
     ShiftParallelStack,
-    ShiftPolicy,
     StepBatch,
+    StepModeRule,
     StepTimeCurve,
     measure_step_times,
     migrate_kv,
@@ -156,13 +156,13 @@ class Engine:
         for k in LAYOUT_NAMES:
             ctx = self.ctxs[k]
             layers = [ShiftParallelDecoderLayer(cfg, ctx, w, i) for i, w in enumerate(per[k])]
-            stack = ShiftParallelStack(cfg, ctx, layers, ShiftPolicy.always(self.mode(k)))
+            stack = ShiftParallelStack(cfg, ctx, layers, StepModeRule.always(self.mode(k)))
             if self.cuda:
                 _bench.enable_stack(stack, max_tokens=opts.max_batch_tokens, fused=True)
             self.stacks[k] = stack
         self.heads = {k: tuple(self.stacks[k].layers[0].kv_heads) for k in LAYOUT_NAMES}
         self.embed, self.norm, self.lm_head = head_weights(cfg, opts.vocab, opts.seed, opts.dtype, device)
-        # KV migrations push through this (fusedpar.layers.reshard); made before the pool takes its share
+        # KV migrations push through this (fusedpar.layers.kv_reshard); made before the pool takes its share
         self.staging = SymmetricWorkspace(dist.group.WORLD, STAGING_BYTES) if self.cuda else None
         blocks = opts.kv_blocks or self._auto_kv_blocks()
         # a multiple of the kv heads: every layout's view of the pool, reached directly or through another
@@ -240,7 +240,7 @@ class Engine:
 
     def base_sizes(self, stack: ShiftParallelStack) -> tuple[int, ...]:
         """Token counts of the base-mode graphs of an sp > 1 stack: as prefill_sizes, in multiples of SP."""
-        return _graph_sizes(min(self.opts.max_batch_tokens, stack.fused.max_tokens), stack.ctx.sp.size)
+        return _graph_sizes(min(self.opts.max_batch_tokens, stack.fused_max_tokens), stack.ctx.sp.size)
 
     def drop_graphs(self, keep: list[PagedKVCache]) -> None:
         """Forget the CUDA graphs captured on memory none of `keep` lies on (they hold those tensors);

@@ -2,7 +2,7 @@
 
 For every (shape, tokens) of perf/bench_gemm.py it times cuBLAS, the current pick_config()
 choice and each candidate GemmConfig, and writes the table to --out (JSON). The winners feed the
-heuristic in fusedpar/kernels/gemm.py:pick_config; this script changes nothing by itself.
+heuristic in fusedpar/kernels/gemm/config.py:pick_config; this script changes nothing by itself.
 
     python3 perf/tools/tune_gemm.py --out perf/tools/out/gemm_tune.json
 """
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # perf/: the share
 import bench_gemm  # the bench's shapes and timing helpers
 
 from fusedpar.kernels import gemm
-
-SMEM_BYTES = 227 * 1024
+from fusedpar.kernels.gemm.config import SMEM_BYTES
+from fusedpar.kernels.gemm.launch import _launch
 
 
 def candidates(m: int) -> list[gemm.GemmConfig]:
@@ -43,7 +43,7 @@ def candidates(m: int) -> list[gemm.GemmConfig]:
 
 
 def tma_candidates() -> list[gemm.GemmConfig]:
-    """TMA-fed tilings (gemm.py's TMA mainloop), with the flattened and the nested tile loop."""
+    """TMA-fed tilings (gemm/kernels.py's TMA mainloop), with the flattened and the nested tile loop."""
     base = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 5), (128, 128, 64, 8, 4),
             (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (64, 128, 128, 4, 4)]
     return [gemm.GemmConfig(bm, bn, bk, 8, w, s, tma=True, flatten=flat)
@@ -51,7 +51,7 @@ def tma_candidates() -> list[gemm.GemmConfig]:
 
 
 def split_candidates() -> list[gemm.GemmConfig]:
-    """TMA tilings whose tiles are two column blocks (gemm.py's BLOCK_N2): 160 = 128 + 32 and 320 = 256 + 64
+    """TMA tilings whose tiles are two column blocks (gemm/kernels.py's BLOCK_N2): 160 = 128 + 32 and 320 = 256 + 64
     columns divide N = 2560 and 5120 into nearly full waves of 132 SMs at 512-2048 rows (192 = 128 + 64
     and 288 = 256 + 32 for comparison). Only the operand ring is checked against shared memory here:
     TMA builds reuse it for the epilogue; a tiling that still does not fit fails to launch and is
@@ -114,13 +114,13 @@ def main() -> int:
                     pool = [*candidates(m), *tma_candidates(), *split_candidates()]
                 for cfg in [default, *pool]:
                     try:
-                        gemm._launch(sets[0][0], w, outs[0], config=cfg)
+                        _launch(sets[0][0], w, outs[0], config=cfg)
                         err = (outs[0].float() - ref).abs().max().item() / ref.abs().max().item()
                         if not math.isfinite(err) or err > 2e-2:
                             results.append((cfg, float("inf"), f"wrong: rel err {err:.3g}"))
                             continue
                         arg_sets = [(a, w_, o) for (a, w_), o in zip(sets, outs, strict=True)]
-                        ms = bench_gemm.time_ms(lambda a, w_, o, c=cfg: gemm._launch(a, w_, o, config=c),
+                        ms = bench_gemm.time_ms(lambda a, w_, o, c=cfg: _launch(a, w_, o, config=c),
                                                 arg_sets, args.iters, 3)
                         results.append((cfg, ms, ""))
                     except Exception as e:  # a config that fails to compile is skipped, not fatal

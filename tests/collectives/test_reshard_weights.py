@@ -36,7 +36,7 @@ def _cut(full, shard):
 def _worker(rank, world):
     import torch.distributed as dist
 
-    from fusedpar.collectives.reshard import Held, reshard_weight
+    from fusedpar.collectives.weight_reshard import Held, reshard_weight
     from fusedpar.layouts import ModelDims, ParallelLayout, weight_plan
     from fusedpar.layouts.shards import WEIGHT_NAMES
 

@@ -34,6 +34,7 @@ from fusedpar.testing.allreduce_emulation import one_shot_all_reduce_emulated
 from fusedpar.testing.dist import TwinRankGroup
 from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 from fusedpar.testing.numerics import assert_close, poison_
+from tests.profile import examples
 
 # Half a unit in the last place of each output dtype, relative: the rounding of the final store.
 _HALF_ULP = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
@@ -251,7 +252,7 @@ def test_argument_errors():
         one_shot_all_reduce_emulated(EmulatedWorld(2, 1024), [torch.ones(4)])
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     numel=st.integers(min_value=1, max_value=3000),
     world_size=st.sampled_from([2, 3, 4]),

@@ -33,9 +33,10 @@ from fusedpar.kernels.reference import apply_rope, causal_gqa_attention, rms_nor
 from fusedpar.layers.attention import attention_step, step_metadata
 from fusedpar.layers.decoder import StepState
 from fusedpar.layers.kv_cache import PagedKVCache
-from fusedpar.layers.policy import StepBatch, padded_token_count
+from fusedpar.layers.step_plan import StepBatch, padded_token_count
 from fusedpar.testing.gpu import local_device
 from fusedpar.testing.numerics import assert_close, poison_
+from tests.profile import examples
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(
@@ -581,7 +582,7 @@ def test_prerotated_q_negative_slot_skips_only_the_cache_write(spies):
     assert (out[n:] == 0).all()
 
 
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(10), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=4),
     nkv=st.sampled_from([1, 2]),

@@ -18,12 +18,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fusedpar.kernels import gemm
+from fusedpar.kernels._host import INTERPRETED
+from fusedpar.kernels.gemm import launch as gemm_launch
+from fusedpar.kernels.gemm import ops as gemm_ops
 from fusedpar.testing.gpu import local_device
 from fusedpar.testing.numerics import assert_close, poison_
+from tests.profile import examples
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(
-    not (HAS_CUDA or gemm.INTERPRETED),
+    not (HAS_CUDA or INTERPRETED),
     reason="no CUDA and fusedpar.kernels.gemm was imported without TRITON_INTERPRET=1",
 )
 
@@ -67,7 +71,7 @@ def run_and_check(a, w, *, name, out_dtype=None, config=None):
         result = gemm.matmul(a, w, out=out)
         assert result is out
     else:
-        gemm._launch(a, w, out, gemm.GemmConfig(*config))
+        gemm_launch._launch(a, w, out, gemm.GemmConfig(*config))
     assert_close(out, reference(a, w), dtype=out.dtype, name=name)
     return out
 
@@ -159,13 +163,13 @@ TMA_SHAPES = [(1, 24, 16), (33, 40, 40), (100, 72, 96), (37, 50, 72)]  # K % 8 =
 
 def _count_descriptors(monkeypatch) -> list:
     made = []
-    real = gemm.tma_descriptors
+    real = gemm_launch.tma_descriptors
 
     def counting(*args):
         made.append(args[2:])
         return real(*args)
 
-    monkeypatch.setattr(gemm, "tma_descriptors", counting)
+    monkeypatch.setattr(gemm_launch, "tma_descriptors", counting)
     return made
 
 
@@ -224,7 +228,7 @@ def test_empty_dims():
     assert (out == 0).all()
 
 
-@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(15), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     m=st.integers(1, 80),
     n=st.integers(1, 80),
@@ -281,7 +285,7 @@ def test_bad_arguments_name_the_shapes(a_shape, w_shape, a_dtype, w_dtype, out, 
 
 
 def test_cpu_tensors_without_interpreter_fail_clearly(monkeypatch):
-    monkeypatch.setattr(gemm, "INTERPRETED", False)
+    monkeypatch.setattr(gemm_launch, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         gemm.matmul(torch.ones(2, 16), torch.ones(3, 16))
 
@@ -322,6 +326,7 @@ def test_torch_compile_sees_one_op():
 
 
 def test_reimport_is_idempotent():
+    importlib.reload(gemm_ops)  # registers the torch.library ops again
     module = importlib.reload(gemm)
     gen = torch.Generator().manual_seed(6)
     a = _randn((5, 16), torch.float32, gen)

@@ -91,8 +91,9 @@ _GEMM_COMPILE = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from fusedpar.kernels import gemm
+    from fusedpar.kernels.gemm import kernels as gemm_kernels
 
-    fn = gemm._persistent_matmul_kernel
+    fn = gemm_kernels._persistent_matmul_kernel
     names = list(fn.arg_names)
     out = []
     seen = set()

@@ -48,6 +48,7 @@ from fusedpar.kernels.ulysses import ops as uops
 from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 from fusedpar.testing.numerics import assert_close, poison_
 from fusedpar.testing.ulysses_emulation import all_to_all_o_proj_emulated, qkv_all_to_all_emulated
+from tests.profile import examples
 
 CPU_DTYPES = (torch.float16, torch.float32)
 FUSED = UlyssesOptions(path="fused")
@@ -403,7 +404,7 @@ def test_qkv_emulated_driver_reports_an_epoch_mismatch():
         qkv_all_to_all_emulated(world, xs, ws)
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(6), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     W=st.sampled_from([2, 3, 4]),
     m=st.integers(1, 20),
@@ -517,7 +518,7 @@ def test_o_proj_flags_off_phased_is_correct_and_touches_no_flag():
     assert not any(s.any() for s in world.signals)
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(6), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     W=st.sampled_from([2, 3, 4]),
     m=st.integers(1, 20),

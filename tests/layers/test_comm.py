@@ -12,14 +12,15 @@ def _stages(rank, world, sp, tp, dtype):
     from fusedpar.collectives import ParallelContext, all_reduce_sum, head_to_seq_all_to_all, seq_to_head_all_to_all
     from fusedpar.kernels.reference import blocked_swiglu
     from fusedpar.layers import DecoderConfig
-    from fusedpar.layers.comm import FusedComm, FusedOptions, PlainComm, select
+    from fusedpar.layers.comm import FusedComm, PlainComm, select
     from fusedpar.layouts import ParallelLayout
+    from fusedpar.testing.scenarios import FallbackFusedComm
 
     ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
     cfg = DecoderConfig(hidden_size=16, num_q_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=32)
     gen = torch.Generator().manual_seed(rank)  # different operands per rank
     plain = PlainComm(ctx)
-    fused = FusedComm(ctx, cfg, max_tokens=8, dtype=dtype, options=FusedOptions(plain_comm=True))
+    fused = FallbackFusedComm(ctx, cfg, max_tokens=8, dtype=dtype)  # no workspaces
     m, blk, d = 3, 16, 16
     h = torch.randn(m, d, generator=gen).to(dtype)
     x = torch.randn(m, d, generator=gen).to(dtype)

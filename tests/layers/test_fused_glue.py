@@ -1,7 +1,7 @@
 """The fused layer path (ShiftParallelDecoderLayer.fused_fwd) on CPU: gloo processes, the Triton
-attention on the interpreter, and the communicators that run on CPU: PlainComm, FusedComm with
-FusedOptions(plain_comm=True) (no workspaces: every stage falls back to its PlainComm), and a
-PlainComm whose base mode takes FusedComm's scatter plan (o_target + o_proj_scattered).
+attention on the interpreter, and the communicators that run on CPU: PlainComm, FusedComm without
+workspaces (FallbackFusedComm: every stage falls back to its PlainComm), and a PlainComm whose base
+mode takes FusedComm's scatter plan (o_target + o_proj_scattered).
 
 It checks the layer's own fused-path logic, which the GPU tests (test_fused_gpu.py) can only
 check under torchrun: the q/k/v bias, the scaled-RoPE cos/sin tables handed to the attention
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from fusedpar.collectives import all_reduce_sum, head_to_seq_all_to_all
 from fusedpar.layers import DecoderConfig
-from fusedpar.layers.comm import FusedComm, FusedOptions, PlainComm
+from fusedpar.layers.comm import FusedComm, PlainComm
 from fusedpar.testing.dist import run_distributed
-from fusedpar.testing.scenarios import Step, run_layer_scenario
+from fusedpar.testing.scenarios import FallbackFusedComm, Step, run_layer_scenario
 
 # conftest sets TRITON_INTERPRET=1 when there is no CUDA; with CUDA the gloo ranks' CPU tensors
 # cannot reach compiled Triton kernels (test_fused_gpu.py covers that machine)
@@ -51,7 +51,7 @@ class ResidualInShiftComm(PlainComm):
 
 
 def _plain_fused_comm(ctx, cfg):
-    return FusedComm(ctx, cfg, max_tokens=64, dtype=torch.float32, options=FusedOptions(plain_comm=True))
+    return FallbackFusedComm(ctx, cfg, max_tokens=64, dtype=torch.float32)
 
 
 class ScatteringOps(ResidualInShiftComm):

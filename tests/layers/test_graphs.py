@@ -1,6 +1,6 @@
 """CUDA-graph decode (fusedpar.layers.graphs): the host-side input staging on CPU, and on GPUs the
 captured stack vs the fp64 oracle and vs the eager fused stack, for both FusedComm and the plain
-(cuBLAS + NCCL, FusedOptions(plain_comm=True)) communication."""
+(cuBLAS + NCCL: enable_fused(comm=PlainComm(ctx))) communication."""
 
 from __future__ import annotations
 
@@ -173,19 +173,19 @@ REL_TOL = {torch.bfloat16: 3e-2}
 MAX_CONTEXT = 128
 
 
-def _graph_setup(world, cfg, sp, tp, layers, dtype, *, seed, threshold, options):
+def _graph_setup(world, cfg, sp, tp, layers, dtype, *, seed, threshold, comm):
     """(device, fp64 oracle, fused stack of `layers` random layers, eager cache, graph cache)."""
     from fusedpar.collectives import ParallelContext
-    from fusedpar.layers import DenseDecoderStack, ShiftParallelStack, ShiftPolicy, random_decoder_weights
-    from fusedpar.layers.comm import FusedOptions
+    from fusedpar.layers import DenseDecoderStack, ShiftParallelStack, StepModeRule, random_decoder_weights
+    from fusedpar.layers.comm import PlainComm
     from fusedpar.layouts import ParallelLayout
 
     ctx = ParallelContext(ParallelLayout(world, sp=sp, tp=tp))
     dev = ctx.device
     full = [random_decoder_weights(cfg, seed=seed + i, dtype=torch.float64, device=dev) for i in range(layers)]
     stack = ShiftParallelStack.from_full_weights(cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full],
-                                                 ShiftPolicy(threshold))
-    stack.enable_fused(max_tokens=512, options=FusedOptions(plain_comm=True) if options == "plain" else None)
+                                                 StepModeRule(threshold))
+    stack.enable_fused(max_tokens=512, comm=PlainComm(ctx) if comm == "plain" else None)
     caches = [stack.make_cache(block_size=16, num_blocks=128, dtype=dtype) for _ in range(2)]
     return dev, DenseDecoderStack(cfg, full), stack, *caches
 
@@ -224,7 +224,7 @@ def _step_vs_eager(stack, oracle, x, batch, cache, eager_cache, graphs, label, e
     return y
 
 
-def _gpu_graph_check(rank, world, cfg, sp, tp, *, options=None):
+def _gpu_graph_check(rank, world, cfg, sp, tp, *, comm=None):
     """Prefill 6 sequences (eager, base mode), then decode steps of 1..8 sequences through the
     captured graphs (sizes 1, 4, 8: batches of 3, 5, 6 run padded), crossing cache blocks, and
     one step past max_context (eager). Each step vs the fp64 oracle and vs the same stack run
@@ -233,7 +233,7 @@ def _gpu_graph_check(rank, world, cfg, sp, tp, *, options=None):
 
     dtype, layers = torch.bfloat16, 2
     dev, oracle, stack, eager_cache, graph_cache = _graph_setup(world, cfg, sp, tp, layers, dtype, seed=7,
-                                                                threshold=64, options=options)
+                                                                threshold=64, comm=comm)
     graphs = stack.capture_decode_graphs(graph_cache, max_context=MAX_CONTEXT, sizes=(1, 4, 8))
     gen = torch.Generator().manual_seed(3)
     lengths = {s: n for s, n in zip(range(6), (37, 16, 5, 90, 1, 63), strict=True)}
@@ -292,7 +292,7 @@ def test_gpu_graphs_match_oracle_and_eager(nccl_world, h, hkv, qk_norm, kind):
 
 @pytest.mark.gpu
 def test_gpu_decode_graphs_stock_baseline_and_rope_tables(nccl_world):
-    """The plain-TP baseline in a graph (FusedOptions(plain_comm=True): cuBLAS + NCCL) and a scaled
+    """The plain-TP baseline in a graph (enable_fused(comm=PlainComm(ctx)): cuBLAS + NCCL) and a scaled
     RoPE table (cos/sin computed inside the graph from the static positions)."""
     from fusedpar.testing.gpu import all_ranks_ok
 
@@ -300,7 +300,7 @@ def test_gpu_decode_graphs_stock_baseline_and_rope_tables(nccl_world):
     inv_freq = tuple(1e6 ** (-2 * i / 128) / (1 + i / 16) for i in range(64))
     cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=4, head_dim=128, intermediate_size=2048,
                         rope_theta=1e6, rope_inv_freq=inv_freq, rope_attention_scaling=1.1)
-    errors = _gpu_graph_check(rank, world, cfg, 1, world, options="plain")
+    errors = _gpu_graph_check(rank, world, cfg, 1, world, comm="plain")
     errors += _gpu_graph_check(rank, world, cfg, world, 1)
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
 
@@ -311,7 +311,7 @@ def test_gpu_decode_graphs_of_hundreds_of_sequences_match_eager(nccl_world):
     90 and 200 sequences (padded), 256 (exact) and 256 again one token later, each vs the fp64 oracle and
     vs the same stack run eagerly on a second cache, the graphs' outputs poisoned before every replay."""
     from fusedpar.collectives import ParallelContext
-    from fusedpar.layers import DenseDecoderStack, ShiftParallelStack, ShiftPolicy, random_decoder_weights
+    from fusedpar.layers import DenseDecoderStack, ShiftParallelStack, StepModeRule, random_decoder_weights
     from fusedpar.layouts import ParallelLayout
     from fusedpar.testing.gpu import all_ranks_ok
 
@@ -323,7 +323,7 @@ def test_gpu_decode_graphs_of_hundreds_of_sequences_match_eager(nccl_world):
     dev = ctx.device
     full = [random_decoder_weights(cfg, seed=40 + i, dtype=torch.float64, device=dev) for i in range(layers)]
     stack = ShiftParallelStack.from_full_weights(cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full],
-                                                 ShiftPolicy(64))
+                                                 StepModeRule(64))
     stack.enable_fused(max_tokens=512)
     oracle = DenseDecoderStack(cfg, full)
     eager_cache, graph_cache = (stack.make_cache(block_size=16, num_blocks=2 * n_seqs + 8, dtype=dtype)
@@ -362,7 +362,7 @@ def _gpu_rebind_check(rank, world, cfg, sp, tp):
 
     dtype, layers = torch.bfloat16, 2
     dev, oracle, stack, eager_cache, graph_cache = _graph_setup(world, cfg, sp, tp, layers, dtype, seed=11,
-                                                                threshold=64, options=None)
+                                                                threshold=64, comm=None)
     graphs = stack.capture_decode_graphs(graph_cache, max_context=MAX_CONTEXT, sizes=(1, 4))
     gen = torch.Generator().manual_seed(5)
     lengths = {0: 21, 1: 40, 2: 3}
@@ -560,7 +560,7 @@ def test_prefill_staging_attends_like_the_eager_step(dtype, query_lens, contexts
 
 
 # ---- prefill graphs: GPU ----------------------------------------------------------------------------
-def _gpu_prefill_graph_check(rank, world, cfg, sp, tp, *, options=None):
+def _gpu_prefill_graph_check(rank, world, cfg, sp, tp, *, comm=None):
     """Varlen shift-mode steps through PrefillGraphs (sizes 32 / 96 / 256, at most 4 sequences) next
     to decode graphs (sizes 1 / 4): fresh prompts, a chunked-prefill continuation, mixed prefill +
     decode, a step of exactly a captured size, and the steps that must run eagerly (base mode above
@@ -571,7 +571,7 @@ def _gpu_prefill_graph_check(rank, world, cfg, sp, tp, *, options=None):
 
     dtype, layers, max_context = torch.bfloat16, 2, 160
     dev, oracle, stack, eager_cache, graph_cache = _graph_setup(world, cfg, sp, tp, layers, dtype, seed=11,
-                                                                threshold=256, options=options)
+                                                                threshold=256, comm=comm)
     decode = stack.capture_decode_graphs(graph_cache, max_context=max_context, sizes=(1, 4))
     prefill = stack.capture_prefill_graphs(graph_cache, max_context=max_context, sizes=(32, 96, 256), max_seqs=4)
     gen = torch.Generator().manual_seed(4)
@@ -618,13 +618,13 @@ def test_gpu_prefill_graphs_stock_baseline_and_rope_tables(nccl_world):
     inv_freq = tuple(1e6 ** (-2 * i / 128) / (1 + i / 16) for i in range(64))
     cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=4, head_dim=128, intermediate_size=2048,
                         rope_theta=1e6, rope_inv_freq=inv_freq, rope_attention_scaling=1.1)
-    errors = _gpu_prefill_graph_check(rank, world, cfg, 1, world, options="plain")
+    errors = _gpu_prefill_graph_check(rank, world, cfg, 1, world, comm="plain")
     errors += _gpu_prefill_graph_check(rank, world, cfg, world, 1)
     assert all_ranks_ok(not errors), "\n".join(errors[:8])
 
 
 # ---- base-mode graphs: GPU --------------------------------------------------------------------------
-def _gpu_base_graph_check(rank, world, cfg, *, options=None):
+def _gpu_base_graph_check(rank, world, cfg, *, comm=None):
     """SP = world: base-mode varlen steps (above the threshold, 64) through BaseGraphs (sizes 128 / 256,
     at most 4 sequences) next to shift-mode PrefillGraphs (32 / 64): fresh prompts, a mixed decode +
     prompt step, a step of exactly a captured size, chunked-prefill continuations, and the steps that
@@ -635,7 +635,7 @@ def _gpu_base_graph_check(rank, world, cfg, *, options=None):
 
     dtype, layers, max_context = torch.bfloat16, 2, 300
     dev, oracle, stack, eager_cache, graph_cache = _graph_setup(world, cfg, world, 1, layers, dtype, seed=13,
-                                                                threshold=64, options=options)
+                                                                threshold=64, comm=comm)
     shift = stack.capture_prefill_graphs(graph_cache, max_context=max_context, sizes=(32, 64), max_seqs=4)
     base = stack.capture_base_graphs(graph_cache, max_context=max_context, sizes=(128, 256), max_seqs=4)
     gen = torch.Generator().manual_seed(6)
@@ -700,7 +700,7 @@ def test_base_graphs_refuse_sizes_base_mode_never_runs(sp, threshold, sizes, mat
 
     from fusedpar.layers.graphs import BaseGraphs
 
-    stack = SimpleNamespace(fused=SimpleNamespace(max_tokens=4096), ctx=SimpleNamespace(
+    stack = SimpleNamespace(fused=object(), fused_max_tokens=4096, ctx=SimpleNamespace(
         sp=SimpleNamespace(size=sp), device=torch.device("cuda")), policy=SimpleNamespace(threshold=threshold))
     with pytest.raises(ValueError, match=match):
         BaseGraphs(stack, _cache(), max_context=256, sizes=sizes, max_seqs=4)

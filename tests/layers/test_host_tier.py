@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 
 from fusedpar.layers.host_tier import HostKVTier
 from fusedpar.layers.kv_cache import PagedKVCache
-from fusedpar.layers.policy import StepBatch
+from fusedpar.layers.step_plan import StepBatch
 from fusedpar.layouts import ParallelLayout
 from fusedpar.testing.dist import run_distributed
+from tests.profile import examples
 
 LAYERS, HEAD_DIM = 3, 4
 NAN = float("nan")
@@ -68,7 +69,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["prefill", "prefill", "decode", "out",
                          st.integers(0, 1000), st.integers(1, 11)), min_size=6, max_size=30)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(ops=OPS, host_block=st.sampled_from([1, 3, 4, 8]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_random_swap_orders_round_trip_bit_exact(ops, host_block, dtype):
     """op, pick, n: `pick` chooses among the sequences the op applies to (a new id for prefill)."""

@@ -35,7 +35,7 @@ def _worker(rank, world):
     import torch
 
     from fusedpar.layers.kv_cache import PagedKVCache
-    from fusedpar.layers.reshard import migrate_kv
+    from fusedpar.layers.kv_reshard import migrate_kv
     from fusedpar.layouts import ModelDims, ParallelLayout, kv_plan
 
     dims = ModelDims(8, 2, HEAD_DIM, 16)
@@ -120,17 +120,17 @@ def _reference_target(target_heads, num_blocks, sequences, kv_heads, trial):
 def _rand_worker(rank, world, kv_heads, groups, directory=None):
     import torch
 
-    from fusedpar.layers import reshard
+    from fusedpar.layers import kv_reshard
     from fusedpar.layers.kv_cache import PagedKVCache
-    from fusedpar.layers.reshard import migrate_kv
+    from fusedpar.layers.kv_reshard import migrate_kv
     from fusedpar.layouts import ModelDims, ParallelLayout, kv_plan
 
     if groups == "per-layer":  # tiny shapes fit one group: force one exchange per layer
-        reshard._GROUP_BYTES = 1
+        kv_reshard._GROUP_BYTES = 1
     elif groups == "two":
-        reshard._GROUP_BYTES, reshard._MAX_GROUPS = 1, 2
+        kv_reshard._GROUP_BYTES, kv_reshard._MAX_GROUPS = 1, 2
     elif groups == "staging regions":  # a push per layer, each into its own region of the staging
-        reshard._PUSH_GROUPS = LAYERS
+        kv_reshard._PUSH_GROUPS = LAYERS
     q_heads = 8
     dims = ModelDims(q_heads, kv_heads, HEAD_DIM, 16)
     out = []
@@ -167,13 +167,13 @@ def _rand_worker(rank, world, kv_heads, groups, directory=None):
             staging = FileStaging(directory, nbytes, tag=f"trial{trial}")
             staging.view(torch.uint8).fill_(0x7F)  # junk where nothing was pushed
         pushes = []
-        push = reshard.push_kv_rows
-        reshard.push_kv_rows = lambda *a, pushes=pushes, push=push, **kw: (pushes.append(1), push(*a, **kw))
+        push = kv_reshard.push_kv_rows
+        kv_reshard.push_kv_rows = lambda *a, pushes=pushes, push=push, **kw: (pushes.append(1), push(*a, **kw))
         try:
             new, received = migrate_kv(cache, rank, plan, target_heads, sequences, min_blocks=min_blocks,
                                        staging=staging)
         finally:
-            reshard.push_kv_rows = push
+            kv_reshard.push_kv_rows = push
         ref = _reference_target(target_heads, new.num_blocks, sequences, kv_heads, trial)
         ok = new.block_tables == ref.block_tables and new.lengths == ref.lengths and new.kv_heads == target_heads
         for seq in ref.block_tables:
@@ -218,7 +218,7 @@ def test_migrate_kv_matches_a_fresh_fill_on_random_values(world, kv_heads, group
 
 
 def test_layer_groups_cover_every_layer_once():
-    from fusedpar.layers.reshard import _GROUP_BYTES, _MAX_GROUPS, _layer_groups
+    from fusedpar.layers.kv_reshard import _GROUP_BYTES, _MAX_GROUPS, _layer_groups
 
     assert _layer_groups(32, 0) == [(0, 32)]
     assert _layer_groups(32, 3 * _GROUP_BYTES) == [(0, 8), (8, 24), (24, 32)]  # the outer groups half size
@@ -235,7 +235,7 @@ def _errors_worker(rank, world):
     import torch
 
     from fusedpar.layers.kv_cache import PagedKVCache
-    from fusedpar.layers.reshard import migrate_kv
+    from fusedpar.layers.kv_reshard import migrate_kv
 
     out = {}
     small = PagedKVCache(num_layers=LAYERS, kv_heads=(rank,), head_dim=HEAD_DIM, block_size=BLOCK, num_blocks=1,
@@ -273,8 +273,8 @@ def test_row_index_matches_the_slots_of_begin_step(seed):
     import torch
 
     from fusedpar.layers.kv_cache import PagedKVCache
-    from fusedpar.layers.policy import StepBatch
-    from fusedpar.layers.reshard import _row_index
+    from fusedpar.layers.kv_reshard import _row_index
+    from fusedpar.layers.step_plan import StepBatch
 
     rng = random.Random(seed)
     heads, bs = (3, 5, 6), 4
@@ -315,14 +315,14 @@ def test_gpu_migrate_kv_through_staging_and_all_to_all_match_a_fresh_fill(nccl_w
     import torch
 
     from fusedpar.collectives.symmetric import SymmetricWorkspace
-    from fusedpar.layers import reshard
+    from fusedpar.layers import kv_reshard
     from fusedpar.layers.kv_cache import PagedKVCache
-    from fusedpar.layers.reshard import migrate_kv
+    from fusedpar.layers.kv_reshard import migrate_kv
     from fusedpar.layouts import ModelDims, ParallelLayout, kv_plan
     from fusedpar.testing.gpu import all_ranks_ok
 
     rank, world = nccl_world
-    default_groups = reshard._PUSH_GROUPS
+    default_groups = kv_reshard._PUSH_GROUPS
     if world < 2:
         pytest.skip("a migration needs 2 or more GPUs")
     layers, kv_heads, hd, block = 4, 8, 128, 16
@@ -359,7 +359,7 @@ def test_gpu_migrate_kv_through_staging_and_all_to_all_match_a_fresh_fill(nccl_w
             stagings = {"all-to-all": (None, 1),  # one group, one group per layer in regions, one layer per half
                         "staging": (full, 1), "staging regions": (full, layers), "staging per layer": (short, 1)}
             for name, (staging, least) in stagings.items():
-                reshard._PUSH_GROUPS = least
+                kv_reshard._PUSH_GROUPS = least
                 base.k.fill_(float("nan"))
                 base.v.fill_(float("nan"))
                 if staging is not None:
@@ -372,7 +372,7 @@ def test_gpu_migrate_kv_through_staging_and_all_to_all_match_a_fresh_fill(nccl_w
                 try:
                     new, received = migrate_kv(cache, rank, plan, target, sequences, staging=staging)
                 finally:
-                    reshard._PUSH_GROUPS = default_groups
+                    kv_reshard._PUSH_GROUPS = default_groups
                 where = f"{src!r} -> {dst!r} via {name}"
                 if received != expect:
                     errors.append(f"{where}: received {received} bytes, the plan moves {expect}")
@@ -391,22 +391,22 @@ def test_push_groups_fit_the_staging_or_decline(monkeypatch):
     """_PUSH_GROUPS groups, each in its own region, when the staging holds every layer of the busiest
     receiver; else as few groups as fit half of it each, a group reusing a region only after the one
     before it there; None (migrate_kv then takes the all-to-all) when half of it holds no layer."""
-    from fusedpar.layers import reshard
-    from fusedpar.layers.reshard import _push_groups
+    from fusedpar.layers import kv_reshard
+    from fusedpar.layers.kv_reshard import _push_groups
 
     mib = 1 << 20
-    monkeypatch.setattr(reshard, "_PUSH_GROUPS", 1)
+    monkeypatch.setattr(kv_reshard, "_PUSH_GROUPS", 1)
     assert _push_groups(32, mib, 32 * mib) == ([(0, 32)], [0], [None])
     assert _push_groups(32, mib, 16 * mib) == ([(0, 8), (8, 16), (16, 24), (24, 32)], [0, 8 * mib] * 2,
                                               [None, None, 0, 1])  # halves of 8 layers
     assert _push_groups(5, mib, 4 * mib) == ([(0, 1), (1, 3), (3, 5)], [0, 2 * mib, 0], [None, None, 0])
     assert _push_groups(32, mib, 2 * mib - 1) is None
-    monkeypatch.setattr(reshard, "_PUSH_GROUPS", 4)  # a region each where they all fit
+    monkeypatch.setattr(kv_reshard, "_PUSH_GROUPS", 4)  # a region each where they all fit
     assert _push_groups(32, mib, 32 * mib) == ([(0, 8), (8, 16), (16, 24), (24, 32)], [0, 8 * mib, 16 * mib, 24 * mib],
                                               [None] * 4)
     assert _push_groups(3, mib, 3 * mib)[0] == [(0, 1), (1, 2), (2, 3)]  # at most a group per layer
     for least in (1, 3):
-        monkeypatch.setattr(reshard, "_PUSH_GROUPS", least)
+        monkeypatch.setattr(kv_reshard, "_PUSH_GROUPS", least)
         for layers, per_layer, cap in ((7, 300, 4000), (31, 4096, 50000), (3, 1, 10**9), (5, 512, 5 * 512 + 100)):
             groups, regions, reuse = _push_groups(layers, per_layer, cap)
             assert [x for a, b in groups for x in range(a, b)] == list(range(layers))

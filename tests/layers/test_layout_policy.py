@@ -9,9 +9,9 @@ from fusedpar.layers import (
     AutoPolicy,
     LoadPolicy,
     PrefillDecodePolicy,
-    ShiftPolicy,
     ShiftThresholdPolicy,
     StepFacts,
+    StepModeRule,
     StepTimeCurve,
 )
 from fusedpar.layouts import ParallelLayout
@@ -40,7 +40,7 @@ def run(policy, steps, start=None):
 @pytest.mark.parametrize("threshold", [None, 0, 16, 1024])
 @pytest.mark.parametrize("base", [SPTP, ParallelLayout(8, sp=2, tp=2), ParallelLayout(4, sp=4)])
 def test_shift_threshold_follows_shift_policy(base, threshold):
-    policy, rule = ShiftThresholdPolicy(base, threshold), ShiftPolicy(threshold)
+    policy, rule = ShiftThresholdPolicy(base, threshold), StepModeRule(threshold)
     shift = ParallelLayout(base.world_size, sp=1, tp=base.replica_size)
     assert policy.layouts == (base, shift) and shift.dp == base.dp
     for n in (1, 15, 16, 17, 1024, 1025, 10**6):

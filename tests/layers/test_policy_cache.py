@@ -1,23 +1,23 @@
-"""ShiftPolicy, StepBatch and PagedKVCache bookkeeping (single process)."""
+"""StepModeRule, StepBatch and PagedKVCache bookkeeping (single process)."""
 
 import pytest
 import torch
 
-from fusedpar.layers import PagedKVCache, ShiftPolicy, StepBatch, padded_token_count
+from fusedpar.layers import PagedKVCache, StepBatch, StepModeRule, padded_token_count
 
 
 def test_policy_threshold_is_inclusive_for_shift():
-    p = ShiftPolicy(threshold=64)
+    p = StepModeRule(threshold=64)
     assert [p.mode(n, 4) for n in (1, 64, 65, 4096)] == ["shift", "shift", "base", "base"]
-    assert ShiftPolicy.always("base").mode(1, 2) == "base"
-    assert ShiftPolicy.always("shift").mode(10**6, 2) == "shift"
-    assert ShiftPolicy(0).mode(10**6, 1) == "shift"  # SP=1: the two modes are one computation
+    assert StepModeRule.always("base").mode(1, 2) == "base"
+    assert StepModeRule.always("shift").mode(10**6, 2) == "shift"
+    assert StepModeRule(0).mode(10**6, 1) == "shift"  # SP=1: the two modes are one computation
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "8"])
 def test_policy_rejects_bad_threshold(bad):
     with pytest.raises(ValueError, match="threshold"):
-        ShiftPolicy(bad)
+        StepModeRule(bad)
 
 
 def test_padding_and_positions():
@@ -207,9 +207,9 @@ def test_step_batch_normalises_sequences_and_numpy_ints():
 
 def test_policy_rejects_bool_threshold_and_bad_sp():
     with pytest.raises(ValueError, match="shift threshold must be an int"):
-        ShiftPolicy(True)
+        StepModeRule(True)
     with pytest.raises(ValueError, match="sp must be >= 1, got 0"):
-        ShiftPolicy(4).mode(5, 0)
+        StepModeRule(4).mode(5, 0)
 
 
 @pytest.mark.parametrize(("override", "match"), [

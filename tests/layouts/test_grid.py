@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusedpar import ParallelLayout, RankCoords
+from tests.profile import examples
 
 MAX_WORLD = 64
 
@@ -38,7 +39,7 @@ def assert_partition(groups: list[list[int]], world: int, n_groups: int, size: i
 # --------------------------------------------------------------------------- properties
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(grids())
 def test_groups_partition_the_world(cfg):
     dp, sp, tp = cfg
@@ -51,7 +52,7 @@ def test_groups_partition_the_world(cfg):
     assert_partition(lay.dp_groups, world, P, dp)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(grids())
 def test_group_shapes_follow_canonical_order(cfg):
     dp, sp, tp = cfg
@@ -69,7 +70,7 @@ def test_group_shapes_follow_canonical_order(cfg):
     assert lay.dp_groups == [[d * P + local for d in range(dp)] for local in range(P)]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(grids())
 def test_coords_formulas_and_round_trip(cfg):
     dp, sp, tp = cfg
@@ -93,7 +94,7 @@ def test_coords_formulas_and_round_trip(cfg):
                     dp=d, sp=s, tp=t, local=t * sp + s)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(grids())
 def test_each_rank_sits_where_its_coords_say(cfg):
     dp, sp, tp = cfg
@@ -119,7 +120,7 @@ def test_each_rank_sits_where_its_coords_say(cfg):
         assert all(lay.coords(p).local == c.local for p in dpg)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(grids())
 def test_default_and_explicit_dp_agree(cfg):
     dp, sp, tp = cfg
@@ -132,7 +133,7 @@ def test_default_and_explicit_dp_agree(cfg):
     assert implicit.tp_groups == explicit.tp_groups
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     world=st.integers(1, 64),
     sp=st.integers(1, 9),

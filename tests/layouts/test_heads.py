@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from fusedpar import HeadPlacement, ParallelLayout
 from fusedpar.layouts import MODES, check_head_counts, check_mode, head_count_problems
+from tests.profile import examples
 
 
 def mentions(msg: str, *numbers: int) -> bool:
@@ -145,7 +146,7 @@ def check_placement(lay: ParallelLayout, hp: HeadPlacement, h: int, h_kv: int) -
 # --------------------------------------------------------------------------- properties
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(accepted_head_configs())
 def test_accepted_configs_place_every_head_consistently(cfg):
     dp, sp, tp, h, h_kv = cfg
@@ -156,7 +157,7 @@ def test_accepted_configs_place_every_head_consistently(cfg):
     check_placement(lay, hp, h, h_kv)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.sampled_from(CONTRACT))
 def test_every_contract_config_places_every_head_consistently(cfg):
     world, sp, tp, h, h_kv = cfg
@@ -164,7 +165,7 @@ def test_every_contract_config_places_every_head_consistently(cfg):
     check_placement(lay, lay.head_placement(h, h_kv), h, h_kv)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.sampled_from(STRADDLING))
 def test_straddling_kv_heads_are_placed_consistently(cfg):
     world, sp, tp, h, h_kv = cfg
@@ -203,7 +204,7 @@ def violations(sp: int, tp: int, h: int, h_kv: int) -> list[tuple[int, ...]]:
     return out
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(
     sp=st.integers(1, 6),
     tp=st.integers(1, 6),

@@ -1,4 +1,4 @@
-"""Reshard plans (fusedpar.layouts.reshard), proven over random layouts and model shapes."""
+"""Reshard plans (fusedpar.layouts.reshard_plan), proven over random layouts and model shapes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusedpar.layouts import ModelDims, ParallelLayout
-from fusedpar.layouts.reshard import holdings, kv_plan, union, view_range, weight_plan
+from fusedpar.layouts.reshard_plan import holdings, kv_plan, union, view_range, weight_plan
 from fusedpar.layouts.shards import WEIGHT_NAMES, Segment, merge_segments
+from tests.profile import examples
 
 
 @st.composite
@@ -32,7 +33,7 @@ def _rows(segments) -> set[tuple[str, int]]:
     return {(seg.source, i) for seg in segments for i in range(seg.start, seg.stop)}
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(world_and_dims())
 def test_every_target_row_is_provided_exactly_once_by_a_holder(case):
     world, dims, src, dst = case
@@ -52,7 +53,7 @@ def test_every_target_row_is_provided_exactly_once_by_a_holder(case):
                         assert not _rows([Segment(p.source, p.start, p.stop)]) & _rows(held[rank][name]), p
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(world_and_dims())
 def test_identity_plan_moves_nothing(case):
     _, dims, src, _ = case
@@ -61,7 +62,7 @@ def test_identity_plan_moves_nothing(case):
     assert kv_plan(src, src, dims, seqs) == []
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(world_and_dims())
 def test_sp_tp_splits_of_one_replica_size_move_no_kv(case):
     world, dims, src, _ = case
@@ -72,7 +73,7 @@ def test_sp_tp_splits_of_one_replica_size_move_no_kv(case):
         assert kv_plan(src, dst, dims, seqs) == [], dst
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(world_and_dims())
 def test_kv_plan_gives_every_target_rank_its_heads_from_a_holder(case):
     _, dims, src, dst = case
@@ -92,7 +93,7 @@ def test_kv_plan_gives_every_target_rank_its_heads_from_a_holder(case):
                 assert (r, h) in has or (r, h) in got, (seq, r, h)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(world_and_dims())
 def test_holding_the_union_of_declared_layouts_makes_each_of_them_free(case):
     _, dims, a, b = case

@@ -21,6 +21,7 @@ from tests.layouts.test_heads import (
     plain_tp_kv_heads,
     tp_shard_kv_heads,
 )
+from tests.profile import examples
 
 Row = tuple[str, int]
 
@@ -90,7 +91,7 @@ def all_shards(lay: ParallelLayout, wsm: WeightShardMap) -> dict[tuple[int, str]
 # --------------------------------------------------------------------------- properties
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(shard_configs())
 def test_shift_view_is_plain_tp_over_the_replica(cfg):
     check_shift_view_is_plain_tp(*cfg)
@@ -115,7 +116,7 @@ def check_shift_view_is_plain_tp(lay: ParallelLayout, dims: ModelDims) -> None:
         assert rows(sh.shift_segments()) == expected, (rank, name)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(shard_configs())
 def test_base_shard_is_chunked_for_the_all_to_all(cfg):
     check_base_shard_is_chunked(*cfg)
@@ -144,7 +145,7 @@ def check_base_shard_is_chunked(lay: ParallelLayout, dims: ModelDims) -> None:
             assert wsm.shard(rank, name) == sh  # deterministic
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(shard_configs())
 def test_base_covers_tp_shard_and_tp_group_covers_weight(cfg):
     check_base_covers_tp_shard_and_tp_group_covers_weight(*cfg)
@@ -184,7 +185,7 @@ def check_base_covers_tp_shard_and_tp_group_covers_weight(lay: ParallelLayout, d
     assert all(seg.size % d == 0 for (_, n), sh in shards.items() if n in ("qkv", "o") for seg in sh.base)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(shard_configs())
 def test_qkv_shift_block_is_q_then_k_then_v_of_the_rank_heads(cfg):
     lay, dims = cfg
@@ -235,7 +236,7 @@ CONTRACT_CHECKS = (check_shift_view_is_plain_tp, check_base_shard_is_chunked,
                    check_kv_invariance)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(contract_shard_configs())
 def test_every_contract_config_shards_every_weight(cfg):
     """world <= 8, heads <= 64: KV invariance, shift views inside the base shards, full coverage."""
@@ -243,14 +244,14 @@ def test_every_contract_config_shards_every_weight(cfg):
         check(*cfg)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(contract_shard_configs(pool=tuple(STRADDLING)))
 def test_straddling_kv_heads_shard_every_weight(cfg):
     for check in CONTRACT_CHECKS:
         check(*cfg)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(shard_configs(sp_one=True))
 def test_base_is_plain_tp_when_sp_is_one(cfg):
     lay, dims = cfg
@@ -264,7 +265,7 @@ def test_base_is_plain_tp_when_sp_is_one(cfg):
             assert sh.shift == (0, sh.size)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(shard_configs(), st.integers(1, 64), st.sampled_from([1, 2, 4]))
 def test_memory_is_plain_tp_plus_only_duplicated_kv(cfg, hidden, bpe):
     lay, dims = cfg

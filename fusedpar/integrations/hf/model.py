@@ -36,7 +36,7 @@ from fusedpar.layers import (
     ShardedDecoderWeights,
     ShiftParallelDecoderLayer,
     ShiftParallelStack,
-    ShiftPolicy,
+    StepModeRule,
     weight_shapes,
 )
 from fusedpar.layers.kernel_choice import choose_cuda_graphs, choose_fused_kernels
@@ -171,7 +171,7 @@ class ShiftParallelCausalLMMixin:
         and nothing moves; otherwise every cached sequence goes to the replica that runs its row in
         `layout` (row_blocks) and each rank of that replica receives the kv heads it caches there
         that it did not cache before (fusedpar.layouts.kv_plan, carried out in one all_to_all_single by
-        fusedpar.layers.reshard.migrate_kv on the same pool memory, grown to one agreed size when a
+        fusedpar.layers.kv_reshard.migrate_kv on the same pool memory, grown to one agreed size when a
         rank now caches more).
 
         Returns {"weight_bytes_moved": 0, "kv_bytes_moved": KV bytes sent over the world (the same on
@@ -344,11 +344,11 @@ def graphs_decision(use_fused: bool, device: torch.device, cuda_graphs: bool | N
 
 def check_arguments(*, shift_threshold, block_size, fused, fused_max_tokens, cuda_graphs, check_inputs=True) -> None:
     """The options parallelize and load_parallel share, checked before any work (no collective, no
-    read): ValueError naming the value passed. The shift threshold is ShiftPolicy's check (None or an
+    read): ValueError naming the value passed. The shift threshold is StepModeRule's check (None or an
     int >= 0) with bools excluded: True would quietly mean threshold 1."""
     if isinstance(shift_threshold, bool):
         raise ValueError(f"shift threshold must be an int >= 0 or None, got {shift_threshold!r}")
-    ShiftPolicy(shift_threshold)
+    StepModeRule(shift_threshold)
     if not _is_int(block_size) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1 (tokens per KV-cache page), got {block_size!r}")
     for name, value in (("fused", fused), ("cuda_graphs", cuda_graphs)):
@@ -388,7 +388,7 @@ def assemble(model, spec: HFModelSpec, layout: ParallelLayout, layer_shards: Ite
     held_layouts[P] (held_layouts_for), and every layout (`layout` first) gets its own context and
     stack on views of the weights of its replica size.
     """
-    policy = ShiftPolicy(shift_threshold)  # validates the threshold before any collective
+    policy = StepModeRule(shift_threshold)  # validates the threshold before any collective
     use_fused = fused_decision(spec, device, fused)
     use_graphs = graphs_decision(use_fused, device, cuda_graphs)
     embeddings = model.get_input_embeddings().weight

@@ -38,6 +38,7 @@ from torch import nn
 from fusedpar.collectives import CommGroup, ParallelContext, all_gather_rows, all_reduce_sum
 from fusedpar.layers import PagedKVCache, ShiftParallelStack, StepBatch
 from fusedpar.layers.graphs import DEFAULT_CAPTURE_SIZES, SCRATCH_SEQ_ID
+from fusedpar.layouts import StepMode
 
 from .cache import ShiftParallelCache
 from .calls import CallChecker
@@ -414,7 +415,7 @@ class _LayerOutputs:
 
     def _hook(self, module, args, output):
         step = args[1]
-        if step.mode == "base":
+        if step.mode == StepMode.BASE:
             output = all_gather_rows(output, self.rt.ctx.sp)[:step.num_tokens]
         self.outputs.append(output.clone())  # the fused path may reuse its buffers in the next layer
 

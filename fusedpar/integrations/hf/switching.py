@@ -9,7 +9,7 @@ and keep one shard per size.
 
 KV: layouts of one replica size cache the same kv heads on the same ranks (nothing moves); across
 sizes every cached row moves to the replica that runs it (runtime.row_blocks) along
-fusedpar.layouts.kv_plan, carried out by fusedpar.layers.reshard.migrate_kv (on the fused path, CUDA,
+fusedpar.layouts.kv_plan, carried out by fusedpar.layers.kv_reshard.migrate_kv (on the fused path, CUDA,
 through a symmetric staging the runtime keeps: _staging).
 """
 
@@ -22,7 +22,7 @@ import torch
 from fusedpar.collectives import ParallelContext
 from fusedpar.collectives.symmetric import SymmetricWorkspace
 from fusedpar.layers import ShiftParallelStack
-from fusedpar.layers.reshard import migrate_kv, push_staging_bytes
+from fusedpar.layers.kv_reshard import migrate_kv, push_staging_bytes
 from fusedpar.layouts import ParallelLayout, kv_plan, shard_problems
 
 from .cache import ShiftParallelCache

@@ -16,7 +16,7 @@ import torch
 
 from fusedpar.layers import DecoderConfig
 from fusedpar.layers.kernel_choice import choose_cuda_graphs, choose_fused_kernels
-from fusedpar.layers.policy import ShiftPolicy, padded_token_count
+from fusedpar.layers.step_plan import StepModeRule, padded_token_count
 from fusedpar.layouts import HeadPlacement, ModelDims, ParallelLayout, RankCoords, StepMode, WeightShardMap
 
 from .base_runner import bucket_for, row_buckets
@@ -78,7 +78,7 @@ class Deployment:
     dtype: torch.dtype
     use_fused: bool
     use_graphs: bool
-    policy: ShiftPolicy
+    policy: StepModeRule
     max_tokens: int
     buckets: tuple[int, ...]
 
@@ -108,7 +108,7 @@ class Deployment:
             subject="the engine", half_only=True, name="fused_kernels",
             refuse=lambda why: FusedparConfigError("fusedpar: fused_kernels=true is not possible: " + "; ".join(why)))
         use_graphs = choose_cuda_graphs(None, use_fused=use_fused, blockers=_graph_blockers(vllm_config, layout))
-        policy = ShiftPolicy(cfg.threshold(P, base_graphs=use_graphs,
+        policy = StepModeRule(cfg.threshold(P, base_graphs=use_graphs,
                                            capture_size=info.max_cudagraph_capture_size or 0))
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         rows = _base_rows(policy.threshold, max_tokens, layout.sp)
@@ -133,7 +133,7 @@ class Deployment:
         where vLLM's compiled model cannot be bypassed, can_skip_compiled False: shift is always exact)
         and, in base mode, its rows per rank."""
         sp = self.layout.sp
-        mode = StepMode(self.policy.mode(num_tokens, sp)) if num_tokens > 0 else StepMode.SHIFT
+        mode = self.policy.mode(num_tokens, sp) if num_tokens > 0 else StepMode.SHIFT
         if mode is StepMode.SHIFT or not can_skip_compiled:
             return Step.shift(num_tokens, counted)
         m = -(-num_tokens // sp)

@@ -19,7 +19,7 @@ How a step runs (hooks installed on the model as vLLM builds it, see hooks.Model
   root model forward pre-hook (outside vLLM's compiled region) -> `begin_step`
       n = rows of input_ids / inputs_embeds (vLLM's scheduled, possibly graph-padded, token
       count: identical on every rank, so every rank takes the same decision without talking);
-      mode = ShiftPolicy(threshold).mode(n, SP) (Deployment.step);
+      mode = StepModeRule(threshold).mode(n, SP) (Deployment.step);
       base -> forward_context.skip_compiled = True: vLLM's own switch that makes the
               @support_torch_compile decoder model call `self.forward` for this step, which for
               the step is the BaseRunner's (base_runner.py: scatter the rows over SP, the layers

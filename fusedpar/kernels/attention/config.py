@@ -51,10 +51,10 @@ class AttentionConfig:
     transforming q itself (same rounding, same result); ignored without RoPE and q norm.
     page_prefetch: load each K/V tile's block-table entries one tile ahead, so Triton's pipeliner can
     keep num_stages - 1 K/V tiles in flight; a pure decode launch then runs one masked loop
-    (_attend_decode_tiles). False keeps the plain loops (A/B measurements).
+    (_attend_decode_tiles). False keeps the plain loops (a tiling choice perf/bench_attention.py sweeps).
     pdl: when a write kernel runs first, launch the attention kernel as its programmatic dependent
     (sm_90+ NVIDIA GPUs, a Triton with gdc_wait), and likewise a split launch's combine kernel after
-    the attention kernel. False launches them back to back (A/B measurements).
+    the attention kernel. False launches them back to back.
     """
 
     block_m: int

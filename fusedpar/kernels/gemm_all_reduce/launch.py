@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 
 from fusedpar.collectives.symmetric import PeerTable
-from fusedpar.kernels._host import INTERPRETED, SUPPORTED_DTYPES, cdiv, check_out_overlap, overlaps_other_view
+from fusedpar.kernels._host import (
+    INTERPRETED,
+    SUPPORTED_DTYPES,
+    cdiv,
+    check_out_overlap,
+    max_offset,
+    overlaps_other_view,
+)
 from fusedpar.kernels._sync import GPU_SPIN_LIMIT, device_guard, esize, next_pow2, resolve_spin_limit
 from fusedpar.kernels.gemm_all_reduce.kernels import _gemm_all_reduce_kernel
 from fusedpar.kernels.gemm_all_reduce.plan import FusedConfig, FusedPlan, fused_plan, layout
@@ -52,7 +59,7 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, d
                 f"{t.dtype} {t.device}"
             )
     for name, t in (("x", x), ("w", w), ("out", out), ("residual", residual)):
-        if t is not None and sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True)) >= 2**31:
+        if t is not None and max_offset(t) >= 2**31:
             raise ValueError(f"gemm_all_reduce: {name} spans >= 2**31 elements (int32 offsets); split the call")
     if out is not None and not torch.compiler.is_compiling():  # fakes have no memory; the op body checks again
         _check_out_overlap(x, w, out, residual)

@@ -79,7 +79,7 @@ class FusedPlan:
 
 @dataclass(frozen=True)
 class GemmAllReduceOptions:
-    """Tuning and A/B switches of gemm_all_reduce (the defaults: route by size, tile by heuristic).
+    """Tuning options of gemm_all_reduce (the defaults: route by size, tile by heuristic).
 
     path: "auto" (choose_path), or force "one_shot" / "two_shot" (ValueError if the workspace
         cannot hold it), "unfused" (cuBLAS + all_reduce) or "local" (no communication).

@@ -143,9 +143,8 @@ def qkv_all_to_all(
     if m == 0:
         return qkv_recv_view(table, 0, blk, x.dtype)
     if torch.compiler.is_compiling():
-        return qkv_op(x, w_qkv, table, use_flags=opts.use_flags, config=opts.qkv_config)
-    launch_qkv_all_to_all(x, w_qkv, table, wait=wait, use_flags=opts.use_flags, spin_limit=opts.spin_limit,
-                          config=opts.qkv_config)
+        return qkv_op(x, w_qkv, table, config=opts.qkv_config)
+    launch_qkv_all_to_all(x, w_qkv, table, wait=wait, spin_limit=opts.spin_limit, config=opts.qkv_config)
     return qkv_recv_view(table, m, blk, x.dtype)
 
 
@@ -160,8 +159,7 @@ def qkv_all_to_all_wait(peers, *, options: UlyssesOptions | None = None) -> None
     if torch.compiler.is_compiling():
         qkv_wait_op(table)
         return
-    launch_qkv_wait(table.signal_ptrs, table.counters, table.rank, table.world_size, use_flags=opts.use_flags,
-                    spin_limit=opts.spin_limit)
+    launch_qkv_wait(table.signal_ptrs, table.counters, table.rank, table.world_size, spin_limit=opts.spin_limit)
 
 
 def all_to_all_o_proj(
@@ -207,15 +205,14 @@ def all_to_all_o_proj(
     cfg = opts.o_config or default_o_config()
     if torch.compiler.is_compiling():
         if out is None:
-            return o_proj_op(attn, w_o, table, cfg, use_flags=opts.use_flags)
-        o_proj_out_op(attn, w_o, out, table, cfg, use_flags=opts.use_flags)
+            return o_proj_op(attn, w_o, table, cfg)
+        o_proj_out_op(attn, w_o, out, table, cfg)
         return out
     if out is None:
         out = torch.empty((m, w_o.shape[0]), dtype=attn.dtype, device=attn.device)
     if m == 0:
         return out
-    launch_all_to_all_o_proj(attn, w_o, table, out, use_flags=opts.use_flags, spin_limit=opts.spin_limit,
-                             config=cfg)
+    launch_all_to_all_o_proj(attn, w_o, table, out, spin_limit=opts.spin_limit, config=cfg)
     return out
 
 

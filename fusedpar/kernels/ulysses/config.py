@@ -1,8 +1,8 @@
 """Options, launch shapes and workspace sizes of the Ulysses ops.
 
-UlyssesOptions: the tuning and A/B switches of the public routers (path, flags, spin limit, tile
-configs, routing overrides); the defaults route by size (fusedpar.kernels.routing) and tile by
-heuristic. pick_qkv_config: the qkv GEMM's tiling (N tiles never straddle a rank's column block).
+UlyssesOptions: the tuning options of the public routers (path, spin limit, tile configs, routing
+overrides); the defaults route by size (fusedpar.kernels.routing) and tile by heuristic.
+pick_qkv_config: the qkv GEMM's tiling (N tiles never straddle a rank's column block).
 OProjConfig: all_to_all_o_proj's launch shape (GEMM tiling, push programs, copy tile, bands).
 Workspace sizes: the qkv receive buffer is [W*m, blk] and the o staging buffer [W, m, C] (or,
 for the scattering attention, [m, W*C]: the same bytes), both of the activation dtype, at the
@@ -61,12 +61,11 @@ def default_o_config() -> OProjConfig:
 
 @dataclass(frozen=True)
 class UlyssesOptions:
-    """Tuning and A/B switches of qkv_all_to_all, all_to_all_o_proj, qkv_all_to_all_wait and scattered_o_proj.
+    """Tuning options of qkv_all_to_all, all_to_all_o_proj, qkv_all_to_all_wait and scattered_o_proj.
 
     path: "auto" (by size and workspace room, the same choice on every rank), "fused" (the
         symmetric-memory kernels; errors if they cannot run) or "plain" (F.linear + the NCCL
         all-to-all of fusedpar.collectives.comm; needs the group).
-    use_flags: False skips all flag traffic (only correct when something else orders the ranks).
     spin_limit: polls before a flag wait gives up (None: fusedpar.kernels._sync's default).
     qkv_config: the qkv GEMM tiling (None: pick_qkv_config).
     o_config: all_to_all_o_proj's launch shape (None: default_o_config()).
@@ -75,7 +74,6 @@ class UlyssesOptions:
     """
 
     path: str = "auto"
-    use_flags: bool = True
     spin_limit: int | None = None
     qkv_config: GemmConfig | None = None
     o_config: OProjConfig | None = None

@@ -55,7 +55,7 @@ def _stamp(timeline_ptr, pid, POINT: tl.constexpr, TIMELINE: tl.constexpr):
 def _qkv_all_to_all_kernel(
     x_ptr,
     w_ptr,
-    x_desc,  # TMA descriptors of x [M, K] and w [WORLD*BLK, K]; None unless TMA (gemm.py)
+    x_desc,  # TMA descriptors of x [M, K] and w [WORLD*BLK, K]; None unless TMA (gemm/launch.py)
     w_desc,
     w2_desc,  # TMA descriptor of w with block [BLOCK_N2, BLOCK_K]; None unless TMA and BLOCK_N2 > 0
     buffer_ptrs,  # int64 [WORLD]: every rank's receive buffer ([WORLD*M, BLK] of x's dtype at offset 0)
@@ -93,14 +93,14 @@ def _qkv_all_to_all_kernel(
 ):
     """GEMM x @ w^T with tile (rows r, block g, cols c) stored into rank g's buffer at [rank*M + r, c].
 
-    The GEMM loop is fusedpar/kernels/gemm.py's _persistent_matmul_kernel (same swizzle, same
+    The GEMM loop is fusedpar/kernels/gemm/kernels.py's _persistent_matmul_kernel (same swizzle, same
     flattened tile x K loop, same epilogue tile-id recomputation), with N tiled per block
     (tiles = cdiv(M, BLOCK_M) x WORLD * cdiv(BLK, TILE_N)) so that every tile has one owner,
     and the epilogue's store redirected to the owner. Flag code sits outside the tile loop only, so
     the loop stays the plain GEMM loop Triton pipelines. TMA / FLATTEN: the K loop's tile loads and
-    the loop nest as in gemm.py; a W tile that runs past its block reads the next block's rows (or
+    the loop nest as in gemm/kernels.py; a W tile that runs past its block reads the next block's rows (or
     zeros), whose columns the store masks.
-    BLOCK_N2: split tiles as in gemm.py (a second accumulator, TILE_N = BLOCK_N + BLOCK_N2 columns of
+    BLOCK_N2: split tiles as in gemm/kernels.py (a second accumulator, TILE_N = BLOCK_N + BLOCK_N2 columns of
     one block; 320 columns cut blk = 2560 into 8 tiles).
     ROTATE: rank r's tile order starts at its own block (tile columns shifted by r blocks, modulo
     all of them). Concurrent tiles span one or two blocks, so without it every rank stores into the
@@ -146,7 +146,7 @@ def _qkv_all_to_all_kernel(
             offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             c0 = (pid_n % tiles_per_block) * TILE_N
             offs_c = c0 + tl.arange(0, BLOCK_N)
-            # Ragged edges: clamp to valid rows (see gemm.py); the store masks the extras off.
+            # Ragged edges: clamp to valid rows (see gemm/kernels.py); the store masks the extras off.
             offs_am = tl.where(offs_am < M, offs_am, 0)
             offs_wn = blk_id * BLK + tl.where(offs_c < BLK, offs_c, 0)
 

@@ -3,8 +3,9 @@
 Every launcher runs one launch as `table.rank` on the op's own PeerTable: all phases on a GPU,
 or the phases named by its switches in the CPU emulation (fusedpar.testing.ulysses_emulation),
 where interpreted programs run one after another and every rank's phase must come before any
-rank's next phase. The tuning switches live here (tile configs, rotate, use_flags, spin_limit,
-the qkv timeline); the routers in __init__ pick the defaults.
+rank's next phase. The launch switches live here (tile configs, rotate, spin_limit, the qkv
+timeline; use_flags=False, the flagless variant for the emulation and A/B tests, correct only when
+something else orders the ranks); the routers in __init__ pick the defaults, always with flags.
 
 Buffers: the qkv receive buffer [W*m, blk] and the o staging buffer [W, m, C] (or [m, W*C] for
 the scattering attention, o_scatter_target) start at offset 0 of the table's data buffer, in the
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fusedpar.collectives.symmetric import PeerTable, as_peer_table
-from fusedpar.kernels._host import INTERPRETED, SUPPORTED_DTYPES, cdiv, next_pow2
+from fusedpar.kernels._host import INTERPRETED, SUPPORTED_DTYPES, cdiv, max_offset, next_pow2
 from fusedpar.kernels._sync import GPU_SPIN_LIMIT, device_guard, resolve_spin_limit, sm_count
 from fusedpar.kernels.attention import ScatterOut
 from fusedpar.kernels.gemm import GemmConfig, split_w_descriptor, tma_compatible, tma_descriptors
@@ -58,7 +59,7 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
 
 def _check_int32(name: str, **tensors: torch.Tensor) -> None:
     for what, t in tensors.items():
-        if sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True)) >= 2**31:
+        if max_offset(t) >= 2**31:
             raise ValueError(f"{name}: {what} {tuple(t.shape)} strides {t.stride()} spans >= 2**31 elements")
 
 

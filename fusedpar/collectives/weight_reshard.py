@@ -1,4 +1,4 @@
-"""Carry out a weight reshard plan (fusedpar.layouts.reshard.weight_plan) on real tensors.
+"""Carry out a weight reshard plan (fusedpar.layouts.reshard_plan.weight_plan) on real tensors.
 
 Every rank holds, per fused weight, one tensor whose rows (dim "out") or columns (dim "in") are the
 concatenation of known global segments. `reshard_weight` returns the rank's tensor for the target
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fusedpar.layouts.reshard import Piece, view_range
+from fusedpar.layouts.reshard_plan import Piece, view_range
 from fusedpar.layouts.shards import Segment, merge_segments
 
 

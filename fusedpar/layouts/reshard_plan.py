@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from fusedpar.layouts._checks import StepMode
 from fusedpar.layouts.grid import ParallelLayout
 from fusedpar.layouts.shards import WEIGHT_NAMES, ModelDims, Segment, merge_segments
 
@@ -198,10 +199,10 @@ def kv_plan(src: ParallelLayout, dst: ParallelLayout, dims: ModelDims,
         src_ranks = range(d_src * src.replica_size, (d_src + 1) * src.replica_size)
         holders: dict[int, list[int]] = {}
         for r in src_ranks:
-            for h in sp_.kv_heads(r, "base"):
+            for h in sp_.kv_heads(r, StepMode.BASE):
                 holders.setdefault(h, []).append(r)
         for r in range(d_dst * dst.replica_size, (d_dst + 1) * dst.replica_size):
-            for h in dp_.kv_heads(r, "base"):
+            for h in dp_.kv_heads(r, StepMode.BASE):
                 if r in holders[h]:
                     continue
                 same_place = d_src * src.replica_size + (r - d_dst * dst.replica_size)

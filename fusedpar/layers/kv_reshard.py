@@ -1,4 +1,4 @@
-"""Carry out a KV reshard plan (fusedpar.layouts.reshard.kv_plan) on the paged caches of the ranks.
+"""Carry out a KV reshard plan (fusedpar.layouts.reshard_plan.kv_plan) on the paged caches of the ranks.
 
 Each rank's paged pool keeps its memory across layouts: the target cache is the same bytes viewed
 for the target's local kv heads (PagedKVCache.reinterpret: a rank caching fewer heads per token
@@ -58,8 +58,8 @@ import torch.distributed as dist
 from fusedpar.collectives.symmetric import SymmetricWorkspace
 from fusedpar.kernels.kv_rows import move_kv_rows, paged_rows, push_kv_rows
 from fusedpar.layers.kv_cache import PagedKVCache, upload
-from fusedpar.layers.policy import StepBatch
-from fusedpar.layouts.reshard import KVMove
+from fusedpar.layers.step_plan import StepBatch
+from fusedpar.layouts.reshard_plan import KVMove
 
 # KV bytes (of the whole plan, per rank on average) per layer group of a migration, and the most groups
 _GROUP_BYTES = 32 << 20

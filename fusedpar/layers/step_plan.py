@@ -1,4 +1,7 @@
-"""Per-step planning: what is in the step (StepBatch) and which mode runs it (ShiftPolicy)."""
+"""Per-step planning: what is in the step (StepBatch) and which mode runs it (StepModeRule).
+
+StepModeRule answers base or shift per step; the layout policies of fusedpar.layers.layout_policy
+answer which declared ParallelLayout runs the step (ShiftThresholdPolicy applies this rule)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedpar.layouts import check_mode
+from fusedpar.layouts import StepMode, check_mode
 
 # Steps of more tokens than this run in base mode. The value lies between the layer benchmark's
 # 512-token point (a shift step beats a base step) and its 2048-token point (base beats shift);
@@ -76,14 +79,14 @@ def padded_token_count(num_tokens: int, sp: int) -> int:
     return -(-num_tokens // sp) * sp
 
 
-class ShiftPolicy:
-    """Mode per step from the step's token count alone: "shift" (TP over all P ranks) when
-    num_tokens <= threshold, else "base" (SP x TP). Every rank sees the same scheduled
+class StepModeRule:
+    """Mode per step from the step's token count alone: StepMode.SHIFT (TP over all P ranks) when
+    num_tokens <= threshold, else StepMode.BASE (SP x TP). Every rank sees the same scheduled
     batch, so every rank reaches the same answer without communicating.
 
     threshold=None uses DEFAULT_SHIFT_THRESHOLD; use 0 for "always base" (static SP x TP) and a
     huge number for "always shift". With sp == 1 both modes are the same computation, so the
-    policy always answers "shift" (no padding, one group).
+    rule always answers shift (no padding, one group).
     """
 
     def __init__(self, threshold: int | None = None):
@@ -93,18 +96,18 @@ class ShiftPolicy:
         self.threshold = threshold
 
     @classmethod
-    def always(cls, mode: str) -> ShiftPolicy:
-        check_mode(mode)
-        return cls(0 if mode == "base" else 2**62)
+    def always(cls, mode: str) -> StepModeRule:
+        """The rule that answers `mode` ("base" / "shift" or a StepMode) for every step with sp > 1."""
+        return cls(0 if check_mode(mode) is StepMode.BASE else 2**62)
 
-    def mode(self, num_tokens: int, sp: int) -> str:
+    def mode(self, num_tokens: int, sp: int) -> StepMode:
         if num_tokens < 1:
             raise ValueError(f"a step needs at least one token, got {num_tokens}")
         if sp < 1:
             raise ValueError(f"sp must be >= 1, got {sp}")
         if sp == 1:
-            return "shift"
-        return "shift" if num_tokens <= self.threshold else "base"
+            return StepMode.SHIFT
+        return StepMode.SHIFT if num_tokens <= self.threshold else StepMode.BASE
 
     def __repr__(self) -> str:
-        return f"ShiftPolicy(threshold={self.threshold})"
+        return f"StepModeRule(threshold={self.threshold})"
