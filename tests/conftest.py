@@ -9,6 +9,7 @@ GPU: tests marked `gpu` run under torchrun (`bash perf/run_gpu.sh`) and use `ncc
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
@@ -49,6 +50,57 @@ def _fix_interpreter_for_numpy_2_4() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_for_numpy_2_4()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--deep", action="store_true", default=False,
+                     help="the deep test profile (tests/profile.py): also the tests marked `deep` (every model "
+                          "family and configuration of the vLLM engine tests), more property-test examples")
+
+
+def pytest_configure(config):
+    from tests import profile
+
+    profile.DEEP = config.getoption("deep")
+
+
+# The modules that take longest, longest first: `python -m pytest -n 2` hands whole modules to its two
+# workers in collection order (pytest_xdist_make_scheduler), so these start first and the short ones fill in.
+LONGEST_FIRST = (
+    "tests/integrations/test_vllm.py",
+    "tests/kernels/test_gemm_all_reduce.py",
+    "tests/kernels/test_attention.py",
+    "tests/integrations/test_hf_reshard.py",
+    "tests/layers/test_kv_reshard.py",
+    "tests/layers/test_decoder_dist.py",
+    "tests/kernels/test_ulysses.py",
+    "tests/integrations/test_hf.py",
+    "tests/kernels/test_sm90_compile.py",
+    "tests/integrations/test_hf_step_orders.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Outside the deep profile, deselect the tests marked `deep` (as `-m` deselects the `gpu` ones);
+    then put the modules of LONGEST_FIRST first (a stable sort: the rest keep their order)."""
+    if not config.getoption("deep"):
+        deep = [item for item in items if item.get_closest_marker("deep") is not None]
+        if deep:
+            config.hook.pytest_deselected(items=deep)
+            items[:] = [item for item in items if item.get_closest_marker("deep") is None]
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+if importlib.util.find_spec("xdist") is not None:  # pytest refuses a hook no installed plugin declares
+
+    def pytest_xdist_make_scheduler(config, log):
+        """Under pytest-xdist (-n N): whole modules per worker (module fixtures, engines and process pools
+        are shared by a module's tests), handed out in collection order."""
+        from xdist.scheduler import LoadFileScheduling
+
+        config.option.loadscopereorder = False
+        return LoadFileScheduling(config, log)
 
 
 def pytest_sessionstart(session):

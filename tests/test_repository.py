@@ -78,7 +78,7 @@ def test_readme_opens_with_the_two_commands_ci_runs_one_of():
     assert readme.index("```bash") < 400, "the two fresh-machine commands come first"
     demo, tests = _readme_commands()[:2]
     assert "python -m fusedpar demo" in demo
-    assert tests.endswith("python -m pytest")
+    assert tests.endswith("python -m pytest -n 2")
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests in ci, f".ci/run must run the README's test command:\n{tests}"
 

