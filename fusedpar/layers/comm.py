@@ -64,6 +64,10 @@ class PlainComm:
     def __init__(self, ctx: ParallelContext, *, reference: bool = False):
         self.ctx, self.reference = ctx, reference
 
+    def spin_timeouts(self) -> list[str]:
+        """No flag waits here: nothing can have timed out (FusedComm names its workspaces that did)."""
+        return []
+
     def should_use(self, x: torch.Tensor) -> bool:
         return True
 
