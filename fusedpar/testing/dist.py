@@ -104,9 +104,16 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, reuse: b
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         return
+    parent = mp.parent_process()
     try:
-        while (task := tasks.get()) is not None:
-            if not _call(rank, world_size, task, results) or not reuse:
+        while True:
+            try:
+                task = tasks.get(timeout=1.0)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():  # the caller was killed: leave with it
+                    break
+                continue
+            if task is None or not _call(rank, world_size, task, results) or not reuse:
                 break
     finally:
         if dist.is_initialized():
