@@ -117,6 +117,15 @@ def pytest_sessionstart(session):
         torch.cuda.set_device(local_device())
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    """End run_distributed's kept gloo processes while the session is still open: they leave, and write
+    what a process writes at its exit (coverage data), before anything reports."""
+    from fusedpar.testing.dist import close_pools
+
+    close_pools()
+
+
 @pytest.fixture(scope="session")
 def nccl_world():
     """(rank, world_size) of an NCCL process group made from torchrun's environment; skips otherwise.

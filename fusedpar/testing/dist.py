@@ -176,10 +176,13 @@ _POOLS: dict[tuple[int, int], _Pool] = {}  # (world_size, threads) -> processes 
 
 @functools.cache
 def _register_exit_hook() -> None:
-    atexit.register(_close_pools)
+    atexit.register(close_pools)
 
 
-def _close_pools() -> None:
+def close_pools() -> None:
+    """End the kept processes now (they also end at this process's exit): a test session calls it when it
+    finishes, so that the processes are gone, and have written what they leave behind at their exit
+    (coverage data), before the session reports."""
     while _POOLS:
         _POOLS.popitem()[1].close(wait=10)
 
