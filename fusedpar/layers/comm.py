@@ -13,7 +13,8 @@ Stages (rows = this rank's rows: m = n_pad / SP in base mode, n in shift mode; b
                              gate_up output when swiglu_block > 0 (fusedpar.kernels.swiglu), else x.
   fuses_residual(rows, w, mode)  whether o_proj adds the residual inside a fused reduce (free).
 
-PlainComm: F.linear + fusedpar.collectives; any device and backend (gloo on CPU, NCCL on CUDA).
+PlainComm: F.linear (FP8Weight.linear for FP8 weights) + fusedpar.collectives; any device and backend (gloo on
+CPU, NCCL on CUDA).
 FusedComm: symmetric-memory workspaces (CUDA) + the fused Triton kernels. Each stage checks
 whether it can take the step (a workspace, a group of more than one rank) and otherwise runs its
 PlainComm's; the kernels route by size themselves. `should_use(x)` says whether a communicator can
@@ -31,10 +32,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from fusedpar.collectives import ParallelContext, all_reduce_sum, head_to_seq_all_to_all, seq_to_head_all_to_all
 from fusedpar.layers.config import DecoderConfig
+from fusedpar.layers.fp8_weights import FP8Weight, linear
 from fusedpar.layouts import StepMode
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class PlainComm:
         return True
 
     def qkv(self, h: torch.Tensor, w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        qkv = F.linear(h, w, bias)  # the base bias rows follow the base block order
+        qkv = linear(h, w, bias)  # the base bias rows follow the base block order
         return seq_to_head_all_to_all(qkv, self.ctx.sp) if mode == StepMode.BASE else qkv
 
     def o_target(self, mode: str, rows: int):
@@ -92,9 +93,9 @@ class PlainComm:
         group = self.ctx.attention_group(mode)
         act = self.swiglu(x, swiglu_block) if swiglu_block else x
         if self.reference and group.size > 1 and act.dtype in _HALF:
-            y = all_reduce_sum(F.linear(act.float(), w.float()), group).to(act.dtype)
+            y = all_reduce_sum(linear(act.float(), w if isinstance(w, FP8Weight) else w.float()), group).to(act.dtype)
         else:
-            y = all_reduce_sum(F.linear(act, w), group)
+            y = all_reduce_sum(linear(act, w), group)
         return y if residual is None else residual + y
 
     @staticmethod

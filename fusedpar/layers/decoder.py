@@ -43,6 +43,7 @@ from fusedpar.kernels.reference import (
 )
 from fusedpar.layers.comm import PlainComm
 from fusedpar.layers.config import DecoderConfig
+from fusedpar.layers.fp8_weights import linear
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.step_plan import StepBatch
 from fusedpar.layers.weights import ShardedDecoderWeights
@@ -175,7 +176,7 @@ class ShiftParallelDecoderLayer(nn.Module):
             else:  # residual add + post-attention norm in one pass (attention zero-fills padding rows)
                 x, h = _add_norm(x, comm.o_proj(attn, w["o"], mode), rep["post_norm"], cfg.rms_norm_eps)
         # SwiGLU of the [gate | up] blocks and the residual add ride on the down projection
-        return comm.row_parallel(F.linear(h, w["gate_up"]), w["down"], mode, residual=x, swiglu_block=self.act_block)
+        return comm.row_parallel(linear(h, w["gate_up"]), w["down"], mode, residual=x, swiglu_block=self.act_block)
 
     def _fused_attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache, scatter=None
                          ) -> torch.Tensor | None:
@@ -218,7 +219,7 @@ class ShiftParallelDecoderLayer(nn.Module):
     def _mlp_reference(self, x: torch.Tensor, w: dict, mode: str) -> torch.Tensor:
         """x + down(SwiGLU(gate_up(RMSNorm(x)))), the down projection reduced over the mode's group."""
         h = rms_norm(x, self.w.replicated["post_norm"], self.cfg.rms_norm_eps)
-        act = blocked_swiglu(F.linear(h, w["gate_up"]), self.act_block)
+        act = blocked_swiglu(linear(h, w["gate_up"]), self.act_block)
         return self.comm.row_parallel(act, w["down"], mode, residual=x)
 
     def side_queries(self, x: torch.Tensor, positions: torch.Tensor, visible: list[tuple[int, int, int]],
@@ -243,7 +244,7 @@ class ShiftParallelDecoderLayer(nn.Module):
         if rows:  # the same on every rank, so the o all-reduce below is called by all or by none
             idx = torch.tensor(rows, device=x.device)
             bias = w.get("qkv_bias")
-            q = F.linear(rms_norm(x[idx], rep["input_norm"], cfg.rms_norm_eps), w["qkv"][: self.nq * hd],
+            q = linear(rms_norm(x[idx], rep["input_norm"], cfg.rms_norm_eps), w["qkv"].narrow(0, 0, self.nq * hd),
                          None if bias is None else bias[: self.nq * hd]).reshape(len(rows), self.nq, hd)
             if cfg.qk_norm:
                 q = rms_norm(q, rep["q_norm"], cfg.rms_norm_eps)

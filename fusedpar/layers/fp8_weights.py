@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from fusedpar.kernels.fp8 import E4M3, FP8Scheme, dequantize, quantize_weight
+from fusedpar.kernels.fp8 import E4M3, FP8Scheme, dequantize, fp8_linear_tiles, quantize_weight
 from fusedpar.layouts import WeightShard
 
 
@@ -44,6 +45,11 @@ class FP8Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.q, self.scale, self.tile, dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] @ weight^T (+ bias), x quantised per token and group of tile[1] input columns (per
+        token where a tile spans K): the reference math (fusedpar.kernels.fp8.reference), in x.dtype."""
+        return fp8_linear_tiles(x, self.q, self.scale, self.tile, self.tile[1], bias)
 
     def narrow(self, dim: int, start: int, length: int) -> FP8Weight:
         """Rows (dim 0) or columns (dim 1) [start, start + length): views of the weight and of its scales."""
@@ -101,3 +107,8 @@ def fp8_shift_view(base: FP8Weight, shard: WeightShard) -> FP8Weight:
     """The shard's shift-mode weight: a narrow of the base shard, scales included (no copy)."""
     lo, hi = shard.shift
     return base.narrow(shard.torch_dim, lo, hi - lo)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a plain weight, FP8Weight.linear for an FP8 one: the layers' plain path takes either."""
+    return w.linear(x, bias) if isinstance(w, FP8Weight) else F.linear(x, w, bias)

@@ -7,10 +7,10 @@ collectives) so that tests comparing the two can fail.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fusedpar.kernels.reference import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin, swiglu
 from fusedpar.layers.config import DecoderConfig
+from fusedpar.layers.fp8_weights import linear  # F.linear, or the FP8 reference for FP8 weights
 from fusedpar.layers.step_plan import StepBatch
 
 
@@ -30,9 +30,9 @@ class DenseDecoderStack:
             h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
             n, hd = h.shape[0], cfg.head_dim
             bias = {p: w[f"{p}_bias"] if cfg.qkv_bias else None for p in "qkv"}
-            q = F.linear(h, w["q"], bias["q"]).view(n, cfg.num_q_heads, hd)
-            k = F.linear(h, w["k"], bias["k"]).view(n, cfg.num_kv_heads, hd)
-            v = F.linear(h, w["v"], bias["v"]).view(n, cfg.num_kv_heads, hd)
+            q = linear(h, w["q"], bias["q"]).view(n, cfg.num_q_heads, hd)
+            k = linear(h, w["k"], bias["k"]).view(n, cfg.num_kv_heads, hd)
+            v = linear(h, w["v"], bias["v"]).view(n, cfg.num_kv_heads, hd)
             if cfg.qk_norm:
                 q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
             cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, q.dtype, cfg.rope_inv_freq,
@@ -47,7 +47,7 @@ class DenseDecoderStack:
                 self.kv[(li, sid)] = (ck, cv)
                 outs.append(causal_gqa_attention(q[start:start + ql], ck, cv, kv_index, hd ** -0.5))
                 start += ql
-            x = x + F.linear(torch.cat(outs).reshape(n, -1), w["o"])
+            x = x + linear(torch.cat(outs).reshape(n, -1), w["o"])
             h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-            x = x + F.linear(swiglu(F.linear(h, w["gate"]), F.linear(h, w["up"])), w["down"])
+            x = x + linear(swiglu(linear(h, w["gate"]), linear(h, w["up"])), w["down"])
         return x

@@ -19,6 +19,7 @@ from fusedpar.collectives import ParallelContext, all_gather_rows
 from fusedpar.layers.comm import FusedComm, PlainComm
 from fusedpar.layers.config import DecoderConfig
 from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState, needs_rope_tables, rope_tables
+from fusedpar.layers.fp8_weights import FP8Weight
 from fusedpar.layers.graphs import SCRATCH_SEQ_ID
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.step_plan import StepBatch, StepModeRule, padded_token_count
@@ -42,8 +43,10 @@ class ShiftParallelStack(nn.Module):
 
     @property
     def weight_dtype(self) -> torch.dtype:
-        """The dtype of the layers' weights: what the hidden states and the KV cache must hold."""
-        return self.layers[0].w.base["qkv"].dtype
+        """The dtype of the layers' weights (of their norms, for FP8 weights): what the hidden states and the KV
+        cache must hold."""
+        w = self.layers[0].w
+        return w.replicated["input_norm"].dtype if isinstance(w.base["qkv"], FP8Weight) else w.base["qkv"].dtype
 
     def enable_fused(self, *, max_tokens: int, comm: FusedComm | PlainComm | None = None) -> ShiftParallelStack:
         """Switch the layers to the Triton path (norms, paged attention; CUDA only) with the communicator
@@ -52,6 +55,10 @@ class ShiftParallelStack(nn.Module):
         communicator: comm=PlainComm(ctx) runs cuBLAS + NCCL around the same Triton attention and norms.
         max_tokens also bounds the captured graphs' sizes. Collective: every rank.
         CUDA graphs captured before belong to the old communicator: they are dropped (capture again)."""
+        fp8 = sorted({name for layer in self.layers for name, w in layer.w.base.items() if isinstance(w, FP8Weight)})
+        if fp8 and not isinstance(comm, PlainComm):
+            raise ValueError(f"FP8 weights ({', '.join(fp8)}) run on the plain GEMMs: enable_fused(..., "
+                             f"comm=PlainComm(ctx)); the fused kernels take bf16/fp16 weights")
         self.graphs = self.prefill_graphs = None
         if comm is None:
             comm = FusedComm(self.ctx, self.cfg, max_tokens=max_tokens, dtype=self.weight_dtype)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedpar.layers.config import DecoderConfig, weight_shapes
+from fusedpar.layers.fp8_weights import FP8Weight, build_fp8_shard
 from fusedpar.layouts import WEIGHT_NAMES, ParallelLayout, StepMode, WeightShard
 
 REPLICATED = ("input_norm", "post_norm", "q_norm", "k_norm")
@@ -38,8 +39,8 @@ class ShardedDecoderWeights:
     of this rank holds its own block, whose bias is the shift view.
     """
 
-    base: dict[str, torch.Tensor]
-    shift: dict[str, torch.Tensor]
+    base: dict[str, torch.Tensor | FP8Weight]  # FP8Weight where the checkpoint's weights are FP8 (plain path)
+    shift: dict[str, torch.Tensor | FP8Weight]
     replicated: dict[str, torch.Tensor]
 
     @classmethod
@@ -61,7 +62,11 @@ class ShardedDecoderWeights:
         base, shift = {}, {}
         for name in WEIGHT_NAMES:
             shard = shard_map.shard(rank, name)
-            base[name] = build_shard(full, shard)
+            fp8 = [isinstance(full[seg.source], FP8Weight) for seg in shard.base]
+            if any(fp8) and not all(fp8):
+                raise ValueError(f"the {name} shard joins FP8 and unquantised sources "
+                                 f"{sorted({seg.source for seg in shard.base})}: quantise all of them or none")
+            base[name] = build_fp8_shard(full, shard) if all(fp8) else build_shard(full, shard)
             lo, hi = shard.shift
             shift[name] = base[name].narrow(shard.torch_dim, lo, hi - lo)
         if cfg.qkv_bias:
@@ -109,7 +114,8 @@ class ShardedDecoderWeights:
         rows of the qkv shard; the replicated norms are not counted.
         """
         seen = {}
-        for t in (*self.base.values(), *self.shift.values()):
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
+        for w in (*self.base.values(), *self.shift.values()):
+            for t in (w.q, w.scale) if isinstance(w, FP8Weight) else (w,):
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
         return sum(seen.values())

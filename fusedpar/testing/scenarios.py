@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from fusedpar.collectives import ParallelContext
+from fusedpar.kernels.fp8 import FP8Scheme
 from fusedpar.layers import (
     DecoderConfig,
     DenseDecoderStack,
@@ -26,7 +27,10 @@ from fusedpar.layers import (
     random_decoder_weights,
 )
 from fusedpar.layers.comm import FusedComm
+from fusedpar.layers.fp8_weights import FP8Weight
 from fusedpar.layouts import ParallelLayout, StepMode
+
+FP8_SOURCES = ("q", "k", "v", "o", "gate", "up", "down")  # the weights an FP8 checkpoint quantises
 
 
 @dataclass(frozen=True)
@@ -91,17 +95,22 @@ def run_layer_scenario(
     block_size: int = 4,
     fused: bool = False,
     fused_ops: Callable[[ParallelContext, DecoderConfig], object] | None = None,
+    fp8: FP8Scheme | None = None,
 ) -> ScenarioResult:
     """fused_ops: optional factory of a stand-in for FusedComm (same qkv / o_proj / row_parallel
     methods, e.g. plain collectives); the layers then run fused_fwd, on CPU too (the Triton
-    attention needs TRITON_INTERPRET=1 there). Tests the fused layer's own logic without CUDA."""
+    attention needs TRITON_INTERPRET=1 there). Tests the fused layer's own logic without CUDA.
+    fp8: quantise the seven projection weights with this scheme (FP8Weight), for the oracle and the stack alike."""
     layout = ParallelLayout(world_size, sp=sp, tp=tp)
     ctx = ParallelContext(layout)
     dev = ctx.device  # CPU under gloo, this rank's GPU under NCCL
     full = [random_decoder_weights(cfg, seed=seed + i, dtype=torch.float64, device=dev) for i in range(num_layers)]
+    if fp8 is not None:
+        full = [{k: FP8Weight.quantize(v, fp8) if k in FP8_SOURCES else v for k, v in w.items()} for w in full]
     oracle = DenseDecoderStack(cfg, full)
     stack = ShiftParallelStack.from_full_weights(
-        cfg, ctx, [{k: v.to(dtype) for k, v in w.items()} for w in full], StepModeRule(threshold)
+        cfg, ctx, [{k: v if isinstance(v, FP8Weight) else v.to(dtype) for k, v in w.items()} for w in full],
+        StepModeRule(threshold)
     )
     total = sum(q for s in steps for _, q in s.seqs)
     if fused:  # Triton + symmetric-memory path (CUDA); workspaces sized for the largest step

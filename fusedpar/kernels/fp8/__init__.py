@@ -7,8 +7,10 @@ from fusedpar.kernels.fp8.reference import (
     FP8Scheme,
     dequantize,
     fp8_linear,
+    fp8_linear_tiles,
     quantize_activation,
     quantize_weight,
 )
 
-__all__ = ["E4M3", "E4M3_MAX", "FP8Scheme", "dequantize", "fp8_linear", "quantize_activation", "quantize_weight"]
+__all__ = ["E4M3", "E4M3_MAX", "FP8Scheme", "dequantize", "fp8_linear", "fp8_linear_tiles", "quantize_activation",
+           "quantize_weight"]

@@ -104,13 +104,25 @@ def fp8_linear(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor, scheme:
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (qw * w_scale)^T (+ bias) with x quantised per token (group) as the scheme says,
     both operands dequantised and multiplied in fp32 (float64 for float64 x); the result in x.dtype."""
-    if x.dim() != 2 or qw.dim() != 2 or x.shape[1] != qw.shape[1]:
+    if qw.dim() != 2:
+        raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(qw.shape)} need [M, K] and [N, K]")
+    return fp8_linear_tiles(x, qw, w_scale, scheme.weight_tile(tuple(qw.shape)), scheme.activation_tile(qw.shape[1]),
+                            bias)
+
+
+def fp8_linear_tiles(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor, w_tile: tuple[int, int],
+                     x_group: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear with the weight's scale tile and the activations' group (input columns per dynamic
+    scale and token) given directly: x [..., K] -> [..., N]."""
+    if x.dim() < 1 or qw.dim() != 2 or x.shape[-1] != qw.shape[1]:
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(qw.shape)} need [M, K] and [N, K]")
     cd = _compute(x.dtype)
-    qx, x_scale = quantize_activation(x, scheme)
-    xd = dequantize(qx, x_scale, (1, scheme.activation_tile(x.shape[1])), cd)
-    wd = dequantize(qw, w_scale, scheme.weight_tile(tuple(qw.shape)), cd)
-    y = xd @ wd.T
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        y = x2.new_zeros((0, qw.shape[0]), dtype=cd)
+    else:
+        qx, x_scale = _quantize(x2, (1, x_group))
+        y = dequantize(qx, x_scale, (1, x_group), cd) @ dequantize(qw, w_scale, w_tile, cd).T
     if bias is not None:
         y = y + bias.to(cd)
-    return y.to(x.dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], qw.shape[0])
