@@ -78,6 +78,11 @@ def cat_fp8(pieces: list[FP8Weight], dim: int) -> FP8Weight:
     """Concatenate along dim 0 or 1, scales with them (a copy, as torch.cat). Pieces whose tiles along dim
     differ (per-tensor q, k and v; a narrowed single tile) get one scale per index along dim first (exact);
     every piece but the last must end on a tile boundary, and all must share the tiles across the other dim."""
+    total = sum(p.shape[dim] for p in pieces)
+    if all(p.scale.shape[dim] == 1 and torch.equal(p.scale, pieces[0].scale) for p in pieces):
+        tile = list(pieces[0].tile)  # one tile along dim with the same scales (pieces of one source): keep it one
+        tile[dim] = max(total, 1)
+        return FP8Weight(torch.cat([p.q for p in pieces], dim=dim), pieces[0].scale, tuple(tile))
     if len({p.tile[dim] for p in pieces}) > 1:
         pieces = [p.unit_tiles(dim) for p in pieces]
     other = 1 - dim

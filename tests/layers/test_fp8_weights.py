@@ -72,3 +72,16 @@ def test_cat_names_every_problem():
 def test_the_weight_checks_its_scales():
     with pytest.raises(ValueError, match=r"\[ceil\(N / 4\), ceil\(K / 4\)\] scales, got torch.float8_e4m3fn \(8, 8\)"):
         FP8Weight(torch.zeros(8, 8).to(torch.float8_e4m3fn), torch.ones(3, 2), (4, 4))
+
+
+def test_pieces_of_one_tile_with_one_scale_stay_one_tile():
+    # per-channel columns of one source, joined: activations stay scaled per token over all of them
+    w = FP8Weight.quantize(torch.randn(6, 16), FP8Scheme("channel"))
+    joined = cat_fp8([w.narrow(1, 8, 8), w.narrow(1, 0, 4)], 1)
+    assert joined.tile == (1, 12) and joined.scale.shape == (6, 1)
+    assert torch.equal(joined.dequantize(), torch.cat([w.dequantize()[:, 8:], w.dequantize()[:, :4]], 1))
+    # per-tensor q and k of different scales: a tile each where their rows agree, else one scale per row
+    q, k, v = (FP8Weight.quantize(torch.randn(n, 8) * s, FP8Scheme("tensor")) for n, s in ((4, 1), (4, 10), (2, 3)))
+    qk, qkv = cat_fp8([q, k], 0), cat_fp8([q, k, v], 0)
+    assert qk.tile == (4, 8) and qk.scale.shape == (2, 1) and qkv.tile == (1, 8) and qkv.scale.shape == (10, 1)
+    assert torch.equal(qkv.dequantize(), torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]))
