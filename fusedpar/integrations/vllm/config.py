@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from fusedpar.layouts import ModelDims, ParallelLayout
 
 CONFIG_KEY = "fusedpar"
-KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels")
+KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels", "layouts", "policy")
+# policy: how a step picks its layout. "threshold": base / shift by token count (the default); "dp": every
+# step of the workload is a DP step over the one "dp{P}" layout (docs/vllm-resharding.md, slice 1).
+POLICIES = ("threshold", "dp")
+_DP_LAYOUT = re.compile(r"^dp(\d+)$")
 MAX_SHIFT_THRESHOLD = 2**31 - 1  # any value >= max_num_batched_tokens already means "always shift"
 FUSED_KERNEL_CHOICES = ("auto", True, False)
 # shift_threshold when the section names none (default_shift_threshold). With base-step CUDA graphs (bf16 /
@@ -59,12 +63,25 @@ class FusedparVllmConfig:
         for the deployment (default_shift_threshold; `threshold(...)` resolves it).
     fused_kernels: "auto" (fusedpar's Triton kernels for the base mode on CUDA with bf16/fp16),
         True (required) or False (plain torch + NCCL/gloo collectives).
+    layouts: layouts beside base and shift; this version knows one, "dp{P}" (P = tensor_parallel_size:
+        every rank serves its own requests with full weights and its own KV pool).
+    policy: "threshold" (base / shift by shift_threshold) or "dp" (every step of the workload in the
+        "dp{P}" layout; needs sequence_parallel_size = P, whose base shard is the full weight).
     """
 
     sequence_parallel_size: int
     shift_threshold: int | None = None
     fused_kernels: str | bool = "auto"
+    layouts: tuple[str, ...] = ()
+    policy: str = "threshold"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def dp_size(self) -> int:
+        """D of the "dp{D}" layout every step runs in (policy "dp"); 0 when steps run base / shift."""
+        if self.policy != "dp":
+            return 0
+        return next(int(m.group(1)) for m in map(_DP_LAYOUT.match, self.layouts) if m)
 
     def threshold(self, tensor_parallel_size: int, *, base_graphs: bool = False, capture_size: int = 0) -> int:
         """The threshold in force on `tensor_parallel_size` GPUs (see default_shift_threshold)."""
@@ -116,9 +133,27 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
     fused = section.get("fused_kernels", "auto")
     if not (fused is True or fused is False or fused == "auto"):
         problems.append(f'fused_kernels must be "auto", true or false, got {fused!r}')
+    layouts = section.get("layouts", [])
+    policy = section.get("policy", "threshold")
+    if not isinstance(layouts, list) or not all(isinstance(x, str) for x in layouts):
+        problems.append(f'layouts must be a list of layout names like ["dp2"], got {layouts!r}')
+        layouts = []
+    else:
+        bad = [x for x in layouts if not _DP_LAYOUT.match(x) or int(_DP_LAYOUT.match(x).group(1)) < 2]
+        if bad:
+            problems.append(f'layouts {bad} are not supported (this version knows "dp{{D}}" with D >= 2, '
+                            "D = tensor_parallel_size)")
+        if len(layouts) > 1:
+            problems.append(f"layouts {layouts}: this version runs one extra layout, got {len(layouts)}")
+    if policy not in POLICIES:
+        problems.append(f"policy must be one of {list(POLICIES)}, got {policy!r}")
+    elif policy == "dp" and not layouts:
+        problems.append('policy "dp" needs a DP layout in layouts (e.g. "layouts": ["dp2"])')
+    elif policy != "dp" and layouts:
+        problems.append(f'layouts {layouts} need policy "dp" (policy {policy!r} runs base / shift steps only)')
     _raise(problems)
     return FusedparVllmConfig(sequence_parallel_size=sp, shift_threshold=threshold, fused_kernels=fused,
-                              raw=dict(section))
+                              layouts=tuple(layouts), policy=policy, raw=dict(section))
 
 
 @dataclass(frozen=True)
@@ -209,6 +244,8 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
             f"full CUDA graphs are captured up to {info.max_cudagraph_capture_size} tokens, above "
             f"shift_threshold={threshold}: a replayed graph cannot switch to base mode; {fix}"
         )
+    if cfg.dp_size:
+        problems.extend(dp_problems(cfg, info))
     if layout is not None:
         try:
             layout.weight_shards(ModelDims(info.num_attention_heads, info.num_key_value_heads, info.head_dim,
@@ -217,6 +254,23 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
             problems.append(f"heads / MLP do not fit SP={sp} x TP={P // sp}: {e}")
     _raise(problems)
     return layout
+
+
+def dp_problems(cfg: FusedparVllmConfig, info: DeploymentInfo) -> list[str]:
+    """What stops the "dp{D}" layout (policy "dp") on this engine, each with its numbers."""
+    P, sp, D = info.tensor_parallel_size, cfg.sequence_parallel_size, cfg.dp_size
+    kv = info.num_key_value_heads
+    problems = []
+    if D != P:
+        problems.append(f"layout dp{D} on tensor_parallel_size={P}: this version runs dp{P} only (one replica per "
+                        "rank)")
+    if sp != P:
+        problems.append(f"layout dp{D} needs sequence_parallel_size={P} (= tensor_parallel_size: the base shard is "
+                        f"then the full weight on every rank), got {sp}; other DP replicas would cost weight bytes")
+    if kv % P:
+        problems.append(f"layout dp{D} needs num_key_value_heads={kv} divisible by tensor_parallel_size={P} (a DP "
+                        "KV block is P TP blocks of one rank, each holding kv_heads / P heads)")
+    return problems
 
 
 def _raise(problems: list[str]) -> None:
