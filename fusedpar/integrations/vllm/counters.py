@@ -46,6 +46,27 @@ class StepCounter:
         self.stats = dict.fromkeys(STAT_KEYS, 0)
 
 
+class DPRecord:
+    """What one rank served in DP steps (layout "dp{P}"): steps and tokens of its own requests, and the
+    ids of those requests (the ranks' sets are disjoint: each request lives on one rank)."""
+
+    def __init__(self):
+        self.steps = self.tokens = 0
+        self.requests: set[str] = set()
+
+    def step(self, request_tokens: dict[str, int]) -> None:
+        if request_tokens:
+            self.steps += 1
+            self.tokens += sum(request_tokens.values())
+            self.requests.update(request_tokens)
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def stats(self) -> dict:
+        return {"dp_steps": self.steps, "dp_tokens": self.tokens, "dp_requests": sorted(self.requests)}
+
+
 def snapshot(deployment, model, counter: StepCounter) -> dict:
     """One worker's entry of `stats(llm)`: the layout and decisions of its `deployment`
     (deployment.Deployment), what fusedpar made of its `model` (hooks.ModelHooks) and the counts."""

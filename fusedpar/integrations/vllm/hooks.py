@@ -39,6 +39,7 @@ class ModelHooks:
         self.root = self.decoder_model = None
         self.base_kernels = None  # base_step.BaseKernels, once the model is built
         self.runner = None  # base_runner.BaseRunner, once the model is built
+        self.dp_runner = None  # dp_runner.DPRunner, once the model is built, in an engine with a DP layout
         self._watchers: list = []
 
     # ---- the layers taken over ----------------------------------------------------------------
@@ -144,17 +145,23 @@ class ModelHooks:
         dep = self.worker.deployment
         self.base_kernels = BaseKernels(inner, acts, dep.layout.sp, cuda=dep.is_cuda)
         self.runner = BaseRunner(self.worker, inner, layers, norm, attns, self.base_kernels)
+        if dep.cfg.dp_size:
+            from .dp_runner import DPRunner
+
+            self.dp_runner = DPRunner(self.worker, inner, layers, norm, attns, dep.layout.replica_size)
         self.root, self.decoder_model = root, inner
         root.register_forward_pre_hook(self._root_pre, with_kwargs=True)
         root.register_forward_hook(self._root_post)
         logits = root.compute_logits
-        counter = self.worker.counter
+        counter, worker, dp_runner = self.worker.counter, self.worker, self.dp_runner
 
         def compute_logits(hidden_states, *args, **kwargs):  # every step's logits, replayed steps' too
             # the sampler passes hidden_states[logits_indices], a tensor of its own; prompt logprobs pass
             # slices (views) of a step's hidden states, several per step: not steps
             if hidden_states._base is None:
                 counter.logits(int(hidden_states.shape[0]))
+            if worker.dp_logits:  # after a DP step: this rank's rows only, full lm_head, no collective
+                return dp_runner.tables.logits(hidden_states)
             return logits(hidden_states, *args, **kwargs)
 
         root.compute_logits = compute_logits
@@ -195,11 +202,22 @@ class ModelHooks:
             self.base_kernels.begin()
             self.decoder_model.forward = self.runner.forward
 
+    def enter_dp(self) -> None:
+        """Set the model up for a DP step: the decoder model's forward is the DP runner's."""
+        if self.dp_runner is None:
+            raise RuntimeError("fusedpar DP: a DP step before the model's hooks were installed")
+        self.base_kernels.end()
+        self.runner.ran = self.dp_runner.ran = False
+        self.decoder_model.forward = self.dp_runner.forward
+
     def leave(self) -> bool:
-        """Restore vLLM's model after a step; whether the step ran the base runner."""
+        """Restore vLLM's model after a step; whether the step ran the base runner (or, in a DP step, the
+        DP runner)."""
         if self.runner is None:
             return False
         self.base_kernels.end()
         self.decoder_model.__dict__.pop("forward", None)  # the class's forward again
         ran, self.runner.ran = self.runner.ran, False
+        if self.dp_runner is not None:
+            ran, self.dp_runner.ran = ran or self.dp_runner.ran, False
         return ran

@@ -54,9 +54,11 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+from fusedpar.layouts import StepMode
+
 from .comms import BaseComms
 from .config import FusedparVllmConfig
-from .counters import StepCounter, snapshot, summary
+from .counters import DPRecord, StepCounter, snapshot, summary
 from .deployment import Deployment
 from .hooks import ModelHooks
 from .shift_trace import before_first_trace, shift_trace_pending
@@ -76,6 +78,12 @@ class WorkerState:
         self.model = ModelHooks(self)
         self.comms = BaseComms(dep, self.model)  # collective: SP / TP / shift / DP groups
         self.step: Step = IDLE
+        # layout "dp{P}" (policy "dp"): what this rank served, and whether the next model forward is the DP
+        # step the worker announced (dp_worker.DPWorker.execute_model -> expect_dp_step) and the logits
+        # call after it is that step's (the last forward was a DP step: local logits, no collective)
+        self.dp = DPRecord() if dep.cfg.dp_size else None
+        self._dp_next = False
+        self.dp_logits = False
         atexit.register(self.log_summary)
         lay = dep.layout
         logger.info(
@@ -97,6 +105,15 @@ class WorkerState:
 
         dep, model = self.deployment, self.model
         fc = get_forward_context() if is_forward_context_available() else None
+        self.dp_logits, dp_next, self._dp_next = False, self._dp_next, False
+        if dp_next:
+            if fc is None:
+                raise RuntimeError("fusedpar DP: a DP step without vLLM's forward context")
+            fc.skip_compiled = True  # vLLM runs the decoder model's eager forward: the DP runner's
+            model.enter_dp()
+            self.step = Step.dp_step(num_tokens)
+            self.dp_logits = True
+            return
         in_capture = capturing(dep.is_cuda)
         # profile / warm-up runs carry no attention metadata, graph captures run on a capturing
         # stream: neither is a step of the workload, so neither is counted
@@ -122,6 +139,12 @@ class WorkerState:
     def end_step(self) -> None:
         step, self.step = self.step, IDLE
         ran = self.model.leave()
+        if step.dp:
+            if not ran:
+                raise RuntimeError("fusedpar DP: a DP step did not run the DP runner (the compiled model ran "
+                                   "instead); refusing to return possibly wrong results")
+            self.counter.model_step(StepMode.SHIFT, step.num_tokens, 0, counted=False)  # pairs its logits call
+            return
         logger.debug("fusedpar step: %s, %d tokens (counted: %s)", step.mode, step.num_tokens, step.counted)
         if step.is_base and not ran:
             raise RuntimeError(
@@ -141,12 +164,24 @@ class WorkerState:
         finally:
             self.step = outer
 
+    def expect_dp_step(self) -> None:
+        """The worker's announcement that its next model forward is a DP step of its own requests."""
+        if self.dp is None:
+            raise RuntimeError("fusedpar DP: a DP step in an engine without a DP layout")
+        self._dp_next = True
+
     # ---- reporting ----------------------------------------------------------------------------
     def snapshot(self) -> dict:
-        return snapshot(self.deployment, self.model, self.counter)
+        snap = snapshot(self.deployment, self.model, self.counter)
+        if self.dp is not None:
+            tables = self.model.dp_runner.tables if self.model.dp_runner else None
+            snap.update(self.dp.stats(), dp_table_bytes=tables.nbytes() if tables else 0)
+        return snap
 
     def reset_stats(self) -> None:
         self.counter.reset()
+        if self.dp is not None:
+            self.dp.reset()
 
     def summary(self) -> str:
         return summary(self.deployment, self.counter)

@@ -20,13 +20,19 @@ class Step:
     """mode: how the layers run; num_tokens: the step's tokens (rows of the decoder model's input);
     local_rows: the rows this rank computes in base mode (ceil(num_tokens / SP), with base graphs
     raised to a row bucket); padded_tokens: SP x local_rows in base mode, num_tokens in shift mode;
-    counted: whether the step is one of the workload's (stats), not a profile, warm-up or capture run."""
+    counted: whether the step is one of the workload's (stats), not a profile, warm-up or capture run;
+    dp: a DP step (layout "dp{P}"): this rank's own requests through dp_runner.DPRunner, no collective."""
 
     mode: StepMode
     num_tokens: int
     padded_tokens: int
     local_rows: int
     counted: bool = False
+    dp: bool = False
+
+    @classmethod
+    def dp_step(cls, num_tokens: int) -> Step:
+        return cls(StepMode.SHIFT, num_tokens, num_tokens, num_tokens, True, dp=True)
 
     @classmethod
     def base(cls, num_tokens: int, local_rows: int, sp: int, counted: bool = False) -> Step:
