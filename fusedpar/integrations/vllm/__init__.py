@@ -75,8 +75,16 @@ def check_engine_config(vllm_config) -> None:
     cfg = parse_additional_config(vllm_config.additional_config)
     if cfg is not None:
         from .deployment import deployment_info
+        from .dp_engine import dp_engine_problems, install_dp_classes
 
-        check_deployment(cfg, deployment_info(vllm_config))
+        dp = dp_engine_problems(vllm_config) if cfg.dp_size else []
+        try:
+            check_deployment(cfg, deployment_info(vllm_config))
+        except FusedparConfigError as e:  # one error naming every problem, the DP layout's too
+            if dp:
+                raise FusedparConfigError("; ".join([str(e), *dp])) from None
+            raise
+        install_dp_classes(vllm_config, cfg)
 
 
 def _check_configs_where_built() -> None:

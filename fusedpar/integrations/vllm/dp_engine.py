@@ -1,0 +1,65 @@
+"""The engine side of the "dp{P}" layout: what an engine must be for it, and the three classes it sets.
+
+Runs in the process that builds the engine config (`check_engine_config`, from the plugin's
+`EngineArgs.create_engine_config` wrapper), after vLLM's platform resolved the worker class and
+async scheduling. For policy "dp" it refuses every engine feature this version does not carry
+through a DP step (one FusedparConfigError naming each), then points vLLM at:
+
+  scheduler_cls                 dp_scheduler.DPScheduler  per-rank KV pools, the step's tag
+  worker_cls                    dp_worker.DPWorker        its own requests, the DP forward
+  distributed_executor_backend  dp_executor.DPExecutor    every rank's output, merged
+
+as qualified names (strings travel to the engine core and worker processes as they are).
+"""
+
+from __future__ import annotations
+
+from .config import FusedparConfigError, FusedparVllmConfig
+
+SCHEDULER = "fusedpar.integrations.vllm.dp_scheduler.DPScheduler"
+WORKER = "fusedpar.integrations.vllm.dp_worker.DPWorker"
+EXECUTOR = "fusedpar.integrations.vllm.dp_executor.DPExecutor"
+CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
+
+
+def dp_engine_problems(vllm_config) -> list[str]:
+    """Every engine setting the DP layout cannot run with (vLLM's names, the values found)."""
+    cache, sched, par = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.parallel_config
+    problems = []
+    if cache.enable_prefix_caching:
+        problems.append("prefix caching with a DP layout (enable_prefix_caching=True); pass "
+                        "enable_prefix_caching=False")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding with a DP layout (speculative_config)")
+    if vllm_config.lora_config is not None:
+        problems.append("LoRA with a DP layout (enable_lora)")
+    if par.pipeline_parallel_size != 1:
+        problems.append(f"pipeline parallelism with a DP layout (pipeline_parallel_size={par.pipeline_parallel_size})")
+    if sched.async_scheduling:
+        problems.append("async scheduling with a DP layout (async_scheduling=True)")
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        problems.append("vLLM's V2 model runner with a DP layout (set VLLM_USE_V2_MODEL_RUNNER=0)")
+    if vllm_config.kv_transfer_config is not None:
+        problems.append("a KV connector with a DP layout (kv_transfer_config)")
+    if sched.scheduler_cls not in (None, SCHEDULER) and not (
+            isinstance(sched.scheduler_cls, str) and sched.scheduler_cls.startswith("vllm.")):
+        problems.append(f"a custom scheduler_cls={sched.scheduler_cls!r} with a DP layout (fusedpar sets its own)")
+    if par.worker_cls not in (CPU_WORKER, WORKER):
+        problems.append(f"worker class {par.worker_cls!r} with a DP layout: this version runs on vLLM's CPU build "
+                        f"({CPU_WORKER})")
+    if par.distributed_executor_backend not in ("mp", EXECUTOR):
+        problems.append(f"distributed_executor_backend={par.distributed_executor_backend!r} with a DP layout "
+                        "(fusedpar's executor is a MultiprocExecutor: use 'mp')")
+    return problems
+
+
+def install_dp_classes(vllm_config, cfg: FusedparVllmConfig) -> None:
+    """Refuse what the DP layout cannot run (FusedparConfigError), then set the three classes."""
+    if not cfg.dp_size:
+        return
+    problems = dp_engine_problems(vllm_config)
+    if problems:
+        raise FusedparConfigError("fusedpar cannot run this engine: " + "; ".join(problems))
+    vllm_config.scheduler_config.scheduler_cls = SCHEDULER
+    vllm_config.parallel_config.worker_cls = WORKER
+    vllm_config.parallel_config.distributed_executor_backend = EXECUTOR

@@ -1,0 +1,93 @@
+"""The worker of an engine whose every step is a DP step (layout "dp{P}", policy "dp").
+
+`DPWorker` is the platform worker (vLLM's CPUWorker in this version) that
+  - after loading the weights gathers the full embedding and lm_head tables (dp_runner.DPTables,
+    collective: every rank loads together);
+  - per step keeps only its own requests of the broadcast SchedulerOutput (`own_output`, from the
+    scheduler's tag, dp_scheduler.DPTag) and runs them: vLLM's model runner builds the inputs, the
+    slot mapping and the attention metadata from its own requests' DP block ids, and the model's
+    forward is the DP runner's (announced to the plugin's worker state: `expect_dp_step`);
+  - zeroes the DP blocks vLLM asked for on this rank as the P TP blocks each one is.
+A rank without requests in a step runs no forward; vLLM's model runner then answers with an empty
+output, and the executor (dp_executor.py) merges every rank's answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.v1.core.sched.output import CachedRequestData
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from .dp_scheduler import TAG, DPTag
+
+
+def own_output(so, tag: DPTag, rank: int):
+    """The SchedulerOutput `so` restricted to the requests of `rank` (a new object; `so` unchanged)."""
+    mine = {rid for rid, r in tag.ranks.items() if r == rank}
+    c = so.scheduled_cached_reqs
+    keep = [i for i, rid in enumerate(c.req_ids) if rid in mine]
+
+    def pick(values: list) -> list:
+        # per-request lists; vLLM leaves new_token_ids empty unless pipeline parallel needs it
+        return [values[i] for i in keep] if len(values) == len(c.req_ids) else values
+
+    cached = CachedRequestData(
+        req_ids=[c.req_ids[i] for i in keep],
+        resumed_req_ids={rid for rid in c.resumed_req_ids if rid in mine},
+        new_token_ids=pick(c.new_token_ids),
+        all_token_ids={rid: ids for rid, ids in c.all_token_ids.items() if rid in mine},
+        new_block_ids=pick(c.new_block_ids),
+        num_computed_tokens=pick(c.num_computed_tokens),
+        num_output_tokens=pick(c.num_output_tokens),
+    )
+    num_scheduled = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid in mine}
+    P = tag.size
+    zero = [P * d + j for d in tag.zero.get(rank, ()) for j in range(P)]  # a DP block is P TP blocks
+    return dataclasses.replace(
+        so,
+        scheduled_new_reqs=[r for r in so.scheduled_new_reqs if r.req_id in mine],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        scheduled_spec_decode_tokens={k: v for k, v in so.scheduled_spec_decode_tokens.items() if k in mine},
+        scheduled_encoder_inputs={k: v for k, v in so.scheduled_encoder_inputs.items() if k in mine},
+        new_block_ids_to_zero=zero or None,
+    )
+
+
+class DPWorker(CPUWorker):
+    """vLLM's CPU worker running DP steps (module docstring)."""
+
+    def load_model(self, *args, **kwargs):
+        out = super().load_model(*args, **kwargs)
+        from vllm.distributed import get_tp_group
+
+        from .dp_runner import DPTables
+
+        hooks = self._fp_state().model
+        if hooks.dp_runner is None:
+            raise RuntimeError("fusedpar DP: the model was built without fusedpar's hooks")
+        hooks.dp_runner.tables = DPTables(hooks.root, get_tp_group())
+        return out
+
+    def execute_model(self, scheduler_output):
+        tag = getattr(scheduler_output, TAG, None)
+        if tag is None:
+            if scheduler_output.total_num_scheduled_tokens:
+                raise RuntimeError("fusedpar DP: a step without the DP scheduler's tag (scheduler_cls is not "
+                                   "fusedpar's DPScheduler)")
+            return super().execute_model(scheduler_output)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        own = own_output(scheduler_output, tag, get_tensor_model_parallel_rank())
+        state = self._fp_state()
+        state.dp.step(own.num_scheduled_tokens)
+        if own.total_num_scheduled_tokens:
+            state.expect_dp_step()
+        return super().execute_model(own)
+
+    def _fp_state(self):
+        from .state import _require_state
+
+        return _require_state(self)
