@@ -201,3 +201,89 @@ def test_engine_config_sets_the_dp_classes_and_refuses_what_dp_steps_cannot_run(
         assert needle in msg, msg
     assert res["threshold"]["error"] is None
     assert "DPScheduler" not in " ".join(res["threshold"]["classes"]), res["threshold"]
+
+
+# ---- the pieces, without an engine ---------------------------------------------------------------------
+def test_engine_problems_name_every_feature_dp_steps_do_not_carry():
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_engine import dp_engine_problems
+
+    bad = NS(cache_config=NS(enable_prefix_caching=True), speculative_config=object(), lora_config=object(),
+             kv_transfer_config=object(), use_v2_model_runner=True,
+             scheduler_config=NS(async_scheduling=True, scheduler_cls="my.Scheduler"),
+             parallel_config=NS(pipeline_parallel_size=2, worker_cls="vllm.v1.worker.gpu_worker.Worker",
+                                distributed_executor_backend="ray"))
+    msg = "; ".join(dp_engine_problems(bad))
+    for needle in ("enable_prefix_caching=True", "speculative decoding", "LoRA", "pipeline_parallel_size=2",
+                   "async_scheduling=True", "V2 model runner", "kv_transfer_config", "scheduler_cls='my.Scheduler'",
+                   "'vllm.v1.worker.gpu_worker.Worker'", "distributed_executor_backend='ray'"):
+        assert needle in msg, msg
+    good = NS(cache_config=NS(enable_prefix_caching=False), speculative_config=None, lora_config=None,
+              kv_transfer_config=None, use_v2_model_runner=False,
+              scheduler_config=NS(async_scheduling=False, scheduler_cls=None),
+              parallel_config=NS(pipeline_parallel_size=1, worker_cls="vllm.v1.worker.cpu_worker.CPUWorker",
+                                 distributed_executor_backend="mp"))
+    assert dp_engine_problems(good) == []
+
+
+@needs_vllm
+def test_own_output_keeps_a_ranks_requests_and_its_blocks_to_zero():
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    from fusedpar.integrations.vllm.dp_scheduler import DPTag
+    from fusedpar.integrations.vllm.dp_worker import own_output
+
+    def new(rid):
+        return NewRequestData(req_id=rid, prompt_token_ids=[1, 2], mm_features=[], sampling_params=None,
+                              pooling_params=None, block_ids=([1],), num_computed_tokens=0, lora_request=None)
+
+    cached = CachedRequestData(req_ids=["c0", "c1"], resumed_req_ids={"c1"}, new_token_ids=[],
+                               all_token_ids={"c1": [1, 2, 3]}, new_block_ids=[None, ([4],)],
+                               num_computed_tokens=[5, 6], num_output_tokens=[1, 0])
+    so = SchedulerOutput(scheduled_new_reqs=[new("n0"), new("n1")], scheduled_cached_reqs=cached,
+                         num_scheduled_tokens={"n0": 2, "n1": 2, "c0": 1, "c1": 3}, total_num_scheduled_tokens=8,
+                         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                         finished_req_ids={"gone"}, free_encoder_mm_hashes=[])
+    tag = DPTag(ranks={"n0": 0, "c0": 0, "n1": 1, "c1": 1}, size=2, zero={1: [3]})
+    one = own_output(so, tag, 1)
+    assert [r.req_id for r in one.scheduled_new_reqs] == ["n1"]
+    c = one.scheduled_cached_reqs
+    assert (c.req_ids, c.resumed_req_ids, c.all_token_ids, c.new_block_ids, c.num_computed_tokens) == (
+        ["c1"], {"c1"}, {"c1": [1, 2, 3]}, [([4],)], [6])
+    assert (one.num_scheduled_tokens, one.total_num_scheduled_tokens) == ({"n1": 2, "c1": 3}, 5)
+    assert one.finished_req_ids == {"gone"}  # every rank forgets finished requests it may not hold
+    assert one.new_block_ids_to_zero == [6, 7]  # DP block 3 of rank 1 = TP blocks 6 and 7
+    zero = own_output(so, tag, 0)
+    assert zero.total_num_scheduled_tokens == 3 and zero.new_block_ids_to_zero is None
+    assert so.total_num_scheduled_tokens == 8 and len(so.scheduled_new_reqs) == 2  # the broadcast one unchanged
+
+
+@needs_vllm
+def test_merge_outputs_concatenates_disjoint_ranks_and_refuses_overlap():
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    from fusedpar.integrations.vllm.dp_executor import merge_outputs
+
+    a = ModelRunnerOutput(req_ids=["x", "y"], req_id_to_index={"x": 0, "y": 1}, sampled_token_ids=[[1], [2]])
+    b = ModelRunnerOutput(req_ids=["z"], req_id_to_index={"z": 0}, sampled_token_ids=[[3]])
+    m = merge_outputs([a, EMPTY_MODEL_RUNNER_OUTPUT, b])
+    assert (m.req_ids, m.req_id_to_index, m.sampled_token_ids) == (["x", "y", "z"], {"x": 0, "y": 1, "z": 2},
+                                                                   [[1], [2], [3]])
+    x = ModelRunnerOutput(req_ids=["x"], req_id_to_index={"x": 0}, sampled_token_ids=[[4]])
+    with pytest.raises(RuntimeError, match=r"requests \['x'\] ran on more than one rank"):
+        merge_outputs([a, x])
+
+
+@needs_vllm
+def test_dp_kv_view_is_p_consecutive_tp_blocks_of_one_buffer():
+    import torch
+
+    from fusedpar.integrations.vllm.dp_runner import dp_kv_view
+
+    kv = torch.arange(8 * 1 * 4 * 6, dtype=torch.float32).reshape(8, 1, 4, 6)  # 8 TP blocks, 1 kv head each
+    dp = dp_kv_view(kv, 2)
+    assert dp.shape == (4, 2, 4, 6) and dp.data_ptr() == kv.data_ptr()
+    assert torch.equal(dp[3, 0], kv[6, 0]) and torch.equal(dp[3, 1], kv[7, 0])
+    with pytest.raises(RuntimeError, match="not 3 x DP blocks"):
+        dp_kv_view(kv, 3)
