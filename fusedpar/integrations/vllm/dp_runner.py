@@ -3,20 +3,21 @@
 With sequence_parallel_size = P the base shard of every projection is the full weight on every rank
 (layers.py), so a DP step runs the whole model on the rank's own tokens:
 
-    hidden = full embedding(input_ids)                      (DPTables: the vocab shards, gathered)
+    hidden = embedding(input_ids)          (DPVocab: vLLM's vocab shards over every rank's tokens)
     per decoder layer, vLLM's own norms and rotary embedding, and
         q|k|v = x @ base qkv, reordered from the shard's SP blocks to q | k | v of all heads
         attention over this rank's DP KV view (all kv heads, `dp_kv_view`), written at the step's
             slots and read through its block table: the metadata vLLM built for the step (the ids
             are DP block ids of the rank's pool, dp_kv.py)
         o = attn @ base o;  gate|up = x @ base gate_up (reordered);  down = silu(gate) * up @ base down
-    final norm; logits = hidden @ full lm_head (`logits`).
+    final norm; logits of the rank's rows (DPVocab.logits: its vocab slice of every rank's rows, gathered).
 
 Attention is plain torch (gather the request's blocks, causal softmax per request): vLLM's CPU
 kernels take their scheduler metadata sized for the TP head count; a DP kernel path is later work.
-The embedding and lm_head tables are gathered once after load (DPTables), which costs
-(P - 1) / P x (vocab x hidden) bytes per table per rank; running them vocab-parallel over all
-ranks' tokens (no extra bytes, one all-gather per step) is later work.
+The embedding and lm_head stay vLLM's vocab shards (no extra weight bytes): a DP step runs them
+over the step's tokens of all ranks, as TP does (all-gathers of the ids and of the sampled rows,
+vLLM's embedding all-reduce, an all-gather of the logits over the vocab), so every rank takes part
+in every DP step, a rank without requests too (DPVocab.idle).
 """
 
 from __future__ import annotations
@@ -130,43 +131,63 @@ class DPLayer:
         return out.reshape(n, self.num_q * hd)
 
 
-class DPTables:
-    """The full embedding and lm_head tables of one rank (vLLM holds vocab shards): gathered once,
-    collectively, after the weights are loaded (`gather`, every rank together)."""
+def gather_rows(x: torch.Tensor, tp_group) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's rows of `x` (rank order) on every rank, and each rank's row count; ranks may hold
+    different counts (0 included): one all-gather of the counts, one of the rows padded to the largest."""
+    counts = tp_group.all_gather(torch.tensor([x.shape[0]], dtype=torch.float32, device=x.device), dim=0)
+    counts = [int(c) for c in counts.tolist()]
+    most = max(counts)
+    padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, most - x.shape[0]))
+    rows = tp_group.all_gather(padded, dim=0).split(most, dim=0) if most else [padded] * len(counts)
+    return torch.cat([r[:n] for r, n in zip(rows, counts, strict=True)]), counts
 
-    def __init__(self, root, tp_group):
-        embed = root.model.embed_tokens
-        self.embed = tp_group.all_gather(embed.weight.data, dim=0)
-        lm_head = root.lm_head
-        self.lm_head = self.embed if lm_head.weight is embed.weight else tp_group.all_gather(lm_head.weight.data,
-                                                                                            dim=0)
+
+class DPVocab:
+    """Embedding and logits of a DP step on vLLM's vocab shards (no extra weight bytes): as in a TP step,
+    every rank embeds the step's tokens of all ranks (vLLM's VocabParallelEmbedding: masked lookup +
+    all-reduce) and computes its vocab slice of the logits of every rank's rows (all-gathered over the
+    vocab); each keeps its own rows. Collective: every rank takes part in every DP step, a rank without
+    requests through `idle` (the same collectives, in the same order, on zero rows)."""
+
+    def __init__(self, root, inner, tp_group):
+        self.root, self.tp = root, tp_group
+        self.embed_module = getattr(inner, "embed_input_ids", None) or inner.get_input_embeddings()
         lp = root.logits_processor
         self.vocab, self.scale, self.soft_cap = lp.org_vocab_size, lp.scale, lp.soft_cap
-        self.bias = getattr(lm_head, "bias", None)
-        if self.bias is not None:
+        if getattr(root.lm_head, "bias", None) is not None:
             raise RuntimeError("fusedpar DP: an lm_head with a bias is not supported")
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids, counts = gather_rows(input_ids.reshape(-1, 1).float(), self.tp)
+        hidden = self.embed_module(ids.reshape(-1).long())
+        start = sum(counts[: self.tp.rank_in_group])
+        return hidden[start:start + input_ids.shape[0]]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.lm_head)[..., : self.vocab]
+        rows, counts = gather_rows(hidden, self.tp)
+        local = F.linear(rows, self.root.lm_head.weight)  # [all rows, this rank's vocab slice]
+        logits = self.tp.all_gather(local, dim=-1)[..., : self.vocab]
         if self.soft_cap is not None:
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         if self.scale != 1.0:
             logits = logits * self.scale
-        return logits
+        start = sum(counts[: self.tp.rank_in_group])
+        return logits[start:start + hidden.shape[0]]
 
-    def nbytes(self) -> int:
-        both = {id(t): t for t in (self.embed, self.lm_head)}
-        return sum(t.numel() * t.element_size() for t in both.values())
+    def idle(self, hidden_size: int, dtype: torch.dtype, device) -> None:
+        """A rank's part in a DP step that has no request of it: the embedding's and the logits' collectives."""
+        self.embed(torch.empty(0, dtype=torch.long, device=device))
+        self.logits(torch.empty(0, hidden_size, dtype=dtype, device=device))
 
 
 class DPRunner:
-    """The DP-step forward of one decoder model (module docstring); `tables` is set by the worker after
-    load (dp_worker.DPWorker.load_model)."""
+    """The DP-step forward of one decoder model (module docstring); `vocab` is set by the worker once
+    vLLM's process groups and weights are there (dp_worker.DPWorker.load_model)."""
 
     def __init__(self, worker, inner, layers, norm, attns, P: int):
         self.worker, self.inner, self.norm = worker, inner, norm
         self.layers = [DPLayer(layer, attn, P) for layer, attn in zip(layers, attns, strict=True)]
-        self.tables: DPTables | None = None
+        self.vocab: DPVocab | None = None
         self.ran = False
 
     def forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **kwargs):
@@ -174,9 +195,9 @@ class DPRunner:
 
         if intermediate_tensors is not None or kwargs:
             raise RuntimeError(f"fusedpar DP: the decoder model got {sorted(kwargs)} / intermediate tensors")
-        if self.tables is None:
-            raise RuntimeError("fusedpar DP: a DP step before the full vocab tables were gathered")
-        hidden = inputs_embeds if inputs_embeds is not None else F.embedding(input_ids, self.tables.embed)
+        if self.vocab is None or inputs_embeds is not None:
+            raise RuntimeError("fusedpar DP: a DP step without token ids or before the worker set up its vocab")
+        hidden = self.vocab.embed(input_ids)
         metadata = get_forward_context().attn_metadata
         residual = None
         for dp_layer in self.layers:

@@ -1,15 +1,16 @@
 """The worker of an engine whose every step is a DP step (layout "dp{P}", policy "dp").
 
 `DPWorker` is the platform worker (vLLM's CPUWorker in this version) that
-  - after loading the weights gathers the full embedding and lm_head tables (dp_runner.DPTables,
-    collective: every rank loads together);
+  - after loading the weights sets up the DP step's embedding and logits on vLLM's vocab shards
+    (dp_runner.DPVocab: collective in every DP step);
   - per step keeps only its own requests of the broadcast SchedulerOutput (`own_output`, from the
     scheduler's tag, dp_scheduler.DPTag) and runs them: vLLM's model runner builds the inputs, the
     slot mapping and the attention metadata from its own requests' DP block ids, and the model's
     forward is the DP runner's (announced to the plugin's worker state: `expect_dp_step`);
   - zeroes the DP blocks vLLM asked for on this rank as the P TP blocks each one is.
-A rank without requests in a step runs no forward; vLLM's model runner then answers with an empty
-output, and the executor (dp_executor.py) merges every rank's answer.
+A rank without requests in a step runs no forward (vLLM's model runner answers with an empty output)
+but takes part in the embedding's and logits' collectives of the others (DPVocab.idle); the
+executor (dp_executor.py) merges every rank's answer.
 """
 
 from __future__ import annotations
@@ -63,12 +64,12 @@ class DPWorker(CPUWorker):
         out = super().load_model(*args, **kwargs)
         from vllm.distributed import get_tp_group
 
-        from .dp_runner import DPTables
+        from .dp_runner import DPVocab
 
         hooks = self._fp_state().model
         if hooks.dp_runner is None:
             raise RuntimeError("fusedpar DP: the model was built without fusedpar's hooks")
-        hooks.dp_runner.tables = DPTables(hooks.root, get_tp_group())
+        hooks.dp_runner.vocab = DPVocab(hooks.root, hooks.decoder_model, get_tp_group())
         return out
 
     def execute_model(self, scheduler_output):
@@ -85,6 +86,9 @@ class DPWorker(CPUWorker):
         state.dp.step(own.num_scheduled_tokens)
         if own.total_num_scheduled_tokens:
             state.expect_dp_step()
+        elif scheduler_output.total_num_scheduled_tokens:  # the other ranks' embedding and logits need this one
+            dep = state.deployment
+            state.model.dp_runner.vocab.idle(dep.hidden_size, dep.dtype, dep.device)
         return super().execute_model(own)
 
     def _fp_state(self):

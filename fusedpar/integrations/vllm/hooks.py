@@ -160,8 +160,8 @@ class ModelHooks:
             # slices (views) of a step's hidden states, several per step: not steps
             if hidden_states._base is None:
                 counter.logits(int(hidden_states.shape[0]))
-            if worker.dp_logits:  # after a DP step: this rank's rows only, full lm_head, no collective
-                return dp_runner.tables.logits(hidden_states)
+            if worker.dp_logits:  # after a DP step: this rank's rows, with every rank's (dp_runner.DPVocab)
+                return dp_runner.vocab.logits(hidden_states)
             return logits(hidden_states, *args, **kwargs)
 
         root.compute_logits = compute_logits

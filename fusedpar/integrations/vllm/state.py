@@ -80,7 +80,7 @@ class WorkerState:
         self.step: Step = IDLE
         # layout "dp{P}" (policy "dp"): what this rank served, and whether the next model forward is the DP
         # step the worker announced (dp_worker.DPWorker.execute_model -> expect_dp_step) and the logits
-        # call after it is that step's (the last forward was a DP step: local logits, no collective)
+        # call after it is that step's (the last forward was a DP step: its rows' logits, dp_runner.DPVocab)
         self.dp = DPRecord() if dep.cfg.dp_size else None
         self._dp_next = False
         self.dp_logits = False
@@ -174,8 +174,7 @@ class WorkerState:
     def snapshot(self) -> dict:
         snap = snapshot(self.deployment, self.model, self.counter)
         if self.dp is not None:
-            tables = self.model.dp_runner.tables if self.model.dp_runner else None
-            snap.update(self.dp.stats(), dp_table_bytes=tables.nbytes() if tables else 0)
+            snap.update(self.dp.stats())
         return snap
 
     def reset_stats(self) -> None:
