@@ -112,13 +112,14 @@ def _unsharded_tokens(model_dir: str) -> list:
     return out
 
 
-_RESULTS: dict[str, dict] = {}
+_RESULTS: dict[tuple, dict] = {}
 
 
-def _engine(models, tmp_path_factory, family: str) -> dict:
-    if family not in _RESULTS:
+def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP) -> dict:
+    key = (family, json.dumps(fusedpar))
+    if key not in _RESULTS:
         work = tmp_path_factory.mktemp("dp_engine")
-        spec = {"model": models[family], "tensor_parallel_size": 2, "fusedpar": DP, "max_tokens": MAX_TOKENS,
+        spec = {"model": models[family], "tensor_parallel_size": 2, "fusedpar": fusedpar, "max_tokens": MAX_TOKENS,
                 "batches": _prompts(), "enforce_eager": True, "engine_args": CHUNKED}
         (work / "spec.json").write_text(json.dumps(spec))
         proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
@@ -126,8 +127,8 @@ def _engine(models, tmp_path_factory, family: str) -> dict:
         log = proc.stdout + proc.stderr
         if proc.returncode != 0:
             pytest.fail(f"engine exited with {proc.returncode}:\n{log[-8000:]}")
-        _RESULTS[family] = {**json.loads((work / "out.json").read_text()), "log": log}
-    return _RESULTS[family]
+        _RESULTS[key] = {**json.loads((work / "out.json").read_text()), "log": log}
+    return _RESULTS[key]
 
 
 @needs_vllm
@@ -135,6 +136,16 @@ def _engine(models, tmp_path_factory, family: str) -> dict:
 def test_dp_steps_match_the_unsharded_model(models, tmp_path_factory, family):
     fp = _engine(models, tmp_path_factory, family)
     assert fp["tokens"] == _unsharded_tokens(models[family])
+
+
+@needs_vllm
+@pytest.mark.deep
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_dp_steps_match_plain_vllm_tp2(models, tmp_path_factory, family):
+    """The deep profile also runs plain vLLM at tensor_parallel_size=2 on the same prompts and budget."""
+    plain = _engine(models, tmp_path_factory, family, None)
+    assert plain["tokens"] == _unsharded_tokens(models[family]), "plain vLLM and the unsharded model disagree"
+    assert _engine(models, tmp_path_factory, family)["tokens"] == plain["tokens"]
 
 
 @needs_vllm
@@ -155,6 +166,7 @@ def test_ranks_serve_disjoint_request_sets(models, tmp_path_factory, family):
         assert (min(s["dp_steps"] for s in per_rank) == 0) == (len(batch) == 1), per_rank
         # no base or shift step of the workload: every step was a DP step
         assert all(s["base_steps"] == 0 and s["shift_steps"] == 0 for s in per_rank), per_rank
+        assert f"fusedpar rank {per_rank[0]['rank']} " in fp["log"] and ", dp " in fp["log"]  # the exit summary
         # one copy of the projection weights (the base shards: the full weights at SP = P), and vLLM's vocab
         # shards unchanged (no full embedding / lm_head copy: dp_runner.DPVocab)
         assert all(s["weight_bytes"] == s["base_shard_bytes"] > 0 for s in per_rank), per_rank

@@ -183,7 +183,11 @@ class WorkerState:
             self.dp.reset()
 
     def summary(self) -> str:
-        return summary(self.deployment, self.counter)
+        line = summary(self.deployment, self.counter)
+        if self.dp is not None:
+            d = self.dp.stats()
+            line += f", dp {d['dp_steps']} steps / {d['dp_tokens']} tokens / {len(d['dp_requests'])} requests"
+        return line
 
     def log_summary(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: logging may be half torn down
