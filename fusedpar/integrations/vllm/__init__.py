@@ -24,8 +24,10 @@ worker methods), step (the facts of the running step), hooks (the hooks on vLLM'
 comms (process groups and base-mode communicators: warm-up, graph capture), base_runner /
 base_step (a base step's forward and kernels), shift_trace (when the compiled shift path is
 traced), counters (step counts; a submodule named `stats` would shadow the function `stats`
-once imported), layers (the linear layers). Only this package imports vllm; fusedpar's core
-never does.
+once imported), layers (the linear layers); the DP layout (policy "dp", docs/vllm.md): dp_engine
+(the engine checks and the three classes it sets), dp_scheduler / dp_kv (placement, per-rank KV
+pools, the step's tag), dp_worker (a rank's own requests), dp_executor (the ranks' outputs merged),
+dp_runner (the DP forward). Only this package imports vllm; fusedpar's core never does.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The decoder model's forward in a DP step: this rank's own requests, full weights, no collective.
+"""The decoder model's forward in a DP step: this rank's own requests, full weights; no collective but
+the vocab-parallel embedding's and logits' (DPVocab).
 
 With sequence_parallel_size = P the base shard of every projection is the full weight on every rank
 (layers.py), so a DP step runs the whole model on the rank's own tokens:

@@ -104,7 +104,3 @@ class DPScheduler(Scheduler):
     def _free_blocks(self, request) -> None:
         super()._free_blocks(request)
         self.placement.pop(request.request_id, None)
-
-    def dp_placement(self) -> dict[str, int]:
-        """Request id -> rank of every request the engine holds now."""
-        return dict(self.placement)
