@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -115,15 +116,18 @@ def _unsharded_tokens(model_dir: str) -> list:
 _RESULTS: dict[tuple, dict] = {}
 
 
-def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP) -> dict:
-    key = (family, json.dumps(fusedpar))
+def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP, *, engine_process: bool = False) -> dict:
+    """The engine's result; engine_process: its engine core in a process of its own (vLLM's default; the
+    harness runs it in process), so the classes and the scheduler's tag cross one more process boundary."""
+    key = (family, json.dumps(fusedpar), engine_process)
     if key not in _RESULTS:
         work = tmp_path_factory.mktemp("dp_engine")
         spec = {"model": models[family], "tensor_parallel_size": 2, "fusedpar": fusedpar, "max_tokens": MAX_TOKENS,
                 "batches": _prompts(), "enforce_eager": True, "engine_args": CHUNKED}
         (work / "spec.json").write_text(json.dumps(spec))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if engine_process else None
         proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
-                               str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=900)
+                               str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
         log = proc.stdout + proc.stderr
         if proc.returncode != 0:
             pytest.fail(f"engine exited with {proc.returncode}:\n{log[-8000:]}")
@@ -146,6 +150,16 @@ def test_dp_steps_match_plain_vllm_tp2(models, tmp_path_factory, family):
     plain = _engine(models, tmp_path_factory, family, None)
     assert plain["tokens"] == _unsharded_tokens(models[family]), "plain vLLM and the unsharded model disagree"
     assert _engine(models, tmp_path_factory, family)["tokens"] == plain["tokens"]
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_dp_steps_with_the_engine_core_in_its_own_process(models, tmp_path_factory):
+    fp = _engine(models, tmp_path_factory, "llama", engine_process=True)
+    assert fp["tokens"] == _unsharded_tokens(models["llama"])
+    for batch, per_rank in zip(_prompts(), fp["stats"], strict=True):
+        sets = [set(s["dp_requests"]) for s in per_rank]
+        assert not sets[0] & sets[1] and len(sets[0] | sets[1]) == len(batch), sets
 
 
 @needs_vllm
