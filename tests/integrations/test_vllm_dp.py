@@ -135,8 +135,12 @@ def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP, *
     return _RESULTS[key]
 
 
+# the default profile runs the qwen3 engine (q/k norms in the DP forward); the deep one llama too
+ENGINE_FAMILIES = [pytest.param("llama", marks=pytest.mark.deep), pytest.param("qwen3")]
+
+
 @needs_vllm
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_dp_steps_match_the_unsharded_model(models, tmp_path_factory, family):
     fp = _engine(models, tmp_path_factory, family)
     assert fp["tokens"] == _unsharded_tokens(models[family])
@@ -163,7 +167,7 @@ def test_dp_steps_with_the_engine_core_in_its_own_process(models, tmp_path_facto
 
 
 @needs_vllm
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_ranks_serve_disjoint_request_sets(models, tmp_path_factory, family):
     fp = _engine(models, tmp_path_factory, family)
     for batch, per_rank in zip(_prompts(), fp["stats"], strict=True):
