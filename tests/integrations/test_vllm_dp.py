@@ -248,8 +248,9 @@ def test_engine_problems_name_every_feature_dp_steps_do_not_carry():
              scheduler_config=NS(async_scheduling=True, scheduler_cls="my.Scheduler"),
              parallel_config=NS(pipeline_parallel_size=2, worker_cls="vllm.v1.worker.gpu_worker.Worker",
                                 distributed_executor_backend="ray"))
-    msg = "; ".join(dp_engine_problems(bad))
-    for needle in ("enable_prefix_caching=True", "speculative decoding", "LoRA", "pipeline_parallel_size=2",
+    msg = "; ".join(dp_engine_problems(bad, "0.26.0"))
+    for needle in ("a DP layout on vLLM 0.26.0",
+                   "enable_prefix_caching=True", "speculative decoding", "LoRA", "pipeline_parallel_size=2",
                    "async_scheduling=True", "V2 model runner", "kv_transfer_config", "scheduler_cls='my.Scheduler'",
                    "'vllm.v1.worker.gpu_worker.Worker'", "distributed_executor_backend='ray'"):
         assert needle in msg, msg
@@ -258,7 +259,7 @@ def test_engine_problems_name_every_feature_dp_steps_do_not_carry():
               scheduler_config=NS(async_scheduling=False, scheduler_cls=None),
               parallel_config=NS(pipeline_parallel_size=1, worker_cls="vllm.v1.worker.cpu_worker.CPUWorker",
                                  distributed_executor_backend="mp"))
-    assert dp_engine_problems(good) == []
+    assert dp_engine_problems(good, "0.32.0") == []
 
 
 @needs_vllm

@@ -20,12 +20,21 @@ SCHEDULER = "fusedpar.integrations.vllm.dp_scheduler.DPScheduler"
 WORKER = "fusedpar.integrations.vllm.dp_worker.DPWorker"
 EXECUTOR = "fusedpar.integrations.vllm.dp_executor.DPExecutor"
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
+DP_VLLM_VERSION = "0.32."  # the vLLM whose scheduler internals the DP classes are written against
 
 
-def dp_engine_problems(vllm_config) -> list[str]:
-    """Every engine setting the DP layout cannot run with (vLLM's names, the values found)."""
+def dp_engine_problems(vllm_config, vllm_version: str | None = None) -> list[str]:
+    """Every engine setting the DP layout cannot run with (vLLM's names, the values found). vllm_version:
+    the running vLLM's (default: the installed one); the DP classes build on its scheduler's internals."""
+    if vllm_version is None:
+        import vllm
+
+        vllm_version = vllm.__version__
     cache, sched, par = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.parallel_config
     problems = []
+    if not vllm_version.startswith(DP_VLLM_VERSION):
+        problems.append(f"a DP layout on vLLM {vllm_version}: its scheduler, worker and executor classes build on "
+                        f"vLLM {DP_VLLM_VERSION}'s internals (KVCacheManager, SchedulerOutput, MultiprocExecutor)")
     if cache.enable_prefix_caching:
         problems.append("prefix caching with a DP layout (enable_prefix_caching=True); pass "
                         "enable_prefix_caching=False")
