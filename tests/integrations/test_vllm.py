@@ -507,6 +507,7 @@ def test_first_step_honours_the_threshold(models, tmp_path_factory, chunked):
 
 
 @needs_vllm
+@pytest.mark.deep  # a 4-worker engine on the CI machine's 2 cores; the default profile keeps P = 2
 def test_sp2_tp2_on_four_ranks_matches_plain(models, tmp_path_factory):
     """P=4: base SP=2 x TP=2 (base-TP all-reduces, 2 kv heads replicated over 4 ranks) <-> TP=4.
 
