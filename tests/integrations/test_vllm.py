@@ -391,9 +391,10 @@ def _modes_of_orders(per_batch_stats: list, family: str, threshold: int, tp: int
         assert (s["shift_steps"], s["shift_tokens"]) == (len(shift), sum(shift)), (b, batch, s)
 
 
-# The default profile runs three engines: qwen3 mixed (compiled), llama chunked + eager, qwen3 at P=4.
-# The deep profile (python -m pytest --deep) adds always-base and mixed for both families, the compiled
-# chunked and the unchunked eager llama engines, and the plain vLLM engines the tokens are checked against.
+# The default profile runs two engines: qwen3 mixed (compiled) and llama chunked + eager (test_vllm_dp.py
+# adds the DP engine). The deep profile (python -m pytest --deep) adds qwen3 at P=4, always-base and mixed
+# for both families, the compiled chunked and the unchunked eager llama engines, and the plain vLLM engines
+# the tokens are checked against.
 @needs_vllm
 @pytest.mark.deep
 @pytest.mark.parametrize("family", FAMILIES)
