@@ -120,11 +120,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------- engine side
-def write_model_dir(shape_key: str, layers: int | None, path: Path) -> None:
-    """A config-only model directory (load_format "dummy" makes the weights)."""
-    from shapes import shape
+def write_model_dir(shape_key: str, layers: int | None, path: Path, tp: int = 1) -> None:
+    """A config-only model directory (load_format "dummy" makes the weights); tp > 1: the model of one
+    TP=tp rank's shard (shapes.rank_shape)."""
+    from shapes import rank_shape
 
-    s = shape(shape_key)
+    s = rank_shape(shape_key, tp)
     cfg = {"architectures": [ARCHITECTURE[shape_key]], "model_type": "qwen3" if shape_key.startswith("qwen") else
            "llama", "hidden_size": s.hidden, "intermediate_size": s.intermediate,
            "num_hidden_layers": layers or s.layers, "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,

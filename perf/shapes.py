@@ -54,9 +54,22 @@ def shape(key: str) -> ModelShape:
         raise ValueError(f"unknown model shape {key!r}; known: {sorted(SHAPES)}") from None
 
 
-def decoder_config_kwargs(key: str) -> dict:
-    """Keywords of fusedpar.layers.DecoderConfig for one decoder layer of the shape."""
+def rank_shape(key: str, tp: int) -> ModelShape:
+    """One rank's shard of the shape at tensor parallelism `tp`, as a model of its own: q heads, MLP and
+    vocabulary split tp ways, kv heads too (one per rank, replicated, where tp exceeds them). A TP=tp
+    rank's decode step is this model's step on one GPU plus the all-reduces."""
     s = shape(key)
+    if tp < 1 or s.heads % tp or s.intermediate % tp or (s.kv_heads % tp and tp % s.kv_heads):
+        raise ValueError(f"{s.name} does not split {tp} ways: need {tp} to divide the {s.heads} q heads and the "
+                         f"{s.intermediate} MLP columns, and to divide or be a multiple of the {s.kv_heads} kv heads")
+    return ModelShape(f"{s.name} TP={tp} rank", hidden=s.hidden, heads=s.heads // tp,
+                      kv_heads=max(1, s.kv_heads // tp), head_dim=s.head_dim, intermediate=s.intermediate // tp,
+                      layers=s.layers, vocab=-(-s.vocab // tp), rope_theta=s.rope_theta, qk_norm=s.qk_norm)
+
+
+def decoder_config_kwargs(key: str | ModelShape) -> dict:
+    """Keywords of fusedpar.layers.DecoderConfig for one decoder layer of the shape (a key of SHAPES or a shape)."""
+    s = key if isinstance(key, ModelShape) else shape(key)
     kw = dict(hidden_size=s.hidden, num_q_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim,
               intermediate_size=s.intermediate, rope_theta=s.rope_theta)
     if s.qk_norm:
