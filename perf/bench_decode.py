@@ -234,11 +234,13 @@ async def _vllm_engine(spec: dict) -> dict:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    t0 = time.perf_counter()
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=spec["model_dir"], tensor_parallel_size=1, load_format="dummy", dtype="bfloat16",
         skip_tokenizer_init=True, max_model_len=spec["max_model_len"], enable_prefix_caching=False, seed=0,
         gpu_memory_utilization=spec["gpu_memory_utilization"], max_num_batched_tokens=MAX_BATCH_TOKENS,
         max_num_seqs=spec["max_seqs"]))
+    print(f"   vllm  engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
     rng = random.Random(0)
     seq = iter(range(10**9))
     res = {}
@@ -277,14 +279,25 @@ def vllm_case(model: str, tp: int, args, pairs: list[tuple[int, int]], work: Pat
     proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
+    log = Path(args.out).with_name(f"{Path(args.out).stem}_vllm_{model}_tp{tp}.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"   vllm  engine log: {log}", flush=True)
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith(("RESULT:", "   vllm")) or "Error" in line:
-                print(f"   [vllm {time.perf_counter() - t0:5.0f}s] {line.rstrip()[:300]}", flush=True)
+        with log.open("w") as f:
+            for line in proc.stdout:
+                lines.append(line)
+                f.write(line)
+                f.flush()
+                if line.startswith(("RESULT:", "   vllm")) or "Error" in line:
+                    print(f"   [vllm {time.perf_counter() - t0:5.0f}s] {line.rstrip()[:300]}", flush=True)
+                if time.perf_counter() - t0 > args.timeout:
+                    break
         proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0)))
     except subprocess.TimeoutExpired:
-        proc.kill()
+        pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     found = [x for x in lines if x.startswith("RESULT:")]
     if not found:
         print("".join(lines[-40:]), flush=True)
