@@ -46,6 +46,8 @@ BENCHMARKS = {
                   "perf/bench_attention.py"),
     "layer": ("Decoder layer", "one decoder layer per step in each mode", "perf/bench_layer.py"),
     "model": ("Whole model", "TTFT, TPOT and throughput of a whole random-weight model", "perf/model_bench.py"),
+    "decode": ("Decode step of one TP rank", "one TP rank's decode step (the rank's shard, one GPU) on the fusedpar "
+               "stack's decode graphs; speedup = plain vLLM TP=1 on the same shard / fusedpar", "perf/bench_decode.py"),
     "hf_decode": ("Hugging Face generate", "HF generate TPOT with decode CUDA graphs vs eager",
                   "perf/bench_hf_decode.py"),
     "reshard": ("Re-sharding and the host KV tier",

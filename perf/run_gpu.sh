@@ -20,6 +20,7 @@ declare -A ITEMS=(
   [all_to_all_o_proj]='$TRUN perf/bench_all_to_all_o_proj.py --out "$RES/all_to_all_o_proj.json"'
   [layer]='$TRUN perf/bench_layer.py --out "$RES/layer.json"'
   [model]='$TRUN perf/model_bench.py --out "$RES/model.json"'
+  [decode]='$TRUN perf/bench_decode.py --out "$RES/decode.json"'
   [hf_decode]='$TRUN perf/bench_hf_decode.py --out "$RES/hf_decode.json"'
   [reshard]='$TRUN perf/bench_reshard.py --out "$RES/reshard.json"'
   [serve]='$TRUN perf/serve_bench.py --out "$RES/serve.json"'
