@@ -33,9 +33,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fusedpar.layers import ShardedDecoderWeights, weight_shapes
+from fusedpar.layers.fp8_weights import FP8Weight, cat_fp8, fp8_shift_view
 from fusedpar.layers.weights import REPLICATED
 from fusedpar.layouts import WEIGHT_NAMES, ParallelLayout
 
+from .fp8 import FP8_WEIGHTS, fp8_segment, scale_key
 from .model import assemble, check_arguments, fused_decision, graphs_decision
 from .spec import LAYER_PARAMS, HFModelSpec, UnsupportedModelError, inspect_model, rotary_tables
 
@@ -211,6 +213,9 @@ def _check_keys(reader: CheckpointReader, model, spec: HFModelSpec) -> None:
         optional.add("lm_head.weight")
     shapes = weight_shapes(spec.decoder)
     required |= {f"model.layers.{i}.{LAYER_PARAMS[n]}" for i in range(spec.num_layers) for n in shapes}
+    if spec.fp8 is not None:  # every projection weight's scales
+        required |= {f"model.layers.{i}.{scale_key(LAYER_PARAMS[n], spec.fp8)}" for i in range(spec.num_layers)
+                     for n in FP8_WEIGHTS}
     patterns = [*_IGNORED_UNEXPECTED, *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
     ignored = re.compile("|".join(f"({p})" for p in patterns))
     present = set(reader.weight_map)
@@ -259,6 +264,10 @@ def _layer_shards(reader: CheckpointReader, spec: HFModelSpec, layout: ParallelL
         for wname in WEIGHT_NAMES:
             shard = shard_map.shard(rank, wname)
             dim = shard.torch_dim
+            if spec.fp8 is not None:
+                base[wname] = _fp8_shard(reader, prefix, shard, spec, shapes, device)
+                shift[wname] = fp8_shift_view(base[wname], shard)
+                continue
             pieces = [reader.narrow(prefix + LAYER_PARAMS[seg.source], dim, seg.start, seg.stop)
                       for seg in shard.base]
             base[wname] = torch.cat(pieces, dim=dim).to(device=device, dtype=dtype).contiguous()
@@ -276,6 +285,19 @@ def _layer_shards(reader: CheckpointReader, spec: HFModelSpec, layout: ParallelL
             shift["qkv_bias"] = base["qkv_bias"].narrow(0, lo, hi - lo)
         yield ShardedDecoderWeights(base, shift, replicated)
         progress.update(f"layer {i}")
+
+
+def _fp8_shard(reader: CheckpointReader, prefix: str, shard, spec: HFModelSpec, shapes: dict, device) -> FP8Weight:
+    """A base shard of FP8 weights: each segment's e4m3 rows / columns and the scales of the tiles they
+    cover, read from the checkpoint (the scales whole: a few per thousand of the weight's bytes)."""
+    pieces = []
+    for seg in shard.base:
+        key = prefix + LAYER_PARAMS[seg.source]
+        q = reader.narrow(key, shard.torch_dim, seg.start, seg.stop)
+        scale = reader.full(scale_key(key, spec.fp8), kind="layers")
+        pieces.append(fp8_segment(q, scale, spec.fp8, shapes[seg.source], shard.torch_dim, seg.start, key))
+    joined = cat_fp8(pieces, shard.torch_dim)
+    return FP8Weight(joined.q.to(device).contiguous(), joined.scale.to(device).contiguous(), joined.tile)
 
 
 def _resolve_device(device) -> torch.device:

@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, QuantizedCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fusedpar.collectives import ParallelContext, check_agreement, tensor_checksum
+from fusedpar.kernels.fp8 import E4M3
 from fusedpar.layers import (
     ShardedDecoderWeights,
     ShiftParallelDecoderLayer,
@@ -39,10 +40,12 @@ from fusedpar.layers import (
     StepModeRule,
     weight_shapes,
 )
+from fusedpar.layers.fp8_weights import FP8Weight
 from fusedpar.layers.kernel_choice import choose_cuda_graphs, choose_fused_kernels
 from fusedpar.layouts import ParallelLayout, holdings
 
 from .cache import ShiftParallelCache
+from .fp8 import FP8_WEIGHTS, to_fp8_weight
 from .runtime import _run_step, _Runtime
 from .spec import LAYER_PARAMS, HFModelSpec, UnsupportedModelError, inspect_model
 from .switching import check_reshard_layouts, follow_policy, held_layouts_for, reshard_runtime, share_row_parallel
@@ -50,9 +53,23 @@ from .switching import check_reshard_layouts, follow_policy, held_layouts_for, r
 __all__ = ["base_shard_bytes", "parallelize", "resident_decoder_bytes"]
 
 
-def full_layer_weights(layer: nn.Module, spec: HFModelSpec) -> dict[str, torch.Tensor]:
-    """One HF decoder layer's weights under the core names (fusedpar.layers.config.weight_shapes)."""
-    return {n: layer.get_parameter(LAYER_PARAMS[n]).detach() for n in weight_shapes(spec.decoder)}
+def full_layer_weights(layer: nn.Module, spec: HFModelSpec) -> dict[str, torch.Tensor | FP8Weight]:
+    """One HF decoder layer's weights under the core names (fusedpar.layers.config.weight_shapes); the
+    projections of an FP8 model (transformers' FP8Linear: an e4m3 weight beside its scales) as FP8Weight."""
+    out = {}
+    for n in weight_shapes(spec.decoder):
+        w = layer.get_parameter(LAYER_PARAMS[n]).detach()
+        if spec.fp8 is not None and n in FP8_WEIGHTS:
+            module = LAYER_PARAMS[n].removesuffix(".weight")
+            scale = getattr(layer.get_submodule(module), spec.fp8.scale_name, None)
+            if scale is None or w.dtype != E4M3:
+                raise UnsupportedModelError(
+                    f"fusedpar.integrations.hf: the config declares FP8 weights, but {module} holds a {w.dtype} "
+                    f"weight{'' if scale is not None else ' and no ' + spec.fp8.scale_name} (load FP8 checkpoints "
+                    "with load_parallel, or the model with transformers' FP8 quantizer on a GPU)")
+            w = to_fp8_weight(w, scale.detach(), spec.fp8, tuple(w.shape), module)
+        out[n] = w
+    return out
 
 
 # ---- the model ------------------------------------------------------------------------------
@@ -324,6 +341,9 @@ def fused_decision(spec: HFModelSpec, device: torch.device, fused: bool | None) 
     """
     hd = spec.decoder.head_dim
     blockers = [f"head_dim={hd} (the attention kernel needs a power of two >= 16)"] if hd < 16 or hd & (hd - 1) else []
+    if spec.fp8 is not None:
+        blockers.append(f"FP8 weights ({spec.fp8.scheme.weight} scales: the fused kernels take bf16 / fp16 weights, "
+                        "FP8 layers run on the plain path)")
     return choose_fused_kernels(
         fused, device=device, dtype=spec.dtype, blockers=blockers,
         refuse=lambda why: UnsupportedModelError("fusedpar.integrations.hf: fused=True is not possible: "
@@ -505,6 +525,9 @@ def parallelize(model, layout: ParallelLayout, shift_threshold: int | None = Non
             raise ValueError(f"the policy chooses among {list(policy.layouts)}; the model starts in {layout!r}, "
                              "which is not one of them")
     spec = inspect_model(model, layout, max_seq_len=max_seq_len)
+    if spec.fp8 is not None and reshard_layouts:
+        raise UnsupportedModelError("fusedpar.integrations.hf: live re-sharding (reshard_layouts / policy) of FP8 "
+                                    f"weights ({spec.fp8.scheme.weight} scales); parallelize FP8 models in one layout")
     for lay in reshard_layouts:
         inspect_model(model, lay, max_seq_len=max_seq_len)  # every declared layout must fit the model
     held_layouts = held_layouts_for((layout, *reshard_layouts))
@@ -548,9 +571,10 @@ def resident_decoder_bytes(model) -> int:
     seen: dict[int, int] = {}
     stacks = [stack for _, stack in model._fusedpar.stacks.values()] or [model._fusedpar.stack]
     for layer in (layer for stack in stacks for layer in stack.layers):
-        for t in (*layer.w.base.values(), *layer.w.shift.values(), *layer.w.replicated.values()):
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
+        for w in (*layer.w.base.values(), *layer.w.shift.values(), *layer.w.replicated.values()):
+            for t in ((w.q, w.scale) if isinstance(w, FP8Weight) else (w,)):
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
 

@@ -10,7 +10,8 @@ before any process group is touched, so every rank fails the same way at `parall
 Supported: model_type llama, mistral, qwen2, qwen3 (the families whose decoder layer is
 pre-norm RMSNorm -> GQA attention with rotate-half RoPE -> RMSNorm -> SwiGLU MLP), fp32 / bf16 /
 fp16, q/k/v bias (Qwen2), Qwen3's per-head q/k RMSNorm, tied embeddings, RoPE types "default",
-"linear", "llama3" and "yarn" (static frequency tables; the HF module's own table is used).
+"linear", "llama3" and "yarn" (static frequency tables; the HF module's own table is used), FP8
+projection weights in the formats of fp8.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from fusedpar.layers import DecoderConfig
-from fusedpar.layouts import ParallelLayout, shard_problems
+from fusedpar.layouts import ParallelLayout, scale_block_problems, shard_problems
+
+from .fp8 import FP8Format, fp8_format
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -67,6 +70,7 @@ class HFModelSpec:
     sliding_window: int | None
     max_seq_len: int | None
     tied_embeddings: bool
+    fp8: FP8Format | None = None  # FP8 projection weights (fp8.py); dtype is then that of the other weights
 
     @property
     def qkv_bias(self) -> bool:
@@ -148,8 +152,8 @@ def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = No
         problems.append(f"mixture-of-experts (MoE) layers (config {fields})")
     if model_type not in SUPPORTED_MODEL_TYPES:
         problems.append(f"model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if getattr(config, "quantization_config", None) is not None or getattr(model, "hf_quantizer", None) is not None:
-        problems.append("quantized weights (quantization_config)")
+    fp8, fp8_problems = fp8_format(getattr(config, "quantization_config", None))
+    problems += fp8_problems
     parts = _decoder_parts(model)
     if parts is None:
         problems.append(f"{name} does not have the *ForCausalLM layout (model.embed_tokens, model.layers, "
@@ -258,7 +262,9 @@ def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = No
     if rope.get("partial_rotary_factor", 1.0) not in (None, 1.0):
         problems.append(f"partial rotary embeddings (partial_rotary_factor={rope['partial_rotary_factor']})")
 
-    dtypes = {p.dtype for p in model.parameters()}
+    # FP8 projection weights and their fp32 scales do not set the model's dtype
+    dtypes = {p.dtype for n, p in model.named_parameters()
+              if fp8 is None or not (p.dtype == torch.float8_e4m3fn or n.endswith(fp8.scale_name))}
     bad = sorted(str(d) for d in dtypes if d not in SUPPORTED_DTYPES)
     if bad:
         problems.append(f"parameter dtypes {bad} (supported: float32, bfloat16, float16)")
@@ -281,6 +287,9 @@ def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = No
             qkv_bias=bool(qkv_bias_layers),
         )
         problems += [f"layout {layout!r} does not fit the model: {p}" for p in shard_problems(layout, decoder.dims)]
+        if fp8 is not None and fp8.scheme.weight == "block":
+            problems += [f"layout {layout!r} cuts FP8 weights inside their {fp8.scheme.block[0]}x{fp8.scheme.block[1]} "
+                         f"scale blocks: {p}" for p in scale_block_problems(layout, decoder.dims, fp8.scheme.block)]
     except ValueError as e:  # DecoderConfig's own checks (sizes, odd head_dim, rope_theta, eps)
         problems.append(f"decoder sizes: {e}")
     _raise(name, problems)
@@ -296,7 +305,7 @@ def inspect_model(model, layout: ParallelLayout, *, max_seq_len: int | None = No
     tied = model.lm_head.weight is inner.embed_tokens.weight or bool(getattr(config, "tie_word_embeddings", False))
     return HFModelSpec(
         model_type=model_type, architecture=name, decoder=decoder, num_layers=len(layers), dtype=dtype,
-        rope_type=rope_type, sliding_window=sliding_window, max_seq_len=max_seq_len, tied_embeddings=tied,
+        rope_type=rope_type, sliding_window=sliding_window, max_seq_len=max_seq_len, tied_embeddings=tied, fp8=fp8,
     )
 
 
