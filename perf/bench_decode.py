@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -275,29 +276,30 @@ def vllm_case(model: str, tp: int, args, pairs: list[tuple[int, int]], work: Pat
     env = {k: v for k, v in os.environ.items()  # the child is a one-GPU vLLM process, not a torchrun rank
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # its one-process group needs no routable address
     log = Path(args.out).with_name(f"{Path(args.out).stem}_vllm_{model}_tp{tp}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"   vllm  engine log: {log}", flush=True)
-    try:
-        with log.open("w") as f:
-            for line in proc.stdout:
-                lines.append(line)
-                f.write(line)
-                f.flush()
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec_path)], stdout=f,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+        seen = 0
+        while True:  # the log is read as it grows, so a silent engine cannot outlast --timeout
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=2.0)
+            lines = log.read_text(errors="replace").splitlines(keepends=True)
+            for line in lines[seen:]:
                 if line.startswith(("RESULT:", "   vllm")) or "Error" in line:
                     print(f"   [vllm {time.perf_counter() - t0:5.0f}s] {line.rstrip()[:300]}", flush=True)
-                if time.perf_counter() - t0 > args.timeout:
-                    break
-        proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0)))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+            seen = len(lines)
+            if proc.poll() is not None:
+                break
+            if time.perf_counter() - t0 > args.timeout:
+                print(f"   vllm  no result within --timeout {args.timeout:.0f} s: stopped", flush=True)
+                proc.kill()
+                proc.wait()
+                break
     found = [x for x in lines if x.startswith("RESULT:")]
     if not found:
         print("".join(lines[-40:]), flush=True)
