@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from fusedpar.kernels.fp8 import ops as _ops  # noqa: F401  (registers torch.ops.fusedpar.fp8_*)
-from fusedpar.kernels.fp8.launch import check_block_view, pick_fp8_config, weight_tile
+from fusedpar.kernels.fp8.launch import ACT_DTYPES, check_block_view, mm_block_k, pick_fp8_config, weight_tile
 from fusedpar.kernels.fp8.reference import (
     E4M3,
     E4M3_MAX,
@@ -40,8 +40,17 @@ from fusedpar.kernels.fp8.reference import (
 )
 
 __all__ = ["E4M3", "E4M3_MAX", "FP8Scheme", "check_block_view", "dequantize", "fp8_linear", "fp8_linear_tiles",
-           "fp8_matmul", "fp8_matmul_tiles", "fp8_quantize", "fp8_scaled_mm", "pick_fp8_config",
+           "fp8_matmul", "fp8_matmul_tiles", "fp8_quantize", "fp8_scaled_mm", "kernel_takes", "pick_fp8_config",
            "quantize_activation", "quantize_weight", "weight_tile"]
+
+
+def kernel_takes(x: torch.Tensor, qw: torch.Tensor, w_tile: tuple[int, int], x_group: int) -> bool:
+    """Whether fp8_matmul_tiles takes these operands: an fp16 / bf16 / fp32 x, an e4m3 [N, K] weight, and
+    a weight tile and activation group that each span K or are a multiple of the kernel's smallest K step
+    (not, e.g., one scale per input column)."""
+    k = qw.shape[-1]
+    return (x.dtype in ACT_DTYPES and qw.dtype == E4M3 and qw.dim() == 2 and k > 0
+            and mm_block_k(k, w_tile[1], x_group, 128) is not None)
 
 
 def fp8_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
