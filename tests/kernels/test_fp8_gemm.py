@@ -421,7 +421,9 @@ _COMPILE = textwrap.dedent(
             out["mm"].append(dict(r, config=repr(cfg), in_loop=in_loop, m=m))
     qtypes = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32",
               "stride_xk": "i32", "stride_qm": "i32", "stride_sm": "i32", "GROUP": "i32", "num_groups": "i32"}
-    out["quant"].append(build(kernels._quantize_rows_kernel, qtypes, {"BLOCK": 1024}, [], {"num_warps": 4}))
+    for one_block in (True, False):  # what the launcher picks for K <= 8192 and above
+        out["quant"].append(build(kernels._quantize_rows_kernel, qtypes, {"BLOCK": 8192, "ONE_BLOCK": one_block}, [],
+                                  {"num_warps": 16}))
     out["quant"].append(build(kernels._quantize_groups_kernel, qtypes, {"GROUPS_PER_PROG": 16, "GROUP_P2": 128}, [],
                               {"num_warps": 4}))
     print(json.dumps(out))

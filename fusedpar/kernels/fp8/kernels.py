@@ -46,20 +46,30 @@ def _quantize_block(x, scale):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk, stride_qm, stride_sm,
-                          BLOCK: tl.constexpr):
-    """One program per token: amax over its K inputs, scale, then its e4m3 row (two passes over x)."""
+                          BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """One program per token: amax over its K inputs, scale, then its e4m3 row. ONE_BLOCK (K <= BLOCK):
+    the row is loaded once and stays in registers; else two passes over x in BLOCK-wide steps."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_xm + (k0 + offs) * stride_xk, mask=k0 + offs < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
-    tl.store(s_ptr + row * stride_sm, scale)
-    for k0 in range(0, K, BLOCK):
-        mask = k0 + offs < K
-        x = tl.load(x_ptr + row * stride_xm + (k0 + offs) * stride_xk, mask=mask, other=0.0)
-        tl.store(q_ptr + row * stride_qm + k0 + offs, _quantize_block(x.to(tl.float32), scale), mask=mask)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    if ONE_BLOCK:
+        mask = offs < K
+        x = tl.load(x_row + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)
+        tl.store(s_ptr + row * stride_sm, scale)
+        tl.store(q_row + offs, _quantize_block(x, scale), mask=mask)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_row + (k0 + offs) * stride_xk, mask=k0 + offs < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
+        tl.store(s_ptr + row * stride_sm, scale)
+        for k0 in range(0, K, BLOCK):
+            mask = k0 + offs < K
+            x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0)
+            tl.store(q_row + k0 + offs, _quantize_block(x.to(tl.float32), scale), mask=mask)
 
 
 @triton.jit

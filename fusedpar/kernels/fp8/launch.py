@@ -21,7 +21,9 @@ from fusedpar.kernels.gemm.launch import tma_compatible, tma_descriptors
 
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # activations and outputs
 MIN_BLOCK_K = 16 if INTERPRETED else 32  # an e4m3 wgmma consumes K in steps of 32
-_QUANT_BLOCK = 1024  # inputs per step of the per-token quantiser
+# inputs per step of the per-token quantiser: a whole row of the TP=4 shapes (K <= 8192) in one load, kept in
+# registers (16 per thread at 16 warps); 1024 under the interpreter, so the tests see the two-pass loop too
+_QUANT_BLOCK = 1024 if INTERPRETED else 8192
 
 
 def _fail(op: str, problems: list[str], exc: type[Exception] = ValueError) -> None:
@@ -72,8 +74,9 @@ def _launch_quantize(x: torch.Tensor, group: int, q: torch.Tensor, scale: torch.
     _check_device("fusedpar fp8 quantize", x)
     with device_guard(x.device):
         if group >= k:
+            block = min(_QUANT_BLOCK, max(16, next_pow2(k)))
             _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), x.stride(1), q.stride(0), scale.stride(0),
-                                        BLOCK=min(_QUANT_BLOCK, max(16, next_pow2(k))), num_warps=4)
+                                        BLOCK=block, ONE_BLOCK=k <= block, num_warps=max(4, min(16, block // 512)))
         else:
             num_groups = cdiv(k, group)
             group_p2 = max(16, next_pow2(group))
