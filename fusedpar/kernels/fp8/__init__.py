@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from fusedpar.kernels.fp8 import ops as _ops  # noqa: F401  (registers torch.ops.fusedpar.fp8_*)
-from fusedpar.kernels.fp8.launch import ACT_DTYPES, check_block_view, mm_block_k, pick_fp8_config, weight_tile
+from fusedpar.kernels.fp8.launch import ACT_DTYPES, check_block_view, mm_block_k, pick_fp8_config
 from fusedpar.kernels.fp8.reference import (
     E4M3,
     E4M3_MAX,
@@ -41,7 +41,7 @@ from fusedpar.kernels.fp8.reference import (
 
 __all__ = ["E4M3", "E4M3_MAX", "FP8Scheme", "check_block_view", "dequantize", "fp8_linear", "fp8_linear_tiles",
            "fp8_matmul", "fp8_matmul_tiles", "fp8_quantize", "fp8_scaled_mm", "kernel_takes", "pick_fp8_config",
-           "quantize_activation", "quantize_weight", "weight_tile"]
+           "quantize_activation", "quantize_weight"]
 
 
 def kernel_takes(x: torch.Tensor, qw: torch.Tensor, w_tile: tuple[int, int], x_group: int) -> bool:

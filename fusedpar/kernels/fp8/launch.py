@@ -89,16 +89,6 @@ def _launch_quantize(x: torch.Tensor, group: int, q: torch.Tensor, scale: torch.
 # ==================================================================================== GEMM
 
 
-def weight_tile(qw_shape: tuple[int, int], w_scale_shape: tuple[int, ...],
-                block: tuple[int, int] | None) -> tuple[int, int]:
-    """The tile one weight scale covers: `block` when given, else read off the scale's shape (one scale:
-    the whole weight; [N, 1]: one per output row)."""
-    if block is not None:
-        return block
-    n, k = qw_shape
-    return (max(n, 1), max(k, 1)) if tuple(w_scale_shape) == (1, 1) else (1, max(k, 1))
-
-
 def mm_block_k(k: int, w_tile_k: int, x_group: int, block_k: int) -> int | None:
     """The largest BLOCK_K <= block_k (>= MIN_BLOCK_K) putting every K step inside one weight tile and one
     activation group along K (a tile or group spanning K always does), or None."""

@@ -69,8 +69,9 @@ def _check_linear(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor, w_ti
 @torch.library.custom_op("fusedpar::fp8_linear", mutates_args=())
 def _fp8_linear_op(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor, w_tile_n: int, w_tile_k: int,
                    x_group: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] quantised per token (group), @ (qw * w_scale)^T (+ bias), in x's dtype."""
-    _check_linear(x, qw, w_scale, (w_tile_n, w_tile_k), x_group, bias)
+    """x [M, K] quantised per token (group), @ (qw * w_scale)^T (+ bias), in x's dtype. The launchers check
+    x, then the GEMM's operands (no meta tensors built per call, as the fake impl does)."""
+    check_quantize_args(x, x_group)
     q, scale = _new_quantized(x, x_group)
     _launch_quantize(x, x_group, q, scale)
     out = torch.empty((x.shape[0], qw.shape[0]), dtype=x.dtype, device=x.device)
