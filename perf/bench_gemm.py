@@ -352,18 +352,37 @@ def bench_fp8_case(case, tokens, scheme_name, args, peak, bandwidth, l2_bytes, b
     def fused(x, qw, sw):
         return fp8.fp8_matmul(x, qw, sw, scheme)
 
+    padding = {"rows": 1}  # the baseline's token count is padded to a multiple of this (see below)
+
+    def base_quant(x):
+        if x.shape[0] % padding["rows"]:
+            x = torch.nn.functional.pad(x, (0, 0, 0, padding["rows"] - x.shape[0] % padding["rows"]))
+        return quant(x)
+
     def base(x, qw, sw):
-        q, s = quant(x)
-        return base_gemm(q, s, qw, sw)
+        q, s = base_quant(x)
+        return base_gemm(q, s, qw, sw)[: x.shape[0]]
+
+    def contiguous():
+        return [(x, qw.contiguous(), sw.contiguous()) for x, qw, sw in sets]
 
     x0, qw0, sw0 = sets[0]
-    base_sets, baseline_weight = sets, "the same view"
-    try:
-        base_out = base(x0, qw0, sw0)
-    except Exception:  # a strided view the baseline's kernel refuses: it runs on contiguous copies
-        base_sets = [(x, qw.contiguous(), sw.contiguous()) for x, qw, sw in sets]
-        baseline_weight = "a contiguous copy (the baseline refuses the strided view)"
-        base_out = base(*base_sets[0])
+    # the view as is; a contiguous copy where the baseline's kernel refuses the strided view; then also
+    # tokens padded to a multiple of 4, as vLLM's CUTLASS block-FP8 GEMM needed on Hopper in some releases
+    attempts = [(lambda: sets, 1, "the same view"),
+                (contiguous, 1, "a contiguous copy (the baseline refuses the strided view)"),
+                (contiguous, 4, "a contiguous copy, tokens padded to a multiple of 4 (the baseline needs both)")]
+    for i, (make_sets, rows, where) in enumerate(attempts):
+        padding["rows"] = rows
+        candidate = make_sets()
+        try:
+            base_out = base(*candidate[0])
+        except Exception:
+            if i == len(attempts) - 1:
+                raise
+            continue
+        base_sets, baseline_weight = candidate, where
+        break
     fused_out = fused(x0, qw0, sw0)
     want = fp8.fp8_linear(x0, qw0, sw0, scheme)
     scale = want.float().abs().max().item() or 1.0
@@ -377,7 +396,7 @@ def bench_fp8_case(case, tokens, scheme_name, args, peak, bandwidth, l2_bytes, b
     q_sets = [(*fp8.fp8_quantize(x, group), qw, sw) for x, qw, sw in sets]
     fused_gemm_ms = time_ms(lambda q, s, qw, sw: fp8.fp8_scaled_mm(q, s, qw, sw, w_tile, group), q_sets, args.iters,
                             args.warmup)
-    bq_sets = [(*quant(x), qw, sw) for x, qw, sw in base_sets]
+    bq_sets = [(*base_quant(x), qw, sw) for x, qw, sw in base_sets]
     baseline_gemm_ms = time_ms(base_gemm, bq_sets, args.iters, args.warmup)
 
     flops = 2 * m * n * k
