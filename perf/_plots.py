@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-SPEEDUP_PANELS = ("gemm", "qkv_all_to_all", "all_to_all_o_proj", "gemm_all_reduce", "one_shot_all_reduce",
+SPEEDUP_PANELS = ("gemm", "gemm_fp8", "qkv_all_to_all", "all_to_all_o_proj", "gemm_all_reduce", "one_shot_all_reduce",
                   "attention")
 LAYER_MODES = ("plain TP", "plain SP", "fused base", "fused shift", "fused policy")
 MODEL_MODES = ("plain TP", "plain SP", "fusedpar")
@@ -115,7 +115,8 @@ def _draw_speedup(plt, records, path: Path) -> bool:
         ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle("fusedpar fused kernels vs plain baselines, bf16 (perf/results/*.json)")
+    fp8 = " (gemm_fp8: e4m3)" if "gemm_fp8" in panels else ""
+    fig.suptitle(f"fusedpar fused kernels vs plain baselines, bf16{fp8} (perf/results/*.json)")
     _save(plt, fig, path)
     return True
 

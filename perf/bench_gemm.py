@@ -17,9 +17,26 @@ call reads its operands from HBM as a real layer would. The roofline of each cas
 max(2 M N K / peak, bytes / bandwidth), where peak is a cuBLAS 8192^3 GEMM and bandwidth a 1 GiB
 device copy, both measured in this run.
 
+FP8 (--fp8, bench "gemm_fp8", perf/results/gemm_fp8.json): the FP8 linear layer of fusedpar.kernels.fp8
+(activation quantisation + e4m3 GEMM, bf16 in and out) on the same per-rank shapes and shift views for
+1 .. 16384 tokens, per weight scheme (--schemes): "channel" (per-output-channel weight scales,
+per-token activation scales) and "block" (128 x 128 weight blocks, 1 x 128 activation groups). fused_ms
+times fusedpar.kernels.fp8.fp8_matmul (quantise + GEMM, one op); baseline_ms the same layer in vLLM when
+it is importable: per channel `scaled_fp8_quant(x, use_per_token_if_dynamic=True)` +
+`_custom_ops.cutlass_scaled_mm` (its CUTLASS FP8 GEMM), per block `per_token_group_quant_fp8(x, 128,
+column_major_scales=True)` + `_custom_ops.cutlass_scaled_mm` with block scales (vLLM's CUTLASS block-FP8
+path on Hopper), else its Triton `w8a8_block_fp8_matmul` / `w8a8_triton_block_scaled_mm`. Without vLLM,
+per channel: fusedpar's quantiser + `torch._scaled_mm` with row-wise scales (block: no baseline, not
+timed). Where a baseline refuses the strided view it runs on a contiguous copy (recorded in
+baseline_weight). Each record also carries the GEMMs alone (fused_gemm_ms, baseline_gemm_ms). The FP8
+peak is a `torch._scaled_mm` 8192^3 e4m3 GEMM measured in this run; fp8_peak_pct = 2 M N K / peak over
+fused_ms; roofline_pct uses max(FLOPs / FP8 peak, bytes / bandwidth), bytes = the bf16 input, the e4m3
+activations written and read, the e4m3 weight and the bf16 output.
+
 Usage (on a GPU machine, from the repo root):
     python perf/bench_gemm.py [--shapes llama70b,qwen32b] [--tokens 8,64,4096] [--iters 20]
                               [--out perf/results/gemm.json]
+    python perf/bench_gemm.py --fp8 [--schemes channel,block] [--out perf/results/gemm_fp8.json]
 Without a GPU it prints a message and exits 0.
 """
 
@@ -46,6 +63,8 @@ BASELINE = "cuBLAS torch.nn.functional.linear"
 
 MODELS = ("llama70b", "qwen32b")  # keys of shapes.SHAPES
 DEFAULT_TOKENS = [2**i for i in range(3, 15)]  # 8 .. 16384
+DEFAULT_FP8_TOKENS = [2**i for i in range(15)]  # 1 .. 16384
+FP8_SCHEMES = ("channel", "block")
 
 
 @dataclass(frozen=True)
@@ -215,19 +234,282 @@ def diagnose_tma(args, dtype, l2_bytes, gemm, device) -> None:
                 del cold, shared
 
 
+# ============================================================================ FP8 (--fp8)
+
+
+def measure_fp8_peak(iters: int, device) -> float:
+    """FLOP/s of a torch._scaled_mm 8192^3 e4m3 GEMM (tensor-wise scales, bf16 out), this run."""
+    size = 8192
+    a = torch.randn((size, size), device=device).to(torch.float8_e4m3fn)
+    b = torch.randn((size, size), device=device).to(torch.float8_e4m3fn).T  # column-major, as _scaled_mm wants
+    one = torch.ones((), device=device)
+    t = time_ms(lambda x, y: torch._scaled_mm(x, y, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                [(a, b)], iters, warmup=3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * size**3 / (t * 1e-3)
+
+
+def make_fp8_weight(case: Case, scheme, layout: str, device):
+    """(e4m3 W [N, K], its fp32 scales) for the case: the shift view of a 4-block base weight with the
+    scales of the blocks it covers (fusedpar's FP8Weight.narrow), or a contiguous weight."""
+    from fusedpar.layers.fp8_weights import FP8Weight
+
+    n, k = case.n, case.k
+    if layout == "contiguous":
+        w = FP8Weight.quantize(torch.randn((n, k), device=device) / math.sqrt(k), scheme)
+    elif case.parallel == "column":
+        w = FP8Weight.quantize(torch.randn((TP * n, k), device=device) / math.sqrt(k), scheme)
+        w = w.narrow(0, SHIFT_BLOCK * n, n)
+    else:
+        w = FP8Weight.quantize(torch.randn((n, TP * k), device=device) / math.sqrt(k), scheme)
+        w = w.narrow(1, SHIFT_BLOCK * k, k)
+    return w.q, w.scale
+
+
+def vllm_fp8_ops():
+    """vLLM's FP8 linear pieces, or None where vLLM (with its CUDA ops) is not importable:
+    {"ops": vllm._custom_ops, "group_quant": per_token_group_quant_fp8, "triton_block": the Triton block
+    GEMM or None, "version": vllm.__version__}."""
+    try:
+        import vllm
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.layers.quantization.utils import fp8_utils
+    except Exception:  # not installed, or a build without CUDA ops
+        return None
+    if not hasattr(ops, "cutlass_scaled_mm") or not hasattr(ops, "scaled_fp8_quant"):
+        return None
+    triton_block = getattr(fp8_utils, "w8a8_triton_block_scaled_mm", None) or getattr(
+        fp8_utils, "w8a8_block_fp8_matmul", None)
+    return {"ops": ops, "group_quant": getattr(fp8_utils, "per_token_group_quant_fp8", None),
+            "triton_block": triton_block, "version": vllm.__version__}
+
+
+def fp8_baseline(scheme_name: str, vllm_ops, device):
+    """(name, quantise(x) -> (q, s), gemm(q, s, qw, sw) -> bf16 out) of the baseline, or None."""
+    from fusedpar.kernels import fp8
+
+    if vllm_ops is not None:
+        ops = vllm_ops["ops"]
+        if scheme_name == "channel":
+            def quant(x):
+                return ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+
+            def gemm(q, s, qw, sw):
+                return ops.cutlass_scaled_mm(q, qw.T, scale_a=s, scale_b=sw, out_dtype=torch.bfloat16)
+
+            return f"vLLM {vllm_ops['version']} scaled_fp8_quant (per token) + cutlass_scaled_mm", quant, gemm
+        group_quant = vllm_ops["group_quant"]
+        cap = torch.cuda.get_device_capability(device)
+        cutlass_block = hasattr(ops, "cutlass_scaled_mm_supports_block_fp8") and \
+            ops.cutlass_scaled_mm_supports_block_fp8(cap[0] * 10 + cap[1])
+        if group_quant is not None and cutlass_block:
+            def quant(x):
+                return group_quant(x, 128, column_major_scales=True)
+
+            def gemm(q, s, qw, sw):
+                return ops.cutlass_scaled_mm(q, qw.T, scale_a=s, scale_b=sw.T, out_dtype=torch.bfloat16)
+
+            return (f"vLLM {vllm_ops['version']} per_token_group_quant_fp8 + cutlass_scaled_mm (128x128 blocks)",
+                    quant, gemm)
+        if group_quant is not None and vllm_ops["triton_block"] is not None:
+            block_mm = vllm_ops["triton_block"]
+
+            def quant(x):
+                return group_quant(x, 128)
+
+            def gemm(q, s, qw, sw):
+                return block_mm(q, qw, s, sw, [128, 128], output_dtype=torch.bfloat16)
+
+            return f"vLLM {vllm_ops['version']} per_token_group_quant_fp8 + {block_mm.__name__}", quant, gemm
+        return None
+    if scheme_name != "channel":
+        return None
+
+    def quant(x):
+        return fp8.fp8_quantize(x, x.shape[1])
+
+    def gemm(q, s, qw, sw):
+        return torch._scaled_mm(q, qw.T, scale_a=s, scale_b=sw.reshape(1, -1), out_dtype=torch.bfloat16)
+
+    return "fusedpar fp8_quantize + torch._scaled_mm (row-wise scales)", quant, gemm
+
+
+def bench_fp8_case(case, tokens, scheme_name, args, peak, bandwidth, l2_bytes, baseline, device) -> dict:
+    from fusedpar.kernels import fp8
+    from fusedpar.kernels.gemm import tma_compatible
+
+    scheme = fp8.FP8Scheme(scheme_name)
+    m, n, k = tokens, case.n, case.k
+    name, quant, base_gemm = baseline
+    per_set = m * k * 2 + n * k * TP + m * n * 2  # the bf16 input, the whole e4m3 base weight, the output
+    n_sets = min(8, max(2, math.ceil(3 * l2_bytes / per_set)))
+    sets = [(torch.randn((m, k), device=device, dtype=torch.bfloat16), *make_fp8_weight(case, scheme, args.weight,
+                                                                                          device))
+            for _ in range(n_sets)]
+    w_tile, group = scheme.weight_tile((n, k)), scheme.activation_tile(k)
+
+    def fused(x, qw, sw):
+        return fp8.fp8_matmul(x, qw, sw, scheme)
+
+    padding = {"rows": 1}  # the baseline's token count is padded to a multiple of this (see below)
+
+    def base_quant(x):
+        if x.shape[0] % padding["rows"]:
+            x = torch.nn.functional.pad(x, (0, 0, 0, padding["rows"] - x.shape[0] % padding["rows"]))
+        return quant(x)
+
+    def base(x, qw, sw):
+        q, s = base_quant(x)
+        return base_gemm(q, s, qw, sw)[: x.shape[0]]
+
+    def contiguous():
+        return [(x, qw.contiguous(), sw.contiguous()) for x, qw, sw in sets]
+
+    x0, qw0, sw0 = sets[0]
+    # the view as is; a contiguous copy where the baseline's kernel refuses the strided view; then also
+    # tokens padded to a multiple of 4, as vLLM's CUTLASS block-FP8 GEMM needed on Hopper in some releases
+    attempts = [(lambda: sets, 1, "the same view"),
+                (contiguous, 1, "a contiguous copy (the baseline refuses the strided view)"),
+                (contiguous, 4, "a contiguous copy, tokens padded to a multiple of 4 (the baseline needs both)")]
+    for i, (make_sets, rows, where) in enumerate(attempts):
+        padding["rows"] = rows
+        candidate = make_sets()
+        try:
+            base_out = base(*candidate[0])
+        except Exception:
+            if i == len(attempts) - 1:
+                raise
+            continue
+        base_sets, baseline_weight = candidate, where
+        break
+    fused_out = fused(x0, qw0, sw0)
+    want = fp8.fp8_linear(x0, qw0, sw0, scheme)
+    scale = want.float().abs().max().item() or 1.0
+    max_rel_diff = (fused_out.float() - want.float()).abs().max().item() / scale
+    baseline_rel_diff = (base_out.float() - want.float()).abs().max().item() / scale
+    del base_out, fused_out, want
+
+    baseline_ms = time_ms(base, base_sets, args.iters, args.warmup)
+    fused_ms = time_ms(fused, sets, args.iters, args.warmup)
+    # the GEMMs alone, on operands quantised beforehand
+    q_sets = [(*fp8.fp8_quantize(x, group), qw, sw) for x, qw, sw in sets]
+    fused_gemm_ms = time_ms(lambda q, s, qw, sw: fp8.fp8_scaled_mm(q, s, qw, sw, w_tile, group), q_sets, args.iters,
+                            args.warmup)
+    bq_sets = [(*base_quant(x), qw, sw) for x, qw, sw in base_sets]
+    baseline_gemm_ms = time_ms(base_gemm, bq_sets, args.iters, args.warmup)
+
+    flops = 2 * m * n * k
+    floor_compute_ms = flops / peak * 1e3
+    floor_memory_ms = (m * k * 2 + 2 * m * k + n * k + m * n * 2) / bandwidth * 1e3
+    floor_ms = max(floor_compute_ms, floor_memory_ms)
+    cfg = fp8.pick_fp8_config(m, n, k, out_dtype=torch.bfloat16,
+                              num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
+                              interpret=False, tma=m > 64 and tma_compatible(q_sets[0][0], q_sets[0][2]))
+    return {
+        "m": m,
+        "n": n,
+        "k": k,
+        "scheme": scheme_name,
+        "baseline": name,
+        "weight": f"{args.weight} ({case.parallel}-parallel, block {SHIFT_BLOCK} of {TP})"
+        if args.weight == "view" else "contiguous",
+        "weight_strides": list(qw0.stride()),
+        "baseline_weight": baseline_weight,
+        "dtype": "float8_e4m3fn (bf16 in / out)",
+        "baseline_ms": baseline_ms,
+        "fused_ms": fused_ms,
+        "speedup": baseline_ms / fused_ms,
+        "baseline_gemm_ms": baseline_gemm_ms,
+        "fused_gemm_ms": fused_gemm_ms,
+        "gemm_speedup": baseline_gemm_ms / fused_gemm_ms,
+        "roofline_pct": 100 * floor_ms / fused_ms,
+        "baseline_roofline_pct": 100 * floor_ms / baseline_ms,
+        "fp8_peak_pct": 100 * floor_compute_ms / fused_ms,
+        "baseline_fp8_peak_pct": 100 * floor_compute_ms / baseline_ms,
+        "floor_ms": floor_ms,
+        "bound": "compute" if floor_compute_ms >= floor_memory_ms else "memory",
+        "max_rel_diff_vs_reference": max_rel_diff,
+        "baseline_max_rel_diff_vs_reference": baseline_rel_diff,
+        "triton_config": vars(cfg),
+        "operand_sets": n_sets,
+    }
+
+
+def main_fp8(args, device, gpu: str, props, l2_bytes: int) -> int:
+    import triton
+
+    vllm_ops = vllm_fp8_ops()
+    peak = measure_fp8_peak(max(args.iters, 20), device)
+    _, bandwidth = measure_ceilings(torch.bfloat16, max(args.iters, 20), device)
+    print(f"{gpu}: torch._scaled_mm e4m3 8192^3 {peak / 1e12:.0f} TFLOP/s, device copy {bandwidth / 1e9:.0f} GB/s, "
+          f"L2 {l2_bytes / 2**20:.0f} MiB, {props.multi_processor_count} SMs; torch {torch.__version__}, "
+          f"triton {triton.__version__}; vLLM: {vllm_ops['version'] if vllm_ops else 'not importable'}")
+    common = {"bench": "gemm_fp8", "world": 1, "gpu": gpu, **_bench.run_info(python=True),
+              "peak_tflops": peak / 1e12, "peak_kind": "torch._scaled_mm e4m3 8192^3", "hbm_gbps": bandwidth / 1e9}
+    header = (f"{'case':<18}{'scheme':>8}{'tokens':>7}{'N':>7}{'K':>7}{'base ms':>10}{'fused ms':>10}{'speedup':>9}"
+              f"{'gemm x':>8}{'%fp8 peak':>10}{'%roof':>7}  config")
+    records = []
+    for scheme_name in args.schemes.split(","):
+        baseline = fp8_baseline(scheme_name, vllm_ops, device)
+        if baseline is None:
+            print(f"scheme {scheme_name}: no baseline here (vLLM not importable); not timed")
+            continue
+        print(f"scheme {scheme_name}: baseline {baseline[0]}")
+        print(header)
+        print("-" * len(header))
+        for model in args.shapes.split(","):
+            for case in layer_cases(model):
+                if case.gemm not in set(args.gemms.split(",")):
+                    continue
+                for tokens in [int(t) for t in args.tokens.split(",") if t]:
+                    record = {**common, "case": f"{case.name}.{scheme_name}", "tokens": tokens, "baseline": baseline[0]}
+                    try:
+                        record |= bench_fp8_case(case, tokens, scheme_name, args, peak, bandwidth, l2_bytes, baseline,
+                                                 device)
+                    except Exception as exc:  # one failing shape must not lose the others (unattended run)
+                        record |= {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                        print(f"{case.name:<18}{scheme_name:>8}{tokens:>7}  ERROR {record['error'][:200]}")
+                        records.append(record)
+                        torch.cuda.empty_cache()
+                        continue
+                    records.append(record)
+                    cfg = record["triton_config"]
+                    warn = "" if record["max_rel_diff_vs_reference"] < 3e-2 else "  WARNING: differs from the reference"
+                    print(f"{case.name:<18}{scheme_name:>8}{tokens:>7}{case.n:>7}{case.k:>7}{record['baseline_ms']:>10.4f}"
+                          f"{record['fused_ms']:>10.4f}{record['speedup']:>9.2f}{record['gemm_speedup']:>8.2f}"
+                          f"{record['fp8_peak_pct']:>9.1f}%{record['roofline_pct']:>6.0f}%  "
+                          f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}"
+                          f"{' tma' if cfg.get('tma') else ''}{warn}", flush=True)
+                    torch.cuda.empty_cache()
+    _bench.write_records(records, args.out)
+    return 0
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="llama70b,qwen32b", help=f"comma list of {sorted(MODELS)}")
     p.add_argument("--gemms", default="qkv,o,gate_up,down", help="comma list of qkv,o,gate_up,down")
-    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma list of token counts (M)")
+    p.add_argument("--tokens", default=None,
+                   help="comma list of token counts (M); default 8 .. 16384 (--fp8: 1 .. 16384)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median taken)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--weight", choices=("view", "contiguous"), default="view")
     p.add_argument("--diagnose-tma", action="store_true",
                    help="instead of the benchmark: pointer vs TMA tiling, cold vs shared weight, host us per launch")
-    p.add_argument("--out", default="perf/results/gemm.json")
+    p.add_argument("--fp8", action="store_true",
+                   help="the FP8 linear layer (bench gemm_fp8) against vLLM's FP8 GEMMs instead of the bf16 GEMM")
+    p.add_argument("--schemes", default=",".join(FP8_SCHEMES), help=f"--fp8: comma list of {FP8_SCHEMES}")
+    p.add_argument("--out", default=None, help="default perf/results/gemm.json (--fp8: perf/results/gemm_fp8.json)")
     args = p.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = ",".join(map(str, DEFAULT_FP8_TOKENS if args.fp8 else DEFAULT_TOKENS))
+    if args.out is None:
+        args.out = "perf/results/gemm_fp8.json" if args.fp8 else "perf/results/gemm.json"
+    bad_schemes = set(args.schemes.split(",")) - set(FP8_SCHEMES)
+    if bad_schemes:
+        p.error(f"unknown --schemes {sorted(bad_schemes)}; known: {list(FP8_SCHEMES)}")
     unknown = set(args.shapes.split(",")) - set(MODELS)
     if unknown:
         p.error(f"unknown --shapes {sorted(unknown)}; known: {sorted(MODELS)}")
@@ -257,6 +539,8 @@ def main(argv=None) -> int:
     if args.diagnose_tma:
         diagnose_tma(args, dtype, l2_bytes, gemm, device)
         return 0
+    if args.fp8:
+        return main_fp8(args, device, gpu, props, l2_bytes)
     peak, bandwidth = measure_ceilings(dtype, max(args.iters, 20), device)
     print(
         f"{gpu}: cuBLAS {args.dtype} 8192^3 {peak / 1e12:.0f} TFLOP/s, "

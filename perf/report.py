@@ -32,6 +32,8 @@ COMMAND = "python perf/report.py"
 BENCHMARKS = {
     "gemm": ("GEMM", "fusedpar.kernels.gemm (Triton, one GPU) on the per-rank TP=4 layer GEMMs",
              "perf/bench_gemm.py"),
+    "gemm_fp8": ("FP8 GEMM", "fusedpar.kernels.fp8 (Triton, one GPU): activation quantisation + e4m3 GEMM on the "
+                 "per-rank TP=4 layer GEMMs, per-channel and 128 x 128 block scales", "perf/bench_gemm.py --fp8"),
     "qkv_all_to_all": ("QKV projection + Ulysses all-to-all",
                        "fused qkv_all_to_all: GEMM tiles stored into the owners' symmetric buffers",
                        "perf/bench_qkv_all_to_all.py"),

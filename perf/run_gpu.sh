@@ -13,6 +13,7 @@ declare -A ITEMS=(
   [vllm_tests]='python3 -m pytest -m gpu -q -rA --tb=short -p no:cacheprovider --timeout 420 tests/integrations/test_vllm_gpu.py'
   [nccl_timeouts]='python3 -m pytest -m gpu -q -rA --tb=short -p no:cacheprovider tests/collectives/test_timeouts_gpu.py'
   [gemm]='python3 perf/bench_gemm.py --out "$RES/gemm.json"'
+  [gemm_fp8]='python3 perf/bench_gemm.py --fp8 --out "$RES/gemm_fp8.json"'
   [attention]='python3 perf/bench_attention.py --out "$RES/attention.json"'
   [one_shot]='$TRUN perf/bench_one_shot_all_reduce.py --out "$RES/one_shot_all_reduce.json"'
   [gemm_all_reduce]='$TRUN perf/bench_gemm_all_reduce.py --out "$RES/gemm_all_reduce.json"'

@@ -26,6 +26,7 @@ RESULTS = REPO / "perf" / "results"
 # file stem -> the bench names its records may carry; every perf/results/*.json must be listed
 BENCHES = {
     "gemm": {"gemm"},
+    "gemm_fp8": {"gemm_fp8"},
     "qkv_all_to_all": {"qkv_all_to_all"},
     "all_to_all_o_proj": {"all_to_all_o_proj"},
     "gemm_all_reduce": {"gemm_all_reduce"},
@@ -39,9 +40,10 @@ BENCHES = {
     "serve": {"serve"},
 }
 # world sizes of each benchmark's committed records: the single-GPU ops 1, the others the machines they ran on
-WORLD = {"gemm": {1}, "attention": {1}, "hf_decode": {2}, "vllm": {2, 4}, "reshard": {2, 4}, "serve": {2, 4}}
+WORLD = {"gemm": {1}, "gemm_fp8": {1}, "attention": {1}, "hf_decode": {2}, "vllm": {2, 4}, "reshard": {2, 4},
+         "serve": {2, 4}}
 # GPUs of each benchmark's committed records (default H200; the machine is named in every record and table)
-GPUS = {"serve": ("H200", "H100"), "reshard": ("H200", "H100")}
+GPUS = {"serve": ("H200", "H100"), "reshard": ("H200", "H100"), "gemm_fp8": ("H200", "H100")}
 NUMBERS = ("tokens", "world", "baseline_ms", "fused_ms", "speedup")
 STRINGS = ("bench", "case", "gpu", "baseline", "torch", "triton", "date", "command")
 COMMIT_REQUIRED_FROM = "2026-11-27"
@@ -49,10 +51,15 @@ COMMIT = re.compile(r"[0-9a-f]{7,40}(\+dirty)?")
 # roofline_pct may be null only in these benches (a step mix with no single floor)
 # reshard: a layout switch (views) has no floor; serve: latencies of a whole trace
 ROOFLINE_OPTIONAL = {"model", "vllm", "reshard", "serve"}
+# benchmarks whose records the next GPU run writes (perf/run_gpu.sh has their item): their file may be
+# missing until then; once there it is checked like every other
+AWAITING_FIRST_RUN = {"gemm_fp8"}
 
 
 def _records(stem: str) -> list[dict]:
     path = RESULTS / f"{stem}.json"
+    if stem in AWAITING_FIRST_RUN and not path.is_file():
+        pytest.skip(f"{path.name}: written by its benchmark's first GPU run (perf/run_gpu.sh)")
     assert path.is_file(), f"{path} is missing"
     records = json.loads(path.read_text())
     assert isinstance(records, list) and records, f"{path}: want a non-empty JSON list"
@@ -69,7 +76,8 @@ def _positive(value) -> bool:
 
 def test_every_results_file_is_a_known_benchmark():
     stems = {p.stem for p in RESULTS.glob("*.json")}
-    assert stems == set(BENCHES), f"unknown {sorted(stems - set(BENCHES))}, missing {sorted(set(BENCHES) - stems)}"
+    missing = set(BENCHES) - stems - AWAITING_FIRST_RUN
+    assert stems <= set(BENCHES) and not missing, f"unknown {sorted(stems - set(BENCHES))}, missing {sorted(missing)}"
     others = sorted(p.name for p in RESULTS.iterdir() if p.suffix not in (".json", ".png"))
     assert not others, f"perf/results keeps the benchmarks' JSON and the report's plots only: {others}"
 

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fusedpar.kernels.fp8 import E4M3, FP8Scheme, dequantize, fp8_linear_tiles, quantize_weight
+from fusedpar.kernels.fp8 import (
+    E4M3,
+    FP8Scheme,
+    dequantize,
+    fp8_linear_tiles,
+    fp8_matmul_tiles,
+    kernel_takes,
+    quantize_weight,
+)
 from fusedpar.layouts import WeightShard
 
 
@@ -48,7 +56,16 @@ class FP8Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] @ weight^T (+ bias), x quantised per token and group of tile[1] input columns (per
-        token where a tile spans K): the reference math (fusedpar.kernels.fp8.reference), in x.dtype."""
+        token where a tile spans K), in x.dtype. On CUDA the FP8 kernels (fusedpar.kernels.fp8:
+        quantisation and the e4m3 GEMM in one op) where they take the operands; elsewhere, and for tiles
+        they do not take (a scale per input column), the reference math (reference_linear)."""
+        if x.is_cuda and kernel_takes(x, self.q, self.tile, self.tile[1]):
+            return fp8_matmul_tiles(x, self.q, self.scale, self.tile, self.tile[1], bias)
+        return self.reference_linear(x, bias)
+
+    def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """linear in the plain-PyTorch reference (fusedpar.kernels.fp8.reference): the CPU path and the
+        oracle of the kernels."""
         return fp8_linear_tiles(x, self.q, self.scale, self.tile, self.tile[1], bias)
 
     def narrow(self, dim: int, start: int, length: int) -> FP8Weight:
