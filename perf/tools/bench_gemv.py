@@ -1,0 +1,266 @@
+"""Time the decode GEMM (fusedpar.kernels.gemv.skinny_matmul) against cuBLAS and fusedpar.matmul on
+one GPU, on every per-rank decode GEMM of Qwen3-32B and Llama-3-70B at TP=4 and TP=8.
+
+Per-rank shard shapes (perf/shapes.py; C[M, N] = A[M, K] @ W[N, K]^T):
+    qkv      N = (heads + 2 kv_heads) head_dim / TP,  K = hidden
+    o        N = hidden,                              K = heads head_dim / TP
+    gate_up  N = 2 intermediate / TP,                 K = hidden
+    down     N = hidden,                              K = intermediate / TP
+for M in 1, 8, 32, 64 rows. Each implementation is timed with CUDA events around CUDA-graph replays
+of --calls back-to-back calls (so launch overhead is not measured), over enough weight copies (each
+call the next copy) that they exceed the L2 cache: every call streams its weight from HBM, as a
+decode step's layers do. GB/s = weight bytes / time per call; "of copy" = that over the measured
+bandwidth of a large device-to-device copy (read + write bytes / time) in the same run. Results are
+checked against a float64 product (max abs error reported); a config that fails is reported, not fatal.
+
+    python perf/tools/bench_gemv.py --out perf/tools/out/gemv.json
+    python perf/tools/bench_gemv.py --sweep --out perf/tools/out/gemv_sweep.json   # + every candidate tiling
+
+--sweep also times candidate SkinnyConfigs (the GPU_TABLE rows and neighbours: BLOCK_N, BLOCK_K,
+stages, warps, K split x 1/2, x2, CUDA-core products at M = 1) per shape and M and prints the best, to
+tune fusedpar/kernels/gemv/config.py:GPU_TABLE; this script changes nothing by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # perf/: shapes
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (fusedpar) when not installed
+import shapes
+
+MODELS = ("qwen32b", "llama70b")
+TPS = (4, 8)
+ROWS = (1, 8, 32, 64)
+L2_MULTIPLE = 4  # weight copies per case span >= this many L2 caches
+MIN_ROTATION_BYTES = 256 * 2**20
+
+
+def rank_gemms(key: str, tp: int) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the four per-rank decode GEMMs of one layer of `key` at tensor parallelism tp."""
+    s = shapes.shape(key)
+    return [("qkv", (s.heads + 2 * s.kv_heads) * s.head_dim // tp, s.hidden),
+            ("o", s.hidden, s.heads * s.head_dim // tp),
+            ("gate_up", 2 * s.intermediate // tp, s.hidden),
+            ("down", s.hidden, s.intermediate // tp)]
+
+
+def copy_bandwidth(nbytes: int = 2**30, iters: int = 20) -> float:
+    """GB/s of a device-to-device copy of nbytes (read + write bytes counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del src, dst
+    return 2 * nbytes / seconds / 1e9
+
+
+def graph_time_ms(calls: list, replays: int) -> float:
+    """Milliseconds per call: a CUDA graph of `calls` (thunks) in sequence, replayed; median of replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls[:2]:  # warm-up on the capture stream (allocator pools, lazy init)
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+class Case:
+    """One (N, K) weight in enough copies to exceed L2, A rows and an output per implementation."""
+
+    def __init__(self, n: int, k: int, m: int, dtype: torch.dtype, l2_bytes: int, gen: torch.Generator):
+        self.n, self.k, self.m = n, k, m
+        self.weight_bytes = n * k * torch.finfo(dtype).bits // 8
+        copies = max(2, math.ceil(max(MIN_ROTATION_BYTES, L2_MULTIPLE * l2_bytes) / self.weight_bytes))
+        base = (torch.randn((n, k), generator=gen) / math.sqrt(k)).to("cuda", dtype)
+        self.weights = [base] + [base.clone() for _ in range(copies - 1)]
+        self.a = torch.randn((m, k), generator=gen).to("cuda", dtype)
+        self.expected = (self.a.double() @ base.double().T)
+
+    def calls(self, fn, out: torch.Tensor) -> list:
+        return [lambda w=w: fn(self.a, w, out) for w in self.weights]
+
+    def run(self, fn, replays: int) -> dict:
+        out = torch.empty((self.m, self.n), dtype=self.a.dtype, device="cuda")
+        result = fn(self.a, self.weights[0], out)  # eager: compiles, and the result is checked
+        torch.cuda.synchronize()
+        err = (result.double() - self.expected).abs().max().item()
+        calls = self.calls(fn, out)
+        reps = max(1, math.ceil(40 / len(calls)))  # >= 40 calls per graph
+        ms = graph_time_ms(calls * reps, replays)
+        return {"ms": ms, "gbps": self.weight_bytes / (ms * 1e-3) / 1e9, "max_abs_err": err}
+
+
+def implementations():
+    from fusedpar.kernels import gemm, gemv
+
+    return {
+        "skinny_matmul": lambda a, w, out: gemv.skinny_matmul(a, w, out=out),
+        "cublas": lambda a, w, out: torch.nn.functional.linear(a, w),  # F.linear has no out=
+        "fusedpar.matmul": lambda a, w, out: gemm.matmul(a, w, out=out),
+    }
+
+
+def sweep_candidates(m: int, n: int, k: int, num_sms: int, dtype: torch.dtype) -> list:
+    from fusedpar.kernels import gemv
+    from fusedpar.kernels.gemv import config as cfgmod
+
+    out = []
+    picked = gemv.pick_config(m, n, k, dtype=dtype, num_sms=num_sms, interpret=False)
+    row = cfgmod.table_row(m, interpret=False)
+    for bn, bk, stages, warps in itertools.product((32, 64, 128), (128, 256, 512), (2, 3, 4, 5), (4, 8)):
+        base = gemv.SkinnyConfig(bn, bk, 1, warps, stages)
+        if cfgmod.shared_memory_bytes(base, m, 2) > cfgmod.SMEM_BYTES:
+            continue
+        s = gemv.choose_split(n, k, bn, bk, slots=num_sms * row[5], min_steps=row[6])
+        for split in sorted({s, max(1, s // 2), min(cfgmod.MAX_SPLIT_K, 2 * s)}):
+            out.append(gemv.SkinnyConfig(bn, bk, split, warps, stages, dot=True))
+            if m <= 2:
+                out.append(gemv.SkinnyConfig(bn, bk, split, warps, stages, dot=False))
+    if picked not in out:
+        out.insert(0, picked)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--tp", default=",".join(map(str, TPS)))
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--out", default=None, help="JSON file for the records")
+    parser.add_argument("--sweep", action="store_true", help="also time candidate tilings of skinny_matmul")
+    parser.add_argument("--sweep-budget-s", type=float, default=420.0, help="stop sweeping after this long")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemv: no CUDA device; nothing to time")
+        return 0
+
+    from fusedpar.kernels.gemv import launch as gemv_launch
+
+    dtype = getattr(torch, args.dtype)
+    props = torch.cuda.get_device_properties(0)
+    num_sms = props.multi_processor_count
+    l2_bytes = getattr(props, "L2_cache_size", 50 * 2**20)
+    t0 = time.time()
+    copy_gbps = copy_bandwidth()
+    print(f"{props.name}: {num_sms} SMs, L2 {l2_bytes / 2**20:.0f} MiB, copy bandwidth {copy_gbps:.0f} GB/s "
+          f"(read + write), dtype {args.dtype}", flush=True)
+
+    cases = []
+    for key, tp in itertools.product(args.models.split(","), [int(t) for t in args.tp.split(",")]):
+        for name, n, k in rank_gemms(key, tp):
+            cases.extend((key, tp, name, n, k, m) for m in (int(r) for r in args.rows.split(",")))
+    impls = implementations()
+    records, sweeps = [], []
+    gen = torch.Generator().manual_seed(0)
+    sweep_deadline = None
+    for i, (key, tp, name, n, k, m) in enumerate(cases):
+        head = f"[{i + 1}/{len(cases)} {time.time() - t0:5.0f}s] {key} TP={tp} {name:7s} M={m:2d} N={n:5d} K={k:5d}"
+        try:
+            case = Case(n, k, m, dtype, l2_bytes, gen)
+        except Exception as exc:
+            print(f"{head}: setup failed: {exc!r}", flush=True)
+            continue
+        rec = {"model": key, "tp": tp, "gemm": name, "m": m, "n": n, "k": k, "weight_bytes": case.weight_bytes}
+        parts = []
+        for impl, fn in impls.items():
+            try:
+                r = case.run(fn, args.replays)
+                r["of_copy"] = r["gbps"] / copy_gbps
+                parts.append(f"{impl} {r['ms'] * 1e3:7.1f} us {r['gbps']:5.0f} GB/s")
+            except Exception as exc:
+                r = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                parts.append(f"{impl} FAILED ({type(exc).__name__})")
+                traceback.print_exc(limit=2)
+            rec[impl] = r
+        records.append(rec)
+        print(f"{head}: " + " | ".join(parts), flush=True)
+
+        if args.sweep:
+            sweep_deadline = sweep_deadline or time.time() + args.sweep_budget_s
+            if time.time() > sweep_deadline:
+                continue
+            results = []
+            for cfg in sweep_candidates(m, n, k, num_sms, dtype):
+                if time.time() > sweep_deadline:
+                    break
+                try:
+                    fn = lambda a, w, out, cfg=cfg: gemv_launch._launch(a, w, out, cfg)  # noqa: E731
+                    r = case.run(fn, max(3, args.replays // 2))
+                    tol = 0.05 if dtype == torch.bfloat16 else 0.01
+                    if not r["max_abs_err"] <= tol:
+                        raise AssertionError(f"max abs error {r['max_abs_err']:.3g}")
+                    results.append((r["ms"], cfg))
+                except Exception as exc:
+                    print(f"    sweep {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            if results:
+                results.sort(key=lambda x: x[0])
+                best_ms, best = results[0]
+                picked_ms = rec["skinny_matmul"].get("ms")
+                print(f"    sweep: best of {len(results)}: {best} {best_ms * 1e3:.1f} us "
+                      f"({case.weight_bytes / best_ms / 1e6:.0f} GB/s); picked {picked_ms and picked_ms * 1e3:.1f} us",
+                      flush=True)
+                sweeps.append({**{x: rec[x] for x in ("model", "tp", "gemm", "m", "n", "k")},
+                               "results": [{"ms": t, "config": vars(c)} for t, c in results[:10]]})
+        del case
+        torch.cuda.empty_cache()
+
+    print(f"\n{'model':9s} {'TP':>2s} {'gemm':7s} {'M':>2s} {'N':>5s} {'K':>5s} | "
+          + " | ".join(f"{impl:>24s}" for impl in impls))
+    print(" " * 37 + "| " + " | ".join(f"{'us':>7s} {'GB/s':>6s} {'%copy':>7s}" for _ in impls))
+    for rec in records:
+        cells = []
+        for impl in impls:
+            r = rec[impl]
+            cells.append("error".rjust(24) if "error" in r else
+                         f"{r['ms'] * 1e3:7.1f} {r['gbps']:6.0f} {100 * r['of_copy']:6.1f}%")
+        print(f"{rec['model']:9s} {rec['tp']:2d} {rec['gemm']:7s} {rec['m']:2d} {rec['n']:5d} {rec['k']:5d} | "
+              + " | ".join(cells))
+    print(f"done in {time.time() - t0:.0f} s", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({
+            "device": props.name, "num_sms": num_sms, "copy_gbps": copy_gbps, "dtype": args.dtype,
+            "torch": torch.__version__, "records": records, "sweep": sweeps}, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

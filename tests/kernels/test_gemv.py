@@ -1,0 +1,323 @@
+"""Tests of the decode GEMM, fusedpar.kernels.gemv: C = A @ W^T for 1 to 64 rows of A, K split.
+
+Without a GPU they run on the Triton interpreter (conftest.py sets TRITON_INTERPRET=1): fp16 and fp32
+through tl.dot, bf16 through the CUDA-core product path (the interpreter cannot tl.dot bf16). GPU
+tests (`gpu`) run bf16 and fp16 on the rank shard shapes and a CUDA-graph replay. Every check compares
+against a float64 product, with outputs pre-filled with NaN so an element never written fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fusedpar.kernels import gemv
+from fusedpar.kernels._host import INTERPRETED
+from fusedpar.kernels.gemv import config as gemv_config
+from fusedpar.kernels.gemv import launch as gemv_launch
+from fusedpar.testing.gpu import local_device
+from fusedpar.testing.numerics import assert_close, poison_
+
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(
+    not (HAS_CUDA or INTERPRETED),
+    reason="no CUDA and fusedpar.kernels.gemv was imported without TRITON_INTERPRET=1",
+)
+
+DEVICE = local_device()
+# The interpreter runs bf16 through the tl.sum product path (pick_config: dot=False).
+CPU_DTYPES = (torch.float16, torch.float32, torch.bfloat16)
+GPU_DTYPES = (torch.bfloat16, torch.float16)
+DECODE_ROWS = (1, 3, 8, 17, 33, 64)
+WEIGHT_KINDS = ("contiguous", "row_view", "col_view", "transposed")
+
+
+def _randn(shape, dtype, gen, scale=1.0) -> torch.Tensor:
+    """Standard normal times scale, drawn in fp32 on the CPU (reproducible), then moved and cast."""
+    return (torch.randn(shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def make_weight(kind: str, n: int, k: int, dtype, gen, blocks: int = 3) -> torch.Tensor:
+    """A [n, k] weight with entries ~ N(0, 1/k) (outputs O(1)), stored as `kind`: row_view / col_view are
+    block 1 of a [blocks*n, k] / [n, blocks*k] base (the shard views of column- / row-parallel weights),
+    transposed is a [k, n] tensor's .T."""
+    scale = 1.0 / math.sqrt(max(k, 1))
+    if kind == "contiguous":
+        return _randn((n, k), dtype, gen, scale)
+    if kind == "row_view":
+        return _randn((blocks * n, k), dtype, gen, scale).narrow(0, n, n)
+    if kind == "col_view":
+        return _randn((n, blocks * k), dtype, gen, scale).narrow(1, k, k)
+    if kind == "transposed":
+        return _randn((k, n), dtype, gen, scale).T
+    raise ValueError(kind)
+
+
+def reference(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return a.double() @ w.double().T
+
+
+def run_and_check(a, w, *, name, out_dtype=None, config=None):
+    out = poison_(torch.empty((a.shape[0], w.shape[0]), dtype=out_dtype or a.dtype, device=a.device))
+    if config is None:
+        assert gemv.skinny_matmul(a, w, out=out) is out
+    else:
+        gemv_launch._launch(a, w, out, config)
+    assert_close(out, reference(a, w), dtype=out.dtype, name=name)
+    return out
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("m", DECODE_ROWS)
+def test_decode_rows(m, dtype):
+    """The picked config (on the interpreter: 16 x 32 tiles, K = 100 cut into 4 splits with a ragged
+    last step; N = 37 ends inside the third N tile)."""
+    n, k = 37, 100
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    a = _randn((m, k), dtype, gen)
+    w = make_weight("contiguous", n, k, dtype, gen)
+    run_and_check(a, w, name=f"C[{m},{n}] K={k} {dtype}")
+
+
+@pytest.mark.parametrize("dot", (True, False), ids=("dot", "fma"))
+@pytest.mark.parametrize("kind", WEIGHT_KINDS[1:])
+@pytest.mark.parametrize("m", (3, 33))
+def test_strided_weights(m, kind, dot):
+    dtype = torch.float16
+    n, k = 29, 72
+    gen = torch.Generator().manual_seed(m + len(kind))
+    a = _randn((m, k), dtype, gen)
+    w = make_weight(kind, n, k, dtype, gen)
+    if kind == "col_view":
+        assert not w.is_contiguous()
+    for split in (1, 2):
+        cfg = gemv.SkinnyConfig(16, 32, split_k=split, num_warps=4, num_stages=2, dot=dot)
+        if HAS_CUDA:
+            cfg = gemv.SkinnyConfig(64, 128, split_k=split, num_warps=4, num_stages=3, dot=dot)
+        run_and_check(a, w, name=f"{kind} C[{m},{n}] K={k} split={split} dot={dot}", config=cfg)
+
+
+@pytest.mark.parametrize(
+    ("block_n", "block_k", "split", "dot"),
+    [
+        (16, 16, 1, True),  # no split: the partial kernel stores out directly
+        (32, 16, 5, True),  # K = 80 = 5 steps of 16 (EVEN_K), one step per split
+        (16, 64, 2, False),  # K = 80 ragged against 64
+        (16, 32, 64, True),  # more splits asked than K steps: evened to 3
+        (64, 128, 4, False),  # one N tile wider than N, one K step: a single split runs
+    ],
+)
+def test_explicit_configs(block_n, block_k, split, dot):
+    if HAS_CUDA:
+        pytest.skip("explicit small tilings are an interpreter check of the split schedule")
+    gen = torch.Generator().manual_seed(block_n + block_k + split)
+    a = _randn((17, 80), torch.float16, gen)
+    w = make_weight("col_view", 45, 80, torch.float16, gen)
+    cfg = gemv.SkinnyConfig(block_n, block_k, split_k=split, num_warps=4, num_stages=1, dot=dot)
+    run_and_check(a, w, name=f"config {cfg}", config=cfg)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_strided_a_and_out_view_writes_only_its_window(dtype):
+    m, n, k = 9, 30, 72
+    gen = torch.Generator().manual_seed(3)
+    a = _randn((m, 2 * k + 3), dtype, gen).narrow(1, 3, k)  # non-contiguous rows of A
+    w = make_weight("col_view", n, k, dtype, gen)
+    big = poison_(torch.empty((m + 2, 3 * n), dtype=dtype, device=DEVICE))
+    out = big[1 : m + 1, n : 2 * n]
+    assert gemv.skinny_matmul(a, w, out=out) is out
+    assert_close(out, reference(a, w), dtype=dtype, name="out view")
+    outside = torch.ones_like(big, dtype=torch.bool)
+    outside[1 : m + 1, n : 2 * n] = False
+    assert big[outside].isnan().all(), "kernel wrote outside its [M, N] output window"
+
+
+def test_transposed_fp32_out_from_fp16():
+    m, n, k = 5, 33, 80
+    gen = torch.Generator().manual_seed(5)
+    a = _randn((m, k), torch.float16, gen)
+    w = make_weight("row_view", n, k, torch.float16, gen)
+    out = poison_(torch.empty((n, m), dtype=torch.float32, device=DEVICE)).T  # stride (1, m)
+    gemv.skinny_matmul(a, w, out=out)
+    assert_close(out, reference(a, w), dtype=torch.float32, name="fp32 out")
+
+
+def test_deterministic_across_runs():
+    """K-split partials are summed in split order: repeated runs agree bit for bit."""
+    gen = torch.Generator().manual_seed(12)
+    m, n, k = 4, 40, 96 if INTERPRETED else 8192
+    a = _randn((m, k), torch.float16, gen)
+    w = make_weight("contiguous", n, k, torch.float16, gen)
+    first = gemv.skinny_matmul(a, w)
+    for _ in range(3):
+        assert torch.equal(gemv.skinny_matmul(a, w), first)
+
+
+def test_no_out_returns_contiguous_result_of_input_dtype():
+    gen = torch.Generator().manual_seed(1)
+    a = _randn((2, 40), torch.float16, gen)
+    w = make_weight("col_view", 24, 40, torch.float16, gen)
+    c = gemv.skinny_matmul(a, w)
+    assert c.shape == (2, 24) and c.dtype == torch.float16 and c.is_contiguous()
+    assert_close(c, reference(a, w), dtype=torch.float16)
+
+
+def test_empty_dims():
+    gen = torch.Generator().manual_seed(0)
+    assert gemv.skinny_matmul(_randn((0, 16), torch.float32, gen), _randn((8, 16), torch.float32, gen)).shape == (0, 8)
+    out = poison_(torch.empty((5, 8), device=DEVICE))
+    gemv.skinny_matmul(_randn((5, 0), torch.float32, gen), _randn((8, 0), torch.float32, gen), out=out)
+    assert (out == 0).all()  # K = 0: the empty sum
+
+
+def test_bad_arguments_list_every_violation():
+    a = torch.ones((65, 8), dtype=torch.float16, device=DEVICE)
+    w = torch.ones((6, 9), dtype=torch.float32, device=DEVICE)
+    out = torch.empty((65, 5), dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError) as info:
+        gemv.skinny_matmul(a, w, out=out)
+    msg = str(info.value)
+    for part in ("M=65 rows, more than the 64", "a.shape[1]=8 must equal w.shape[1]=9", "share one dtype",
+                 r"[M, N] = (65, 6)", "got (65, 5)", "torch.int32"):
+        assert part in msg, (part, msg)
+    with pytest.raises(ValueError, match="2-D"):
+        gemv.skinny_matmul(torch.ones((2, 3, 8), device=DEVICE), torch.ones((6, 8), device=DEVICE))
+
+
+def test_out_overlapping_an_operand_is_refused():
+    a = torch.ones((4, 16), dtype=torch.float32, device=DEVICE)
+    w = torch.ones((4, 16), dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="overlaps a"):
+        gemv.skinny_matmul(a, w, out=a[:, :4])
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="block_n=48"):
+        gemv.SkinnyConfig(48, 128)
+    with pytest.raises(ValueError, match="split_k=0"):
+        gemv.SkinnyConfig(64, 128, split_k=0)
+
+
+@pytest.mark.parametrize("m", (1, 16, 17, 32, 33, 64))
+@pytest.mark.parametrize(("n", "k"), [(1280, 8192), (2560, 8192), (8192, 1024), (5120, 2048), (3200, 5120),
+                                      (5120, 6400), (57344 // 8, 8192), (24, 40)])
+def test_gpu_table_fills_the_sms_and_fits_hopper(m, n, k):
+    """The GPU tilings (not runnable here): every program has a non-empty K range, the operand ring fits
+    227 KiB, and narrow shard GEMMs get enough programs for the 132 SMs of an H100 (or all the K steps)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        cfg = gemv.pick_config(m, n, k, dtype=dtype, num_sms=132, interpret=False)
+        assert cfg.dot
+        assert gemv_config.shared_memory_bytes(cfg, m, dtype.itemsize) <= gemv_config.SMEM_BYTES, cfg
+        steps = -(-k // cfg.block_k)
+        per = -(-steps // cfg.split_k)
+        assert -(-steps // per) == cfg.split_k, cfg  # splits come out even: none is empty
+        programs = -(-n // cfg.block_n) * cfg.split_k
+        assert programs >= 0.75 * 132 or cfg.split_k * gemv_config.table_row(m, interpret=False)[6] >= steps, cfg
+
+
+def test_choose_split_balances_the_busiest_sm():
+    """The busiest SM's K steps stay near the even share (all N tiles x K steps / slots)."""
+    for n, k, bn, bk in ((1280, 8192, 64, 128), (2560, 5120, 64, 256), (5120, 2048, 64, 256), (640, 8192, 64, 256)):
+        n_tiles, steps = -(-n // bn), -(-k // bk)
+        s = gemv.choose_split(n, k, bn, bk, slots=132, min_steps=1)
+        per = -(-steps // s)
+        busiest = -(-(n_tiles * s) // 132) * per
+        assert busiest <= 1.25 * n_tiles * steps / 132 + 1, (n, k, s, busiest)
+    assert gemv.choose_split(1280, 256, 64, 128, slots=132, min_steps=2) == 1  # 2 K steps, 2 per split at least
+    assert gemv.choose_split(64, 8192, 64, 128, slots=132, min_steps=4) == 16  # 64 steps, >= 4 per split
+
+
+def test_fake_impl_shape_and_dtype():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty((8, 8192), dtype=torch.bfloat16, device=DEVICE)
+        w = torch.empty((1280, 4 * 8192), dtype=torch.bfloat16, device=DEVICE).narrow(1, 8192, 8192)
+        c = torch.ops.fusedpar.skinny_matmul(a, w)
+        assert c.shape == (8, 1280) and c.dtype == torch.bfloat16 and c.device == a.device
+        with pytest.raises(ValueError, match="inner dims"):
+            torch.ops.fusedpar.skinny_matmul(a, w.T)
+
+
+def test_opcheck():
+    gen = torch.Generator().manual_seed(2)
+    a = _randn((3, 40), torch.float32, gen)
+    w = make_weight("col_view", 24, 40, torch.float32, gen)
+    torch.library.opcheck(torch.ops.fusedpar.skinny_matmul.default, (a, w))
+    out = torch.empty((3, 24), device=DEVICE)
+    torch.library.opcheck(torch.ops.fusedpar.skinny_matmul_out.default, (a, w, out))
+
+
+def test_torch_compile_sees_one_op():
+    gen = torch.Generator().manual_seed(4)
+    a = _randn((5, 40), torch.float32, gen)
+    w = make_weight("col_view", 24, 40, torch.float32, gen)
+    compiled = torch.compile(lambda a, w: gemv.skinny_matmul(a, w) * 2.0, backend="aot_eager", fullgraph=True)
+    assert_close(compiled(a, w), 2.0 * reference(a, w), dtype=torch.float32)
+
+
+# ---- GPU only ---------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+# Rank shard shapes (N, K): Qwen3-32B TP=4 qkv / o / gate_up / down, Llama-3-70B TP=8 qkv / down,
+# and one odd shape.
+GPU_SHAPES = [(2560, 5120), (5120, 2048), (12800, 5120), (5120, 6400), (1280, 8192), (8192, 3584), (1001, 4099)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize(("n", "k"), GPU_SHAPES)
+@pytest.mark.parametrize("m", DECODE_ROWS)
+def test_gpu_rank_shapes(m, n, k, dtype):
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    a = _randn((m, k), dtype, gen)
+    for kind in ("contiguous", "col_view"):
+        w = make_weight(kind, n, k, dtype, gen, blocks=4)
+        out = run_and_check(a, w, name=f"{kind} C[{m},{n}] K={k} {dtype}")
+        # Same-precision agreement with cuBLAS as a second opinion.
+        assert_close(out, torch.nn.functional.linear(a, w), dtype=dtype, name="vs cuBLAS")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("m", (1, 33))
+def test_gpu_every_table_row_and_fma_path(m, dtype):
+    """Each GPU table tiling and the CUDA-core path, forced, with and without a K split."""
+    n, k = 1320, 4160
+    gen = torch.Generator().manual_seed(m)
+    a = _randn((m, k), dtype, gen)
+    w = make_weight("row_view", n, k, dtype, gen, blocks=4)
+    for _, bn, bk, warps, stages, _, _ in gemv.GPU_TABLE:
+        for split in (1, 7):
+            for dot in (True, False) if m == 1 else (True,):
+                cfg = gemv.SkinnyConfig(bn, bk, split_k=split, num_warps=warps, num_stages=stages, dot=dot)
+                run_and_check(a, w, name=f"C[{m},{n}] K={k} {cfg}", config=cfg)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", (1, 64))
+def test_gpu_cuda_graph_replay(m):
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    a = _randn((m, 8192), dtype, gen)
+    w = make_weight("col_view", 1280, 8192, dtype, gen, blocks=4)
+    assert gemv.pick_config(m, 1280, 8192, dtype=dtype, num_sms=torch.cuda.get_device_properties(DEVICE)
+                            .multi_processor_count, interpret=False).split_k > 1  # the reduce pass is captured too
+    out = torch.empty((m, 1280), dtype=dtype, device=DEVICE)
+    gemv.skinny_matmul(a, w, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv.skinny_matmul(a, w, out=out)
+    for _ in range(2):
+        a.copy_(_randn((m, 8192), dtype, gen))
+        poison_(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, reference(a, w), dtype=dtype, name="graph replay")
