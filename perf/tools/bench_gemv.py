@@ -16,9 +16,12 @@ checked against a float64 product (max abs error reported); a config that fails 
     python perf/tools/bench_gemv.py --out perf/tools/out/gemv.json
     python perf/tools/bench_gemv.py --sweep --out perf/tools/out/gemv_sweep.json   # + every candidate tiling
 
---sweep also times candidate SkinnyConfigs (the GPU_TABLE rows and neighbours: BLOCK_N, BLOCK_K,
-stages, warps, K split x 1/2, x2, CUDA-core products at M = 1) per shape and M and prints the best, to
-tune fusedpar/kernels/gemv/config.py:GPU_TABLE; this script changes nothing by itself.
+--sweep also times candidate SkinnyConfigs (BLOCK_N 32-128, BLOCK_K 128-512, 2-4 stages, 4 or 8 warps,
+programs: choose_programs', one per N tile, split-K to >= #SMs, stream-K over #SMs and twice that;
+CUDA-core products at M <= 2) per shape and M and
+prints the best, to tune fusedpar/kernels/gemv/config.py:GPU_TABLE; this script changes nothing by
+itself. Each case's sweep compiles and times ~100 tilings: narrow it (e.g. --models qwen32b --tp 4)
+or raise --sweep-budget-s (the sweep stops there; the plain timings still run for every case).
 """
 
 from __future__ import annotations
@@ -142,15 +145,18 @@ def sweep_candidates(m: int, n: int, k: int, num_sms: int, dtype: torch.dtype) -
     out = []
     picked = gemv.pick_config(m, n, k, dtype=dtype, num_sms=num_sms, interpret=False)
     row = cfgmod.table_row(m, interpret=False)
-    for bn, bk, stages, warps in itertools.product((32, 64, 128), (128, 256, 512), (2, 3, 4, 5), (4, 8)):
+    for bn, bk, stages, warps in itertools.product((32, 64, 128), (128, 256, 512), (2, 3, 4), (4, 8)):
+        if warps == 8 and bn < 128:
+            continue
         base = gemv.SkinnyConfig(bn, bk, 1, warps, stages)
         if cfgmod.shared_memory_bytes(base, m, 2) > cfgmod.SMEM_BYTES:
             continue
-        s = gemv.choose_split(n, k, bn, bk, slots=num_sms * row[5], min_steps=row[6])
-        for split in sorted({s, max(1, s // 2), min(cfgmod.MAX_SPLIT_K, 2 * s)}):
-            out.append(gemv.SkinnyConfig(bn, bk, split, warps, stages, dot=True))
+        n_tiles = -(-n // bn)
+        chosen = gemv.choose_programs(n, k, bn, bk, slots=num_sms * row[5], min_steps=row[6])
+        for programs in sorted({chosen, n_tiles, n_tiles * -(-num_sms // n_tiles), num_sms, 2 * num_sms}):
+            out.append(gemv.SkinnyConfig(bn, bk, programs, warps, stages, dot=True))
             if m <= 2:
-                out.append(gemv.SkinnyConfig(bn, bk, split, warps, stages, dot=False))
+                out.append(gemv.SkinnyConfig(bn, bk, programs, warps, stages, dot=False))
     if picked not in out:
         out.insert(0, picked)
     return out
@@ -233,9 +239,9 @@ def main(argv=None) -> int:
                 results.sort(key=lambda x: x[0])
                 best_ms, best = results[0]
                 picked_ms = rec["skinny_matmul"].get("ms")
+                picked = "failed" if picked_ms is None else f"{picked_ms * 1e3:.1f} us"
                 print(f"    sweep: best of {len(results)}: {best} {best_ms * 1e3:.1f} us "
-                      f"({case.weight_bytes / best_ms / 1e6:.0f} GB/s); picked {picked_ms and picked_ms * 1e3:.1f} us",
-                      flush=True)
+                      f"({case.weight_bytes / best_ms / 1e6:.0f} GB/s); picked config {picked}", flush=True)
                 sweeps.append({**{x: rec[x] for x in ("model", "tp", "gemm", "m", "n", "k")},
                                "results": [{"ms": t, "config": vars(c)} for t, c in results[:10]]})
         del case

@@ -72,13 +72,18 @@ def run_and_check(a, w, *, name, out_dtype=None, config=None):
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize("m", DECODE_ROWS)
 def test_decode_rows(m, dtype):
-    """The picked config (on the interpreter: 16 x 32 tiles, K = 100 cut into 4 splits with a ragged
-    last step; N = 37 ends inside the third N tile)."""
+    """The picked config, then stream-K over 5 programs (on the interpreter: 16 x 32 tiles, 3 N tiles x 4
+    K steps, the last ragged: runs of 2-3 steps, tiles shared by 2 programs; N = 37 ends inside tile 3)."""
     n, k = 37, 100
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     a = _randn((m, k), dtype, gen)
     w = make_weight("contiguous", n, k, dtype, gen)
     run_and_check(a, w, name=f"C[{m},{n}] K={k} {dtype}")
+    picked = gemv.pick_config(m, n, k, dtype=dtype, num_sms=4 if INTERPRETED else 132, interpret=INTERPRETED)
+    stream_k = gemv.SkinnyConfig(picked.block_n, picked.block_k, 5, picked.num_warps, picked.num_stages, picked.dot)
+    _, k_steps, units, _, _ = gemv_config.schedule(n, k, picked.block_n, picked.block_k, 5)
+    assert not gemv_config.tiles_are_whole(units, k_steps, 5)
+    run_and_check(a, w, name=f"stream-K C[{m},{n}] K={k} {dtype}", config=stream_k)
 
 
 @pytest.mark.parametrize("dot", (True, False), ids=("dot", "fma"))
@@ -92,30 +97,32 @@ def test_strided_weights(m, kind, dot):
     w = make_weight(kind, n, k, dtype, gen)
     if kind == "col_view":
         assert not w.is_contiguous()
-    for split in (1, 2):
-        cfg = gemv.SkinnyConfig(16, 32, split_k=split, num_warps=4, num_stages=2, dot=dot)
+    for programs in (2, 5):  # whole tiles (2 N tiles), stream-K
+        cfg = gemv.SkinnyConfig(16, 32, programs, num_warps=4, num_stages=2, dot=dot)
         if HAS_CUDA:
-            cfg = gemv.SkinnyConfig(64, 128, split_k=split, num_warps=4, num_stages=3, dot=dot)
-        run_and_check(a, w, name=f"{kind} C[{m},{n}] K={k} split={split} dot={dot}", config=cfg)
+            cfg = gemv.SkinnyConfig(16, 32, programs, num_warps=4, num_stages=3, dot=dot)
+        run_and_check(a, w, name=f"{kind} C[{m},{n}] K={k} programs={programs} dot={dot}", config=cfg)
 
 
 @pytest.mark.parametrize(
-    ("block_n", "block_k", "split", "dot"),
+    ("block_n", "block_k", "programs", "dot"),
     [
-        (16, 16, 1, True),  # no split: the partial kernel stores out directly
-        (32, 16, 5, True),  # K = 80 = 5 steps of 16 (EVEN_K), one step per split
-        (16, 64, 2, False),  # K = 80 ragged against 64
-        (16, 32, 64, True),  # more splits asked than K steps: evened to 3
-        (64, 128, 4, False),  # one N tile wider than N, one K step: a single split runs
+        (16, 16, 3, True),  # 3 N tiles, one program each: stored directly, no reduce pass
+        (16, 16, 1, True),  # one program runs every tile in turn (3 segments), all whole
+        (32, 16, 10, True),  # split-K: 2 tiles x 5 steps of 16 (EVEN_K), one step per program
+        (16, 64, 4, False),  # stream-K, K = 80 ragged against 64: 6 units over 4 programs
+        (16, 32, 7, True),  # stream-K: 9 units over 7 programs, tiles shared by up to 3
+        (16, 32, 500, True),  # more programs asked than units: capped at 9
+        (64, 128, 4, False),  # one N tile wider than N, one K step: a single program runs
     ],
 )
-def test_explicit_configs(block_n, block_k, split, dot):
+def test_explicit_configs(block_n, block_k, programs, dot):
     if HAS_CUDA:
         pytest.skip("explicit small tilings are an interpreter check of the split schedule")
-    gen = torch.Generator().manual_seed(block_n + block_k + split)
+    gen = torch.Generator().manual_seed(block_n + block_k + programs)
     a = _randn((17, 80), torch.float16, gen)
     w = make_weight("col_view", 45, 80, torch.float16, gen)
-    cfg = gemv.SkinnyConfig(block_n, block_k, split_k=split, num_warps=4, num_stages=1, dot=dot)
+    cfg = gemv.SkinnyConfig(block_n, block_k, programs, num_warps=4, num_stages=1, dot=dot)
     run_and_check(a, w, name=f"config {cfg}", config=cfg)
 
 
@@ -145,7 +152,7 @@ def test_transposed_fp32_out_from_fp16():
 
 
 def test_deterministic_across_runs():
-    """K-split partials are summed in split order: repeated runs agree bit for bit."""
+    """Partials of shared tiles are summed in program order: repeated runs agree bit for bit."""
     gen = torch.Generator().manual_seed(12)
     m, n, k = 4, 40, 96 if INTERPRETED else 8192
     a = _randn((m, k), torch.float16, gen)
@@ -195,38 +202,42 @@ def test_out_overlapping_an_operand_is_refused():
 
 def test_config_checks():
     with pytest.raises(ValueError, match="block_n=48"):
-        gemv.SkinnyConfig(48, 128)
-    with pytest.raises(ValueError, match="split_k=0"):
-        gemv.SkinnyConfig(64, 128, split_k=0)
+        gemv.SkinnyConfig(48, 128, 1)
+    with pytest.raises(ValueError, match="programs=0"):
+        gemv.SkinnyConfig(64, 128, 0)
 
 
 @pytest.mark.parametrize("m", (1, 16, 17, 32, 33, 64))
 @pytest.mark.parametrize(("n", "k"), [(1280, 8192), (2560, 8192), (8192, 1024), (5120, 2048), (3200, 5120),
-                                      (5120, 6400), (57344 // 8, 8192), (24, 40)])
+                                      (5120, 6400), (12800, 5120), (57344 // 8, 8192), (24, 40)])
 def test_gpu_table_fills_the_sms_and_fits_hopper(m, n, k):
-    """The GPU tilings (not runnable here): every program has a non-empty K range, the operand ring fits
-    227 KiB, and narrow shard GEMMs get enough programs for the 132 SMs of an H100 (or all the K steps)."""
+    """The GPU tilings (not runnable here): the operand ring fits 227 KiB, and the busiest SM's share of
+    W is near the even share (all K steps / 132 SMs of an H100) or a whole N tile's K steps."""
     for dtype in (torch.bfloat16, torch.float32):
         cfg = gemv.pick_config(m, n, k, dtype=dtype, num_sms=132, interpret=False)
         assert cfg.dot
         assert gemv_config.shared_memory_bytes(cfg, m, dtype.itemsize) <= gemv_config.SMEM_BYTES, cfg
-        steps = -(-k // cfg.block_k)
-        per = -(-steps // cfg.split_k)
-        assert -(-steps // per) == cfg.split_k, cfg  # splits come out even: none is empty
-        programs = -(-n // cfg.block_n) * cfg.split_k
-        assert programs >= 0.75 * 132 or cfg.split_k * gemv_config.table_row(m, interpret=False)[6] >= steps, cfg
+        programs, k_steps, units, _, _ = gemv_config.schedule(n, k, cfg.block_n, cfg.block_k, cfg.programs)
+        assert programs == cfg.programs
+        busiest = -(-programs // 132) * -(-units // programs)
+        assert busiest <= max(1.3 * units / 132 + 2, k_steps), (cfg, busiest, units / 132)
 
 
-def test_choose_split_balances_the_busiest_sm():
-    """The busiest SM's K steps stay near the even share (all N tiles x K steps / slots)."""
-    for n, k, bn, bk in ((1280, 8192, 64, 128), (2560, 5120, 64, 256), (5120, 2048, 64, 256), (640, 8192, 64, 256)):
-        n_tiles, steps = -(-n // bn), -(-k // bk)
-        s = gemv.choose_split(n, k, bn, bk, slots=132, min_steps=1)
-        per = -(-steps // s)
-        busiest = -(-(n_tiles * s) // 132) * per
-        assert busiest <= 1.25 * n_tiles * steps / 132 + 1, (n, k, s, busiest)
-    assert gemv.choose_split(1280, 256, 64, 128, slots=132, min_steps=2) == 1  # 2 K steps, 2 per split at least
-    assert gemv.choose_split(64, 8192, 64, 128, slots=132, min_steps=4) == 16  # 64 steps, >= 4 per split
+def test_schedule_counts_segments_and_slots():
+    # 4 N tiles x 8 steps over 12 programs of 2-3 units: a program touches at most 2 tiles; the bound
+    # on the programs sharing one tile (its workspace slots) is 1 + cdiv(8 - 1, 2) = 5.
+    assert gemv_config.schedule(64, 256, 16, 32, 12) == (12, 8, 32, 2, 5)
+    assert gemv_config.tiles_are_whole(32, 8, 4) and gemv_config.tiles_are_whole(32, 8, 2)
+    assert not gemv_config.tiles_are_whole(32, 8, 12) and not gemv_config.tiles_are_whole(32, 8, 8 * 4 // 3)
+
+
+def test_choose_programs():
+    # 128 whole tiles on 132 SMs: no split (a reduce pass would cost more than 4 idle SMs).
+    assert gemv.choose_programs(8192, 2048, 64, 256, slots=132, min_steps=2) == 128
+    # 200 tiles: two waves of whole tiles lose to stream-K over the 132 SMs.
+    assert gemv.choose_programs(12800, 5120, 64, 256, slots=132, min_steps=2) == 132
+    # 20 tiles x 32 steps: split-K into 6 parts (120 programs) or stream-K (132), never 20.
+    assert gemv.choose_programs(1280, 8192, 64, 256, slots=132, min_steps=2) in (120, 132)
 
 
 def test_fake_impl_shape_and_dtype():
@@ -287,15 +298,16 @@ def test_gpu_rank_shapes(m, n, k, dtype):
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("m", (1, 33))
 def test_gpu_every_table_row_and_fma_path(m, dtype):
-    """Each GPU table tiling and the CUDA-core path, forced, with and without a K split."""
+    """Each GPU table tiling and the CUDA-core path, forced, over whole tiles, split-K and stream-K."""
     n, k = 1320, 4160
     gen = torch.Generator().manual_seed(m)
     a = _randn((m, k), dtype, gen)
     w = make_weight("row_view", n, k, dtype, gen, blocks=4)
+    n_tiles = -(-n // 64)
     for _, bn, bk, warps, stages, _, _ in gemv.GPU_TABLE:
-        for split in (1, 7):
+        for programs in (n_tiles, 3 * n_tiles, 132, 250):  # whole tiles, split-K, stream-K
             for dot in (True, False) if m == 1 else (True,):
-                cfg = gemv.SkinnyConfig(bn, bk, split_k=split, num_warps=warps, num_stages=stages, dot=dot)
+                cfg = gemv.SkinnyConfig(bn, bk, programs, num_warps=warps, num_stages=stages, dot=dot)
                 run_and_check(a, w, name=f"C[{m},{n}] K={k} {cfg}", config=cfg)
 
 
@@ -307,8 +319,9 @@ def test_gpu_cuda_graph_replay(m):
     gen = torch.Generator().manual_seed(0)
     a = _randn((m, 8192), dtype, gen)
     w = make_weight("col_view", 1280, 8192, dtype, gen, blocks=4)
-    assert gemv.pick_config(m, 1280, 8192, dtype=dtype, num_sms=torch.cuda.get_device_properties(DEVICE)
-                            .multi_processor_count, interpret=False).split_k > 1  # the reduce pass is captured too
+    num_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    # 20 N tiles of 64: the picked config splits them, so the reduce pass is captured too
+    assert gemv.pick_config(m, 1280, 8192, dtype=dtype, num_sms=num_sms, interpret=False).programs > 20
     out = torch.empty((m, 1280), dtype=dtype, device=DEVICE)
     gemv.skinny_matmul(a, w, out=out)  # compile outside the capture
     torch.cuda.synchronize()

@@ -7,12 +7,12 @@ Math and layout
     A's dtype or fp32. M <= 64 (MAX_M): larger batches belong to fusedpar.kernels.gemm.
 
 Why a second GEMM: at a few rows the step is bound by reading W once, and a TP rank's shard GEMMs
-have too few N tiles to cover the SMs (N = 1280 is 20 tiles of 64 on 132 SMs). Here the grid is
-(N tiles, K splits): each program streams its N tile's W rows over one contiguous K range in wide
-[BLOCK_N, BLOCK_K] loads, with the split count chosen so the programs fill the machine
-(config.choose_split). With more than one split the fp32 partials go to a [split, M, N] workspace
-and a second, tiny pass sums them in split order: bit-identical results run to run, whatever order
-the programs finish in.
+have too few N tiles to cover the SMs (N = 1280 is 20 tiles of 64 on 132 SMs). Here the K steps of
+all N tiles (one step: a [BLOCK_N, BLOCK_K] W tile, read in wide loads) are shared out in equal
+contiguous runs over a chosen number of programs (config.choose_programs): split-K where that fills
+the SMs in whole waves, stream-K (one program per SM) where it does not. Tiles several programs
+share have their fp32 partials summed by a second, tiny pass in program order: bit-identical
+results run to run, whatever order the programs finish in.
 
 Modules: kernels (@triton.jit), config (SkinnyConfig, GPU_TABLE, pick_config), launch (checks and
 launcher), ops (torch.library ops `torch.ops.fusedpar.skinny_matmul` / `skinny_matmul_out` with fake
@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 
 from fusedpar.kernels.gemv import ops as _ops  # noqa: F401  (registers torch.ops.fusedpar.skinny_matmul*)
-from fusedpar.kernels.gemv.config import GPU_TABLE, MAX_M, SkinnyConfig, choose_split, pick_config
+from fusedpar.kernels.gemv.config import GPU_TABLE, MAX_M, SkinnyConfig, choose_programs, pick_config
 
-__all__ = ["GPU_TABLE", "MAX_M", "SkinnyConfig", "choose_split", "pick_config", "skinny_matmul"]
+__all__ = ["GPU_TABLE", "MAX_M", "SkinnyConfig", "choose_programs", "pick_config", "skinny_matmul"]
 
 
 def skinny_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

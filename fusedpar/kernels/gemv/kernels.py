@@ -1,10 +1,15 @@
 """The @triton.jit code of the weight-streaming decode GEMM (launcher: launch.py; math: __init__.py).
 
-_skinny_partial_kernel: grid (N tiles, K splits). Program (pid_n, pid_k) reads the W rows of its N
-tile over its own contiguous range of K steps once, with the few rows of A, and writes either the
-finished tile (one split) or its fp32 partial sums to a [split_k, M, N] workspace.
-_skinny_reduce_kernel: out[m, n] = sum over s = 0 .. split_k - 1 of the workspace, always in that
-order, so the result does not depend on which program finished first (deterministic).
+Work is counted in units: one unit is one [BLOCK_N, BLOCK_K] W tile of one N tile, so an N tile is
+k_steps = cdiv(K, BLOCK_K) consecutive units and the GEMM U = N tiles x k_steps units, numbered
+tile-major. Program p of P runs units [p U / P, (p + 1) U / P) (stream-K: every program the same
+share of W, whatever N is). The run of units a program has in one N tile is a segment:
+  - a segment that is the whole tile (one program owns it) is stored to out directly;
+  - otherwise the segment's fp32 partial sums go to workspace slot j = p - (first program of the
+    tile), and _skinny_reduce_kernel sums slots 0, 1, ... of every split tile in that order, so the
+    result does not depend on which program finished first (deterministic).
+With P a multiple of the N tiles this is a plain split-K (every tile cut into P / N-tiles equal
+parts); with P = N tiles, no tile is split and there is no workspace.
 """
 
 from __future__ import annotations
@@ -14,14 +19,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _first_program(u, P, U):
+    """The program whose units include unit u: the largest p with p U / P <= u (integer division)."""
+    return ((u + 1) * P - 1) // U
+
+
+@triton.jit
 def _skinny_partial_kernel(
     a_ptr,
     w_ptr,
-    c_ptr,  # out [M, N] (one split) or the fp32 workspace [split_k, M, N] (contiguous)
+    c_ptr,  # out [M, N]
+    ws_ptr,  # fp32 workspace [slots, M, N] (contiguous); unused when no tile is split
     M,
     N,
     K,
-    k_steps_per_split,  # BLOCK_K steps per K split (the last split may have fewer)
+    k_steps,  # cdiv(K, BLOCK_K): units per N tile
+    total_units,  # U = cdiv(N, BLOCK_N) * k_steps
+    max_segments,  # the most N tiles one program's units touch
     stride_am,
     stride_ak,
     stride_wn,
@@ -35,60 +49,79 @@ def _skinny_partial_kernel(
     DOT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """Partial C^T tile [BLOCK_N, BLOCK_M] = W[n tile, k range] @ A[:, k range]^T, fp32 accumulator.
+    """Each segment of this program: C^T tile [BLOCK_N, BLOCK_M] over its K steps, fp32 accumulator.
 
-    W is read as [BLOCK_N, BLOCK_K] tiles along its rows (K is W's contiguous dim in nn.Linear
-    storage, so each thread's loads are wide vectors); strided views work through the strides.
-    The tile is computed transposed ("swap AB"): W's tile is the wide left operand of tl.dot and
-    A's few rows (padded to BLOCK_M >= 16) the narrow right one.
+    W is read as [BLOCK_N, BLOCK_K] tiles along its rows (K is W's contiguous dim in nn.Linear storage,
+    so each thread's loads are wide vectors); strided views work through the strides. The tile is
+    computed transposed ("swap AB"): W's tile is the wide left operand of tl.dot and A's few rows
+    (padded to BLOCK_M >= 16) the narrow right one.
     DOT: tl.dot (tensor cores); False: products summed with tl.sum in fp32 (CUDA cores, any BLOCK_M;
     also what the interpreter runs for bf16, which its tl.dot cannot).
     EVEN_K: K % BLOCK_K == 0, so the loads need no K mask. Ragged M / N edges are clamped to row 0
-    (always valid memory) and masked off at the store.
+    (always valid memory) and masked off at the stores.
+    The segment loop has a fixed trip count (max_segments) with the K loop nested, empty where a
+    program has fewer segments: the K loop is the software pipeliner's innermost loop.
     """
-    pid_n = tl.program_id(axis=0)
-    pid_k = tl.program_id(axis=1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(axis=0)
+    P = tl.num_programs(axis=0)
+    u_begin = (pid * total_units) // P
+    u_end = ((pid + 1) * total_units) // P
     offs_m = tl.arange(0, BLOCK_M)
-    offs_wn = tl.where(offs_n < N, offs_n, 0)
     offs_am = tl.where(offs_m < M, offs_m, 0)
     offs_kb = tl.arange(0, BLOCK_K)
 
-    k_steps = tl.cdiv(K, BLOCK_K)
-    k_begin = pid_k * k_steps_per_split
-    k_end = tl.minimum(k_begin + k_steps_per_split, k_steps)
+    u = u_begin
+    for _ in range(0, max_segments):
+        tile = u // k_steps
+        seg_end = tl.minimum(u_end, (tile + 1) * k_steps)
+        k_first = u - tile * k_steps
+        k_last = seg_end - tile * k_steps  # exclusive; k_first when this program is done
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_wn = tl.where(offs_n < N, offs_n, 0)
 
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for ki in range(k_begin, k_end):
-        offs_k = ki * BLOCK_K + offs_kb
-        w_ptrs = w_ptr + (offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk)
-        a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            a = tl.load(a_ptrs)
-        else:
-            k_mask = offs_k[None, :] < K
-            w = tl.load(w_ptrs, mask=k_mask, other=0.0)
-            a = tl.load(a_ptrs, mask=k_mask, other=0.0)
-        if DOT:
-            acc = tl.dot(w, tl.trans(a), acc, input_precision=INPUT_PRECISION)
-        else:
-            prod = w.to(tl.float32)[:, None, :] * a.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for ki in range(k_first, k_last):
+            offs_k = ki * BLOCK_K + offs_kb
+            w_ptrs = w_ptr + (offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk)
+            a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                a = tl.load(a_ptrs)
+            else:
+                k_mask = offs_k[None, :] < K
+                w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+                a = tl.load(a_ptrs, mask=k_mask, other=0.0)
+            if DOT:
+                acc = tl.dot(w, tl.trans(a), acc, input_precision=INPUT_PRECISION)
+            else:
+                prod = w.to(tl.float32)[:, None, :] * a.to(tl.float32)[None, :, :]
+                acc += tl.sum(prod, axis=2)
 
-    c_ptrs = c_ptr + pid_k * M * N + (offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn)
-    c_mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        live = u < u_end
+        whole = (k_first == 0) & (k_last == k_steps)  # this program owns the whole tile
+        mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+        # tl.where rather than `mask & scalar`: the interpreter's stores reject a scalar-broadcast mask
+        c_ptrs = c_ptr + (offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=tl.where(live & whole, mask, False))
+        slot = pid - _first_program(tile * k_steps, P, total_units)
+        ws_ptrs = ws_ptr + slot * M * N + (offs_m[None, :] * N + offs_n[:, None])
+        tl.store(ws_ptrs, acc, mask=tl.where(live & (whole == 0), mask, False))
+        u = seg_end
 
 
 @triton.jit
-def _skinny_reduce_kernel(ws_ptr, out_ptr, M, N, split_k, stride_om, stride_on, BLOCK: tl.constexpr):
-    """out[m, n] = sum_{s < split_k} ws[s, m, n] in s order (ws: contiguous fp32 [split_k, M, N])."""
+def _skinny_reduce_kernel(ws_ptr, out_ptr, M, N, k_steps, total_units, programs, max_slots, stride_om, stride_on,
+                          BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum of ws[j, m, n] over the slots j = 0, 1, ... of n's tile, in that order, for the
+    tiles that more than one program shares (the others were stored by their owner)."""
     idx = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(split_k):
-        acc += tl.load(ws_ptr + s * M * N + idx, mask=mask, other=0.0)
+    in_range = idx < M * N
     m = idx // N
     n = idx - m * N
-    tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tile = n // BLOCK_N
+    first = _first_program(tile * k_steps, programs, total_units)
+    slots = _first_program(tile * k_steps + k_steps - 1, programs, total_units) - first + 1
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(0, max_slots):
+        acc += tl.load(ws_ptr + j * M * N + idx, mask=in_range & (j < slots), other=0.0)
+    tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=in_range & (slots > 1))

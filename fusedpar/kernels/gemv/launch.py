@@ -2,7 +2,7 @@
 
 `_launch` checks the operands, picks the tiling (or takes an explicit SkinnyConfig: tests and
 perf/tools/bench_gemv.py --sweep pass them) and runs the partial kernel, then the reduce pass
-when K is split.
+when some N tile is shared by several programs.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from fusedpar.kernels._host import INTERPRETED, SUPPORTED_DTYPES, cdiv, check_out_overlap, max_offset
 from fusedpar.kernels._sync import device_guard, sm_count
-from fusedpar.kernels.gemv.config import MAX_M, SkinnyConfig, pick_config
+from fusedpar.kernels.gemv.config import MAX_M, SkinnyConfig, pick_config, schedule, tiles_are_whole
 from fusedpar.kernels.gemv.kernels import _skinny_partial_kernel, _skinny_reduce_kernel
 
 OP = "fusedpar.skinny_matmul"
@@ -83,30 +83,28 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: SkinnyC
 
     cfg = config or pick_config(m, n, k, dtype=a.dtype, num_sms=sm_count(a.device, INTERPRETED),
                                 interpret=INTERPRETED)
-    k_steps = cdiv(k, cfg.block_k)
-    steps_per_split = cdiv(k_steps, cfg.split_k)
-    split = cdiv(k_steps, steps_per_split)  # no empty split
-    if split > 1:
-        # fp32 partial sums, reduced in split order by the second pass: deterministic.
-        ws = torch.empty((split, m, n), dtype=torch.float32, device=a.device)
-        target, stride_cm, stride_cn = ws, n, 1
-    else:
-        target, stride_cm, stride_cn = out, out.stride(0), out.stride(1)
+    programs, k_steps, units, max_segments, max_slots = schedule(n, k, cfg.block_n, cfg.block_k, cfg.programs)
+    split = not tiles_are_whole(units, k_steps, programs)
+    # Split tiles: fp32 partials per (slot, row, column), summed in slot order by the reduce pass.
+    ws = torch.empty((max_slots, m, n) if split else (1,), dtype=torch.float32, device=a.device)
     with device_guard(a.device):  # Triton launches on the current CUDA device
-        _skinny_partial_kernel[(cdiv(n, cfg.block_n), split)](
+        _skinny_partial_kernel[(programs,)](
             a,
             w,
-            target,
+            out,
+            ws,
             m,
             n,
             k,
-            steps_per_split,
+            k_steps,
+            units,
+            max_segments,
             a.stride(0),
             a.stride(1),
             w.stride(0),
             w.stride(1),
-            stride_cm,
-            stride_cn,
+            out.stride(0),
+            out.stride(1),
             BLOCK_M=cfg.block_m(m),
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
@@ -116,8 +114,9 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: SkinnyC
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-        if split > 1:
+        if split:
             _skinny_reduce_kernel[(cdiv(m * n, REDUCE_BLOCK),)](
-                ws, out, m, n, split, out.stride(0), out.stride(1), BLOCK=REDUCE_BLOCK, num_warps=4
+                ws, out, m, n, k_steps, units, programs, max_slots, out.stride(0), out.stride(1),
+                BLOCK_N=cfg.block_n, BLOCK=REDUCE_BLOCK, num_warps=4,
             )
     return out
