@@ -12,6 +12,7 @@ call the next copy) that they exceed the L2 cache: every call streams its weight
 decode step's layers do. GB/s = weight bytes / time per call; "of copy" = that over the measured
 bandwidth of a large device-to-device copy (read + write bytes / time) in the same run. Results are
 checked against a float64 product (max abs error reported); a config that fails is reported, not fatal.
+gate_up is also timed with skinny_matmul's SwiGLU epilogue (swiglu_block = N / 2, one block).
 
     python perf/tools/bench_gemv.py --out perf/tools/out/gemv.json
     python perf/tools/bench_gemv.py --sweep --out perf/tools/out/gemv_sweep.json   # + every candidate tiling
@@ -131,11 +132,16 @@ class Case:
     def calls(self, fn, out: torch.Tensor) -> list:
         return [lambda w=w: fn(self.a, w, out) for w in self.weights]
 
-    def run(self, fn, replays: int) -> dict:
-        out = torch.empty((self.m, self.n), dtype=self.a.dtype, device="cuda")
+    def run(self, fn, replays: int, swiglu: bool = False) -> dict:
+        """Time fn(a, w, out); swiglu: fn is the gate_up GEMM with its SwiGLU epilogue ([M, N / 2] out)."""
+        out = torch.empty((self.m, self.n // 2 if swiglu else self.n), dtype=self.a.dtype, device="cuda")
         result = fn(self.a, self.weights[0], out)  # eager: compiles, and the result is checked
         torch.cuda.synchronize()
-        err = (result.double() - self.expected).abs().max().item()
+        expected = self.expected
+        if swiglu:
+            gate, up = expected.split(self.n // 2, dim=1)
+            expected = torch.nn.functional.silu(gate) * up
+        err = (result.double() - expected).abs().max().item()
         calls = self.calls(fn, out)
         reps = max(1, math.ceil(40 / len(calls)))  # >= 40 calls per graph
         ms = graph_time_ms(calls * reps, replays)
@@ -191,6 +197,7 @@ def main(argv=None) -> int:
         print("bench_gemv: no CUDA device; nothing to time")
         return 0
 
+    from fusedpar.kernels import gemv
     from fusedpar.kernels.gemv import launch as gemv_launch
 
     dtype = getattr(torch, args.dtype)
@@ -230,6 +237,19 @@ def main(argv=None) -> int:
                 parts.append(f"{impl} FAILED ({type(exc).__name__})")
                 traceback.print_exc(limit=2)
             rec[impl] = r
+        if name == "gate_up":  # the SwiGLU epilogue: same weight bytes, half the output, no activation pass
+            try:
+                def fused(a, w, out, block=n // 2):
+                    return gemv.skinny_matmul(a, w, out=out, swiglu_block=block)
+
+                r = case.run(fused, args.replays, swiglu=True)
+                r["of_copy"] = r["gbps"] / copy_gbps
+                parts.append(f"+swiglu {r['ms'] * 1e3:7.1f} us")
+            except Exception as exc:
+                r = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                parts.append(f"+swiglu FAILED ({type(exc).__name__})")
+                traceback.print_exc(limit=2)
+            rec["skinny_matmul+swiglu"] = r
         records.append(rec)
         print(f"{head}: " + " | ".join(parts), flush=True)
 
@@ -274,6 +294,12 @@ def main(argv=None) -> int:
         ratio = ""
         if "ms" in rec["skinny_matmul"] and "ms" in rec["cublas"]:
             ratio = f"{rec['cublas']['ms'] / rec['skinny_matmul']['ms']:5.2f}x"
+        sw = rec.get("skinny_matmul+swiglu", {})
+        if "ms" in sw:
+            flag = "!" if not sw["max_abs_err"] <= tol else ""
+            ratio += f"  (+SwiGLU epilogue {sw['ms'] * 1e3:.1f} us{flag})"
+        elif "error" in sw:
+            ratio += "  (+SwiGLU epilogue: error)"
         print(f"{rec['model']:9s} {rec['tp']:2d} {rec['gemm']:7s} {rec['m']:2d} {rec['n']:5d} {rec['k']:5d} | "
               + " | ".join(cells) + " | " + ratio)
     print(f"done in {time.time() - t0:.0f} s", flush=True)

@@ -17,6 +17,7 @@ from fusedpar.kernels import gemv
 from fusedpar.kernels._host import INTERPRETED
 from fusedpar.kernels.gemv import config as gemv_config
 from fusedpar.kernels.gemv import launch as gemv_launch
+from fusedpar.kernels.reference import blocked_swiglu
 from fusedpar.testing.gpu import local_device
 from fusedpar.testing.numerics import assert_close, poison_
 
@@ -151,6 +152,43 @@ def test_transposed_fp32_out_from_fp16():
     assert_close(out, reference(a, w), dtype=torch.float32, name="fp32 out")
 
 
+def swiglu_reference(a: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    return blocked_swiglu(reference(a, w), block)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize(("blocks", "block"), [(1, 24), (2, 13)])
+@pytest.mark.parametrize("m", (1, 17))
+def test_swiglu_epilogue(m, blocks, block, dtype):
+    """out = silu(gate) * up of the gate_up GEMM, W in per-block [gate | up] chunks (13 rows: output tiles
+    straddle the blocks), through the picked config and stream-K over 7 programs (split tiles: the
+    reduce pass applies the activation)."""
+    k = 72
+    gen = torch.Generator().manual_seed(m + blocks * 100 + block)
+    a = _randn((m, k), dtype, gen)
+    w = make_weight("row_view", blocks * 2 * block, k, dtype, gen)
+    expected = swiglu_reference(a, w, block)
+    picked = gemv.pick_config(m, blocks * block, k, dtype=dtype, num_sms=4 if INTERPRETED else 132,
+                              interpret=INTERPRETED)
+    for cfg in (None, gemv.SkinnyConfig(16, 32, 7, 4, picked.num_stages, picked.dot)):
+        out = poison_(torch.empty((m, blocks * block), dtype=dtype, device=DEVICE))
+        if cfg is None:
+            assert gemv.skinny_matmul(a, w, out=out, swiglu_block=block) is out
+        else:
+            gemv_launch._launch(a, w, out, cfg, swiglu_block=block)
+        assert_close(out, expected, dtype=dtype, name=f"swiglu {cfg}")
+    assert_close(gemv.skinny_matmul(a, w, swiglu_block=block), expected, dtype=dtype, name="swiglu, new out")
+
+
+def test_swiglu_block_must_divide_the_rows():
+    a = torch.ones((2, 16), device=DEVICE)
+    with pytest.raises(ValueError, match=r"swiglu_block=5 .* 24 rows a multiple of 2 I"):
+        gemv.skinny_matmul(a, torch.ones((24, 16), device=DEVICE), swiglu_block=5)
+    with pytest.raises(ValueError, match=r"\[M, N / 2\] \(SwiGLU\) = \(2, 12\)"):
+        gemv.skinny_matmul(a, torch.ones((24, 16), device=DEVICE), out=torch.empty((2, 24), device=DEVICE),
+                           swiglu_block=6)
+
+
 def test_deterministic_across_runs():
     """Partials of shared tiles are summed in program order: repeated runs agree bit for bit."""
     gen = torch.Generator().manual_seed(12)
@@ -248,6 +286,7 @@ def test_fake_impl_shape_and_dtype():
         w = torch.empty((1280, 4 * 8192), dtype=torch.bfloat16, device=DEVICE).narrow(1, 8192, 8192)
         c = torch.ops.fusedpar.skinny_matmul(a, w)
         assert c.shape == (8, 1280) and c.dtype == torch.bfloat16 and c.device == a.device
+        assert torch.ops.fusedpar.skinny_matmul(a, w, 320).shape == (8, 640)
         with pytest.raises(ValueError, match="inner dims"):
             torch.ops.fusedpar.skinny_matmul(a, w.T)
 
@@ -259,6 +298,7 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.fusedpar.skinny_matmul.default, (a, w))
     out = torch.empty((3, 24), device=DEVICE)
     torch.library.opcheck(torch.ops.fusedpar.skinny_matmul_out.default, (a, w, out))
+    torch.library.opcheck(torch.ops.fusedpar.skinny_matmul.default, (a, w, 6))
 
 
 def test_torch_compile_sees_one_op():
@@ -291,6 +331,21 @@ def test_gpu_rank_shapes(m, n, k, dtype):
         out = run_and_check(a, w, name=f"{kind} C[{m},{n}] K={k} {dtype}")
         # Same-precision agreement with cuBLAS as a second opinion.
         assert_close(out, torch.nn.functional.linear(a, w), dtype=dtype, name="vs cuBLAS")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize(("blocks", "block"), [(1, 3200), (1, 3584), (4, 800)])  # Qwen3-32B / Llama-70B shards
+@pytest.mark.parametrize("m", (1, 8, 33, 64))
+def test_gpu_swiglu_epilogue(m, blocks, block, dtype):
+    k = 5120
+    gen = torch.Generator().manual_seed(m + block)
+    a = _randn((m, k), dtype, gen)
+    w = make_weight("row_view", blocks * 2 * block, k, dtype, gen, blocks=4)
+    out = poison_(torch.empty((m, blocks * block), dtype=dtype, device=DEVICE))
+    gemv.skinny_matmul(a, w, out=out, swiglu_block=block)
+    assert_close(out, swiglu_reference(a, w, block), dtype=dtype, name=f"swiglu C[{m},{blocks}x{block}] {dtype}")
 
 
 @pytest.mark.gpu
