@@ -8,7 +8,13 @@ against a float64 product, with outputs pre-filled with NaN so an element never 
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,10 +257,10 @@ def test_config_checks():
 def test_gpu_table_fills_the_sms_and_fits_hopper(m, n, k):
     """The GPU tilings (not runnable here): the operand ring fits 227 KiB, and the busiest SM's share of
     W is near the even share (all K steps / 132 SMs of an H100) or a whole N tile's K steps."""
-    for dtype in (torch.bfloat16, torch.float32):
-        cfg = gemv.pick_config(m, n, k, dtype=dtype, num_sms=132, interpret=False)
+    for dtype, swiglu in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
+        cfg = gemv.pick_config(m, n, k, dtype=dtype, num_sms=132, interpret=False, swiglu=swiglu)
         assert cfg.dot
-        assert gemv_config.shared_memory_bytes(cfg, m, dtype.itemsize) <= gemv_config.SMEM_BYTES, cfg
+        assert gemv_config.shared_memory_bytes(cfg, m, dtype.itemsize, swiglu) <= gemv_config.SMEM_BYTES, cfg
         programs, k_steps, units, _, _ = gemv_config.schedule(n, k, cfg.block_n, cfg.block_k, cfg.programs)
         assert programs == cfg.programs
         busiest = -(-programs // 132) * -(-units // programs)
@@ -276,6 +282,72 @@ def test_choose_programs():
     assert gemv.choose_programs(12800, 5120, 64, 256, slots=132, min_steps=2) == 132
     # 20 tiles x 32 steps: split-K into 6 parts (120 programs) or stream-K (132), never 20.
     assert gemv.choose_programs(1280, 8192, 64, 256, slots=132, min_steps=2) in (120, 132)
+
+
+_SM90_BUILD = textwrap.dedent(
+    """
+    import json, re, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fusedpar.kernels.gemv import kernels
+
+    spec = json.loads(sys.argv[1])
+    fn = getattr(kernels, spec["kernel"])
+    names = list(fn.arg_names)
+    consts = spec["constexprs"]
+    sig = {n: "constexpr" if n in consts else spec["types"].get(n, "i32") for n in names}
+    # what the launcher's specialisation gives real arguments: 16-byte aligned pointers, and sizes and
+    # strides that are multiples of 16 (the shard shapes' are)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec["divisible"]}
+    src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+    ptx = k.asm["ptx"]
+    print(json.dumps({"cubin_bytes": len(k.asm["cubin"]), "shared": k.metadata.shared,
+                      "wgmma": ptx.count("wgmma.mma_async"), "cp_async": len(re.findall(r"cp\\.async\\.c[ag]", ptx))}))
+    """
+)
+
+
+def _build_for_sm90(tmp_path, spec: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _SM90_BUILD, json.dumps(spec)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("swiglu", (False, True), ids=("plain", "swiglu"))
+@pytest.mark.parametrize("m", (1, 32, 64))
+def test_gpu_tilings_build_for_sm90_pipelined(tmp_path, m, swiglu):
+    """Each GPU table row's bf16 build for Hopper (the interpreter never builds GPU code): tensor cores
+    (wgmma), the W / A loads pipelined through shared memory (cp.async), and that ring within 227 KiB."""
+    cfg = gemv.pick_config(m, 2560, 5120, dtype=torch.bfloat16, num_sms=132, interpret=False, swiglu=swiglu)
+    spec = {
+        "kernel": "_skinny_partial_kernel",
+        "types": {"a_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32"},
+        "constexprs": {"BLOCK_M": cfg.block_m(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": True,
+                       "DOT": True, "INPUT_PRECISION": "tf32", "SWIGLU": swiglu, "stride_ak": 1, "stride_wk": 1,
+                       "stride_cn": 1},
+        "divisible": ["a_ptr", "w_ptr", "c_ptr", "ws_ptr", "N", "K", "stride_am", "stride_wn", "stride_cm"],
+        "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    }
+    got = _build_for_sm90(tmp_path, spec)
+    assert got["cubin_bytes"] > 5_000, got
+    assert got["wgmma"] > 0 and got["cp_async"] > 0, (cfg, got)
+    assert got["shared"] <= gemv_config.SMEM_BYTES, (cfg, got)
+    assert got["shared"] >= gemv_config.shared_memory_bytes(cfg, m, 2, swiglu) * 0.9, (cfg, got)  # every stage
+
+
+def test_reduce_pass_builds_for_sm90(tmp_path):
+    for swiglu in (False, True):
+        got = _build_for_sm90(tmp_path, {
+            "kernel": "_skinny_reduce_kernel", "types": {"ws_ptr": "*fp32", "out_ptr": "*bf16"},
+            "constexprs": {"BLOCK_N": 64, "BLOCK": 1024, "SWIGLU": swiglu, "stride_on": 1},
+            "divisible": ["ws_ptr", "out_ptr"], "options": {"num_warps": 4}})
+        assert got["cubin_bytes"] > 5_000, got
 
 
 def test_fake_impl_shape_and_dtype():
@@ -358,8 +430,8 @@ def test_gpu_every_table_row_and_fma_path(m, dtype):
     gen = torch.Generator().manual_seed(m)
     a = _randn((m, k), dtype, gen)
     w = make_weight("row_view", n, k, dtype, gen, blocks=4)
-    n_tiles = -(-n // 64)
     for _, bn, bk, warps, stages, _, _ in gemv.GPU_TABLE:
+        n_tiles = -(-n // bn)
         for programs in (n_tiles, 3 * n_tiles, 132, 250):  # whole tiles, split-K, stream-K
             for dot in (True, False) if m == 1 else (True,):
                 cfg = gemv.SkinnyConfig(bn, bk, programs, num_warps=warps, num_stages=stages, dot=dot)

@@ -52,11 +52,13 @@ class SkinnyConfig:
 # The GPU tilings, one row per M bucket (first row whose largest M >= m):
 #   (largest M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM, least K steps per program)
 # Shared memory per program: num_stages * (BLOCK_N + BLOCK_M) * BLOCK_K * 2 bytes (<= 227 KiB); one
-# program per SM at these sizes, each keeping num_stages - 1 W tiles in flight.
+# program per SM at these sizes, each keeping num_stages - 1 W tiles in flight. Every N tile re-reads
+# A's BLOCK_M x BLOCK_K tile (from L2) beside its BLOCK_N x BLOCK_K W tile, so at 64 rows BLOCK_N is
+# 128 to keep that traffic at half of W's.
 GPU_TABLE: tuple[tuple[int, int, int, int, int, int, int], ...] = (
     (16, 64, 256, 4, 4, 1, 2),
     (32, 64, 256, 4, 3, 1, 2),
-    (64, 64, 128, 4, 4, 1, 4),
+    (64, 128, 128, 4, 3, 1, 4),
 )
 
 # Interpreter: small tiles so CPU tests see several N tiles, split tiles and ragged edges.
@@ -110,18 +112,23 @@ def table_row(m: int, *, interpret: bool) -> tuple[int, int, int, int, int, int,
 
 # Every launch asks for its tiling: cached (arguments are ints, a dtype and bools).
 @functools.lru_cache(maxsize=4096)
-def pick_config(m: int, n: int, k: int, *, dtype: torch.dtype, num_sms: int, interpret: bool) -> SkinnyConfig:
-    """The tiling of C[m, n] = A[m, k] @ W[n, k]^T (m <= MAX_M) from the table row of m, with the program
-    count of choose_programs for the device's num_sms. fp32 inputs halve BLOCK_K (same bytes per tile).
-    The interpreter runs tl.dot for fp16 / fp32 and tl.sum products for bf16 (its tl.dot cannot bf16)."""
+def pick_config(m: int, n: int, k: int, *, dtype: torch.dtype, num_sms: int, interpret: bool,
+                swiglu: bool = False) -> SkinnyConfig:
+    """The tiling of C[m, n] = A[m, k] @ W[n, k]^T (m <= MAX_M; n the output columns) from the table row
+    of m, with the program count of choose_programs for the device's num_sms. fp32 inputs and the SwiGLU
+    epilogue (two W tiles per K step: gate and up) halve BLOCK_K, so a K step reads the same bytes and
+    the operand ring still fits. The interpreter runs tl.dot for fp16 / fp32 and tl.sum products for
+    bf16 (its tl.dot cannot bf16)."""
     _, block_n, block_k, warps, stages, per_sm, min_steps = table_row(m, interpret=interpret)
-    if dtype == torch.float32:
+    if dtype == torch.float32 and not interpret:
+        block_k //= 2
+    if swiglu and not interpret:
         block_k //= 2
     programs = choose_programs(n, k, block_n, block_k, slots=num_sms * per_sm, min_steps=min_steps)
     dot = not (interpret and dtype == torch.bfloat16)
     return SkinnyConfig(block_n, block_k, programs, num_warps=warps, num_stages=stages, dot=dot)
 
 
-def shared_memory_bytes(cfg: SkinnyConfig, m: int, in_bytes: int) -> int:
-    """Operand ring of one program: num_stages x (BLOCK_N + BLOCK_M) x BLOCK_K elements."""
-    return cfg.num_stages * (cfg.block_n + cfg.block_m(m)) * cfg.block_k * in_bytes
+def shared_memory_bytes(cfg: SkinnyConfig, m: int, in_bytes: int, swiglu: bool = False) -> int:
+    """Operand ring of one program: num_stages x (BLOCK_N (x 2 with SwiGLU) + BLOCK_M) x BLOCK_K elements."""
+    return cfg.num_stages * (cfg.block_n * (2 if swiglu else 1) + cfg.block_m(m)) * cfg.block_k * in_bytes

@@ -93,7 +93,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: SkinnyC
 
     # With SwiGLU a unit reads two W tiles (gate, up): the schedule is that of the N output columns.
     cfg = config or pick_config(m, n, k, dtype=a.dtype, num_sms=sm_count(a.device, INTERPRETED),
-                                interpret=INTERPRETED)
+                                interpret=INTERPRETED, swiglu=bool(swiglu_block))
     programs, k_steps, units, max_segments, max_slots = schedule(n, k, cfg.block_n, cfg.block_k, cfg.programs)
     split = not tiles_are_whole(units, k_steps, programs)
     # Split tiles: fp32 partials per (slot, row, column), summed in slot order by the reduce pass.
