@@ -8,6 +8,7 @@ against a float64 product, with outputs pre-filled with NaN so an element never 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -292,62 +293,64 @@ _SM90_BUILD = textwrap.dedent(
     from triton.compiler import ASTSource
     from fusedpar.kernels.gemv import kernels
 
-    spec = json.loads(sys.argv[1])
-    fn = getattr(kernels, spec["kernel"])
-    names = list(fn.arg_names)
-    consts = spec["constexprs"]
-    sig = {n: "constexpr" if n in consts else spec["types"].get(n, "i32") for n in names}
-    # what the launcher's specialisation gives real arguments: 16-byte aligned pointers, and sizes and
-    # strides that are multiples of 16 (the shard shapes' are)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec["divisible"]}
-    src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
-    ptx = k.asm["ptx"]
-    print(json.dumps({"cubin_bytes": len(k.asm["cubin"]), "shared": k.metadata.shared,
-                      "wgmma": ptx.count("wgmma.mma_async"), "cp_async": len(re.findall(r"cp\\.async\\.c[ag]", ptx))}))
+    results = []
+    for spec in json.loads(sys.argv[1]):
+        fn = getattr(kernels, spec["kernel"])
+        names = list(fn.arg_names)
+        consts = spec["constexprs"]
+        sig = {n: "constexpr" if n in consts else spec["types"].get(n, "i32") for n in names}
+        # what the launcher's specialisation gives real arguments: 16-byte aligned pointers, and sizes and
+        # strides that are multiples of 16 (the shard shapes' are)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec["divisible"]}
+        src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+        ptx = k.asm["ptx"]
+        results.append({"cubin_bytes": len(k.asm["cubin"]), "shared": k.metadata.shared,
+                        "wgmma": ptx.count("wgmma.mma_async"), "cp_async": len(re.findall(r"cp\\.async\\.c[ag]", ptx))})
+    print(json.dumps(results))
     """
 )
 
 
-def _build_for_sm90(tmp_path, spec: dict) -> dict:
+def _build_for_sm90(tmp_path, specs: list[dict]) -> list[dict]:
+    """Build each spec's kernel for sm_90 (PTX, then cubin by Triton's ptxas) in one subprocess that does
+    not interpret; per build: cubin size, shared memory, wgmma and cp.async instruction counts."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _SM90_BUILD, json.dumps(spec)], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", _SM90_BUILD, json.dumps(specs)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("swiglu", (False, True), ids=("plain", "swiglu"))
-@pytest.mark.parametrize("m", (1, 32, 64))
-def test_gpu_tilings_build_for_sm90_pipelined(tmp_path, m, swiglu):
-    """Each GPU table row's bf16 build for Hopper (the interpreter never builds GPU code): tensor cores
-    (wgmma), the W / A loads pipelined through shared memory (cp.async), and that ring within 227 KiB."""
-    cfg = gemv.pick_config(m, 2560, 5120, dtype=torch.bfloat16, num_sms=132, interpret=False, swiglu=swiglu)
-    spec = {
-        "kernel": "_skinny_partial_kernel",
-        "types": {"a_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32"},
-        "constexprs": {"BLOCK_M": cfg.block_m(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": True,
-                       "DOT": True, "INPUT_PRECISION": "tf32", "SWIGLU": swiglu, "stride_ak": 1, "stride_wk": 1,
-                       "stride_cn": 1},
-        "divisible": ["a_ptr", "w_ptr", "c_ptr", "ws_ptr", "N", "K", "stride_am", "stride_wn", "stride_cm"],
-        "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
-    }
-    got = _build_for_sm90(tmp_path, spec)
-    assert got["cubin_bytes"] > 5_000, got
-    assert got["wgmma"] > 0 and got["cp_async"] > 0, (cfg, got)
-    assert got["shared"] <= gemv_config.SMEM_BYTES, (cfg, got)
-    assert got["shared"] >= gemv_config.shared_memory_bytes(cfg, m, 2, swiglu) * 0.9, (cfg, got)  # every stage
-
-
-def test_reduce_pass_builds_for_sm90(tmp_path):
-    for swiglu in (False, True):
-        got = _build_for_sm90(tmp_path, {
-            "kernel": "_skinny_reduce_kernel", "types": {"ws_ptr": "*fp32", "out_ptr": "*bf16"},
-            "constexprs": {"BLOCK_N": 64, "BLOCK": 1024, "SWIGLU": swiglu, "stride_on": 1},
-            "divisible": ["ws_ptr", "out_ptr"], "options": {"num_warps": 4}})
-        assert got["cubin_bytes"] > 5_000, got
+def test_gpu_tilings_build_for_sm90_pipelined(tmp_path):
+    """Each GPU table row's bf16 build for Hopper, plain and with the SwiGLU epilogue, and the reduce pass
+    (the interpreter never builds GPU code): tensor cores (wgmma), the W / A loads pipelined through
+    shared memory (cp.async), and that ring within 227 KiB."""
+    cases, specs = [], []
+    for m, swiglu in itertools.product((1, 32, 64), (False, True)):
+        cfg = gemv.pick_config(m, 2560, 5120, dtype=torch.bfloat16, num_sms=132, interpret=False, swiglu=swiglu)
+        cases.append((m, swiglu, cfg))
+        specs.append({
+            "kernel": "_skinny_partial_kernel",
+            "types": {"a_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "ws_ptr": "*fp32"},
+            "constexprs": {"BLOCK_M": cfg.block_m(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": True,
+                           "DOT": True, "INPUT_PRECISION": "tf32", "SWIGLU": swiglu, "stride_ak": 1, "stride_wk": 1,
+                           "stride_cn": 1},
+            "divisible": ["a_ptr", "w_ptr", "c_ptr", "ws_ptr", "N", "K", "stride_am", "stride_wn", "stride_cm"],
+            "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+        })
+    specs += [{"kernel": "_skinny_reduce_kernel", "types": {"ws_ptr": "*fp32", "out_ptr": "*bf16"},
+               "constexprs": {"BLOCK_N": 64, "BLOCK": 1024, "SWIGLU": swiglu, "stride_on": 1},
+               "divisible": ["ws_ptr", "out_ptr"], "options": {"num_warps": 4}} for swiglu in (False, True)]
+    got = _build_for_sm90(tmp_path, specs)
+    for (m, swiglu, cfg), g in zip(cases, got, strict=False):
+        assert g["cubin_bytes"] > 5_000, (m, swiglu, g)
+        assert g["wgmma"] > 0 and g["cp_async"] > 0, (m, swiglu, cfg, g)
+        assert g["shared"] <= gemv_config.SMEM_BYTES, (m, swiglu, cfg, g)
+        assert g["shared"] >= 0.9 * gemv_config.shared_memory_bytes(cfg, m, 2, swiglu), (m, swiglu, cfg, g)
+    assert all(g["cubin_bytes"] > 5_000 for g in got[len(cases):]), got
 
 
 def test_fake_impl_shape_and_dtype():
