@@ -21,8 +21,9 @@ gate_up is also timed with skinny_matmul's SwiGLU epilogue (swiglu_block = N / 2
 programs: choose_programs', one per N tile, split-K to >= #SMs, stream-K over #SMs and twice that;
 CUDA-core products at M <= 2) per shape and M and
 prints the best, to tune fusedpar/kernels/gemv/config.py:GPU_TABLE; this script changes nothing by
-itself. Each case's sweep compiles and times ~100 tilings: narrow it (e.g. --models qwen32b --tp 4)
-or raise --sweep-budget-s (the sweep stops there; the plain timings still run for every case).
+itself. Each case's sweep compiles and times ~100 tilings, within an even share of --sweep-budget-s
+(the picked tiling first): narrow the cases (e.g. --models qwen32b --tp 4 --rows 1) or raise the
+budget to try them all.
 """
 
 from __future__ import annotations
@@ -177,9 +178,7 @@ def sweep_candidates(m: int, n: int, k: int, num_sms: int, dtype: torch.dtype) -
             out.append(gemv.SkinnyConfig(bn, bk, programs, warps, stages, dot=True))
             if m <= 2 and bn * bk <= 64 * 256:  # CUDA-core products: a [bn, m, bk] fp32 tile in registers
                 out.append(gemv.SkinnyConfig(bn, bk, programs, warps, stages, dot=False))
-    if picked not in out:
-        out.insert(0, picked)
-    return out
+    return [picked] + [c for c in out if c != picked]  # the picked tiling first: its time always comes back
 
 
 def main(argv=None) -> int:
@@ -255,11 +254,12 @@ def main(argv=None) -> int:
 
         if args.sweep:
             sweep_deadline = sweep_deadline or time.time() + args.sweep_budget_s
-            if time.time() > sweep_deadline:
-                continue
+            # what is left of the budget, shared evenly by this case and the ones after it
+            case_deadline = time.time() + (sweep_deadline - time.time()) / (len(cases) - i)
             results = []
             for cfg in sweep_candidates(m, n, k, num_sms, dtype):
-                if time.time() > sweep_deadline:
+                if time.time() > case_deadline:
+                    print("    sweep: this case's share of --sweep-budget-s is spent", flush=True)
                     break
                 try:
                     fn = lambda a, w, out, cfg=cfg: gemv_launch._launch(a, w, out, cfg)  # noqa: E731
