@@ -1,4 +1,5 @@
-"""Tests of the decode GEMM, fusedpar.kernels.gemv: C = A @ W^T for 1 to 64 rows of A, K split.
+"""Tests of the decode GEMM, fusedpar.kernels.gemv: C = A @ W^T for 1 to 64 rows of A, its K steps
+shared over the programs (whole tiles, split-K, stream-K), optionally with a SwiGLU epilogue.
 
 Without a GPU they run on the Triton interpreter (conftest.py sets TRITON_INTERPRET=1): fp16 and fp32
 through tl.dot, bf16 through the CUDA-core product path (the interpreter cannot tl.dot bf16). GPU

@@ -75,7 +75,10 @@ def _skinny_partial_kernel(
     DOT: tl.dot (tensor cores); False: products summed with tl.sum in fp32 (CUDA cores, any BLOCK_M;
     also what the interpreter runs for bf16, which its tl.dot cannot).
     EVEN_K: K % BLOCK_K == 0, so the loads need no K mask. Ragged M / N edges are clamped to row 0
-    (always valid memory) and masked off at the stores.
+    (always valid memory) and masked off at the stores. The loads are 16-byte vectors, and so
+    pipelined through shared memory (cp.async), where Triton's launch specialisation sees 16-byte
+    aligned bases, K and row strides that are multiples of 16 (every shard shape); otherwise they
+    are correct but element-wise and unpipelined.
     The segment loop has a fixed trip count (max_segments) with the K loop nested, empty where a
     program has fewer segments: the K loop is the software pipeliner's innermost loop.
     """
