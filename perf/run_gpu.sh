@@ -27,6 +27,8 @@ declare -A ITEMS=(
   [serve]='$TRUN perf/serve_bench.py --out "$RES/serve.json"'
   [vllm]='python3 perf/bench_vllm.py --world "$NGPU" --out "$RES/vllm.json"'
   [tune_gemm]='python3 perf/tools/tune_gemm.py --out "${OUT:-perf/tools/out}/gemm_tune.json"'
+  [gemv]='python3 perf/tools/bench_gemv.py --out "${OUT:-perf/tools/out}/gemv.json"'
+  [gemv_sweep]='python3 perf/tools/bench_gemv.py --sweep --out "${OUT:-perf/tools/out}/gemv_sweep.json"'
   [qkv_sweep]='$TRUN perf/bench_qkv_all_to_all.py --sweep-configs --tokens 512,1024,2048,4096'
 )
 
