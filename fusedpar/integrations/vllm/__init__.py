@@ -79,7 +79,7 @@ def check_engine_config(vllm_config) -> None:
         from .deployment import deployment_info
         from .dp_engine import dp_engine_problems, install_dp_classes
 
-        dp = dp_engine_problems(vllm_config) if cfg.dp_size else []
+        dp = dp_engine_problems(vllm_config, policy=cfg.policy) if cfg.dp_size else []
         try:
             check_deployment(cfg, deployment_info(vllm_config))
         except FusedparConfigError as e:  # one error naming every problem, the DP layout's too
