@@ -217,6 +217,16 @@ def test_ranks_serve_disjoint_request_sets(models, tmp_path_factory, family):
         assert all(s["weight_bytes"] == s["base_shard_bytes"] > 0 for s in per_rank), per_rank
 
 
+@needs_vllm
+@pytest.mark.deep
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_dp_and_tp_classes_match_plain_vllm_tp2(models, tmp_path_factory, family):
+    """The deep profile holds the "priority" engine to plain vLLM at tensor_parallel_size=2 too."""
+    plain = _engine(models, tmp_path_factory, family, None)
+    mixed = _engine(models, tmp_path_factory, family, MIXED, priorities=[list(p) for p in PRIORITIES])
+    assert mixed["tokens"] == plain["tokens"]
+
+
 def _class_tokens(batch, priorities, tp: bool) -> int:
     """Tokens the engine computes for one class's prompts of a batch: every prompt token, every fed-back token."""
     lengths = [n for n, p in zip(map(len, batch), priorities, strict=True) if (p <= MIXED["tp_priority"]) == tp]

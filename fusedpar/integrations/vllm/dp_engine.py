@@ -6,9 +6,9 @@ async scheduling. For the policies with DP steps ("dp", "priority") it refuses e
 this version does not carry through a DP step (one FusedparConfigError naming each), then points
 vLLM at:
 
-  scheduler_cls                 dp_scheduler.DPScheduler  per-rank KV pools, the step's tag
-  worker_cls                    dp_worker.DPWorker        its own requests, the DP forward
-  distributed_executor_backend  dp_executor.DPExecutor    every rank's output, merged
+  scheduler_cls                 dp_scheduler.DPScheduler  per-class, per-rank KV pools, the step's tag
+  worker_cls                    dp_worker.DPWorker        the step's mode, its own requests, the DP forward
+  distributed_executor_backend  dp_executor.DPExecutor    every rank's output of a DP step, merged
 
 as qualified names (strings travel to the engine core and worker processes as they are).
 """
