@@ -45,6 +45,12 @@ LENGTHS = ((3, 8, 13, 21, 6, 35, 50), (1, 40, 17), (45,))
 PRIORITIES = ((0, 1, 1, 0, 1, 0, 1), (1, 0, 1), (0,))
 MIXED = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "priority", "tp_priority": 0,
          "shift_threshold": 8}
+# policy "load" on the same batches: 7 waiting requests reach load_high (DP ranks); the 3 and the 1 of the next
+# batches are at most load_low (the TP/SP class). Each batch arrives at once, so the placement of every request
+# of a batch is taken at its first step; the hysteresis band itself is test_admission_and_alternation's.
+LOAD = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "load", "load_low": 3, "load_high": 4,
+        "shift_threshold": 8}
+LOAD_CLASSES = ("dp", "tp", "tp")
 
 
 # ---- the section (no vLLM) -------------------------------------------------------------------------
@@ -55,15 +61,18 @@ def test_parse_dp_section():
     assert parse_additional_config({"fusedpar": {"sequence_parallel_size": 2}}).dp_size == 0
     cfg = parse_additional_config({"fusedpar": {**MIXED, "tp_priority": -3}})
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.tp_priority) == ("priority", 2, True, -3)
+    cfg = parse_additional_config({"fusedpar": LOAD})
+    assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.load_low, cfg.load_high) == ("load", 2, True, 1, 4)
 
 
 @pytest.mark.parametrize("section, needle", [
     ({**DP, "layouts": ["tp2"]}, "layouts ['tp2'] are not supported"),
     ({**DP, "layouts": "dp2"}, 'layouts must be a list of layout names like ["dp2"]'),
     ({**DP, "layouts": ["dp2", "dp4"]}, "this version runs one extra layout, got 2"),
-    ({**DP, "policy": "load"}, "policy must be one of ['threshold', 'dp', 'priority'], got 'load'"),
+    ({**DP, "policy": "auto"}, "policy must be one of ['threshold', 'dp', 'priority', 'load'], got 'auto'"),
     ({**DP, "layouts": []}, 'policy "dp" needs a DP layout in layouts'),
-    ({"sequence_parallel_size": 2, "layouts": ["dp2"]}, "layouts ['dp2'] need policy \"dp\" or \"priority\""),
+    ({"sequence_parallel_size": 2, "layouts": ["dp2"]}, "layouts ['dp2'] need policy \"dp\", \"priority\" or "
+                                                        "\"load\""),
     ({**MIXED, "layouts": []}, 'policy "priority" needs a DP layout in layouts'),
     ({k: v for k, v in MIXED.items() if k != "tp_priority"}, 'policy "priority" needs tp_priority (an int'),
     ({**MIXED, "tp_priority": "0"}, "tp_priority must be an int (vLLM's request priority"),
@@ -73,6 +82,13 @@ def test_parse_dp_section():
     ({**DP, "tp_priority": 0}, "tp_priority=0 needs policy \"priority\", got policy 'dp'"),
     ({"sequence_parallel_size": 2, "tp_priority": 1}, "tp_priority=1 needs policy \"priority\", got policy "
                                                       "'threshold'"),
+    ({**LOAD, "layouts": []}, 'policy "load" needs a DP layout in layouts'),
+    ({k: v for k, v in LOAD.items() if k != "load_high"}, 'policy "load" needs load_low and load_high, ints >= 0 '
+                                                         "(running + waiting requests), got load_high=None"),
+    ({**LOAD, "load_low": -1, "load_high": 2.5}, "got load_low=-1, load_high=2.5"),
+    ({**LOAD, "load_low": 4}, "load_low=4 must be below load_high=4 (the hysteresis band"),
+    ({**DP, "load_low": 1, "load_high": 4}, "load_low=1, load_high=4 need policy \"load\", got policy 'dp'"),
+    ({**LOAD, "tp_priority": 0}, "tp_priority=0 needs policy \"priority\", got policy 'load'"),
 ])
 def test_parse_rejects_dp_sections(section, needle):
     with pytest.raises(FusedparConfigError) as e:
@@ -225,6 +241,23 @@ def test_dp_and_tp_classes_match_plain_vllm_tp2(models, tmp_path_factory, family
     plain = _engine(models, tmp_path_factory, family, None)
     mixed = _engine(models, tmp_path_factory, family, MIXED, priorities=[list(p) for p in PRIORITIES])
     assert mixed["tokens"] == plain["tokens"]
+
+
+@needs_vllm
+@pytest.mark.deep
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_load_places_requests_by_the_engines_load(models, tmp_path_factory, family):
+    """Policy "load": a batch of 7 requests goes to the DP ranks, the next ones (3, then 1: the load has
+    drained) to the TP/SP class; tokens are the unsharded model's, nothing recomputed."""
+    fp = _engine(models, tmp_path_factory, family, LOAD)
+    assert fp["tokens"] == _unsharded_tokens(models[family])
+    for batch, cls, per_rank in zip(_prompts(), LOAD_CLASSES, fp["stats"], strict=True):
+        other = "tp" if cls == "dp" else "dp"
+        served = set().union(*(s[f"{cls}_requests"] for s in per_rank))
+        assert len(served) == len(batch) and all(s[f"{other}_steps"] == 0 for s in per_rank), (cls, per_rank)
+        assert all(s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+    assert fp["stats"][2][0]["base_steps"] > 0  # the TP/SP class's 45-token prompt: base steps above 8 tokens
+    assert fp["stats"][1][0]["tp_tokens"] == sum(map(len, _prompts()[1])) + 3 * (MAX_TOKENS - 1)
 
 
 def _class_tokens(batch, priorities, tp: bool) -> int:
@@ -441,6 +474,31 @@ def test_kv_split_gives_the_tp_pool_half_the_buffer_in_whole_dp_blocks():
         assert needle in msg, msg
 
 
+def test_free_before_placement_frees_nothing():
+    """Policy "load" places a request at the first step that finds it waiting: one aborted before holds no
+    blocks, and its free must not ask the pools."""
+    pytest.importorskip("vllm")
+    from fusedpar.integrations.vllm.dp_scheduler import DPScheduler
+
+    class Request:
+        request_id = "gone"
+
+    class Pools:  # vLLM's _free_request_blocks frees through the kv_cache_manager
+        def __init__(self):
+            self.freed = []
+
+        def free(self, request):
+            self.freed.append(request.request_id)
+
+    sched = DPScheduler.__new__(DPScheduler)  # the attributes vLLM's free reads, no engine
+    sched.placement, sched.defer_block_free, sched.kv_cache_manager = {}, False, Pools()
+    sched._free_request_blocks(Request())
+    assert sched.kv_cache_manager.freed == []
+    sched.placement["gone"] = 0
+    sched._free_request_blocks(Request())
+    assert sched.kv_cache_manager.freed == ["gone"]
+
+
 @needs_vllm
 def test_admission_and_alternation():
     from fusedpar.integrations.vllm.dp_kv import TP_CLASS
@@ -448,7 +506,16 @@ def test_admission_and_alternation():
 
     a = Admission(2, tp_priority=0)  # vLLM: a lower value is a higher priority
     assert [a.place(p) for p in (5, -1, 0, 1, 1, 0)] == [0, TP_CLASS, TP_CLASS, 1, 0, TP_CLASS]
-    assert [Admission(2, None).place(p) for p in (-9, 0, 9)] == [0, 1, 0]
+    no_tp = Admission(2)  # policy "dp": every request on the DP ranks in turn
+    assert [no_tp.place(p) for p in (-9, 0, 9)] == [0, 1, 0]
+    from fusedpar.integrations.vllm.dp_scheduler import LoadAdmission
+
+    load = LoadAdmission(2, low=1, high=4)  # starts in the TP/SP class
+    placed = []
+    for running, waiting in ((0, 1), (1, 7), (7, 0), (3, 0), (1, 0), (0, 3)):
+        load.observe(running, waiting)
+        placed.append(load.place(priority=0))
+    assert placed == [TP_CLASS, 0, 1, 0, TP_CLASS, TP_CLASS]  # DP at load 8 >= 4, TP again at load 1 <= 1
     alt = Alternation()
     both = (True, True)
     assert [alt.next(*w) for w in (both, both, both, (True, False), (True, False), (False, True), both,

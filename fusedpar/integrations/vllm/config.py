@@ -15,13 +15,17 @@ from dataclasses import dataclass, field
 from fusedpar.layouts import ModelDims, ParallelLayout
 
 CONFIG_KEY = "fusedpar"
-KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels", "layouts", "policy", "tp_priority")
+KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels", "layouts", "policy", "tp_priority",
+              "load_low", "load_high")
 # policy: how a step picks its layout. "threshold": base / shift by token count (the default); "dp": every
 # step of the workload is a DP step over the one "dp{P}" layout; "priority": two classes side by side, the
 # requests whose vLLM priority value is at most tp_priority in the TP/SP class (base / shift steps), the
-# others in the "dp{P}" layout's DP steps (docs/vllm-resharding.md).
-POLICIES = ("threshold", "dp", "priority")
-DP_POLICIES = ("dp", "priority")  # the policies that run DP steps over a "dp{P}" layout
+# others in the "dp{P}" layout's DP steps; "load": the same two classes, each new request placed by the
+# engine's load when it is first scheduled (DP while running + waiting requests are many, TP/SP when they are
+# few, with hysteresis between load_low and load_high) (docs/vllm-resharding.md).
+POLICIES = ("threshold", "dp", "priority", "load")
+DP_POLICIES = ("dp", "priority", "load")  # the policies that run DP steps over a "dp{P}" layout
+TP_CLASS_POLICIES = ("priority", "load")  # the policies with a TP/SP class beside the DP ranks
 _DP_LAYOUT = re.compile(r"^dp(\d+)$")
 MAX_SHIFT_THRESHOLD = 2**31 - 1  # any value >= max_num_batched_tokens already means "always shift"
 FUSED_KERNEL_CHOICES = ("auto", True, False)
@@ -70,10 +74,14 @@ class FusedparVllmConfig:
         every rank serves its own requests with full weights and its own KV pool).
     policy: "threshold" (base / shift by shift_threshold), "dp" (every step of the workload in the
         "dp{P}" layout; needs sequence_parallel_size = P, whose base shard is the full weight) or
-        "priority" (the TP/SP class beside the "dp{P}" layout: see tp_priority).
+        "priority" (the TP/SP class beside the "dp{P}" layout: see tp_priority) or "load" (the same
+        classes, see load_low / load_high).
     tp_priority: with policy "priority", the level of vLLM's per-request `priority` (lower value = served
         first, as in vLLM's priority scheduling) at or above which a request runs in the TP/SP class:
         priority value <= tp_priority -> TP/SP class (base / shift steps), else a DP rank. None otherwise.
+    load_low, load_high: with policy "load", the hysteresis band of the engine's load (running + waiting
+        requests) that places new requests (fusedpar.layers.layout_policy.LoadPolicy): from the TP/SP
+        class to DP ranks when the load reaches load_high, back when it falls to load_low. None otherwise.
     """
 
     sequence_parallel_size: int
@@ -82,12 +90,15 @@ class FusedparVllmConfig:
     layouts: tuple[str, ...] = ()
     policy: str = "threshold"
     tp_priority: int | None = None
+    load_low: int | None = None
+    load_high: int | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def has_tp_class(self) -> bool:
-        """Whether TP/SP-class requests (base / shift steps) run beside the DP layout's (policy "priority")."""
-        return self.policy == "priority"
+        """Whether TP/SP-class requests (base / shift steps) run beside the DP layout's (policies "priority",
+        "load")."""
+        return self.policy in TP_CLASS_POLICIES
 
     @property
     def dp_size(self) -> int:
@@ -164,8 +175,8 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
     elif policy in DP_POLICIES and not layouts:
         problems.append(f'policy "{policy}" needs a DP layout in layouts (e.g. "layouts": ["dp2"])')
     elif policy not in DP_POLICIES and layouts:
-        problems.append(f"layouts {layouts} need policy \"dp\" or \"priority\" (policy {policy!r} runs base / shift "
-                        "steps only)")
+        problems.append(f"layouts {layouts} need policy \"dp\", \"priority\" or \"load\" (policy {policy!r} runs base "
+                        "/ shift steps only)")
     tp_priority = section.get("tp_priority")
     if "tp_priority" in section and not _is_int(tp_priority):
         problems.append(f"tp_priority must be an int (vLLM's request priority: requests whose priority value is at "
@@ -175,9 +186,23 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
                         "tp_priority run in the TP/SP class, the others in DP steps)")
     elif policy != "priority" and tp_priority is not None:
         problems.append(f'tp_priority={tp_priority} needs policy "priority", got policy {policy!r}')
+    load = {k: section.get(k) for k in ("load_low", "load_high")}
+    given = [k for k in load if k in section]
+    if policy != "load" and given:
+        problems.append(f'{", ".join(f"{k}={load[k]!r}" for k in given)} need policy "load", got policy {policy!r}')
+    elif policy == "load":
+        bad = {k: v for k, v in load.items() if not _is_int(v) or v < 0}
+        if bad:
+            problems.append(f'policy "load" needs load_low and load_high, ints >= 0 (running + waiting requests), got '
+                            f"{', '.join(f'{k}={v!r}' for k, v in bad.items())}")
+        elif load["load_low"] >= load["load_high"]:
+            problems.append(f"load_low={load['load_low']} must be below load_high={load['load_high']} (the hysteresis "
+                            "band: new requests go to DP ranks once the load reaches load_high and to the TP/SP class "
+                            "again once it falls to load_low)")
     _raise(problems)
     return FusedparVllmConfig(sequence_parallel_size=sp, shift_threshold=threshold, fused_kernels=fused,
-                              layouts=tuple(layouts), policy=policy, tp_priority=tp_priority, raw=dict(section))
+                              layouts=tuple(layouts), policy=policy, tp_priority=tp_priority,
+                              load_low=load["load_low"], load_high=load["load_high"], raw=dict(section))
 
 
 @dataclass(frozen=True)
@@ -281,7 +306,7 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
 
 
 def dp_problems(cfg: FusedparVllmConfig, info: DeploymentInfo) -> list[str]:
-    """What stops the "dp{D}" layout (policies "dp", "priority") on this engine, each with its numbers."""
+    """What stops the "dp{D}" layout (policies "dp", "priority", "load") on this engine, each with its numbers."""
     P, sp, D = info.tensor_parallel_size, cfg.sequence_parallel_size, cfg.dp_size
     kv = info.num_key_value_heads
     problems = []

@@ -1,11 +1,14 @@
 """The scheduler of an engine with a "dp{P}" layout: every step a DP step (policy "dp"), or DP steps and
-TP/SP steps side by side (policy "priority").
+TP/SP steps side by side (policies "priority" and "load").
 
 `DPScheduler` is vLLM's Scheduler with
-  - placement (`Admission`): a request is placed when the engine admits it and keeps its place for its
-    whole life. Policy "priority": a request whose vLLM priority value is at most tp_priority (vLLM
-    serves lower values first) joins the TP/SP class; every other request is a DP request, the i-th
-    DP request admitted on rank i % P;
+  - placement (`Admission`, `LoadAdmission`): a request is placed once and keeps its place for its
+    whole life. Policy "priority": when the engine admits it, a request whose vLLM priority value is
+    at most tp_priority (vLLM serves lower values first) joins the TP/SP class. Policy "load": at the
+    start of the first step that finds it waiting, by the engine's load then (running + waiting
+    requests, fusedpar.layers.layout_policy.LoadPolicy with its hysteresis band): DP ranks while the
+    load is high, the TP/SP class while it is low. Every other request is a DP request, the i-th DP
+    request placed on rank i % P;
   - KV pools: `kv_cache_manager` is a dp_kv.RoutingKVCacheManager of P DP pools and, with the TP/SP
     class, a TP pool on disjoint block ranges of every rank's buffer (dp_kv.KVSplit), so every
     allocation lands in the pool of the request's class and rank;
@@ -38,6 +41,9 @@ from dataclasses import dataclass, field
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from fusedpar.layers.layout_policy import LoadPolicy, StepFacts
+from fusedpar.layouts import ParallelLayout
+
 from .config import parse_additional_config
 from .dp_kv import TP_CLASS, KVSplit, RoutingKVCacheManager
 
@@ -63,17 +69,52 @@ class DPTag:
 
 
 class Admission:
-    """Where each admitted request is served: TP_CLASS for a request whose vLLM priority value is at most
-    tp_priority (None: no TP/SP class), else the DP ranks in turn."""
+    """Where each request is served: TP_CLASS for a request whose vLLM priority value is at most
+    tp_priority (None: no TP/SP class), else the DP ranks in turn. Placed when the engine admits it."""
 
-    def __init__(self, size: int, tp_priority: int | None):
+    at_arrival = True  # placed by add_request; else at the start of the first step that finds it waiting
+
+    def __init__(self, size: int, tp_priority: int | None = None):
         self.tp_priority = tp_priority
         self._ranks = itertools.cycle(range(size))
+
+    def observe(self, running: int, waiting: int) -> None:
+        """The engine's requests at the start of a step (placement by priority does not read them)."""
 
     def place(self, priority: int) -> int:
         if self.tp_priority is not None and priority <= self.tp_priority:
             return TP_CLASS
         return next(self._ranks)
+
+
+class LoadAdmission(Admission):
+    """Where each request is served by the engine's load (policy "load"): fusedpar's LoadPolicy between the
+    DP layout (P replicas of one rank) and the TP/SP layout (one replica of P ranks), asked once per step
+    with the running and waiting requests; the requests first seen waiting at that step join the TP/SP
+    class while it answers TP, else the DP ranks in turn. Starts in the TP/SP class."""
+
+    at_arrival = False
+
+    def __init__(self, size: int, low: int, high: int):
+        super().__init__(size)
+        self.dp_layout, self.tp_layout = ParallelLayout(size, tp=1), ParallelLayout(size, tp=size)
+        self.policy = LoadPolicy(self.dp_layout, self.tp_layout, low=low, high=high, initial=self.tp_layout)
+        self.current = self.tp_layout
+
+    def observe(self, running: int, waiting: int) -> None:
+        # LoadPolicy reads running and waiting; the step's token count is not known before it is scheduled
+        self.current = self.policy.decide(StepFacts(scheduled_tokens=1, running=running, waiting=waiting),
+                                          self.current)
+
+    def place(self, priority: int) -> int:
+        return TP_CLASS if self.current is self.tp_layout else next(self._ranks)
+
+
+def admission_of(cfg, size: int) -> Admission:
+    """The placement rule of the section's policy."""
+    if cfg.policy == "load":
+        return LoadAdmission(size, cfg.load_low, cfg.load_high)
+    return Admission(size, cfg.tp_priority if cfg.policy == "priority" else None)
 
 
 class Alternation:
@@ -105,7 +146,7 @@ class DPScheduler(Scheduler):
         self.dp_size = P
         self.split = KVSplit.of(kv_cache_config.num_blocks, P, tp_class=cfg.has_tp_class)
         self.placement: dict[str, int] = {}
-        self.admission = Admission(P, cfg.tp_priority if cfg.has_tp_class else None)
+        self.admission = admission_of(cfg, P)
         self.alternation = Alternation()
         self.step_mode = DP_STEP
         dp_pools = [self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.dp_blocks))
@@ -134,9 +175,18 @@ class DPScheduler(Scheduler):
         )
 
     def add_request(self, request) -> None:
-        if request.request_id not in self.placement and request.request_id not in self.requests:
+        if (self.admission.at_arrival and request.request_id not in self.placement
+                and request.request_id not in self.requests):
             self.placement[request.request_id] = self.admission.place(request.priority)
         super().add_request(request)
+
+    def _place_waiting(self) -> None:
+        """Place the requests that wait unplaced (policy "load"), by the load at the start of this step."""
+        waiting = list(itertools.chain(self.waiting, self.kv_holding_waiting))
+        self.admission.observe(len(self.running), len(waiting))
+        for request in waiting:
+            if request.request_id not in self.placement:
+                self.placement[request.request_id] = self.admission.place(request.priority)
 
     # ---- the step's class ----------------------------------------------------------------------------
     def _mode_of(self, request_id: str) -> str:
@@ -161,6 +211,8 @@ class DPScheduler(Scheduler):
 
     # ---- the step ------------------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):
+        if not self.admission.at_arrival:
+            self._place_waiting()
         self.step_mode = self.alternation.next(*self._classes_with_requests())
         out = super().schedule(*args, **kwargs)
         strays = sorted(rid for rid in out.num_scheduled_tokens if self._mode_of(rid) != self.step_mode)
@@ -187,6 +239,10 @@ class DPScheduler(Scheduler):
             f"per-rank KV pools is not supported in this version. KV usage per rank: {usage} of "
             f"{self.split.dp_blocks} DP blocks each{tp}; give the engine more KV cache "
             "(VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization) or lower max_num_seqs")
+
+    def _free_request_blocks(self, request) -> None:
+        if request.request_id in self.placement:  # one finished before any step placed it holds no blocks
+            super()._free_request_blocks(request)
 
     def _free_blocks(self, request) -> None:
         super()._free_blocks(request)
