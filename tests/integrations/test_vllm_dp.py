@@ -62,7 +62,7 @@ def test_parse_dp_section():
     cfg = parse_additional_config({"fusedpar": {**MIXED, "tp_priority": -3}})
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.tp_priority) == ("priority", 2, True, -3)
     cfg = parse_additional_config({"fusedpar": LOAD})
-    assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.load_low, cfg.load_high) == ("load", 2, True, 1, 4)
+    assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.load_low, cfg.load_high) == ("load", 2, True, 3, 4)
 
 
 @pytest.mark.parametrize("section, needle", [
