@@ -260,6 +260,17 @@ def test_load_places_requests_by_the_engines_load(models, tmp_path_factory, fami
     assert fp["stats"][1][0]["tp_tokens"] == sum(map(len, _prompts()[1])) + 3 * (MAX_TOKENS - 1)
 
 
+@needs_vllm
+@pytest.mark.deep
+def test_dp_and_tp_classes_with_the_engine_core_in_its_own_process(models, tmp_path_factory):
+    fp = _engine(models, tmp_path_factory, "llama", MIXED, engine_process=True,
+                 priorities=[list(p) for p in PRIORITIES])
+    assert fp["tokens"] == _unsharded_tokens(models["llama"])
+    first = fp["stats"][0]
+    assert all(s["tp_steps"] > 0 and s["recomputed_tokens"] == 0 for s in first), first
+    assert sum(s["dp_steps"] > 0 for s in first) == 2, first
+
+
 def _class_tokens(batch, priorities, tp: bool) -> int:
     """Tokens the engine computes for one class's prompts of a batch: every prompt token, every fed-back token."""
     lengths = [n for n, p in zip(map(len, batch), priorities, strict=True) if (p <= MIXED["tp_priority"]) == tp]
