@@ -102,7 +102,7 @@ class FusedparVllmConfig:
 
     @property
     def dp_size(self) -> int:
-        """D of the "dp{D}" layout DP steps run in (policies "dp" and "priority"); 0 when every step runs
+        """D of the "dp{D}" layout DP steps run in (policies "dp", "priority", "load"); 0 when every step runs
         base / shift."""
         if self.policy not in DP_POLICIES:
             return 0
