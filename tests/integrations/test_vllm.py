@@ -392,9 +392,9 @@ def _modes_of_orders(per_batch_stats: list, family: str, threshold: int, tp: int
 
 
 # The default profile runs two engines: qwen3 mixed (compiled) and llama chunked + eager (test_vllm_dp.py
-# adds the DP engine). The deep profile (python -m pytest --deep) adds qwen3 at P=4, always-base and mixed
-# for both families, the compiled chunked and the unchunked eager llama engines, and the plain vLLM engines
-# the tokens are checked against.
+# adds the qwen3 DP engine and the qwen3 DP + TP/SP engine, policy "priority"). The deep profile (python -m
+# pytest --deep) adds qwen3 at P=4, always-base and mixed for both families, the compiled chunked and the
+# unchunked eager llama engines, and the plain vLLM engines the tokens are checked against.
 @needs_vllm
 @pytest.mark.deep
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,4 +1,5 @@
-"""The "dp{P}" layout of the vLLM plugin (policy "dp": every step a DP step), in the CPU build of vLLM.
+"""The "dp{P}" layout of the vLLM plugin (policy "dp": every step a DP step; policy "priority": DP steps and
+TP/SP steps side by side), in the CPU build of vLLM.
 
 An engine with tensor_parallel_size=2 and {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy":
 "dp"} serves each request on one rank (the i-th admitted on rank i % 2) with full weights and that
@@ -7,6 +8,12 @@ Llama / Qwen3, the reference test_vllm.py's engines are held to), with a 32-toke
 chunks the longer prompts into multi-step prefills and prefix caching off; the ranks' stats must
 show disjoint request sets covering every request, and every computed token once (no preemption).
 Engine features the layout does not carry are refused where the engine config is built.
+
+The "priority" engine serves the same prompts with vLLM's priority scheduling: the prompts sent at
+priority 0 (tp_priority 0) run in the TP/SP class (base steps for prefill chunks above the 8-token
+threshold, shift steps for decodes), the others on DP ranks, with DP and TP steps alternating while
+both classes have requests; its greedy tokens must equal the same reference, every computed token
+once per class, and no token recomputed.
 """
 
 from __future__ import annotations
@@ -33,22 +40,55 @@ CHUNKED = {"enable_prefix_caching": False, "enable_chunked_prefill": True, "max_
 # three batches; 35, 40, 45 and 50 tokens prefill in chunks; the last batch's one request leaves a rank idle
 # through every step (it still takes part in the embedding's and logits' collectives of the other)
 LENGTHS = ((3, 8, 13, 21, 6, 35, 50), (1, 40, 17), (45,))
+# vLLM priorities of the same prompts for the "priority" engine: 0 -> the TP/SP class; the last batch is the
+# TP/SP class alone (no DP step)
+PRIORITIES = ((0, 1, 1, 0, 1, 0, 1), (1, 0, 1), (0,))
+MIXED = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "priority", "tp_priority": 0,
+         "shift_threshold": 8}
+# policy "load" on the same batches: 7 waiting requests reach load_high (DP ranks); the 3 and the 1 of the next
+# batches are at most load_low (the TP/SP class). Each batch arrives at once, so the placement of every request
+# of a batch is taken at its first step; the hysteresis band itself is test_admission_and_alternation's.
+LOAD = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "load", "load_low": 3, "load_high": 4,
+        "shift_threshold": 8}
+LOAD_CLASSES = ("dp", "tp", "tp")
 
 
 # ---- the section (no vLLM) -------------------------------------------------------------------------
 def test_parse_dp_section():
     cfg = parse_additional_config({"fusedpar": DP})
-    assert (cfg.layouts, cfg.policy, cfg.dp_size) == (("dp2",), "dp", 2)
+    assert (cfg.layouts, cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.tp_priority) == (("dp2",), "dp", 2, False,
+                                                                                         None)
     assert parse_additional_config({"fusedpar": {"sequence_parallel_size": 2}}).dp_size == 0
+    cfg = parse_additional_config({"fusedpar": {**MIXED, "tp_priority": -3}})
+    assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.tp_priority) == ("priority", 2, True, -3)
+    cfg = parse_additional_config({"fusedpar": LOAD})
+    assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.load_low, cfg.load_high) == ("load", 2, True, 3, 4)
 
 
 @pytest.mark.parametrize("section, needle", [
     ({**DP, "layouts": ["tp2"]}, "layouts ['tp2'] are not supported"),
     ({**DP, "layouts": "dp2"}, 'layouts must be a list of layout names like ["dp2"]'),
     ({**DP, "layouts": ["dp2", "dp4"]}, "this version runs one extra layout, got 2"),
-    ({**DP, "policy": "load"}, "policy must be one of ['threshold', 'dp'], got 'load'"),
+    ({**DP, "policy": "auto"}, "policy must be one of ['threshold', 'dp', 'priority', 'load'], got 'auto'"),
     ({**DP, "layouts": []}, 'policy "dp" needs a DP layout in layouts'),
-    ({"sequence_parallel_size": 2, "layouts": ["dp2"]}, "layouts ['dp2'] need policy \"dp\""),
+    ({"sequence_parallel_size": 2, "layouts": ["dp2"]}, "layouts ['dp2'] need policy \"dp\", \"priority\" or "
+                                                        "\"load\""),
+    ({**MIXED, "layouts": []}, 'policy "priority" needs a DP layout in layouts'),
+    ({k: v for k, v in MIXED.items() if k != "tp_priority"}, 'policy "priority" needs tp_priority (an int'),
+    ({**MIXED, "tp_priority": "0"}, "tp_priority must be an int (vLLM's request priority"),
+    ({**MIXED, "tp_priority": True}, "got True"),
+    ({**MIXED, "tp_priority": None}, "tp_priority must be an int (vLLM's request priority: requests whose priority "
+                                     "value is at most tp_priority run in the TP/SP class), got None"),
+    ({**DP, "tp_priority": 0}, "tp_priority=0 needs policy \"priority\", got policy 'dp'"),
+    ({"sequence_parallel_size": 2, "tp_priority": 1}, "tp_priority=1 needs policy \"priority\", got policy "
+                                                      "'threshold'"),
+    ({**LOAD, "layouts": []}, 'policy "load" needs a DP layout in layouts'),
+    ({k: v for k, v in LOAD.items() if k != "load_high"}, 'policy "load" needs load_low and load_high, ints >= 0 '
+                                                         "(running + waiting requests), got load_high=None"),
+    ({**LOAD, "load_low": -1, "load_high": 2.5}, "got load_low=-1, load_high=2.5"),
+    ({**LOAD, "load_low": 4}, "load_low=4 must be below load_high=4 (the hysteresis band"),
+    ({**DP, "load_low": 1, "load_high": 4}, "load_low=1, load_high=4 need policy \"load\", got policy 'dp'"),
+    ({**LOAD, "tp_priority": 0}, "tp_priority=0 needs policy \"priority\", got policy 'load'"),
 ])
 def test_parse_rejects_dp_sections(section, needle):
     with pytest.raises(FusedparConfigError) as e:
@@ -116,14 +156,17 @@ def _unsharded_tokens(model_dir: str) -> list:
 _RESULTS: dict[tuple, dict] = {}
 
 
-def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP, *, engine_process: bool = False) -> dict:
+def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP, *, engine_process: bool = False,
+            priorities=None) -> dict:
     """The engine's result; engine_process: its engine core in a process of its own (vLLM's default; the
-    harness runs it in process), so the classes and the scheduler's tag cross one more process boundary."""
-    key = (family, json.dumps(fusedpar), engine_process)
+    harness runs it in process), so the classes and the scheduler's tag cross one more process boundary;
+    priorities: vLLM's priority of every prompt, per batch (vLLM's priority scheduling)."""
+    key = (family, json.dumps(fusedpar), engine_process, json.dumps(priorities))
     if key not in _RESULTS:
         work = tmp_path_factory.mktemp("dp_engine")
+        engine_args = {**CHUNKED, "scheduling_policy": "priority"} if priorities else CHUNKED
         spec = {"model": models[family], "tensor_parallel_size": 2, "fusedpar": fusedpar, "max_tokens": MAX_TOKENS,
-                "batches": _prompts(), "enforce_eager": True, "engine_args": CHUNKED}
+                "batches": _prompts(), "enforce_eager": True, "engine_args": engine_args, "priorities": priorities}
         (work / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if engine_process else None
         proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
@@ -190,6 +233,77 @@ def test_ranks_serve_disjoint_request_sets(models, tmp_path_factory, family):
         assert all(s["weight_bytes"] == s["base_shard_bytes"] > 0 for s in per_rank), per_rank
 
 
+@needs_vllm
+@pytest.mark.deep
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_dp_and_tp_classes_match_plain_vllm_tp2(models, tmp_path_factory, family):
+    """The deep profile holds the "priority" engine to plain vLLM at tensor_parallel_size=2 too."""
+    plain = _engine(models, tmp_path_factory, family, None)
+    mixed = _engine(models, tmp_path_factory, family, MIXED, priorities=[list(p) for p in PRIORITIES])
+    assert mixed["tokens"] == plain["tokens"]
+
+
+@needs_vllm
+@pytest.mark.deep
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_load_places_requests_by_the_engines_load(models, tmp_path_factory, family):
+    """Policy "load": a batch of 7 requests goes to the DP ranks, the next ones (3, then 1: the load has
+    drained) to the TP/SP class; tokens are the unsharded model's, nothing recomputed."""
+    fp = _engine(models, tmp_path_factory, family, LOAD)
+    assert fp["tokens"] == _unsharded_tokens(models[family])
+    for batch, cls, per_rank in zip(_prompts(), LOAD_CLASSES, fp["stats"], strict=True):
+        other = "tp" if cls == "dp" else "dp"
+        served = set().union(*(s[f"{cls}_requests"] for s in per_rank))
+        assert len(served) == len(batch) and all(s[f"{other}_steps"] == 0 for s in per_rank), (cls, per_rank)
+        assert all(s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+    assert fp["stats"][2][0]["base_steps"] > 0  # the TP/SP class's 45-token prompt: base steps above 8 tokens
+    assert fp["stats"][1][0]["tp_tokens"] == sum(map(len, _prompts()[1])) + 3 * (MAX_TOKENS - 1)
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_dp_and_tp_classes_with_the_engine_core_in_its_own_process(models, tmp_path_factory):
+    fp = _engine(models, tmp_path_factory, "llama", MIXED, engine_process=True,
+                 priorities=[list(p) for p in PRIORITIES])
+    assert fp["tokens"] == _unsharded_tokens(models["llama"])
+    first = fp["stats"][0]
+    assert all(s["tp_steps"] > 0 and s["recomputed_tokens"] == 0 for s in first), first
+    assert sum(s["dp_steps"] > 0 for s in first) == 2, first
+
+
+def _class_tokens(batch, priorities, tp: bool) -> int:
+    """Tokens the engine computes for one class's prompts of a batch: every prompt token, every fed-back token."""
+    lengths = [n for n, p in zip(map(len, batch), priorities, strict=True) if (p <= MIXED["tp_priority"]) == tp]
+    return sum(lengths) + len(lengths) * (MAX_TOKENS - 1)
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_dp_and_tp_classes_side_by_side(models, tmp_path_factory, family):
+    """Policy "priority": the priority-0 prompts in the TP/SP class, the others on DP ranks, one engine."""
+    fp = _engine(models, tmp_path_factory, family, MIXED, priorities=[list(p) for p in PRIORITIES])
+    assert fp["tokens"] == _unsharded_tokens(models[family])
+    for batch, prios, per_rank in zip(_prompts(), PRIORITIES, fp["stats"], strict=True):
+        n_tp = sum(p <= MIXED["tp_priority"] for p in prios)
+        tp_sets = [set(s["tp_requests"]) for s in per_rank]
+        dp_sets = [set(s["dp_requests"]) for s in per_rank]
+        # every rank runs every TP/SP-class request; a DP request lives on one rank; no request in both classes
+        assert tp_sets[0] == tp_sets[1] and len(tp_sets[0]) == n_tp, tp_sets
+        assert not dp_sets[0] & dp_sets[1] and len(dp_sets[0] | dp_sets[1]) == len(batch) - n_tp, dp_sets
+        assert not tp_sets[0] & (dp_sets[0] | dp_sets[1])
+        # every computed token once, in its class: nothing recomputed
+        assert all(s["tp_tokens"] == _class_tokens(batch, prios, tp=True) for s in per_rank), per_rank
+        assert sum(s["dp_tokens"] for s in per_rank) == _class_tokens(batch, prios, tp=False), per_rank
+        assert all(s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+        # TP/SP-class steps are the plugin's base (prefill chunks above 8 tokens) and shift steps, on every rank
+        for s in per_rank:
+            assert s["tp_steps"] == s["base_steps"] + s["shift_steps"] >= MAX_TOKENS, s
+            assert s["base_steps"] > 0 and s["shift_steps"] > 0, s
+        # both classes take steps while both have requests; the batch of the TP/SP class alone takes no DP step
+        assert (max(s["dp_steps"] for s in per_rank) > 0) == (n_tp < len(batch)), per_rank
+    assert ", tp class " in fp["log"] and " 0 recomputed" in fp["log"]  # the exit summary
+
+
 _BUILD_CONFIG = """
 import json, sys
 from vllm.engine.arg_utils import EngineArgs
@@ -211,14 +325,17 @@ print("RESULT:" + json.dumps(out))
 @needs_vllm
 def test_engine_config_sets_the_dp_classes_and_refuses_what_dp_steps_cannot_run(models):
     """Where the engine config is built (LLM(...), vllm serve): the three classes are set for a DP
-    section; prefix caching (vLLM's default), LoRA and an SP that is not P are refused by name, all
-    in one error; an engine without the DP layout keeps vLLM's classes."""
+    section, and for policy "priority" with vLLM's priority scheduling; prefix caching (vLLM's default),
+    LoRA and an SP that is not P are refused by name, all in one error, and policy "priority" without
+    priority scheduling; an engine without the DP layout keeps vLLM's classes."""
     off = {"enable_prefix_caching": False}
     cases = {
         "dp": ({"fusedpar": DP}, off),
         "prefix_caching": ({"fusedpar": DP}, {"enable_prefix_caching": True}),
         "everything": ({"fusedpar": {**DP, "sequence_parallel_size": 1}}, {"enable_lora": True}),
         "threshold": ({"fusedpar": {"sequence_parallel_size": 2}}, off),
+        "priority": ({"fusedpar": MIXED}, {**off, "scheduling_policy": "priority"}),
+        "priority_fcfs": ({"fusedpar": MIXED}, off),
     }
     proc = subprocess.run([sys.executable, "-c", _BUILD_CONFIG, models["llama"], json.dumps(cases)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
@@ -233,6 +350,8 @@ def test_engine_config_sets_the_dp_classes_and_refuses_what_dp_steps_cannot_run(
     for needle in ("layout dp2 needs sequence_parallel_size=2", "LoRA adapters", "LoRA with a DP layout",
                    "prefix caching with a DP layout"):
         assert needle in msg, msg
+    assert res["priority"] == res["dp"], res["priority"]
+    assert "policy \"priority\" with scheduling_policy='fcfs'" in res["priority_fcfs"]["error"]
     assert res["threshold"]["error"] is None
     assert "DPScheduler" not in " ".join(res["threshold"]["classes"]), res["threshold"]
 
@@ -245,14 +364,16 @@ def test_engine_problems_name_every_feature_dp_steps_do_not_carry():
 
     bad = NS(cache_config=NS(enable_prefix_caching=True), speculative_config=object(), lora_config=object(),
              kv_transfer_config=object(), use_v2_model_runner=True,
-             scheduler_config=NS(async_scheduling=True, scheduler_cls="my.Scheduler"),
+             scheduler_config=NS(async_scheduling=True, scheduler_cls="my.Scheduler", policy="fcfs"),
              parallel_config=NS(pipeline_parallel_size=2, worker_cls="vllm.v1.worker.gpu_worker.Worker",
                                 distributed_executor_backend="ray"))
-    msg = "; ".join(dp_engine_problems(bad, "0.26.0"))
+    assert not any("scheduling_policy" in p for p in dp_engine_problems(bad, "0.26.0"))  # policy "dp"
+    msg = "; ".join(dp_engine_problems(bad, "0.26.0", policy="priority"))
     for needle in ("a DP layout on vLLM 0.26.0",
                    "enable_prefix_caching=True", "speculative decoding", "LoRA", "pipeline_parallel_size=2",
                    "async_scheduling=True", "V2 model runner", "kv_transfer_config", "scheduler_cls='my.Scheduler'",
-                   "'vllm.v1.worker.gpu_worker.Worker'", "distributed_executor_backend='ray'"):
+                   "'vllm.v1.worker.gpu_worker.Worker'", "distributed_executor_backend='ray'",
+                   "policy \"priority\" with scheduling_policy='fcfs'"):
         assert needle in msg, msg
     good = NS(cache_config=NS(enable_prefix_caching=False), speculative_config=None, lora_config=None,
               kv_transfer_config=None, use_v2_model_runner=False,
@@ -322,3 +443,110 @@ def test_dp_kv_view_is_p_consecutive_tp_blocks_of_one_buffer():
     assert torch.equal(dp[3, 0], kv[6, 0]) and torch.equal(dp[3, 1], kv[7, 0])
     with pytest.raises(RuntimeError, match="not 3 x DP blocks"):
         dp_kv_view(kv, 3)
+
+
+@needs_vllm
+def test_own_output_moves_dp_block_ids_past_the_tp_pool():
+    """With a TP/SP class the DP pools start at DP block dp_offset of the buffer: pool id d is DP block
+    dp_offset + d, TP blocks P (dp_offset + d) .. + P - 1; the TP pool's blocks to zero are every rank's."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    from fusedpar.integrations.vllm.dp_scheduler import DPTag
+    from fusedpar.integrations.vllm.dp_worker import computed_tokens, own_output
+
+    new = NewRequestData(req_id="n", prompt_token_ids=[1, 2], mm_features=[], sampling_params=None,
+                         pooling_params=None, block_ids=([1, 2],), num_computed_tokens=0, lora_request=None)
+    cached = CachedRequestData(req_ids=["c"], resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
+                               new_block_ids=[([3],)], num_computed_tokens=[17], num_output_tokens=[1])
+    so = SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                         num_scheduled_tokens={"n": 2, "c": 1}, total_num_scheduled_tokens=3,
+                         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+                         free_encoder_mm_hashes=[], new_block_ids_to_zero=[5])
+    own = own_output(so, DPTag(ranks={"n": 1, "c": 1}, size=2, zero={1: [2]}, dp_offset=10), 1)
+    assert own.scheduled_new_reqs[0].block_ids == ([11, 12],) and new.block_ids == ([1, 2],)
+    assert own.scheduled_cached_reqs.new_block_ids == [([13],)]
+    assert own.new_block_ids_to_zero == [5, 24, 25]
+    assert computed_tokens(own) == {"n": 0, "c": 17}
+
+
+def test_kv_split_gives_the_tp_pool_half_the_buffer_in_whole_dp_blocks():
+    from fusedpar.integrations.vllm.dp_kv import KVSplit
+
+    s = KVSplit.of(102, 2, tp_class=True)
+    assert (s.tp_blocks, s.dp_blocks, s.dp_offset) == (50, 26, 25)  # TP blocks [0, 50), DP blocks [25, 51)
+    assert s.tp_blocks + s.size * s.dp_blocks == s.total
+    assert KVSplit.of(102, 2, tp_class=False) == KVSplit(102, 2, 0, 51)
+    with pytest.raises(FusedparConfigError) as e:
+        KVSplit.of(3, 2, tp_class=True)
+    msg = str(e.value)
+    for needle in ("block count (3) divisible by tensor_parallel_size=2", "at least 2 DP blocks per rank (one is "
+                   "vLLM's null block), got 1 of 3 TP blocks",
+                   "at least 2 TP blocks for the TP/SP class's pool (half the buffer), got 0 of 3"):
+        assert needle in msg, msg
+
+
+def test_free_before_placement_frees_nothing():
+    """Policy "load" places a request at the first step that finds it waiting: one aborted before holds no
+    blocks, and its free must not ask the pools."""
+    pytest.importorskip("vllm")
+    from fusedpar.integrations.vllm.dp_scheduler import DPScheduler
+
+    class Request:
+        request_id = "gone"
+
+    class Pools:  # vLLM's _free_request_blocks frees through the kv_cache_manager
+        def __init__(self):
+            self.freed = []
+
+        def free(self, request):
+            self.freed.append(request.request_id)
+
+    sched = DPScheduler.__new__(DPScheduler)  # the attributes vLLM's free reads, no engine
+    sched.placement, sched.defer_block_free, sched.kv_cache_manager = {}, False, Pools()
+    sched._free_request_blocks(Request())
+    assert sched.kv_cache_manager.freed == []
+    sched.placement["gone"] = 0
+    sched._free_request_blocks(Request())
+    assert sched.kv_cache_manager.freed == ["gone"]
+
+
+@needs_vllm
+def test_admission_and_alternation():
+    from fusedpar.integrations.vllm.dp_kv import TP_CLASS
+    from fusedpar.integrations.vllm.dp_scheduler import DP_STEP, TP_STEP, Admission, Alternation
+
+    a = Admission(2, tp_priority=0)  # vLLM: a lower value is a higher priority
+    assert [a.place(p) for p in (5, -1, 0, 1, 1, 0)] == [0, TP_CLASS, TP_CLASS, 1, 0, TP_CLASS]
+    no_tp = Admission(2)  # policy "dp": every request on the DP ranks in turn
+    assert [no_tp.place(p) for p in (-9, 0, 9)] == [0, 1, 0]
+    from fusedpar.integrations.vllm.dp_scheduler import LoadAdmission
+
+    load = LoadAdmission(2, low=1, high=4)  # starts in the TP/SP class
+    placed = []
+    for running, waiting in ((0, 1), (1, 7), (7, 0), (3, 0), (1, 0), (0, 3)):
+        load.observe(running, waiting)
+        placed.append(load.place(priority=0))
+    assert placed == [TP_CLASS, 0, 1, 0, TP_CLASS, TP_CLASS]  # DP at load 8 >= 4, TP again at load 1 <= 1
+    alt = Alternation()
+    both = (True, True)
+    assert [alt.next(*w) for w in (both, both, both, (True, False), (True, False), (False, True), both,
+                                   (False, False))] == [TP_STEP, DP_STEP, TP_STEP, DP_STEP, DP_STEP, TP_STEP,
+                                                        DP_STEP, DP_STEP]
+
+
+def test_class_ledger_counts_steps_per_class_and_tokens_recomputed():
+    from fusedpar.integrations.vllm.counters import ClassLedger
+
+    led = ClassLedger()
+    led.record("tp", {"a": 30}, {"a": 0}, ())
+    led.record("dp", {"b": 8, "c": 5}, {"b": 0, "c": 0}, ())
+    led.record("dp", {}, {}, ())  # a DP step without requests of this rank
+    led.record("tp", {"a": 1}, {"a": 30}, ())
+    assert led.stats() == {"dp_steps": 1, "dp_tokens": 13, "dp_requests": ["b", "c"], "tp_steps": 2,
+                           "tp_tokens": 31, "tp_requests": ["a"], "recomputed_tokens": 0}
+    led.record("dp", {"b": 8}, {"b": 0}, ())  # b computed again from 0: a preemption by recompute
+    led.record("tp", {"a": 4}, {"a": 0}, {"a"})  # a finished; a new request with its id starts over
+    assert led.stats()["recomputed_tokens"] == 8
+    assert "8 recomputed" in led.summary()
+    led.reset()
+    assert led.stats()["recomputed_tokens"] == 0 and led.stats()["tp_steps"] == 0

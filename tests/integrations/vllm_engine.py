@@ -4,6 +4,7 @@
 
 SPEC: {"model": dir, "tensor_parallel_size": 2, "fusedpar": {...} or null, "max_tokens": 8,
        "batches": [[[token ids], ...], ...], "dtype": "float32", "logprobs": false,
+       "priorities": [[vLLM priority per prompt] per batch] (optional; needs scheduling_policy "priority"),
        "engine_args": {more LLM(...) keywords}}
 OUT:  {"tokens": [[[generated ids] per prompt] per batch], "logprobs": [same shape: the chosen
        tokens' logprobs] or null, "stats": [per batch: fusedpar.stats(llm) or null], "seconds": {...}}
@@ -52,12 +53,13 @@ def run(spec: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True,
                             detokenize=False, logprobs=1 if want_logprobs else None)
     tokens, logprobs, stats = [], [], []
-    for batch in spec["batches"]:
+    priorities = spec.get("priorities") or [None] * len(spec["batches"])
+    for batch, priority in zip(spec["batches"], priorities, strict=True):
         if spec.get("fusedpar") is not None:
             from fusedpar.integrations.vllm import reset_stats
 
             reset_stats(llm)
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False, priority=priority)
         tokens.append([list(o.outputs[0].token_ids) for o in outs])
         if want_logprobs:
             logprobs.append([[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,

@@ -24,10 +24,11 @@ worker methods), step (the facts of the running step), hooks (the hooks on vLLM'
 comms (process groups and base-mode communicators: warm-up, graph capture), base_runner /
 base_step (a base step's forward and kernels), shift_trace (when the compiled shift path is
 traced), counters (step counts; a submodule named `stats` would shadow the function `stats`
-once imported), layers (the linear layers); the DP layout (policy "dp", docs/vllm.md): dp_engine
-(the engine checks and the three classes it sets), dp_scheduler / dp_kv (placement, per-rank KV
-pools, the step's tag), dp_worker (a rank's own requests), dp_executor (the ranks' outputs merged),
-dp_runner (the DP forward). Only this package imports vllm; fusedpar's core never does.
+once imported), layers (the linear layers); the DP layout (policies "dp", "priority", "load",
+docs/vllm.md): dp_engine (the engine checks and the three classes it sets), dp_scheduler / dp_kv
+(placement, the per-class and per-rank KV pools, the step's mode and tag), dp_worker (a rank's own
+requests, or the TP/SP class's step), dp_executor (the ranks' outputs merged), dp_runner (the DP
+forward). Only this package imports vllm; fusedpar's core never does.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def check_engine_config(vllm_config) -> None:
         from .deployment import deployment_info
         from .dp_engine import dp_engine_problems, install_dp_classes
 
-        dp = dp_engine_problems(vllm_config) if cfg.dp_size else []
+        dp = dp_engine_problems(vllm_config, policy=cfg.policy) if cfg.dp_size else []
         try:
             check_deployment(cfg, deployment_info(vllm_config))
         except FusedparConfigError as e:  # one error naming every problem, the DP layout's too
@@ -116,7 +117,10 @@ def stats(llm) -> list[dict]:
     added to make base steps divisible by SP; never part of any output) and the layout
     (rank, sequence_parallel_size, base_tensor_parallel_size, tensor_parallel_size,
     shift_threshold, fused_kernels). Only real model steps count (not vLLM's profile or warm-up
-    runs); steps replayed as full CUDA graphs run no Python and are not counted.
+    runs); steps replayed as full CUDA graphs run no Python and are not counted. With a DP layout
+    (policies "dp", "priority", "load") also dp_steps / dp_tokens / dp_requests (this rank's own DP
+    requests), tp_steps / tp_tokens / tp_requests (the TP/SP class, the same on every rank) and
+    recomputed_tokens (tokens a step computed again that an earlier step had computed: 0).
     """
     return _rpc(llm, "fusedpar_stats")
 

@@ -15,10 +15,17 @@ from dataclasses import dataclass, field
 from fusedpar.layouts import ModelDims, ParallelLayout
 
 CONFIG_KEY = "fusedpar"
-KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels", "layouts", "policy")
+KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels", "layouts", "policy", "tp_priority",
+              "load_low", "load_high")
 # policy: how a step picks its layout. "threshold": base / shift by token count (the default); "dp": every
-# step of the workload is a DP step over the one "dp{P}" layout (docs/vllm-resharding.md, slice 1).
-POLICIES = ("threshold", "dp")
+# step of the workload is a DP step over the one "dp{P}" layout; "priority": two classes side by side, the
+# requests whose vLLM priority value is at most tp_priority in the TP/SP class (base / shift steps), the
+# others in the "dp{P}" layout's DP steps; "load": the same two classes, each new request placed by the
+# engine's load when it is first scheduled (DP while running + waiting requests are many, TP/SP when they are
+# few, with hysteresis between load_low and load_high) (docs/vllm-resharding.md).
+POLICIES = ("threshold", "dp", "priority", "load")
+DP_POLICIES = ("dp", "priority", "load")  # the policies that run DP steps over a "dp{P}" layout
+TP_CLASS_POLICIES = ("priority", "load")  # the policies with a TP/SP class beside the DP ranks
 _DP_LAYOUT = re.compile(r"^dp(\d+)$")
 MAX_SHIFT_THRESHOLD = 2**31 - 1  # any value >= max_num_batched_tokens already means "always shift"
 FUSED_KERNEL_CHOICES = ("auto", True, False)
@@ -65,8 +72,16 @@ class FusedparVllmConfig:
         True (required) or False (plain torch + NCCL/gloo collectives).
     layouts: layouts beside base and shift; this version knows one, "dp{P}" (P = tensor_parallel_size:
         every rank serves its own requests with full weights and its own KV pool).
-    policy: "threshold" (base / shift by shift_threshold) or "dp" (every step of the workload in the
-        "dp{P}" layout; needs sequence_parallel_size = P, whose base shard is the full weight).
+    policy: "threshold" (base / shift by shift_threshold), "dp" (every step of the workload in the
+        "dp{P}" layout; needs sequence_parallel_size = P, whose base shard is the full weight) or
+        "priority" (the TP/SP class beside the "dp{P}" layout: see tp_priority) or "load" (the same
+        classes, see load_low / load_high).
+    tp_priority: with policy "priority", the level of vLLM's per-request `priority` (lower value = served
+        first, as in vLLM's priority scheduling) at or above which a request runs in the TP/SP class:
+        priority value <= tp_priority -> TP/SP class (base / shift steps), else a DP rank. None otherwise.
+    load_low, load_high: with policy "load", the hysteresis band of the engine's load (running + waiting
+        requests) that places new requests (fusedpar.layers.layout_policy.LoadPolicy): from the TP/SP
+        class to DP ranks when the load reaches load_high, back when it falls to load_low. None otherwise.
     """
 
     sequence_parallel_size: int
@@ -74,12 +89,22 @@ class FusedparVllmConfig:
     fused_kernels: str | bool = "auto"
     layouts: tuple[str, ...] = ()
     policy: str = "threshold"
+    tp_priority: int | None = None
+    load_low: int | None = None
+    load_high: int | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def has_tp_class(self) -> bool:
+        """Whether TP/SP-class requests (base / shift steps) run beside the DP layout's (policies "priority",
+        "load")."""
+        return self.policy in TP_CLASS_POLICIES
+
+    @property
     def dp_size(self) -> int:
-        """D of the "dp{D}" layout every step runs in (policy "dp"); 0 when steps run base / shift."""
-        if self.policy != "dp":
+        """D of the "dp{D}" layout DP steps run in (policies "dp", "priority", "load"); 0 when every step runs
+        base / shift."""
+        if self.policy not in DP_POLICIES:
             return 0
         return next(int(m.group(1)) for m in map(_DP_LAYOUT.match, self.layouts) if m)
 
@@ -147,13 +172,37 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
             problems.append(f"layouts {layouts}: this version runs one extra layout, got {len(layouts)}")
     if policy not in POLICIES:
         problems.append(f"policy must be one of {list(POLICIES)}, got {policy!r}")
-    elif policy == "dp" and not layouts:
-        problems.append('policy "dp" needs a DP layout in layouts (e.g. "layouts": ["dp2"])')
-    elif policy != "dp" and layouts:
-        problems.append(f'layouts {layouts} need policy "dp" (policy {policy!r} runs base / shift steps only)')
+    elif policy in DP_POLICIES and not layouts:
+        problems.append(f'policy "{policy}" needs a DP layout in layouts (e.g. "layouts": ["dp2"])')
+    elif policy not in DP_POLICIES and layouts:
+        problems.append(f"layouts {layouts} need policy \"dp\", \"priority\" or \"load\" (policy {policy!r} runs base "
+                        "/ shift steps only)")
+    tp_priority = section.get("tp_priority")
+    if "tp_priority" in section and not _is_int(tp_priority):
+        problems.append(f"tp_priority must be an int (vLLM's request priority: requests whose priority value is at "
+                        f"most tp_priority run in the TP/SP class), got {tp_priority!r}")
+    elif policy == "priority" and tp_priority is None:
+        problems.append('policy "priority" needs tp_priority (an int: requests whose vLLM priority value is at most '
+                        "tp_priority run in the TP/SP class, the others in DP steps)")
+    elif policy != "priority" and tp_priority is not None:
+        problems.append(f'tp_priority={tp_priority} needs policy "priority", got policy {policy!r}')
+    load = {k: section.get(k) for k in ("load_low", "load_high")}
+    given = [k for k in load if k in section]
+    if policy != "load" and given:
+        problems.append(f'{", ".join(f"{k}={load[k]!r}" for k in given)} need policy "load", got policy {policy!r}')
+    elif policy == "load":
+        bad = {k: v for k, v in load.items() if not _is_int(v) or v < 0}
+        if bad:
+            problems.append(f'policy "load" needs load_low and load_high, ints >= 0 (running + waiting requests), got '
+                            f"{', '.join(f'{k}={v!r}' for k, v in bad.items())}")
+        elif load["load_low"] >= load["load_high"]:
+            problems.append(f"load_low={load['load_low']} must be below load_high={load['load_high']} (the hysteresis "
+                            "band: new requests go to DP ranks once the load reaches load_high and to the TP/SP class "
+                            "again once it falls to load_low)")
     _raise(problems)
     return FusedparVllmConfig(sequence_parallel_size=sp, shift_threshold=threshold, fused_kernels=fused,
-                              layouts=tuple(layouts), policy=policy, raw=dict(section))
+                              layouts=tuple(layouts), policy=policy, tp_priority=tp_priority,
+                              load_low=load["load_low"], load_high=load["load_high"], raw=dict(section))
 
 
 @dataclass(frozen=True)
@@ -257,7 +306,7 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
 
 
 def dp_problems(cfg: FusedparVllmConfig, info: DeploymentInfo) -> list[str]:
-    """What stops the "dp{D}" layout (policy "dp") on this engine, each with its numbers."""
+    """What stops the "dp{D}" layout (policies "dp", "priority", "load") on this engine, each with its numbers."""
     P, sp, D = info.tensor_parallel_size, cfg.sequence_parallel_size, cfg.dp_size
     kv = info.num_key_value_heads
     problems = []

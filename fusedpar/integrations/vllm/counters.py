@@ -46,11 +46,13 @@ class StepCounter:
         self.stats = dict.fromkeys(STAT_KEYS, 0)
 
 
-class DPRecord:
-    """What one rank served in DP steps (layout "dp{P}"): steps and tokens of its own requests, and the
-    ids of those requests (the ranks' sets are disjoint: each request lives on one rank)."""
+class ClassRecord:
+    """What one rank served of one request class (`name`: "dp" or "tp") in a layout with DP steps: the steps
+    in which it ran requests of the class, their tokens, and the ids of those requests (a DP rank's sets
+    are disjoint from the other ranks'; every rank runs every TP/SP-class request)."""
 
-    def __init__(self):
+    def __init__(self, name: str):
+        self.name = name
         self.steps = self.tokens = 0
         self.requests: set[str] = set()
 
@@ -60,11 +62,55 @@ class DPRecord:
             self.tokens += sum(request_tokens.values())
             self.requests.update(request_tokens)
 
+    def stats(self) -> dict:
+        return {f"{self.name}_steps": self.steps, f"{self.name}_tokens": self.tokens,
+                f"{self.name}_requests": sorted(self.requests)}
+
+
+class RecomputeWatch:
+    """Tokens a step computes again that an earlier step of the same request had computed: a request whose
+    computed tokens went back (vLLM's preemption by recompute). The layouts keep every request's KV in
+    place, so the count stays 0; it is measured from the steps this rank runs, not assumed."""
+
+    def __init__(self):
+        self.reach: dict[str, int] = {}  # request id -> tokens its steps on this rank have computed
+        self.recomputed = 0
+
+    def step(self, request_tokens: dict[str, int], computed: dict[str, int], finished) -> None:
+        for rid in finished:
+            self.reach.pop(rid, None)
+        for rid, n in request_tokens.items():
+            before = computed[rid]
+            self.recomputed += max(0, self.reach.get(rid, 0) - before)
+            self.reach[rid] = before + n
+
+
+class ClassLedger:
+    """One rank's record of the steps of an engine with a DP layout, per request class (ClassRecord) and the
+    tokens recomputed (RecomputeWatch)."""
+
+    def __init__(self):
+        self.reset()
+
+    def record(self, mode: str, request_tokens: dict[str, int], computed: dict[str, int], finished) -> None:
+        """A step in `mode` ("dp" or "tp") that runs `request_tokens` (request id -> scheduled tokens) on this
+        rank, whose requests had `computed` tokens before it; `finished`: request ids vLLM has finished."""
+        self.classes[mode].step(request_tokens)
+        self.recompute.step(request_tokens, computed, finished)
+
     def reset(self) -> None:
-        self.__init__()
+        self.classes = {name: ClassRecord(name) for name in ("dp", "tp")}
+        self.recompute = RecomputeWatch()
 
     def stats(self) -> dict:
-        return {"dp_steps": self.steps, "dp_tokens": self.tokens, "dp_requests": sorted(self.requests)}
+        out = {k: v for record in self.classes.values() for k, v in record.stats().items()}
+        out["recomputed_tokens"] = self.recompute.recomputed
+        return out
+
+    def summary(self) -> str:
+        dp, tp = self.classes["dp"], self.classes["tp"]
+        return (f", dp {dp.steps} steps / {dp.tokens} tokens / {len(dp.requests)} requests, tp class {tp.steps} "
+                f"steps / {tp.tokens} tokens / {len(tp.requests)} requests, {self.recompute.recomputed} recomputed")
 
 
 def snapshot(deployment, model, counter: StepCounter) -> dict:

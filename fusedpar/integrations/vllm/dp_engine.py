@@ -2,12 +2,13 @@
 
 Runs in the process that builds the engine config (`check_engine_config`, from the plugin's
 `EngineArgs.create_engine_config` wrapper), after vLLM's platform resolved the worker class and
-async scheduling. For policy "dp" it refuses every engine feature this version does not carry
-through a DP step (one FusedparConfigError naming each), then points vLLM at:
+async scheduling. For the policies with DP steps ("dp", "priority", "load") it refuses every engine feature
+this version does not carry through a DP step (one FusedparConfigError naming each), then points
+vLLM at:
 
-  scheduler_cls                 dp_scheduler.DPScheduler  per-rank KV pools, the step's tag
-  worker_cls                    dp_worker.DPWorker        its own requests, the DP forward
-  distributed_executor_backend  dp_executor.DPExecutor    every rank's output, merged
+  scheduler_cls                 dp_scheduler.DPScheduler  per-class, per-rank KV pools, the step's tag
+  worker_cls                    dp_worker.DPWorker        the step's mode, its own requests, the DP forward
+  distributed_executor_backend  dp_executor.DPExecutor    every rank's output of a DP step, merged
 
 as qualified names (strings travel to the engine core and worker processes as they are).
 """
@@ -23,9 +24,11 @@ CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 DP_VLLM_VERSION = "0.32."  # the vLLM whose scheduler internals the DP classes are written against
 
 
-def dp_engine_problems(vllm_config, vllm_version: str | None = None) -> list[str]:
+def dp_engine_problems(vllm_config, vllm_version: str | None = None, *, policy: str = "dp") -> list[str]:
     """Every engine setting the DP layout cannot run with (vLLM's names, the values found). vllm_version:
-    the running vLLM's (default: the installed one); the DP classes build on its scheduler's internals."""
+    the running vLLM's (default: the installed one); the DP classes build on its scheduler's internals.
+    policy: the section's; "priority" reads vLLM's per-request priority, which needs vLLM's priority
+    scheduling."""
     if vllm_version is None:
         import vllm
 
@@ -50,6 +53,10 @@ def dp_engine_problems(vllm_config, vllm_version: str | None = None) -> list[str
         problems.append("vLLM's V2 model runner with a DP layout (set VLLM_USE_V2_MODEL_RUNNER=0)")
     if vllm_config.kv_transfer_config is not None:
         problems.append("a KV connector with a DP layout (kv_transfer_config)")
+    if policy == "priority" and sched.policy != "priority":
+        problems.append(f'policy "priority" with scheduling_policy={sched.policy!r}: the TP/SP class is chosen by '
+                        "vLLM's per-request priority, which needs scheduling_policy='priority' "
+                        "(--scheduling-policy priority)")
     if sched.scheduler_cls not in (None, SCHEDULER) and not (
             isinstance(sched.scheduler_cls, str) and sched.scheduler_cls.startswith("vllm.")):
         problems.append(f"a custom scheduler_cls={sched.scheduler_cls!r} with a DP layout (fusedpar sets its own)")
@@ -66,7 +73,7 @@ def install_dp_classes(vllm_config, cfg: FusedparVllmConfig) -> None:
     """Refuse what the DP layout cannot run (FusedparConfigError), then set the three classes."""
     if not cfg.dp_size:
         return
-    problems = dp_engine_problems(vllm_config)
+    problems = dp_engine_problems(vllm_config, policy=cfg.policy)
     if problems:
         raise FusedparConfigError("fusedpar cannot run this engine: " + "; ".join(problems))
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER

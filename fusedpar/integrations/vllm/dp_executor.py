@@ -1,4 +1,4 @@
-"""The executor of an engine whose every step is a DP step (layout "dp{P}", policy "dp").
+"""The executor of an engine with a "dp{P}" layout (policies "dp", "priority", "load").
 
 vLLM's MultiprocExecutor broadcasts each step to all ranks and reads the answer of one
 (`output_rank`), which in TP is everyone's answer. In a DP step every rank answers for its own
@@ -7,7 +7,8 @@ forward and holds its sampling state (vLLM's model runner answers None), broadca
 and collects every answer again (a rank without pending state answers an empty output), and returns
 one ModelRunnerOutput: the ranks' outputs concatenated. The engine then never calls
 `sample_tokens` itself (the merged output is not None). `Scheduler.update_from_output` looks results
-up by request id, and the ranks' request sets are disjoint.
+up by request id, and the ranks' request sets are disjoint. A TP step (the scheduler's tag says so)
+is vLLM's: every rank answers for the same requests, vLLM reads one.
 
 Structured outputs (grammar bitmasks) and logprobs are not merged in this version: a DP step whose
 outputs carry them is an error naming it.
@@ -21,7 +22,7 @@ from vllm import envs
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.outputs import ModelRunnerOutput
 
-from .dp_scheduler import TAG
+from .dp_scheduler import TAG, TP_STEP
 
 
 def merge_outputs(outputs: list) -> ModelRunnerOutput:
@@ -57,7 +58,8 @@ class DPExecutor(MultiprocExecutor):
     """vLLM's MultiprocExecutor that merges every rank's output in a DP step (module docstring)."""
 
     def execute_model(self, scheduler_output, non_block: bool = False):
-        if getattr(scheduler_output, TAG, None) is None:
+        tag = getattr(scheduler_output, TAG, None)
+        if tag is None or tag.mode == TP_STEP:
             return super().execute_model(scheduler_output, non_block=non_block)
         if scheduler_output.has_structured_output_requests:
             raise RuntimeError("fusedpar DP: structured outputs (grammar bitmasks) in a DP step are not supported in "

@@ -1,28 +1,78 @@
-"""Per-rank KV pools behind vLLM's one `Scheduler.kv_cache_manager` (the "dp{P}" layout).
+"""The KV pools behind vLLM's one `Scheduler.kv_cache_manager` in an engine with a "dp{P}" layout.
 
 A DP request needs all kv heads of its tokens on its own rank: P times the bytes of a TP block.
 DP block d of rank r is TP blocks [P d, P d + P) of rank r's buffer (a zero-copy view with all kv
-heads, the same block size in tokens: dp_runner.dp_kv_view), so each rank's buffer of N TP blocks
-holds a pool of N / P DP blocks. `RoutingKVCacheManager` holds one vLLM `KVCacheManager` per rank,
-each over N / P blocks with ids in [0, N / P) (its own null block 0), and routes every call the
-scheduler makes by the request it names, through the scheduler's placement (request id -> rank).
+heads, the same block size in tokens: dp_runner.dp_kv_view). `KVSplit` divides each rank's buffer of
+N TP blocks into disjoint id ranges: with a TP/SP class (policies "priority", "load") the TP pool holds TP
+blocks [0, T) of every rank and the DP pools DP blocks [T / P, N / P); without one (policy "dp") the
+DP pools hold the whole buffer. `RoutingKVCacheManager` holds one vLLM `KVCacheManager` per DP rank
+(ids [0, N_dp), its own null block 0, DP blocks dp_offset + id of the buffer) and, with the TP/SP
+class, one over the T TP blocks (ids are TP block ids as vLLM means them), and routes every call the
+scheduler makes by the request it names, through the scheduler's placement (request id -> rank, or
+TP_CLASS). A request stays in its pool for its life: prefix hits and allocations never cross pools.
 Calls that name no request either visit every pool (new_step_starts, take_events, usage) or read
 configuration every pool shares (coordinator's block sizes). A call this class does not know is an
 AttributeError naming it (so getattr(..., default) still works), never a silent answer from one pool.
 
-Block ids are pool-local and mean DP blocks; the worker of the owning rank reads them through the DP
-view, so slot mapping, block tables and hashes keep vLLM's meaning. The ids vLLM wants zeroed are
-kept per rank (`take_new_block_ids_by_rank`): the scheduler puts them in the step's tag.
+Block ids of a DP pool are pool-local and mean DP blocks; the worker of the owning rank adds the DP
+pools' offset (dp_worker.own_output) and reads them through the DP view, so slot mapping, block
+tables and hashes keep vLLM's meaning. The ids vLLM wants zeroed are kept per rank for the DP pools
+(`take_new_block_ids_by_rank`: the scheduler puts them in the step's tag) and flat for the TP pool
+(vLLM's own list in the SchedulerOutput).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .config import FusedparConfigError
+
+TP_CLASS = -1  # the placement of a TP/SP-class request (DP ranks are 0 .. P - 1)
 
 # attributes every pool has alike (configuration, empty results): read from pool 0
 _SHARED = ("empty_kv_cache_blocks", "kv_cache_config", "num_kv_cache_groups", "enable_caching", "log_stats",
            "max_model_len", "mamba_shared_prefix_checkpoint", "retained_hit_group_ids", "watermark_blocks",
            "kv_cache_event_metadata", "create_kv_cache_blocks", "truncate_computed_blocks", "use_eagle")
+
+
+@dataclass(frozen=True)
+class KVSplit:
+    """One rank's buffer of `total` TP blocks divided among the pools: the TP pool on TP blocks [0, tp_blocks)
+    (0 without a TP/SP class), each DP pool on DP blocks [dp_offset, dp_offset + dp_blocks); size: P."""
+
+    total: int
+    size: int
+    tp_blocks: int
+    dp_blocks: int
+
+    @property
+    def dp_offset(self) -> int:
+        return self.tp_blocks // self.size
+
+    @classmethod
+    def of(cls, num_blocks: int, size: int, *, tp_class: bool) -> KVSplit:
+        """Half the buffer for the TP pool (rounded down to whole DP blocks), the rest for the DP pools, when
+        there is a TP/SP class (equal token capacity: a TP block holds block_size tokens of all P ranks, a DP
+        block the same tokens of one rank); else all of it for the DP pools. FusedparConfigError naming the
+        block count when a pool would get fewer than 2 blocks (one is vLLM's null block) or the count is not
+        divisible by P."""
+        P = size
+        tp_blocks = P * (num_blocks // (2 * P)) if tp_class else 0
+        split = cls(num_blocks, P, tp_blocks, (num_blocks - tp_blocks) // P)
+        problems = []
+        if num_blocks % P:
+            problems.append(f"the KV cache's block count ({num_blocks}) divisible by tensor_parallel_size={P} (a DP "
+                            "block is P TP blocks)")
+        if split.dp_blocks < 2:
+            problems.append(f"at least 2 DP blocks per rank (one is vLLM's null block), got {split.dp_blocks} of "
+                            f"{num_blocks} TP blocks")
+        if tp_class and tp_blocks < 2:
+            problems.append(f"at least 2 TP blocks for the TP/SP class's pool (half the buffer), got {tp_blocks} of "
+                            f"{num_blocks}")
+        if problems:
+            raise FusedparConfigError("fusedpar cannot run this engine: the DP layout needs " + "; ".join(problems))
+        return split
 
 
 class _RoutingCoordinator:
@@ -39,19 +89,23 @@ class _RoutingCoordinator:
     def __getattr__(self, name):
         if name in ("single_type_managers", "enable_partial_hash_hits", "eagle_group_ids", "block_size",
                     "num_reprefillable_tokens"):
-            return getattr(self._owner.pools[0].coordinator, name)
+            return getattr(self._owner.dp_pools[0].coordinator, name)
         raise AttributeError(f"fusedpar DP: vLLM read kv_cache_manager.coordinator.{name}, which the per-rank KV "
                            "pools do not route")
 
 
 class RoutingKVCacheManager:
-    """One vLLM KVCacheManager per rank, behind the interface the scheduler calls (module docstring).
+    """One vLLM KVCacheManager per DP rank and one for the TP/SP class, behind the interface the scheduler
+    calls (module docstring).
 
-    pools: the managers, pool r on rank r; placement: request id -> rank (the scheduler's, read live).
+    dp_pools: the DP ranks' managers, pool r on rank r; placement: request id -> rank or TP_CLASS (the
+    scheduler's, read live); tp_pool: the TP/SP class's manager, None without the class.
     """
 
-    def __init__(self, pools: list, placement: Mapping[str, int]):
-        self.pools = pools
+    def __init__(self, dp_pools: list, placement: Mapping[str, int], tp_pool=None):
+        self.dp_pools = dp_pools
+        self.tp_pool = tp_pool
+        self.pools = [*dp_pools, tp_pool] if tp_pool is not None else list(dp_pools)
         self.placement = placement
         self.coordinator = _RoutingCoordinator(self)
 
@@ -59,7 +113,12 @@ class RoutingKVCacheManager:
         rank = self.placement.get(request_id)
         if rank is None:
             raise RuntimeError(f"fusedpar DP: request {request_id!r} has no rank (it was never placed)")
-        return self.pools[rank]
+        if rank == TP_CLASS:
+            if self.tp_pool is None:
+                raise RuntimeError(f"fusedpar DP: request {request_id!r} is in the TP/SP class of an engine without "
+                                   "one")
+            return self.tp_pool
+        return self.dp_pools[rank]
 
     # ---- routed by request -----------------------------------------------------------------------
     def get_computed_blocks(self, request):
@@ -117,7 +176,10 @@ class RoutingKVCacheManager:
 
     @property
     def usage(self) -> float:
-        return sum(pool.usage for pool in self.pools) / len(self.pools)
+        """Used blocks over all blocks, every pool's counted once (a TP block spans the ranks, a DP block is one
+        rank's P TP blocks: both are block_size tokens of the buffer's P ranks)."""
+        sizes = [pool.kv_cache_config.num_blocks for pool in self.pools]
+        return sum(pool.usage * n for pool, n in zip(self.pools, sizes, strict=True)) / sum(sizes)
 
     def make_prefix_cache_stats(self):
         stats = [pool.make_prefix_cache_stats() for pool in self.pools]
@@ -127,12 +189,13 @@ class RoutingKVCacheManager:
         return all([pool.reset_prefix_cache() for pool in self.pools])
 
     def take_new_block_ids(self) -> list[int]:
-        """vLLM's flat list for the SchedulerOutput: empty, since ids mean nothing without their rank; the
-        scheduler takes them per rank (take_new_block_ids_by_rank) into the step's tag."""
-        return []
+        """vLLM's flat list for the SchedulerOutput: the TP pool's (TP block ids, every rank zeroes them); the
+        DP pools' ids mean nothing without their rank: the scheduler takes them per rank
+        (take_new_block_ids_by_rank) into the step's tag."""
+        return self.tp_pool.take_new_block_ids() if self.tp_pool is not None else []
 
     def take_new_block_ids_by_rank(self) -> dict[int, list[int]]:
-        return {r: ids for r, pool in enumerate(self.pools) if (ids := pool.take_new_block_ids())}
+        return {r: ids for r, pool in enumerate(self.dp_pools) if (ids := pool.take_new_block_ids())}
 
     def take_kv_cache_block_copies(self):
         copies, retained = [], []
@@ -153,6 +216,6 @@ class RoutingKVCacheManager:
 
     def __getattr__(self, name):
         if name in _SHARED:
-            return getattr(self.pools[0], name)
+            return getattr(self.dp_pools[0], name)
         raise AttributeError(f"fusedpar DP: vLLM used kv_cache_manager.{name}, which the per-rank KV pools do not "
                            "route (a feature refused with a DP layout, or a vLLM version this plugin does not know)")

@@ -1,66 +1,162 @@
-"""The scheduler of an engine whose every step is a DP step (layout "dp{P}", policy "dp").
+"""The scheduler of an engine with a "dp{P}" layout: every step a DP step (policy "dp"), or DP steps and
+TP/SP steps side by side (policies "priority" and "load").
 
 `DPScheduler` is vLLM's Scheduler with
-  - placement: the i-th request the engine admits is served by rank i % P for its whole life;
-  - per-rank KV pools: `kv_cache_manager` is a dp_kv.RoutingKVCacheManager of P managers over N / P
-    DP blocks each (N: vLLM's TP block count, the same on every rank), so vLLM's scheduling runs once
-    per step over all requests and every allocation lands in the pool of the request's rank;
-  - the step's tag: each SchedulerOutput carries `fusedpar_dp` (a DPTag: the rank of every scheduled
-    request, and the new DP blocks each rank must zero), pickled with it to the workers, which keep
-    their own requests (dp_worker.py);
+  - placement (`Admission`, `LoadAdmission`): a request is placed once and keeps its place for its
+    whole life. Policy "priority": when the engine admits it, a request whose vLLM priority value is
+    at most tp_priority (vLLM serves lower values first) joins the TP/SP class. Policy "load": at the
+    start of the first step that finds it waiting, by the engine's load then (running + waiting
+    requests, fusedpar.layers.layout_policy.LoadPolicy with its hysteresis band): DP ranks while the
+    load is high, the TP/SP class while it is low. Every other request is a DP request, the i-th DP
+    request placed on rank i % P;
+  - KV pools: `kv_cache_manager` is a dp_kv.RoutingKVCacheManager of P DP pools and, with the TP/SP
+    class, a TP pool on disjoint block ranges of every rank's buffer (dp_kv.KVSplit), so every
+    allocation lands in the pool of the request's class and rank;
+  - the step's mode (`Alternation`): each step is a DP step (DP requests only) or a TP step (TP/SP
+    requests only: vLLM's base / shift path over the TP pool). While both classes have requests the
+    modes alternate; otherwise every step is the mode of the class that has requests. vLLM's
+    scheduling runs once per step over the step's class: a request of the other class is left out of
+    the step (`_in_step`), keeping its KV blocks and computed tokens;
+  - the step's tag: each SchedulerOutput carries `fusedpar_dp` (a DPTag: the step's mode, the rank of
+    every request of a DP step, the new DP blocks each rank must zero, the DP pools' offset in the
+    buffer), pickled with it to the workers: every rank takes the step's mode from it (dp_worker.py);
   - no preemption: vLLM preempts by recompute and picks its victim among all running requests, which
-    with per-rank pools may be on another rank than the full pool; in this version a preemption is an
-    error (give the engine more KV cache or fewer concurrent requests).
+    with per-class, per-rank pools may be in another pool than the full one; in this version a
+    preemption is an error (give the engine more KV cache or fewer concurrent requests).
 The token budget (max_num_batched_tokens) and max_num_seqs stay engine-wide, as in TP.
+
+Where vLLM 0.32's scheduling loop leaves a request out of a step (vllm/v1/core/sched/scheduler.py,
+`Scheduler.schedule`): a running request for which `_reserve_prefill_lookahead` answers 0 tokens is
+skipped ("num_new_tokens == 0: continue"); a waiting request for which `_handle_blocked_waiting_request`
+answers False is skipped for the step and re-queued in its place. Both overrides answer for the other
+class only and defer to vLLM's otherwise; every step's output is checked to hold its class alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from .config import FusedparConfigError
-from .dp_kv import RoutingKVCacheManager
+from fusedpar.layers.layout_policy import LoadPolicy, StepFacts
+from fusedpar.layouts import ParallelLayout
+
+from .config import parse_additional_config
+from .dp_kv import TP_CLASS, KVSplit, RoutingKVCacheManager
 
 TAG = "fusedpar_dp"
+DP_STEP, TP_STEP = "dp", "tp"
 
 
 @dataclass(frozen=True)
 class DPTag:
-    """What a DP step tells the workers beyond vLLM's SchedulerOutput.
+    """What a step tells the workers beyond vLLM's SchedulerOutput.
 
-    ranks: request id -> rank for every request scheduled in the step; zero: rank -> the DP block ids
-    of that rank's pool that vLLM wants zeroed before the step (each is P TP blocks on that rank);
-    size: P."""
+    mode: DP_STEP (each rank runs its own requests) or TP_STEP (vLLM's base / shift path for the TP/SP
+    class's requests, on every rank); ranks: request id -> rank for every request scheduled in a DP step;
+    zero: rank -> the DP block ids (pool-local) of that rank's pool that vLLM wants zeroed before the
+    step (each is P TP blocks on that rank); size: P; dp_offset: the DP block of the buffer that is id 0
+    of every DP pool (dp_kv.KVSplit)."""
 
     ranks: dict[str, int]
     size: int
     zero: dict[int, list[int]] = field(default_factory=dict)
+    mode: str = DP_STEP
+    dp_offset: int = 0
+
+
+class Admission:
+    """Where each request is served: TP_CLASS for a request whose vLLM priority value is at most
+    tp_priority (None: no TP/SP class), else the DP ranks in turn. Placed when the engine admits it."""
+
+    at_arrival = True  # placed by add_request; else at the start of the first step that finds it waiting
+
+    def __init__(self, size: int, tp_priority: int | None = None):
+        self.tp_priority = tp_priority
+        self._ranks = itertools.cycle(range(size))
+
+    def observe(self, running: int, waiting: int) -> None:
+        """The engine's requests at the start of a step (placement by priority does not read them)."""
+
+    def place(self, priority: int) -> int:
+        if self.tp_priority is not None and priority <= self.tp_priority:
+            return TP_CLASS
+        return next(self._ranks)
+
+
+class LoadAdmission(Admission):
+    """Where each request is served by the engine's load (policy "load"): fusedpar's LoadPolicy between the
+    DP layout (P replicas of one rank) and the TP/SP layout (one replica of P ranks), asked once per step
+    with the running and waiting requests; the requests first seen waiting at that step join the TP/SP
+    class while it answers TP, else the DP ranks in turn. Starts in the TP/SP class."""
+
+    at_arrival = False
+
+    def __init__(self, size: int, low: int, high: int):
+        super().__init__(size)
+        self.dp_layout, self.tp_layout = ParallelLayout(size, tp=1), ParallelLayout(size, tp=size)
+        self.policy = LoadPolicy(self.dp_layout, self.tp_layout, low=low, high=high, initial=self.tp_layout)
+        self.current = self.tp_layout
+
+    def observe(self, running: int, waiting: int) -> None:
+        # LoadPolicy reads running and waiting; the step's token count is not known before it is scheduled
+        self.current = self.policy.decide(StepFacts(scheduled_tokens=1, running=running, waiting=waiting),
+                                          self.current)
+
+    def place(self, priority: int) -> int:
+        return TP_CLASS if self.current is self.tp_layout else next(self._ranks)
+
+
+def admission_of(cfg, size: int) -> Admission:
+    """The placement rule of the section's policy."""
+    if cfg.policy == "load":
+        return LoadAdmission(size, cfg.load_low, cfg.load_high)
+    return Admission(size, cfg.tp_priority if cfg.policy == "priority" else None)
+
+
+class Alternation:
+    """The mode of each step from which classes have requests: the other mode than the last step's while
+    both have, the mode of the one that has otherwise (the last step's when neither has). The first step
+    that finds both classes with requests is a TP step."""
+
+    def __init__(self):
+        self.last = DP_STEP
+
+    def next(self, dp_work: bool, tp_work: bool) -> str:
+        if dp_work and tp_work:
+            mode = TP_STEP if self.last == DP_STEP else DP_STEP
+        elif dp_work or tp_work:
+            mode = DP_STEP if dp_work else TP_STEP
+        else:
+            mode = self.last
+        self.last = mode
+        return mode
 
 
 class DPScheduler(Scheduler):
-    """vLLM's Scheduler with per-rank placement and KV pools (see the module docstring)."""
+    """vLLM's Scheduler with placement, per-class and per-rank KV pools and per-step modes (module docstring)."""
 
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        cfg = parse_additional_config(vllm_config.additional_config)
         P = vllm_config.parallel_config.tensor_parallel_size
-        n = kv_cache_config.num_blocks
-        if n % P or n // P < 2:
-            raise FusedparConfigError(
-                f"fusedpar cannot run this engine: the DP layout needs the KV cache's block count ({n}) divisible "
-                f"by tensor_parallel_size={P} with at least 2 DP blocks per rank (one is vLLM's null block)")
         self.dp_size = P
+        self.split = KVSplit.of(kv_cache_config.num_blocks, P, tp_class=cfg.has_tp_class)
         self.placement: dict[str, int] = {}
-        self._admitted = 0
-        pool_config = dataclasses.replace(kv_cache_config, num_blocks=n // P)
-        pools = [self._make_pool(pool_config) for _ in range(P)]
-        self.kv_cache_manager = RoutingKVCacheManager(pools, self.placement)
+        self.admission = admission_of(cfg, P)
+        self.alternation = Alternation()
+        self.step_mode = DP_STEP
+        dp_pools = [self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.dp_blocks))
+                    for _ in range(P)]
+        tp_pool = (self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.tp_blocks))
+                   if cfg.has_tp_class else None)
+        self.kv_cache_manager = RoutingKVCacheManager(dp_pools, self.placement, tp_pool)
 
     def _make_pool(self, kv_cache_config) -> KVCacheManager:
-        # the arguments of vLLM's own manager (Scheduler.__init__), on one rank's N / P DP blocks
+        # the arguments of vLLM's own manager (Scheduler.__init__), on one pool's blocks
         return KVCacheManager(
             kv_cache_config=kv_cache_config,
             max_model_len=self.max_model_len,
@@ -79,27 +175,74 @@ class DPScheduler(Scheduler):
         )
 
     def add_request(self, request) -> None:
-        if request.request_id not in self.placement and request.request_id not in self.requests:
-            self.placement[request.request_id] = self._admitted % self.dp_size
-            self._admitted += 1
+        if (self.admission.at_arrival and request.request_id not in self.placement
+                and request.request_id not in self.requests):
+            self.placement[request.request_id] = self.admission.place(request.priority)
         super().add_request(request)
 
+    def _place_waiting(self) -> None:
+        """Place the requests that wait unplaced (policy "load"), by the load at the start of this step."""
+        waiting = list(itertools.chain(self.waiting, self.kv_holding_waiting))
+        self.admission.observe(len(self.running), len(waiting))
+        for request in waiting:
+            if request.request_id not in self.placement:
+                self.placement[request.request_id] = self.admission.place(request.priority)
+
+    # ---- the step's class ----------------------------------------------------------------------------
+    def _mode_of(self, request_id: str) -> str:
+        return TP_STEP if self.placement[request_id] == TP_CLASS else DP_STEP
+
+    def _in_step(self, request) -> bool:
+        return self._mode_of(request.request_id) == self.step_mode
+
+    def _classes_with_requests(self) -> tuple[bool, bool]:
+        modes = {self._mode_of(r.request_id) for r in itertools.chain(self.running, self.waiting,
+                                                                        self.kv_holding_waiting)}
+        return DP_STEP in modes, TP_STEP in modes
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        if not self._in_step(request):
+            return 0  # vLLM's running loop skips the request for this step
+        return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+
+    def _handle_blocked_waiting_request(self, request) -> bool:
+        # False: vLLM's waiting loop skips the request for this step and re-queues it in its place
+        return self._in_step(request) and super()._handle_blocked_waiting_request(request)
+
+    # ---- the step ------------------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):
+        if not self.admission.at_arrival:
+            self._place_waiting()
+        self.step_mode = self.alternation.next(*self._classes_with_requests())
         out = super().schedule(*args, **kwargs)
+        strays = sorted(rid for rid in out.num_scheduled_tokens if self._mode_of(rid) != self.step_mode)
+        if strays:
+            raise RuntimeError(f"fusedpar DP: a {self.step_mode} step scheduled requests {strays} of the other class "
+                               "(vLLM's scheduling loop did not leave them out: a vLLM version this plugin does not "
+                               "know)")
         zero = self.kv_cache_manager.take_new_block_ids_by_rank()
-        tag = DPTag(ranks={rid: self.placement[rid] for rid in out.num_scheduled_tokens}, size=self.dp_size,
-                    zero=zero if self.needs_kv_cache_zeroing else {})
+        ranks = {rid: self.placement[rid] for rid in out.num_scheduled_tokens} if self.step_mode == DP_STEP else {}
+        tag = DPTag(ranks=ranks, size=self.dp_size, zero=zero if self.needs_kv_cache_zeroing else {},
+                    mode=self.step_mode, dp_offset=self.split.dp_offset)
         setattr(out, TAG, tag)
         return out
 
     def _preempt_request(self, request, *args, **kwargs) -> None:
-        pools = self.kv_cache_manager.pools
+        kv = self.kv_cache_manager
+        place = self.placement.get(request.request_id)
+        where = "the TP/SP class" if place == TP_CLASS else f"rank {place}"
+        usage = [round(p.usage, 3) for p in kv.dp_pools]
+        tp = (f"; TP pool: {round(kv.tp_pool.usage, 3)} of {self.split.tp_blocks} TP blocks"
+              if kv.tp_pool is not None else "")
         raise RuntimeError(
-            f"fusedpar DP: vLLM would preempt request {request.request_id} (rank "
-            f"{self.placement.get(request.request_id)}); preemption with per-rank KV pools is not supported "
-            f"in this version. KV usage per rank: {[round(p.usage, 3) for p in pools]} of "
-            f"{pools[0].kv_cache_config.num_blocks} DP blocks each; give the engine more KV cache "
+            f"fusedpar DP: vLLM would preempt request {request.request_id} ({where}); preemption with per-class, "
+            f"per-rank KV pools is not supported in this version. KV usage per rank: {usage} of "
+            f"{self.split.dp_blocks} DP blocks each{tp}; give the engine more KV cache "
             "(VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization) or lower max_num_seqs")
+
+    def _free_request_blocks(self, request) -> None:
+        if request.request_id in self.placement:  # one finished before any step placed it holds no blocks
+            super()._free_request_blocks(request)
 
     def _free_blocks(self, request) -> None:
         super()._free_blocks(request)

@@ -1,13 +1,21 @@
-"""The worker of an engine whose every step is a DP step (layout "dp{P}", policy "dp").
+"""The worker of an engine with a "dp{P}" layout (policies "dp", "priority", "load").
 
 `DPWorker` is the platform worker (vLLM's CPUWorker in this version) that
   - after loading the weights sets up the DP step's embedding and logits on vLLM's vocab shards
     (dp_runner.DPVocab: collective in every DP step);
-  - per step keeps only its own requests of the broadcast SchedulerOutput (`own_output`, from the
+  - per step reads the step's mode from the scheduler's tag (dp_scheduler.DPTag), the same on every
+    rank; a TP step (the TP/SP class's requests, policies "priority", "load") runs as vLLM broadcast
+    it, through the plugin's base / shift path over the TP pool;
+  - in a DP step keeps only its own requests of the broadcast SchedulerOutput (`own_output`, from the
     scheduler's tag, dp_scheduler.DPTag) and runs them: vLLM's model runner builds the inputs, the
     slot mapping and the attention metadata from its own requests' DP block ids, and the model's
     forward is the DP runner's (announced to the plugin's worker state: `expect_dp_step`);
-  - zeroes the DP blocks vLLM asked for on this rank as the P TP blocks each one is.
+  - zeroes the DP blocks vLLM asked for on this rank as the P TP blocks each one is;
+  - records the step for `stats(llm)`: steps, tokens and requests per class, and tokens computed again
+    that an earlier step had computed (counters.ClassLedger).
+The requests of the class a step leaves out stay in vLLM's model runner's cached states (its
+persistent batch drops them for the step and takes them back when they are scheduled again), with
+their block ids and computed tokens.
 A rank without requests in a step runs no forward (vLLM's model runner answers with an empty output)
 but takes part in the embedding's and logits' collectives of the others (DPVocab.idle); the
 executor (dp_executor.py) merges every rank's answer.
@@ -20,14 +28,23 @@ import dataclasses
 from vllm.v1.core.sched.output import CachedRequestData
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from .dp_scheduler import TAG, DPTag
+from .dp_scheduler import TAG, TP_STEP, DPTag
+
+
+def _shifted(block_ids, offset: int):
+    """A request's block ids per KV cache group (vLLM's tuple of lists, or None), each moved by `offset`."""
+    if block_ids is None or not offset:
+        return block_ids
+    return tuple([b + offset for b in ids] for ids in block_ids)
 
 
 def own_output(so, tag: DPTag, rank: int):
-    """The SchedulerOutput `so` restricted to the requests of `rank` (a new object; `so` unchanged)."""
+    """The SchedulerOutput `so` of a DP step restricted to the requests of `rank`, their block ids moved from
+    their pool's ids to DP blocks of the buffer (tag.dp_offset); a new object, `so` unchanged."""
     mine = {rid for rid, r in tag.ranks.items() if r == rank}
     c = so.scheduled_cached_reqs
     keep = [i for i, rid in enumerate(c.req_ids) if rid in mine]
+    off = tag.dp_offset
 
     def pick(values: list) -> list:
         # per-request lists; vLLM leaves new_token_ids empty unless pipeline parallel needs it
@@ -38,16 +55,18 @@ def own_output(so, tag: DPTag, rank: int):
         resumed_req_ids={rid for rid in c.resumed_req_ids if rid in mine},
         new_token_ids=pick(c.new_token_ids),
         all_token_ids={rid: ids for rid, ids in c.all_token_ids.items() if rid in mine},
-        new_block_ids=pick(c.new_block_ids),
+        new_block_ids=[_shifted(ids, off) for ids in pick(c.new_block_ids)],
         num_computed_tokens=pick(c.num_computed_tokens),
         num_output_tokens=pick(c.num_output_tokens),
     )
     num_scheduled = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid in mine}
     P = tag.size
-    zero = [P * d + j for d in tag.zero.get(rank, ()) for j in range(P)]  # a DP block is P TP blocks
+    # a DP block is P TP blocks; the TP pool's blocks to zero (vLLM's flat list) are every rank's
+    zero = [*(so.new_block_ids_to_zero or ()), *(P * (off + d) + j for d in tag.zero.get(rank, ()) for j in range(P))]
     return dataclasses.replace(
         so,
-        scheduled_new_reqs=[r for r in so.scheduled_new_reqs if r.req_id in mine],
+        scheduled_new_reqs=[dataclasses.replace(r, block_ids=_shifted(r.block_ids, off))
+                            for r in so.scheduled_new_reqs if r.req_id in mine],
         scheduled_cached_reqs=cached,
         num_scheduled_tokens=num_scheduled,
         total_num_scheduled_tokens=sum(num_scheduled.values()),
@@ -55,6 +74,13 @@ def own_output(so, tag: DPTag, rank: int):
         scheduled_encoder_inputs={k: v for k, v in so.scheduled_encoder_inputs.items() if k in mine},
         new_block_ids_to_zero=zero or None,
     )
+
+
+def computed_tokens(so) -> dict[str, int]:
+    """Each scheduled request's computed tokens before the step, as the SchedulerOutput `so` tells them."""
+    c = so.scheduled_cached_reqs
+    return {**{r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs},
+            **dict(zip(c.req_ids, c.num_computed_tokens, strict=True))}
 
 
 class DPWorker(CPUWorker):
@@ -79,11 +105,15 @@ class DPWorker(CPUWorker):
                 raise RuntimeError("fusedpar DP: a step without the DP scheduler's tag (scheduler_cls is not "
                                    "fusedpar's DPScheduler)")
             return super().execute_model(scheduler_output)
+        state = self._fp_state()
+        if tag.mode == TP_STEP:
+            state.classes.record(TP_STEP, scheduler_output.num_scheduled_tokens, computed_tokens(scheduler_output),
+                                 scheduler_output.finished_req_ids)
+            return super().execute_model(scheduler_output)
         from vllm.distributed import get_tensor_model_parallel_rank
 
         own = own_output(scheduler_output, tag, get_tensor_model_parallel_rank())
-        state = self._fp_state()
-        state.dp.step(own.num_scheduled_tokens)
+        state.classes.record(tag.mode, own.num_scheduled_tokens, computed_tokens(own), own.finished_req_ids)
         if own.total_num_scheduled_tokens:
             state.expect_dp_step()
         elif scheduler_output.total_num_scheduled_tokens:  # the other ranks' embedding and logits need this one

@@ -58,7 +58,7 @@ from fusedpar.layouts import StepMode
 
 from .comms import BaseComms
 from .config import FusedparVllmConfig
-from .counters import DPRecord, StepCounter, snapshot, summary
+from .counters import ClassLedger, StepCounter, snapshot, summary
 from .deployment import Deployment
 from .hooks import ModelHooks
 from .shift_trace import before_first_trace, shift_trace_pending
@@ -78,10 +78,11 @@ class WorkerState:
         self.model = ModelHooks(self)
         self.comms = BaseComms(dep, self.model)  # collective: SP / TP / shift / DP groups
         self.step: Step = IDLE
-        # layout "dp{P}" (policy "dp"): what this rank served, and whether the next model forward is the DP
-        # step the worker announced (dp_worker.DPWorker.execute_model -> expect_dp_step) and the logits
-        # call after it is that step's (the last forward was a DP step: its rows' logits, dp_runner.DPVocab)
-        self.dp = DPRecord() if dep.cfg.dp_size else None
+        # layout "dp{P}" (policies "dp", "priority", "load"): what this rank served per class, and whether the
+        # next model forward is the DP step the worker announced (dp_worker.DPWorker.execute_model ->
+        # expect_dp_step) and the logits call after it is that step's (the last forward was a DP step: its
+        # rows' logits, dp_runner.DPVocab)
+        self.classes = ClassLedger() if dep.cfg.dp_size else None
         self._dp_next = False
         self.dp_logits = False
         atexit.register(self.log_summary)
@@ -166,27 +167,26 @@ class WorkerState:
 
     def expect_dp_step(self) -> None:
         """The worker's announcement that its next model forward is a DP step of its own requests."""
-        if self.dp is None:
+        if self.classes is None:
             raise RuntimeError("fusedpar DP: a DP step in an engine without a DP layout")
         self._dp_next = True
 
     # ---- reporting ----------------------------------------------------------------------------
     def snapshot(self) -> dict:
         snap = snapshot(self.deployment, self.model, self.counter)
-        if self.dp is not None:
-            snap.update(self.dp.stats())
+        if self.classes is not None:
+            snap.update(self.classes.stats())
         return snap
 
     def reset_stats(self) -> None:
         self.counter.reset()
-        if self.dp is not None:
-            self.dp.reset()
+        if self.classes is not None:
+            self.classes.reset()
 
     def summary(self) -> str:
         line = summary(self.deployment, self.counter)
-        if self.dp is not None:
-            d = self.dp.stats()
-            line += f", dp {d['dp_steps']} steps / {d['dp_tokens']} tokens / {len(d['dp_requests'])} requests"
+        if self.classes is not None:
+            line += self.classes.summary()
         return line
 
     def log_summary(self) -> None:
