@@ -482,6 +482,7 @@ def main_fp8(args, device, gpu: str, props, l2_bytes: int) -> int:
                           f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}"
                           f"{' tma' if cfg.get('tma') else ''}{warn}", flush=True)
                     torch.cuda.empty_cache()
+            _bench.write_records(records, args.out)  # per model: a run stopped later keeps what it measured
     _bench.write_records(records, args.out)
     return 0
 
