@@ -193,7 +193,8 @@ def resolve(a: argparse.Namespace, p: argparse.ArgumentParser) -> dict:
     sections = {"shift": {"sequence_parallel_size": P},
                 "dp_fusedpar": {"sequence_parallel_size": P, "layouts": [f"dp{P}"], "policy": "dp"}}
     for name in policies:
-        sections[name] = {"sequence_parallel_size": P, "layouts": [f"dp{P}"], "policy": name}
+        if name not in FIXED_CASES:
+            sections[name] = {"sequence_parallel_size": P, "layouts": [f"dp{P}"], "policy": name}
     for item in o["section"]:
         name, _, text = item.partition("=")
         try:
