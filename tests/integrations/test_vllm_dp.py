@@ -225,8 +225,9 @@ def test_ranks_serve_disjoint_request_sets(models, tmp_path_factory, family):
         assert max(s["dp_steps"] for s in per_rank) > MAX_TOKENS, per_rank
         # a rank counts only steps with requests of its own: the one-request batch left the other idle
         assert (min(s["dp_steps"] for s in per_rank) == 0) == (len(batch) == 1), per_rank
-        # no base or shift step of the workload: every step was a DP step
+        # no base or shift step of the workload: every step was a DP step, so no switch, and no KV moved
         assert all(s["base_steps"] == 0 and s["shift_steps"] == 0 for s in per_rank), per_rank
+        assert all(s["switches"] == 0 and s["kv_bytes_moved"] == 0 for s in per_rank), per_rank
         assert f"fusedpar rank {per_rank[0]['rank']} " in fp["log"] and ", dp " in fp["log"]  # the exit summary
         # one copy of the projection weights (the base shards: the full weights at SP = P), and vLLM's vocab
         # shards unchanged (no full embedding / lm_head copy: dp_runner.DPVocab)
@@ -256,6 +257,7 @@ def test_load_places_requests_by_the_engines_load(models, tmp_path_factory, fami
         served = set().union(*(s[f"{cls}_requests"] for s in per_rank))
         assert len(served) == len(batch) and all(s[f"{other}_steps"] == 0 for s in per_rank), (cls, per_rank)
         assert all(s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+        _check_switches(per_rank)  # each batch runs in one class: no switch
     assert fp["stats"][2][0]["base_steps"] > 0  # the TP/SP class's 45-token prompt: base steps above 8 tokens
     assert fp["stats"][1][0]["tp_tokens"] == sum(map(len, _prompts()[1])) + 3 * (MAX_TOKENS - 1)
 
@@ -269,6 +271,18 @@ def test_dp_and_tp_classes_with_the_engine_core_in_its_own_process(models, tmp_p
     first = fp["stats"][0]
     assert all(s["tp_steps"] > 0 and s["recomputed_tokens"] == 0 for s in first), first
     assert sum(s["dp_steps"] > 0 for s in first) == 2, first
+
+
+def _check_switches(per_rank) -> None:
+    """Every rank counts every step's mode, so the ranks agree on the switches. While both classes have requests the
+    steps alternate, so a batch with D DP steps (at least the most any rank ran) and T TP steps switches at least
+    min(D, T) and at most 2 T times; a batch of one class never switches. No request changes class: no KV moved."""
+    switches = {s["switches"] for s in per_rank}
+    assert len(switches) == 1, per_rank
+    dp, tp = max(s["dp_steps"] for s in per_rank), per_rank[0]["tp_steps"]
+    n = switches.pop()
+    assert min(dp, tp) <= n <= 2 * tp and (n == 0 or (dp > 0 and tp > 0)), per_rank
+    assert all(s["kv_bytes_moved"] == 0 for s in per_rank), per_rank
 
 
 def _class_tokens(batch, priorities, tp: bool) -> int:
@@ -301,6 +315,7 @@ def test_dp_and_tp_classes_side_by_side(models, tmp_path_factory, family):
             assert s["base_steps"] > 0 and s["shift_steps"] > 0, s
         # both classes take steps while both have requests; the batch of the TP/SP class alone takes no DP step
         assert (max(s["dp_steps"] for s in per_rank) > 0) == (n_tp < len(batch)), per_rank
+        _check_switches(per_rank)
     assert ", tp class " in fp["log"] and " 0 recomputed" in fp["log"]  # the exit summary
 
 
@@ -541,12 +556,16 @@ def test_class_ledger_counts_steps_per_class_and_tokens_recomputed():
     led.record("tp", {"a": 30}, {"a": 0}, ())
     led.record("dp", {"b": 8, "c": 5}, {"b": 0, "c": 0}, ())
     led.record("dp", {}, {}, ())  # a DP step without requests of this rank
+    led.record("dp", {}, {}, (), engine_step=False)  # a step without tokens on any rank: no mode
     led.record("tp", {"a": 1}, {"a": 30}, ())
     assert led.stats() == {"dp_steps": 1, "dp_tokens": 13, "dp_requests": ["b", "c"], "tp_steps": 2,
-                           "tp_tokens": 31, "tp_requests": ["a"], "recomputed_tokens": 0}
+                           "tp_tokens": 31, "tp_requests": ["a"], "switches": 2, "kv_bytes_moved": 0,
+                           "recomputed_tokens": 0}
     led.record("dp", {"b": 8}, {"b": 0}, ())  # b computed again from 0: a preemption by recompute
     led.record("tp", {"a": 4}, {"a": 0}, {"a"})  # a finished; a new request with its id starts over
     assert led.stats()["recomputed_tokens"] == 8
-    assert "8 recomputed" in led.summary()
+    assert "8 recomputed" in led.summary() and "4 switches" in led.summary()
     led.reset()
-    assert led.stats()["recomputed_tokens"] == 0 and led.stats()["tp_steps"] == 0
+    assert led.stats()["recomputed_tokens"] == 0 and led.stats()["tp_steps"] == 0 and led.stats()["switches"] == 0
+    led.record("dp", {"d": 1}, {"d": 0}, ())  # the first step after a reset is no switch
+    assert led.stats()["switches"] == 0
