@@ -110,11 +110,11 @@ def test_check_rejects_dp_deployments_with_every_problem():
 
 
 # ---- the layout inside vLLM --------------------------------------------------------------------------
-def _prompts(seed: int = 7) -> list[list[list[int]]]:
+def _prompts(seed: int = 7, lengths=LENGTHS) -> list[list[list[int]]]:
     import random
 
     rng = random.Random(seed)
-    return [[[rng.randrange(5, 500) for _ in range(n)] for n in batch] for batch in LENGTHS]
+    return [[[rng.randrange(5, 500) for _ in range(n)] for n in batch] for batch in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def models(tmp_path_factory):
     return out
 
 
-def _unsharded_tokens(model_dir: str) -> list:
+def _unsharded_tokens(model_dir: str, lengths=LENGTHS) -> list:
     """Greedy tokens of every prompt from the unsharded Hugging Face model in fp32 (no cache)."""
     import torch
     import transformers
@@ -143,7 +143,7 @@ def _unsharded_tokens(model_dir: str) -> list:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
-        for batch in _prompts():
+        for batch in _prompts(lengths=lengths):
             out.append([])
             for ids in batch:
                 seq = list(ids)
@@ -157,16 +157,22 @@ _RESULTS: dict[tuple, dict] = {}
 
 
 def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP, *, engine_process: bool = False,
-            priorities=None) -> dict:
+            priorities=None, lengths=LENGTHS, engine_args=None, record_errors: bool = False) -> dict:
     """The engine's result; engine_process: its engine core in a process of its own (vLLM's default; the
     harness runs it in process), so the classes and the scheduler's tag cross one more process boundary;
-    priorities: vLLM's priority of every prompt, per batch (vLLM's priority scheduling)."""
-    key = (family, json.dumps(fusedpar), engine_process, json.dumps(priorities))
+    priorities: vLLM's priority of every prompt, per batch (vLLM's priority scheduling); lengths: the prompts'
+    (_prompts); engine_args: more LLM(...) keywords; record_errors: a batch whose generate raises gets its
+    error in "errors" (vllm_engine.py) instead of failing the engine."""
+    key = (family, json.dumps(fusedpar), engine_process, json.dumps(priorities), json.dumps(lengths),
+           json.dumps(engine_args), record_errors)
     if key not in _RESULTS:
         work = tmp_path_factory.mktemp("dp_engine")
-        engine_args = {**CHUNKED, "scheduling_policy": "priority"} if priorities else CHUNKED
+        engine_args = {**CHUNKED, **(engine_args or {})}
+        if priorities:
+            engine_args["scheduling_policy"] = "priority"
         spec = {"model": models[family], "tensor_parallel_size": 2, "fusedpar": fusedpar, "max_tokens": MAX_TOKENS,
-                "batches": _prompts(), "enforce_eager": True, "engine_args": engine_args, "priorities": priorities}
+                "batches": _prompts(lengths=lengths), "enforce_eager": True, "engine_args": engine_args,
+                "priorities": priorities, "record_errors": record_errors}
         (work / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if engine_process else None
         proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
@@ -317,6 +323,56 @@ def test_dp_and_tp_classes_side_by_side(models, tmp_path_factory, family):
         assert (max(s["dp_steps"] for s in per_rank) > 0) == (n_tp < len(batch)), per_rank
         _check_switches(per_rank)
     assert ", tp class " in fp["log"] and " 0 recomputed" in fp["log"]  # the exit summary
+
+
+# placement by size: a KV cache of 20 TP blocks of 32 tokens on each rank, so with a TP/SP class each DP pool has
+# 5 DP blocks (4 beside vLLM's null block: 128 tokens) and the TP pool 10 TP blocks (9: 288 tokens); the
+# 150-token prompt with its 10 new tokens (160) outgrows a DP pool, the others fit. All are sent at a DP
+# priority (1 > tp_priority 0), so only its size puts the long one in the TP/SP class.
+SMALL_KV = {"block_size": 32, "num_gpu_blocks_override": 20}
+SIZE_LENGTHS = ((5, 150, 20, 30),)
+SIZE_PRIORITIES = [[1, 1, 1, 1]]
+
+
+@needs_vllm
+def test_a_prompt_outgrowing_a_dp_pool_runs_in_the_tp_class(models, tmp_path_factory):
+    from fusedpar.integrations.vllm.dp_kv import KVSplit, outgrows_dp_pool
+
+    split = KVSplit.of(SMALL_KV["num_gpu_blocks_override"], 2, tp_class=True)
+    assert [outgrows_dp_pool(split, 32, "r", n, MAX_TOKENS, 256) for n in SIZE_LENGTHS[0]] == [False, True, False,
+                                                                                             False]
+    fp = _engine(models, tmp_path_factory, "qwen3", MIXED, priorities=SIZE_PRIORITIES, lengths=SIZE_LENGTHS,
+                 engine_args=SMALL_KV)
+    assert fp["tokens"] == _unsharded_tokens(models["qwen3"], SIZE_LENGTHS)
+    per_rank = fp["stats"][0]
+    tp_sets = [set(s["tp_requests"]) for s in per_rank]
+    dp_sets = [set(s["dp_requests"]) for s in per_rank]
+    assert tp_sets[0] == tp_sets[1] and len(tp_sets[0]) == 1, tp_sets
+    assert not dp_sets[0] & dp_sets[1] and len(dp_sets[0] | dp_sets[1]) == 3, dp_sets
+    # the long prompt's every token in the TP/SP class (base steps for its chunks), the rest on DP ranks
+    assert all(s["tp_tokens"] == 150 + MAX_TOKENS - 1 and s["base_steps"] > 0 for s in per_rank), per_rank
+    assert sum(s["dp_tokens"] for s in per_rank) == 5 + 20 + 30 + 3 * (MAX_TOKENS - 1), per_rank
+    assert all(s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+    _check_switches(per_rank)
+    assert per_rank[0]["switches"] > 0, per_rank
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_policy_dp_refuses_a_prompt_outgrowing_a_dp_pool_at_admission(models, tmp_path_factory):
+    """Policy "dp" has no TP/SP class: a prompt whose KV outgrows a DP pool (10 TP blocks of 32 tokens per rank:
+    5 DP blocks, 128 tokens) is refused when the engine admits it, naming the request, its need and the pool's
+    capacity; the engine serves the next batch."""
+    lengths = ((5, 20), (7, 150), (30, 6))
+    fp = _engine(models, tmp_path_factory, "qwen3", DP, lengths=lengths,
+                 engine_args={**SMALL_KV, "num_gpu_blocks_override": 10}, record_errors=True)
+    assert fp["errors"][0] is None and fp["errors"][2] is None, fp["errors"]
+    msg = fp["errors"][1]
+    for needle in ("KVTooLargeError", "needs KV for 160 tokens (prompt 150 + max_tokens 10", "= 5 blocks of 32 tokens",
+                   "one DP pool holds 4 blocks (128 tokens)", 'policy "dp" has no TP/SP class'):
+        assert needle in msg, msg
+    ref = _unsharded_tokens(models["qwen3"], lengths)
+    assert (fp["tokens"][0], fp["tokens"][2]) == (ref[0], ref[2])
 
 
 _BUILD_CONFIG = """
@@ -569,3 +625,52 @@ def test_class_ledger_counts_steps_per_class_and_tokens_recomputed():
     assert led.stats()["recomputed_tokens"] == 0 and led.stats()["tp_steps"] == 0 and led.stats()["switches"] == 0
     led.record("dp", {"d": 1}, {"d": 0}, ())  # the first step after a reset is no switch
     assert led.stats()["switches"] == 0
+
+
+def test_kv_need_places_a_request_in_the_tp_class_or_refuses_it_by_every_pool():
+    from fusedpar.integrations.vllm.dp_kv import KVSplit, KVTooLargeError, outgrows_dp_pool
+
+    mixed = KVSplit.of(20, 2, tp_class=True)  # DP pools: 5 blocks (4 usable); TP pool: 10 (9 usable)
+    assert not outgrows_dp_pool(mixed, 32, "a", 100, 28, 256)  # 128 tokens: 4 blocks
+    assert outgrows_dp_pool(mixed, 32, "b", 100, 29, 256)  # 129 tokens: 5 blocks
+    assert outgrows_dp_pool(mixed, 32, "c", 250, 100, 256)  # at most max_model_len: 8 blocks fit the TP pool
+    with pytest.raises(KVTooLargeError) as e:
+        outgrows_dp_pool(mixed, 16, "d", 250, 100, 1024)  # 350 tokens, 22 blocks of 16
+    msg = str(e.value)
+    for needle in ("request 'd' needs KV for 350 tokens (prompt 250 + max_tokens 100, at most max_model_len=1024) = "
+                   "22 blocks of 16 tokens", "one DP pool holds 4 blocks (64 tokens)",
+                   "the TP/SP class's pool 9 blocks (144 tokens)", "more KV cache or lower max_tokens"):
+        assert needle in msg, msg
+    dp_only = KVSplit.of(10, 2, tp_class=False)  # DP pools: 5 blocks (4 usable), no TP pool
+    assert not outgrows_dp_pool(dp_only, 32, "e", 118, 10, 256)
+    with pytest.raises(KVTooLargeError, match=r"request 'f' needs KV for 129 tokens .* one DP pool holds 4 blocks "
+                                              r"\(128 tokens\); policy \"dp\" has no TP/SP class"):
+        outgrows_dp_pool(dp_only, 32, "f", 119, 10, 256)
+
+
+def test_requests_are_checked_where_they_enter_the_engine():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from fusedpar.integrations.vllm import register
+    from fusedpar.integrations.vllm.dp_engine import check_request_kv
+    from fusedpar.integrations.vllm.dp_kv import KVTooLargeError
+
+    register()
+    assert InputProcessor.process_inputs._fusedpar_checks
+
+    def config(section, blocks):
+        return NS(additional_config={"fusedpar": section}, cache_config=NS(num_gpu_blocks=blocks, block_size=32),
+                  parallel_config=NS(tensor_parallel_size=2), model_config=NS(max_model_len=256))
+
+    def request(n):
+        return NS(request_id="long", prompt_token_ids=[1] * n, sampling_params=NS(max_tokens=MAX_TOKENS))
+
+    check_request_kv(config(DP, 10), request(118))  # 128 tokens: the 4 blocks of a DP pool
+    with pytest.raises(KVTooLargeError, match=r"request 'long' needs KV for 160 tokens \(prompt 150"):
+        check_request_kv(config(DP, 10), request(150))
+    check_request_kv(config(MIXED, 20), request(150))  # the TP/SP class's pool holds it
+    check_request_kv(config(DP, None), request(150))  # the block count not known yet: the scheduler checks it
+    check_request_kv(config({"sequence_parallel_size": 2}, 10), request(150))  # no DP layout

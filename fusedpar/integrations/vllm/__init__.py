@@ -69,6 +69,7 @@ def register() -> None:
 
     register_layers()
     _check_configs_where_built()
+    _check_requests_where_added()
     _registered = True
 
 
@@ -108,6 +109,33 @@ def _check_configs_where_built() -> None:
 
     create_engine_config._fusedpar_checks = True
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _check_requests_where_added() -> None:
+    """Refuse, where a request enters the engine (vLLM's InputProcessor.process_inputs, in the caller of
+    `LLM.generate` or the API server), a request that no KV pool of an engine with a DP layout can ever hold
+    (dp_engine.check_request_kv): the caller gets the error and the engine core never sees the request. An
+    error raised by the engine core while it adds a request would end an engine core running in a process of
+    its own. Engines without a DP layout are not affected; a vLLM without this input processor runs no DP
+    layout (dp_engine.dp_engine_problems refuses its version)."""
+    try:
+        from vllm.v1.engine.input_processor import InputProcessor
+    except ImportError:
+        return
+    original = getattr(InputProcessor, "process_inputs", None)
+    if original is None or getattr(original, "_fusedpar_checks", False):
+        return
+
+    @functools.wraps(original)
+    def process_inputs(self, *args, **kwargs):
+        request = original(self, *args, **kwargs)
+        from .dp_engine import check_request_kv
+
+        check_request_kv(self.vllm_config, request)
+        return request
+
+    process_inputs._fusedpar_checks = True
+    InputProcessor.process_inputs = process_inputs
 
 
 def stats(llm) -> list[dict]:

@@ -75,6 +75,38 @@ class KVSplit:
         return split
 
 
+class KVTooLargeError(ValueError):
+    """A request whose full KV need no pool of the engine can ever hold, refused when the engine admits it."""
+
+
+def outgrows_dp_pool(split: KVSplit, block_size: int, request_id: str, prompt_tokens: int, max_tokens: int,
+                     max_model_len: int) -> bool:
+    """Whether a request's full KV need (prompt_tokens + max_tokens, at most max_model_len, in blocks of
+    block_size tokens) is more than one DP pool can ever hold (its blocks but vLLM's null block): such a
+    request must be served where the ranks pool their memory, the TP/SP class. KVTooLargeError naming the
+    request, its need and the capacity of every pool when none can hold it (an engine without a TP/SP class,
+    or a TP pool too small as well)."""
+    tokens = min(prompt_tokens + max_tokens, max_model_len)
+    need = -(-tokens // block_size)
+    dp_capacity = split.dp_blocks - 1
+    if need <= dp_capacity:
+        return False
+    tp_capacity = split.tp_blocks - 1 if split.tp_blocks else 0
+    if split.tp_blocks and need <= tp_capacity:
+        return True
+    pools = (f"one DP pool holds {dp_capacity} blocks ({dp_capacity * block_size} tokens)")
+    if split.tp_blocks:
+        pools += f" and the TP/SP class's pool {tp_capacity} blocks ({tp_capacity * block_size} tokens)"
+        fix = "give the engine more KV cache or lower max_tokens"
+    else:
+        pools += "; policy \"dp\" has no TP/SP class to pool the ranks' memory"
+        fix = 'give the engine more KV cache, lower max_tokens, or use policy "priority" or "load"'
+    raise KVTooLargeError(
+        f"fusedpar DP: request {request_id!r} needs KV for {tokens} tokens (prompt {prompt_tokens} + max_tokens "
+        f"{max_tokens}, at most max_model_len={max_model_len}) = {need} blocks of {block_size} tokens, but {pools}; "
+        f"{fix}")
+
+
 class _RoutingCoordinator:
     """`kv_cache_manager.coordinator` as the scheduler and engine core read it: shared configuration from
     pool 0, per-request questions routed."""

@@ -8,7 +8,9 @@ TP/SP steps side by side (policies "priority" and "load").
     start of the first step that finds it waiting, by the engine's load then (running + waiting
     requests, fusedpar.layers.layout_policy.LoadPolicy with its hysteresis band): DP ranks while the
     load is high, the TP/SP class while it is low. Every other request is a DP request, the i-th DP
-    request placed on rank i % P;
+    request placed on rank i % P. Whatever the policy, a request whose full KV need (prompt + max_tokens)
+    is more than one DP pool can ever hold joins the TP/SP class when the engine admits it, or, without a
+    TP/SP class (policy "dp"), is refused there (dp_kv.outgrows_dp_pool);
   - KV pools: `kv_cache_manager` is a dp_kv.RoutingKVCacheManager of P DP pools and, with the TP/SP
     class, a TP pool on disjoint block ranges of every rank's buffer (dp_kv.KVSplit), so every
     allocation lands in the pool of the request's class and rank;
@@ -45,7 +47,7 @@ from fusedpar.layers.layout_policy import LoadPolicy, StepFacts
 from fusedpar.layouts import ParallelLayout
 
 from .config import parse_additional_config
-from .dp_kv import TP_CLASS, KVSplit, RoutingKVCacheManager
+from .dp_kv import TP_CLASS, KVSplit, RoutingKVCacheManager, outgrows_dp_pool
 
 TAG = "fusedpar_dp"
 DP_STEP, TP_STEP = "dp", "tp"
@@ -175,9 +177,13 @@ class DPScheduler(Scheduler):
         )
 
     def add_request(self, request) -> None:
-        if (self.admission.at_arrival and request.request_id not in self.placement
-                and request.request_id not in self.requests):
-            self.placement[request.request_id] = self.admission.place(request.priority)
+        rid = request.request_id
+        if rid not in self.placement and rid not in self.requests:
+            if outgrows_dp_pool(self.split, self.block_size, rid, request.num_prompt_tokens, request.max_tokens,
+                                self.max_model_len):
+                self.placement[rid] = TP_CLASS
+            elif self.admission.at_arrival:
+                self.placement[rid] = self.admission.place(request.priority)
         super().add_request(request)
 
     def _place_waiting(self) -> None:
