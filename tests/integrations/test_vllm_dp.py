@@ -375,6 +375,29 @@ def test_policy_dp_refuses_a_prompt_outgrowing_a_dp_pool_at_admission(models, tm
     assert (fp["tokens"][0], fp["tokens"][2]) == (ref[0], ref[2])
 
 
+@needs_vllm
+@pytest.mark.deep
+@pytest.mark.parametrize("when", ["between", "during"])
+def test_a_killed_worker_gives_a_bounded_error_naming_it(models, tmp_path_factory, when):
+    """Worker 1 of a "dp" engine killed (SIGKILL) between two generate calls or in the middle of one: generate
+    raises WorkerDiedError naming its rank and pid well within a minute, although vLLM would first wait up to
+    VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (60 s in the harness) for the other worker to exit."""
+    work = tmp_path_factory.mktemp("dp_kill")
+    spec = {"model": models["qwen3"], "tensor_parallel_size": 2, "fusedpar": DP, "rank": 1, "when": when,
+            "delay": 3.0, "limit": 120, "max_tokens": 200,
+            "engine_args": {k: v for k, v in CHUNKED.items() if k != "enable_chunked_prefill"},
+            "prompts": _prompts(lengths=((5, 3, 7, 2),))[0]}
+    (work / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_kill", str(work / "spec.json"),
+                           str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert (work / "out.json").exists(), (proc.stdout + proc.stderr)[-8000:]
+    out = json.loads((work / "out.json").read_text())
+    assert out["error"] is not None, out
+    for needle in ("WorkerDiedError", f"worker rank 1 (VllmWorker-1, pid {out['killed_pid']}, exit code -9) died"):
+        assert needle in out["error"], out
+    assert out["seconds_to_error"] < 60, out
+
+
 _BUILD_CONFIG = """
 import json, sys
 from vllm.engine.arg_utils import EngineArgs
@@ -674,3 +697,29 @@ def test_requests_are_checked_where_they_enter_the_engine():
     check_request_kv(config(MIXED, 20), request(150))  # the TP/SP class's pool holds it
     check_request_kv(config(DP, None), request(150))  # the block count not known yet: the scheduler checks it
     check_request_kv(config({"sequence_parallel_size": 2}, 10), request(150))  # no DP layout
+
+
+@needs_vllm
+def test_executor_names_a_dead_worker():
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_executor import DPExecutor, WorkerDiedError, dead_workers
+
+    def handle(alive: bool, pid: int, exitcode):
+        return NS(proc=NS(name=f"VllmWorker-{pid}", pid=pid, exitcode=exitcode, sentinel=pid,
+                          is_alive=lambda: alive, join=lambda timeout=None: None))
+
+    handles = [handle(True, 10, None), handle(False, 11, -9), handle(False, 12, -15)]
+    assert [str(d) for d in dead_workers(handles, sentinels=[11])] == ["rank 1 (VllmWorker-11, pid 11, exit code -9)"]
+    # a ready sentinel is an ended process, even one its is_alive() has not reaped yet
+    assert [d.rank for d in dead_workers(handles, sentinels=[10])] == [0]
+    assert [d.rank for d in dead_workers(handles)] == [1, 2]
+    ex = DPExecutor.__new__(DPExecutor)  # the attributes failure() reads, no engine
+    ex.workers = handles[:1]
+    cancelled = RuntimeError("cancelled")
+    assert ex.failure("execute_model", cancelled) is cancelled  # every worker alive: vLLM's own error
+    ex.dead = tuple(dead_workers(handles, sentinels=[11]))
+    err = ex.failure("execute_model", cancelled)
+    assert isinstance(err, WorkerDiedError)
+    assert str(err).startswith("fusedpar: worker rank 1 (VllmWorker-11, pid 11, exit code -9) died; execute_model "
+                               "cannot complete"), str(err)
