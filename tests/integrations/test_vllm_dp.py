@@ -51,6 +51,14 @@ MIXED = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "priority", 
 LOAD = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "load", "load_low": 3, "load_high": 4,
         "shift_threshold": 8}
 LOAD_CLASSES = ("dp", "tp", "tp")
+# policy "auto" on the same batches, with step-time curves near t = a + b n: the DP layout (a = 0.0645 s, b =
+# 0.0005 s per token) and the TP/SP class (a = 0.001 s, b = 0.0015 s per token). A placement's TTFT estimate is one
+# step of min(32, W) tokens (the budget) and then the W waiting prompt tokens: 2 a + b (32 + W), so DP answers from
+# W = 95 on: the 7 prompts of the first batch (136 tokens) go to the DP ranks, the next batches (58, then 45 tokens)
+# to the TP/SP class, as with policy "load".
+AUTO = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "auto", "latency_goal_s": 10.0,
+        "step_times": {"dp2": [[1, 0.065], [1024, 0.5765]], "tp2": [[1, 0.0025], [1024, 1.537]]},
+        "shift_threshold": 8}
 
 
 # ---- the section (no vLLM) -------------------------------------------------------------------------
@@ -63,16 +71,21 @@ def test_parse_dp_section():
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.tp_priority) == ("priority", 2, True, -3)
     cfg = parse_additional_config({"fusedpar": LOAD})
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.load_low, cfg.load_high) == ("load", 2, True, 3, 4)
+    cfg = parse_additional_config({"fusedpar": {**AUTO, "decode_steps": 4}})
+    assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.latency_goal_s, cfg.decode_steps) == ("auto", 2, True,
+                                                                                                10.0, 4)
+    assert cfg.step_times == (("dp2", ((1, 0.065), (1024, 0.5765))), ("tp2", ((1, 0.0025), (1024, 1.537))))
 
 
 @pytest.mark.parametrize("section, needle", [
     ({**DP, "layouts": ["tp2"]}, "layouts ['tp2'] are not supported"),
     ({**DP, "layouts": "dp2"}, 'layouts must be a list of layout names like ["dp2"]'),
     ({**DP, "layouts": ["dp2", "dp4"]}, "this version runs one extra layout, got 2"),
-    ({**DP, "policy": "auto"}, "policy must be one of ['threshold', 'dp', 'priority', 'load'], got 'auto'"),
+    ({**DP, "policy": "fastest"}, "policy must be one of ['threshold', 'dp', 'priority', 'load', 'auto'], got "
+                                  "'fastest'"),
     ({**DP, "layouts": []}, 'policy "dp" needs a DP layout in layouts'),
-    ({"sequence_parallel_size": 2, "layouts": ["dp2"]}, "layouts ['dp2'] need policy \"dp\", \"priority\" or "
-                                                        "\"load\""),
+    ({"sequence_parallel_size": 2, "layouts": ["dp2"]}, "layouts ['dp2'] need policy \"dp\", \"priority\", "
+                                                        "\"load\" or \"auto\""),
     ({**MIXED, "layouts": []}, 'policy "priority" needs a DP layout in layouts'),
     ({k: v for k, v in MIXED.items() if k != "tp_priority"}, 'policy "priority" needs tp_priority (an int'),
     ({**MIXED, "tp_priority": "0"}, "tp_priority must be an int (vLLM's request priority"),
@@ -89,6 +102,21 @@ def test_parse_dp_section():
     ({**LOAD, "load_low": 4}, "load_low=4 must be below load_high=4 (the hysteresis band"),
     ({**DP, "load_low": 1, "load_high": 4}, "load_low=1, load_high=4 need policy \"load\", got policy 'dp'"),
     ({**LOAD, "tp_priority": 0}, "tp_priority=0 needs policy \"priority\", got policy 'load'"),
+    ({**AUTO, "layouts": []}, 'policy "auto" needs a DP layout in layouts'),
+    ({k: v for k, v in AUTO.items() if k != "step_times"}, "policy \"auto\" needs step_times with the step-time "
+                                                          "curves of ['dp2', 'tp2'] (layout name -> [[tokens, "
+                                                          "seconds], ...]), got None"),
+    ({**AUTO, "step_times": {"dp2": [[1, 0.1]]}}, "curves of ['dp2', 'tp2']"),
+    ({**AUTO, "latency_goal_s": 0, "decode_steps": -1}, "latency_goal_s, a finite number of seconds > 0 (the TTFT "
+                                                        "goal for waiting requests), got 0"),
+    ({**AUTO, "decode_steps": -1}, "decode_steps must be an int >= 0 (decode steps each placement looks ahead), "
+                                   "got -1"),
+    ({**AUTO, "step_times": {"dp2": [[4, 0.1], [2, 0.2]], "tp2": [[1, 0.1], [2, -1]]}},
+     "step_times['dp2'] tokens must be strictly increasing ints >= 1, got [4, 2]; step_times['tp2'] seconds must "
+     "be finite numbers > 0, got [0.1, -1]"),
+    ({**AUTO, "step_times": {"dp2": "fast", "tp2": [[1, 0.1]]}}, "step_times['dp2'] must be a list of [tokens, "
+                                                                "seconds] pairs, got 'fast'"),
+    ({**LOAD, "latency_goal_s": 1.0}, "latency_goal_s need policy \"auto\", got policy 'load'"),
 ])
 def test_parse_rejects_dp_sections(section, needle):
     with pytest.raises(FusedparConfigError) as e:
@@ -252,11 +280,13 @@ def test_dp_and_tp_classes_match_plain_vllm_tp2(models, tmp_path_factory, family
 
 @needs_vllm
 @pytest.mark.deep
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_load_places_requests_by_the_engines_load(models, tmp_path_factory, family):
+@pytest.mark.parametrize("family, section", [("llama", LOAD), ("qwen3", LOAD), ("qwen3", AUTO)],
+                         ids=["llama-load", "qwen3-load", "qwen3-auto"])
+def test_load_places_requests_by_the_engines_load(models, tmp_path_factory, family, section):
     """Policy "load": a batch of 7 requests goes to the DP ranks, the next ones (3, then 1: the load has
-    drained) to the TP/SP class; tokens are the unsharded model's, nothing recomputed."""
-    fp = _engine(models, tmp_path_factory, family, LOAD)
+    drained) to the TP/SP class; tokens are the unsharded model's, nothing recomputed. Policy "auto" places the
+    same batches the same way from its step-time curves (AUTO)."""
+    fp = _engine(models, tmp_path_factory, family, section)
     assert fp["tokens"] == _unsharded_tokens(models[family])
     for batch, cls, per_rank in zip(_prompts(), LOAD_CLASSES, fp["stats"], strict=True):
         other = "tp" if cls == "dp" else "dp"
@@ -613,8 +643,16 @@ def test_admission_and_alternation():
     assert [a.place(p) for p in (5, -1, 0, 1, 1, 0)] == [0, TP_CLASS, TP_CLASS, 1, 0, TP_CLASS]
     no_tp = Admission(2)  # policy "dp": every request on the DP ranks in turn
     assert [no_tp.place(p) for p in (-9, 0, 9)] == [0, 1, 0]
-    from fusedpar.integrations.vllm.dp_scheduler import LoadAdmission
+    from fusedpar.integrations.vllm.dp_scheduler import AutoAdmission, LoadAdmission
 
+    cfg = parse_additional_config({"fusedpar": AUTO})
+    auto = AutoAdmission(2, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget=32)
+    placed = []
+    for running, waiting, prefill in ((0, 7, 136), (7, 0, 0), (0, 3, 58), (0, 1, 45), (3, 12, 400)):
+        auto.observe(running, waiting, prefill)
+        placed.append(auto.place(priority=0))
+    # the estimates of AUTO's comment: DP from 95 waiting prompt tokens on; a step with nothing waiting keeps it
+    assert placed == [0, 1, TP_CLASS, TP_CLASS, 0], placed
     load = LoadAdmission(2, low=1, high=4)  # starts in the TP/SP class
     placed = []
     for running, waiting in ((0, 1), (1, 7), (7, 0), (3, 0), (1, 0), (0, 3)):

@@ -146,7 +146,7 @@ def stats(llm) -> list[dict]:
     (rank, sequence_parallel_size, base_tensor_parallel_size, tensor_parallel_size,
     shift_threshold, fused_kernels). Only real model steps count (not vLLM's profile or warm-up
     runs); steps replayed as full CUDA graphs run no Python and are not counted. With a DP layout
-    (policies "dp", "priority", "load") also dp_steps / dp_tokens / dp_requests (this rank's own DP
+    (policies "dp", "priority", "load", "auto") also dp_steps / dp_tokens / dp_requests (this rank's own DP
     requests), tp_steps / tp_tokens / tp_requests (the TP/SP class, the same on every rank), switches
     (steps whose mode, DP or TP, differs from the previous step's: the same on every rank), kv_bytes_moved
     (KV bytes moved between classes: 0, a request keeps its class) and recomputed_tokens (tokens a step

@@ -2,7 +2,7 @@
 
 Runs in the process that builds the engine config (`check_engine_config`, from the plugin's
 `EngineArgs.create_engine_config` wrapper), after vLLM's platform resolved the worker class and
-async scheduling. For the policies with DP steps ("dp", "priority", "load") it refuses every engine feature
+async scheduling. For the policies with DP steps ("dp", "priority", "load", "auto") it refuses every engine feature
 this version does not carry through a DP step (one FusedparConfigError naming each), then points
 vLLM at:
 

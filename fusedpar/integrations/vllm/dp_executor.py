@@ -1,4 +1,4 @@
-"""The executor of an engine with a "dp{P}" layout (policies "dp", "priority", "load").
+"""The executor of an engine with a "dp{P}" layout (policies "dp", "priority", "load", "auto").
 
 vLLM's MultiprocExecutor broadcasts each step to all ranks and reads the answer of one
 (`output_rank`), which in TP is everyone's answer. In a DP step every rank answers for its own

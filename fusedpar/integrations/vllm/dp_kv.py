@@ -3,7 +3,7 @@
 A DP request needs all kv heads of its tokens on its own rank: P times the bytes of a TP block.
 DP block d of rank r is TP blocks [P d, P d + P) of rank r's buffer (a zero-copy view with all kv
 heads, the same block size in tokens: dp_runner.dp_kv_view). `KVSplit` divides each rank's buffer of
-N TP blocks into disjoint id ranges: with a TP/SP class (policies "priority", "load") the TP pool holds TP
+N TP blocks into disjoint id ranges: with a TP/SP class (policies "priority", "load", "auto") the TP pool holds TP
 blocks [0, T) of every rank and the DP pools DP blocks [T / P, N / P); without one (policy "dp") the
 DP pools hold the whole buffer. `RoutingKVCacheManager` holds one vLLM `KVCacheManager` per DP rank
 (ids [0, N_dp), its own null block 0, DP blocks dp_offset + id of the buffer) and, with the TP/SP

@@ -1,10 +1,10 @@
-"""The worker of an engine with a "dp{P}" layout (policies "dp", "priority", "load").
+"""The worker of an engine with a "dp{P}" layout (policies "dp", "priority", "load", "auto").
 
 `DPWorker` is the platform worker (vLLM's CPUWorker in this version) that
   - after loading the weights sets up the DP step's embedding and logits on vLLM's vocab shards
     (dp_runner.DPVocab: collective in every DP step);
   - per step reads the step's mode from the scheduler's tag (dp_scheduler.DPTag), the same on every
-    rank; a TP step (the TP/SP class's requests, policies "priority", "load") runs as vLLM broadcast
+    rank; a TP step (the TP/SP class's requests, policies "priority", "load", "auto") runs as vLLM broadcast
     it, through the plugin's base / shift path over the TP pool;
   - in a DP step keeps only its own requests of the broadcast SchedulerOutput (`own_output`, from the
     scheduler's tag, dp_scheduler.DPTag) and runs them: vLLM's model runner builds the inputs, the
