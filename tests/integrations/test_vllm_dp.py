@@ -761,3 +761,15 @@ def test_executor_names_a_dead_worker():
     assert isinstance(err, WorkerDiedError)
     assert str(err).startswith("fusedpar: worker rank 1 (VllmWorker-11, pid 11, exit code -9) died; execute_model "
                                "cannot complete"), str(err)
+    # a pending result of vLLM's (a TP step's) fails with the same error, and says whether it is done as vLLM's does
+    from concurrent.futures import Future
+
+    from fusedpar.integrations.vllm.dp_executor import _NamedFailure
+
+    inner = Future()
+    pending = _NamedFailure(inner, ex, "execute_model")
+    assert not pending.done()
+    inner.set_exception(cancelled)
+    assert pending.done()
+    with pytest.raises(WorkerDiedError, match="worker rank 1"):
+        pending.result()

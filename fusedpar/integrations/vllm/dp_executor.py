@@ -118,6 +118,9 @@ class _NamedFailure(Future):
         super().__init__()
         self._inner, self._executor, self._method = inner, executor, method
 
+    def done(self) -> bool:
+        return self._inner.done()
+
     def result(self, timeout=None):
         try:
             return self._inner.result(timeout)
