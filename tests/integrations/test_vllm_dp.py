@@ -51,6 +51,14 @@ MIXED = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "priority", 
 LOAD = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "load", "load_low": 3, "load_high": 4,
         "shift_threshold": 8}
 LOAD_CLASSES = ("dp", "tp", "tp")
+# policy "auto" on the same batches, with step-time curves near t = a + b n: the DP layout (a = 0.0645 s, b =
+# 0.0005 s per token) and the TP/SP class (a = 0.001 s, b = 0.0015 s per token). A placement's TTFT estimate is one
+# step of min(32, W) tokens (the budget) and then the W waiting prompt tokens: 2 a + b (32 + W), so DP answers from
+# W = 95 on: the 7 prompts of the first batch (136 tokens) go to the DP ranks, the next batches (58, then 45 tokens)
+# to the TP/SP class, as with policy "load".
+AUTO = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "auto", "latency_goal_s": 10.0,
+        "step_times": {"dp2": [[1, 0.065], [1024, 0.5765]], "tp2": [[1, 0.0025], [1024, 1.537]]},
+        "shift_threshold": 8}
 
 
 # ---- the section (no vLLM) -------------------------------------------------------------------------
@@ -63,16 +71,21 @@ def test_parse_dp_section():
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.tp_priority) == ("priority", 2, True, -3)
     cfg = parse_additional_config({"fusedpar": LOAD})
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.load_low, cfg.load_high) == ("load", 2, True, 3, 4)
+    cfg = parse_additional_config({"fusedpar": {**AUTO, "decode_steps": 4}})
+    assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.latency_goal_s, cfg.decode_steps) == ("auto", 2, True,
+                                                                                                10.0, 4)
+    assert cfg.step_times == (("dp2", ((1, 0.065), (1024, 0.5765))), ("tp2", ((1, 0.0025), (1024, 1.537))))
 
 
 @pytest.mark.parametrize("section, needle", [
     ({**DP, "layouts": ["tp2"]}, "layouts ['tp2'] are not supported"),
     ({**DP, "layouts": "dp2"}, 'layouts must be a list of layout names like ["dp2"]'),
     ({**DP, "layouts": ["dp2", "dp4"]}, "this version runs one extra layout, got 2"),
-    ({**DP, "policy": "auto"}, "policy must be one of ['threshold', 'dp', 'priority', 'load'], got 'auto'"),
+    ({**DP, "policy": "fastest"}, "policy must be one of ['threshold', 'dp', 'priority', 'load', 'auto'], got "
+                                  "'fastest'"),
     ({**DP, "layouts": []}, 'policy "dp" needs a DP layout in layouts'),
-    ({"sequence_parallel_size": 2, "layouts": ["dp2"]}, "layouts ['dp2'] need policy \"dp\", \"priority\" or "
-                                                        "\"load\""),
+    ({"sequence_parallel_size": 2, "layouts": ["dp2"]}, "layouts ['dp2'] need policy \"dp\", \"priority\", "
+                                                        "\"load\" or \"auto\""),
     ({**MIXED, "layouts": []}, 'policy "priority" needs a DP layout in layouts'),
     ({k: v for k, v in MIXED.items() if k != "tp_priority"}, 'policy "priority" needs tp_priority (an int'),
     ({**MIXED, "tp_priority": "0"}, "tp_priority must be an int (vLLM's request priority"),
@@ -89,6 +102,21 @@ def test_parse_dp_section():
     ({**LOAD, "load_low": 4}, "load_low=4 must be below load_high=4 (the hysteresis band"),
     ({**DP, "load_low": 1, "load_high": 4}, "load_low=1, load_high=4 need policy \"load\", got policy 'dp'"),
     ({**LOAD, "tp_priority": 0}, "tp_priority=0 needs policy \"priority\", got policy 'load'"),
+    ({**AUTO, "layouts": []}, 'policy "auto" needs a DP layout in layouts'),
+    ({k: v for k, v in AUTO.items() if k != "step_times"}, "policy \"auto\" needs step_times with the step-time "
+                                                          "curves of ['dp2', 'tp2'] (layout name -> [[tokens, "
+                                                          "seconds], ...]), got None"),
+    ({**AUTO, "step_times": {"dp2": [[1, 0.1]]}}, "curves of ['dp2', 'tp2']"),
+    ({**AUTO, "latency_goal_s": 0, "decode_steps": -1}, "latency_goal_s, a finite number of seconds > 0 (the TTFT "
+                                                        "goal for waiting requests), got 0"),
+    ({**AUTO, "decode_steps": -1}, "decode_steps must be an int >= 0 (decode steps each placement looks ahead), "
+                                   "got -1"),
+    ({**AUTO, "step_times": {"dp2": [[4, 0.1], [2, 0.2]], "tp2": [[1, 0.1], [2, -1]]}},
+     "step_times['dp2'] tokens must be strictly increasing ints >= 1, got [4, 2]; step_times['tp2'] seconds must "
+     "be finite numbers > 0, got [0.1, -1]"),
+    ({**AUTO, "step_times": {"dp2": "fast", "tp2": [[1, 0.1]]}}, "step_times['dp2'] must be a list of [tokens, "
+                                                                "seconds] pairs, got 'fast'"),
+    ({**LOAD, "latency_goal_s": 1.0}, "latency_goal_s need policy \"auto\", got policy 'load'"),
 ])
 def test_parse_rejects_dp_sections(section, needle):
     with pytest.raises(FusedparConfigError) as e:
@@ -110,11 +138,11 @@ def test_check_rejects_dp_deployments_with_every_problem():
 
 
 # ---- the layout inside vLLM --------------------------------------------------------------------------
-def _prompts(seed: int = 7) -> list[list[list[int]]]:
+def _prompts(seed: int = 7, lengths=LENGTHS) -> list[list[list[int]]]:
     import random
 
     rng = random.Random(seed)
-    return [[[rng.randrange(5, 500) for _ in range(n)] for n in batch] for batch in LENGTHS]
+    return [[[rng.randrange(5, 500) for _ in range(n)] for n in batch] for batch in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +163,7 @@ def models(tmp_path_factory):
     return out
 
 
-def _unsharded_tokens(model_dir: str) -> list:
+def _unsharded_tokens(model_dir: str, lengths=LENGTHS) -> list:
     """Greedy tokens of every prompt from the unsharded Hugging Face model in fp32 (no cache)."""
     import torch
     import transformers
@@ -143,7 +171,7 @@ def _unsharded_tokens(model_dir: str) -> list:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
-        for batch in _prompts():
+        for batch in _prompts(lengths=lengths):
             out.append([])
             for ids in batch:
                 seq = list(ids)
@@ -157,16 +185,22 @@ _RESULTS: dict[tuple, dict] = {}
 
 
 def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP, *, engine_process: bool = False,
-            priorities=None) -> dict:
+            priorities=None, lengths=LENGTHS, engine_args=None, record_errors: bool = False) -> dict:
     """The engine's result; engine_process: its engine core in a process of its own (vLLM's default; the
     harness runs it in process), so the classes and the scheduler's tag cross one more process boundary;
-    priorities: vLLM's priority of every prompt, per batch (vLLM's priority scheduling)."""
-    key = (family, json.dumps(fusedpar), engine_process, json.dumps(priorities))
+    priorities: vLLM's priority of every prompt, per batch (vLLM's priority scheduling); lengths: the prompts'
+    (_prompts); engine_args: more LLM(...) keywords; record_errors: a batch whose generate raises gets its
+    error in "errors" (vllm_engine.py) instead of failing the engine."""
+    key = (family, json.dumps(fusedpar), engine_process, json.dumps(priorities), json.dumps(lengths),
+           json.dumps(engine_args), record_errors)
     if key not in _RESULTS:
         work = tmp_path_factory.mktemp("dp_engine")
-        engine_args = {**CHUNKED, "scheduling_policy": "priority"} if priorities else CHUNKED
+        engine_args = {**CHUNKED, **(engine_args or {})}
+        if priorities:
+            engine_args["scheduling_policy"] = "priority"
         spec = {"model": models[family], "tensor_parallel_size": 2, "fusedpar": fusedpar, "max_tokens": MAX_TOKENS,
-                "batches": _prompts(), "enforce_eager": True, "engine_args": engine_args, "priorities": priorities}
+                "batches": _prompts(lengths=lengths), "enforce_eager": True, "engine_args": engine_args,
+                "priorities": priorities, "record_errors": record_errors}
         (work / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if engine_process else None
         proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
@@ -225,8 +259,9 @@ def test_ranks_serve_disjoint_request_sets(models, tmp_path_factory, family):
         assert max(s["dp_steps"] for s in per_rank) > MAX_TOKENS, per_rank
         # a rank counts only steps with requests of its own: the one-request batch left the other idle
         assert (min(s["dp_steps"] for s in per_rank) == 0) == (len(batch) == 1), per_rank
-        # no base or shift step of the workload: every step was a DP step
+        # no base or shift step of the workload: every step was a DP step, so no switch, and no KV moved
         assert all(s["base_steps"] == 0 and s["shift_steps"] == 0 for s in per_rank), per_rank
+        assert all(s["switches"] == 0 and s["kv_bytes_moved"] == 0 for s in per_rank), per_rank
         assert f"fusedpar rank {per_rank[0]['rank']} " in fp["log"] and ", dp " in fp["log"]  # the exit summary
         # one copy of the projection weights (the base shards: the full weights at SP = P), and vLLM's vocab
         # shards unchanged (no full embedding / lm_head copy: dp_runner.DPVocab)
@@ -245,17 +280,20 @@ def test_dp_and_tp_classes_match_plain_vllm_tp2(models, tmp_path_factory, family
 
 @needs_vllm
 @pytest.mark.deep
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_load_places_requests_by_the_engines_load(models, tmp_path_factory, family):
+@pytest.mark.parametrize("family, section", [("llama", LOAD), ("qwen3", LOAD), ("qwen3", AUTO)],
+                         ids=["llama-load", "qwen3-load", "qwen3-auto"])
+def test_load_places_requests_by_the_engines_load(models, tmp_path_factory, family, section):
     """Policy "load": a batch of 7 requests goes to the DP ranks, the next ones (3, then 1: the load has
-    drained) to the TP/SP class; tokens are the unsharded model's, nothing recomputed."""
-    fp = _engine(models, tmp_path_factory, family, LOAD)
+    drained) to the TP/SP class; tokens are the unsharded model's, nothing recomputed. Policy "auto" places the
+    same batches the same way from its step-time curves (AUTO)."""
+    fp = _engine(models, tmp_path_factory, family, section)
     assert fp["tokens"] == _unsharded_tokens(models[family])
     for batch, cls, per_rank in zip(_prompts(), LOAD_CLASSES, fp["stats"], strict=True):
         other = "tp" if cls == "dp" else "dp"
         served = set().union(*(s[f"{cls}_requests"] for s in per_rank))
         assert len(served) == len(batch) and all(s[f"{other}_steps"] == 0 for s in per_rank), (cls, per_rank)
         assert all(s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+        _check_switches(per_rank)  # each batch runs in one class: no switch
     assert fp["stats"][2][0]["base_steps"] > 0  # the TP/SP class's 45-token prompt: base steps above 8 tokens
     assert fp["stats"][1][0]["tp_tokens"] == sum(map(len, _prompts()[1])) + 3 * (MAX_TOKENS - 1)
 
@@ -269,6 +307,18 @@ def test_dp_and_tp_classes_with_the_engine_core_in_its_own_process(models, tmp_p
     first = fp["stats"][0]
     assert all(s["tp_steps"] > 0 and s["recomputed_tokens"] == 0 for s in first), first
     assert sum(s["dp_steps"] > 0 for s in first) == 2, first
+
+
+def _check_switches(per_rank) -> None:
+    """Every rank counts every step's mode, so the ranks agree on the switches. While both classes have requests the
+    steps alternate, so a batch with D DP steps (at least the most any rank ran) and T TP steps switches at least
+    min(D, T) and at most 2 T times; a batch of one class never switches. No request changes class: no KV moved."""
+    switches = {s["switches"] for s in per_rank}
+    assert len(switches) == 1, per_rank
+    dp, tp = max(s["dp_steps"] for s in per_rank), per_rank[0]["tp_steps"]
+    n = switches.pop()
+    assert min(dp, tp) <= n <= 2 * tp and (n == 0 or (dp > 0 and tp > 0)), per_rank
+    assert all(s["kv_bytes_moved"] == 0 for s in per_rank), per_rank
 
 
 def _class_tokens(batch, priorities, tp: bool) -> int:
@@ -301,7 +351,81 @@ def test_dp_and_tp_classes_side_by_side(models, tmp_path_factory, family):
             assert s["base_steps"] > 0 and s["shift_steps"] > 0, s
         # both classes take steps while both have requests; the batch of the TP/SP class alone takes no DP step
         assert (max(s["dp_steps"] for s in per_rank) > 0) == (n_tp < len(batch)), per_rank
+        _check_switches(per_rank)
     assert ", tp class " in fp["log"] and " 0 recomputed" in fp["log"]  # the exit summary
+
+
+# placement by size: a KV cache of 20 TP blocks of 32 tokens on each rank, so with a TP/SP class each DP pool has
+# 5 DP blocks (4 beside vLLM's null block: 128 tokens) and the TP pool 10 TP blocks (9: 288 tokens); the
+# 150-token prompt with its 10 new tokens (160) outgrows a DP pool, the others fit. All are sent at a DP
+# priority (1 > tp_priority 0), so only its size puts the long one in the TP/SP class.
+SMALL_KV = {"block_size": 32, "num_gpu_blocks_override": 20}
+SIZE_LENGTHS = ((5, 150, 20, 30),)
+SIZE_PRIORITIES = [[1, 1, 1, 1]]
+
+
+@needs_vllm
+def test_a_prompt_outgrowing_a_dp_pool_runs_in_the_tp_class(models, tmp_path_factory):
+    from fusedpar.integrations.vllm.dp_kv import KVSplit, outgrows_dp_pool
+
+    split = KVSplit.of(SMALL_KV["num_gpu_blocks_override"], 2, tp_class=True)
+    assert [outgrows_dp_pool(split, 32, "r", n, MAX_TOKENS, 256) for n in SIZE_LENGTHS[0]] == [False, True, False,
+                                                                                             False]
+    fp = _engine(models, tmp_path_factory, "qwen3", MIXED, priorities=SIZE_PRIORITIES, lengths=SIZE_LENGTHS,
+                 engine_args=SMALL_KV)
+    assert fp["tokens"] == _unsharded_tokens(models["qwen3"], SIZE_LENGTHS)
+    per_rank = fp["stats"][0]
+    tp_sets = [set(s["tp_requests"]) for s in per_rank]
+    dp_sets = [set(s["dp_requests"]) for s in per_rank]
+    assert tp_sets[0] == tp_sets[1] and len(tp_sets[0]) == 1, tp_sets
+    assert not dp_sets[0] & dp_sets[1] and len(dp_sets[0] | dp_sets[1]) == 3, dp_sets
+    # the long prompt's every token in the TP/SP class (base steps for its chunks), the rest on DP ranks
+    assert all(s["tp_tokens"] == 150 + MAX_TOKENS - 1 and s["base_steps"] > 0 for s in per_rank), per_rank
+    assert sum(s["dp_tokens"] for s in per_rank) == 5 + 20 + 30 + 3 * (MAX_TOKENS - 1), per_rank
+    assert all(s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+    _check_switches(per_rank)
+    assert per_rank[0]["switches"] > 0, per_rank
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_policy_dp_refuses_a_prompt_outgrowing_a_dp_pool_at_admission(models, tmp_path_factory):
+    """Policy "dp" has no TP/SP class: a prompt whose KV outgrows a DP pool (10 TP blocks of 32 tokens per rank:
+    5 DP blocks, 128 tokens) is refused when the engine admits it, naming the request, its need and the pool's
+    capacity; the engine serves the next batch."""
+    lengths = ((5, 20), (7, 150), (30, 6))
+    fp = _engine(models, tmp_path_factory, "qwen3", DP, lengths=lengths,
+                 engine_args={**SMALL_KV, "num_gpu_blocks_override": 10}, record_errors=True)
+    assert fp["errors"][0] is None and fp["errors"][2] is None, fp["errors"]
+    msg = fp["errors"][1]
+    for needle in ("KVTooLargeError", "needs KV for 160 tokens (prompt 150 + max_tokens 10", "= 5 blocks of 32 tokens",
+                   "one DP pool holds 4 blocks (128 tokens)", 'policy "dp" has no TP/SP class'):
+        assert needle in msg, msg
+    ref = _unsharded_tokens(models["qwen3"], lengths)
+    assert (fp["tokens"][0], fp["tokens"][2]) == (ref[0], ref[2])
+
+
+@needs_vllm
+@pytest.mark.deep
+@pytest.mark.parametrize("when", ["between", "during"])
+def test_a_killed_worker_gives_a_bounded_error_naming_it(models, tmp_path_factory, when):
+    """Worker 1 of a "dp" engine killed (SIGKILL) between two generate calls or in the middle of one: generate
+    raises WorkerDiedError naming its rank and pid well within a minute, although vLLM would first wait up to
+    VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (60 s in the harness) for the other worker to exit."""
+    work = tmp_path_factory.mktemp("dp_kill")
+    spec = {"model": models["qwen3"], "tensor_parallel_size": 2, "fusedpar": DP, "rank": 1, "when": when,
+            "delay": 3.0, "limit": 120, "max_tokens": 200,
+            "engine_args": {k: v for k, v in CHUNKED.items() if k != "enable_chunked_prefill"},
+            "prompts": _prompts(lengths=((5, 3, 7, 2),))[0]}
+    (work / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_kill", str(work / "spec.json"),
+                           str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert (work / "out.json").exists(), (proc.stdout + proc.stderr)[-8000:]
+    out = json.loads((work / "out.json").read_text())
+    assert out["error"] is not None, out
+    for needle in ("WorkerDiedError", f"worker rank 1 (VllmWorker-1, pid {out['killed_pid']}, exit code -9) died"):
+        assert needle in out["error"], out
+    assert out["seconds_to_error"] < 60, out
 
 
 _BUILD_CONFIG = """
@@ -519,8 +643,16 @@ def test_admission_and_alternation():
     assert [a.place(p) for p in (5, -1, 0, 1, 1, 0)] == [0, TP_CLASS, TP_CLASS, 1, 0, TP_CLASS]
     no_tp = Admission(2)  # policy "dp": every request on the DP ranks in turn
     assert [no_tp.place(p) for p in (-9, 0, 9)] == [0, 1, 0]
-    from fusedpar.integrations.vllm.dp_scheduler import LoadAdmission
+    from fusedpar.integrations.vllm.dp_scheduler import AutoAdmission, LoadAdmission
 
+    cfg = parse_additional_config({"fusedpar": AUTO})
+    auto = AutoAdmission(2, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget=32)
+    placed = []
+    for running, waiting, prefill in ((0, 7, 136), (7, 0, 0), (0, 3, 58), (0, 1, 45), (3, 12, 400)):
+        auto.observe(running, waiting, prefill)
+        placed.append(auto.place(priority=0))
+    # the estimates of AUTO's comment: DP from 95 waiting prompt tokens on; a step with nothing waiting keeps it
+    assert placed == [0, 1, TP_CLASS, TP_CLASS, 0], placed
     load = LoadAdmission(2, low=1, high=4)  # starts in the TP/SP class
     placed = []
     for running, waiting in ((0, 1), (1, 7), (7, 0), (3, 0), (1, 0), (0, 3)):
@@ -541,12 +673,103 @@ def test_class_ledger_counts_steps_per_class_and_tokens_recomputed():
     led.record("tp", {"a": 30}, {"a": 0}, ())
     led.record("dp", {"b": 8, "c": 5}, {"b": 0, "c": 0}, ())
     led.record("dp", {}, {}, ())  # a DP step without requests of this rank
+    led.record("dp", {}, {}, (), engine_step=False)  # a step without tokens on any rank: no mode
     led.record("tp", {"a": 1}, {"a": 30}, ())
     assert led.stats() == {"dp_steps": 1, "dp_tokens": 13, "dp_requests": ["b", "c"], "tp_steps": 2,
-                           "tp_tokens": 31, "tp_requests": ["a"], "recomputed_tokens": 0}
+                           "tp_tokens": 31, "tp_requests": ["a"], "switches": 2, "kv_bytes_moved": 0,
+                           "recomputed_tokens": 0}
     led.record("dp", {"b": 8}, {"b": 0}, ())  # b computed again from 0: a preemption by recompute
     led.record("tp", {"a": 4}, {"a": 0}, {"a"})  # a finished; a new request with its id starts over
     assert led.stats()["recomputed_tokens"] == 8
-    assert "8 recomputed" in led.summary()
+    assert "8 recomputed" in led.summary() and "4 switches" in led.summary()
     led.reset()
-    assert led.stats()["recomputed_tokens"] == 0 and led.stats()["tp_steps"] == 0
+    assert led.stats()["recomputed_tokens"] == 0 and led.stats()["tp_steps"] == 0 and led.stats()["switches"] == 0
+    led.record("dp", {"d": 1}, {"d": 0}, ())  # the first step after a reset is no switch
+    assert led.stats()["switches"] == 0
+
+
+def test_kv_need_places_a_request_in_the_tp_class_or_refuses_it_by_every_pool():
+    from fusedpar.integrations.vllm.dp_kv import KVSplit, KVTooLargeError, outgrows_dp_pool
+
+    mixed = KVSplit.of(20, 2, tp_class=True)  # DP pools: 5 blocks (4 usable); TP pool: 10 (9 usable)
+    assert not outgrows_dp_pool(mixed, 32, "a", 100, 28, 256)  # 128 tokens: 4 blocks
+    assert outgrows_dp_pool(mixed, 32, "b", 100, 29, 256)  # 129 tokens: 5 blocks
+    assert outgrows_dp_pool(mixed, 32, "c", 250, 100, 256)  # at most max_model_len: 8 blocks fit the TP pool
+    with pytest.raises(KVTooLargeError) as e:
+        outgrows_dp_pool(mixed, 16, "d", 250, 100, 1024)  # 350 tokens, 22 blocks of 16
+    msg = str(e.value)
+    for needle in ("request 'd' needs KV for 350 tokens (prompt 250 + max_tokens 100, at most max_model_len=1024) = "
+                   "22 blocks of 16 tokens", "one DP pool holds 4 blocks (64 tokens)",
+                   "the TP/SP class's pool 9 blocks (144 tokens)", "more KV cache or lower max_tokens"):
+        assert needle in msg, msg
+    dp_only = KVSplit.of(10, 2, tp_class=False)  # DP pools: 5 blocks (4 usable), no TP pool
+    assert not outgrows_dp_pool(dp_only, 32, "e", 118, 10, 256)
+    with pytest.raises(KVTooLargeError, match=r"request 'f' needs KV for 129 tokens .* one DP pool holds 4 blocks "
+                                              r"\(128 tokens\); policy \"dp\" has no TP/SP class"):
+        outgrows_dp_pool(dp_only, 32, "f", 119, 10, 256)
+
+
+def test_requests_are_checked_where_they_enter_the_engine():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from fusedpar.integrations.vllm import register
+    from fusedpar.integrations.vllm.dp_engine import check_request_kv
+    from fusedpar.integrations.vllm.dp_kv import KVTooLargeError
+
+    register()
+    assert InputProcessor.process_inputs._fusedpar_checks
+
+    def config(section, blocks):
+        return NS(additional_config={"fusedpar": section}, cache_config=NS(num_gpu_blocks=blocks, block_size=32),
+                  parallel_config=NS(tensor_parallel_size=2), model_config=NS(max_model_len=256))
+
+    def request(n):
+        return NS(request_id="long", prompt_token_ids=[1] * n, sampling_params=NS(max_tokens=MAX_TOKENS))
+
+    check_request_kv(config(DP, 10), request(118))  # 128 tokens: the 4 blocks of a DP pool
+    with pytest.raises(KVTooLargeError, match=r"request 'long' needs KV for 160 tokens \(prompt 150"):
+        check_request_kv(config(DP, 10), request(150))
+    check_request_kv(config(MIXED, 20), request(150))  # the TP/SP class's pool holds it
+    check_request_kv(config(DP, None), request(150))  # the block count not known yet: the scheduler checks it
+    check_request_kv(config({"sequence_parallel_size": 2}, 10), request(150))  # no DP layout
+
+
+@needs_vllm
+def test_executor_names_a_dead_worker():
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_executor import DPExecutor, WorkerDiedError, dead_workers
+
+    def handle(alive: bool, pid: int, exitcode):
+        return NS(proc=NS(name=f"VllmWorker-{pid}", pid=pid, exitcode=exitcode, sentinel=pid,
+                          is_alive=lambda: alive, join=lambda timeout=None: None))
+
+    handles = [handle(True, 10, None), handle(False, 11, -9), handle(False, 12, -15)]
+    assert [str(d) for d in dead_workers(handles, sentinels=[11])] == ["rank 1 (VllmWorker-11, pid 11, exit code -9)"]
+    # a ready sentinel is an ended process, even one its is_alive() has not reaped yet
+    assert [d.rank for d in dead_workers(handles, sentinels=[10])] == [0]
+    assert [d.rank for d in dead_workers(handles)] == [1, 2]
+    ex = DPExecutor.__new__(DPExecutor)  # the attributes failure() reads, no engine
+    ex.workers = handles[:1]
+    cancelled = RuntimeError("cancelled")
+    assert ex.failure("execute_model", cancelled) is cancelled  # every worker alive: vLLM's own error
+    ex.dead = tuple(dead_workers(handles, sentinels=[11]))
+    err = ex.failure("execute_model", cancelled)
+    assert isinstance(err, WorkerDiedError)
+    assert str(err).startswith("fusedpar: worker rank 1 (VllmWorker-11, pid 11, exit code -9) died; execute_model "
+                               "cannot complete"), str(err)
+    # a pending result of vLLM's (a TP step's) fails with the same error, and says whether it is done as vLLM's does
+    from concurrent.futures import Future
+
+    from fusedpar.integrations.vllm.dp_executor import _NamedFailure
+
+    inner = Future()
+    pending = _NamedFailure(inner, ex, "execute_model")
+    assert not pending.done()
+    inner.set_exception(cancelled)
+    assert pending.done()
+    with pytest.raises(WorkerDiedError, match="worker rank 1"):
+        pending.result()

@@ -5,9 +5,11 @@
 SPEC: {"model": dir, "tensor_parallel_size": 2, "fusedpar": {...} or null, "max_tokens": 8,
        "batches": [[[token ids], ...], ...], "dtype": "float32", "logprobs": false,
        "priorities": [[vLLM priority per prompt] per batch] (optional; needs scheduling_policy "priority"),
-       "engine_args": {more LLM(...) keywords}}
+       "engine_args": {more LLM(...) keywords}, "record_errors": false}
 OUT:  {"tokens": [[[generated ids] per prompt] per batch], "logprobs": [same shape: the chosen
-       tokens' logprobs] or null, "stats": [per batch: fusedpar.stats(llm) or null], "seconds": {...}}
+       tokens' logprobs] or null, "stats": [per batch: fusedpar.stats(llm) or null], "seconds": {...},
+       "errors": [per batch: null, or the error its generate raised (with record_errors; its tokens are
+       null); without record_errors such an error ends the run]}
 
 test_vllm.py (the CPU build) and test_vllm_gpu.py run each engine in its own process (vLLM's
 workers keep process-wide state: one engine per process keeps the cases independent). Greedy
@@ -52,14 +54,25 @@ def run(spec: dict) -> dict:
     want_logprobs = spec.get("logprobs", False)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True,
                             detokenize=False, logprobs=1 if want_logprobs else None)
-    tokens, logprobs, stats = [], [], []
+    tokens, logprobs, stats, errors = [], [], [], []
     priorities = spec.get("priorities") or [None] * len(spec["batches"])
     for batch, priority in zip(spec["batches"], priorities, strict=True):
         if spec.get("fusedpar") is not None:
             from fusedpar.integrations.vllm import reset_stats
 
             reset_stats(llm)
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False, priority=priority)
+        try:
+            outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False,
+                                priority=priority)
+        except Exception as e:
+            if not spec.get("record_errors"):
+                raise
+            errors.append(f"{type(e).__name__}: {e}")
+            tokens.append(None)
+            logprobs.append(None)
+            stats.append(None)
+            continue
+        errors.append(None)
         tokens.append([list(o.outputs[0].token_ids) for o in outs])
         if want_logprobs:
             logprobs.append([[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
@@ -73,7 +86,7 @@ def run(spec: dict) -> dict:
     t2 = time.perf_counter()
     # the workers log fusedpar's summary line as they exit; this waits for them
     llm.llm_engine.engine_core.shutdown()
-    return {"tokens": tokens, "logprobs": logprobs if want_logprobs else None, "stats": stats,
+    return {"tokens": tokens, "logprobs": logprobs if want_logprobs else None, "stats": stats, "errors": errors,
             "seconds": {"startup": t1 - t0, "generate": t2 - t1}}
 
 

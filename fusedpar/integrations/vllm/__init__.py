@@ -69,6 +69,7 @@ def register() -> None:
 
     register_layers()
     _check_configs_where_built()
+    _check_requests_where_added()
     _registered = True
 
 
@@ -110,6 +111,33 @@ def _check_configs_where_built() -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
+def _check_requests_where_added() -> None:
+    """Refuse, where a request enters the engine (vLLM's InputProcessor.process_inputs, in the caller of
+    `LLM.generate` or the API server), a request that no KV pool of an engine with a DP layout can ever hold
+    (dp_engine.check_request_kv): the caller gets the error and the engine core never sees the request. An
+    error raised by the engine core while it adds a request would end an engine core running in a process of
+    its own. Engines without a DP layout are not affected; a vLLM without this input processor runs no DP
+    layout (dp_engine.dp_engine_problems refuses its version)."""
+    try:
+        from vllm.v1.engine.input_processor import InputProcessor
+    except ImportError:
+        return
+    original = getattr(InputProcessor, "process_inputs", None)
+    if original is None or getattr(original, "_fusedpar_checks", False):
+        return
+
+    @functools.wraps(original)
+    def process_inputs(self, *args, **kwargs):
+        request = original(self, *args, **kwargs)
+        from .dp_engine import check_request_kv
+
+        check_request_kv(self.vllm_config, request)
+        return request
+
+    process_inputs._fusedpar_checks = True
+    InputProcessor.process_inputs = process_inputs
+
+
 def stats(llm) -> list[dict]:
     """Per-worker counters of a `vllm.LLM` running fusedpar, in worker (TP rank) order.
 
@@ -118,9 +146,11 @@ def stats(llm) -> list[dict]:
     (rank, sequence_parallel_size, base_tensor_parallel_size, tensor_parallel_size,
     shift_threshold, fused_kernels). Only real model steps count (not vLLM's profile or warm-up
     runs); steps replayed as full CUDA graphs run no Python and are not counted. With a DP layout
-    (policies "dp", "priority", "load") also dp_steps / dp_tokens / dp_requests (this rank's own DP
-    requests), tp_steps / tp_tokens / tp_requests (the TP/SP class, the same on every rank) and
-    recomputed_tokens (tokens a step computed again that an earlier step had computed: 0).
+    (policies "dp", "priority", "load", "auto") also dp_steps / dp_tokens / dp_requests (this rank's own DP
+    requests), tp_steps / tp_tokens / tp_requests (the TP/SP class, the same on every rank), switches
+    (steps whose mode, DP or TP, differs from the previous step's: the same on every rank), kv_bytes_moved
+    (KV bytes moved between classes: 0, a request keeps its class) and recomputed_tokens (tokens a step
+    computed again that an earlier step had computed: 0).
     """
     return _rpc(llm, "fusedpar_stats")
 

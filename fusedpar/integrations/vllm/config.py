@@ -9,6 +9,7 @@ ValueError) whose message names each constraint and its numbers.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 
@@ -16,16 +17,19 @@ from fusedpar.layouts import ModelDims, ParallelLayout
 
 CONFIG_KEY = "fusedpar"
 KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels", "layouts", "policy", "tp_priority",
-              "load_low", "load_high")
+              "load_low", "load_high", "step_times", "latency_goal_s", "decode_steps")
 # policy: how a step picks its layout. "threshold": base / shift by token count (the default); "dp": every
 # step of the workload is a DP step over the one "dp{P}" layout; "priority": two classes side by side, the
 # requests whose vLLM priority value is at most tp_priority in the TP/SP class (base / shift steps), the
 # others in the "dp{P}" layout's DP steps; "load": the same two classes, each new request placed by the
 # engine's load when it is first scheduled (DP while running + waiting requests are many, TP/SP when they are
-# few, with hysteresis between load_low and load_high) (docs/vllm-resharding.md).
-POLICIES = ("threshold", "dp", "priority", "load")
-DP_POLICIES = ("dp", "priority", "load")  # the policies that run DP steps over a "dp{P}" layout
-TP_CLASS_POLICIES = ("priority", "load")  # the policies with a TP/SP class beside the DP ranks
+# few, with hysteresis between load_low and load_high); "auto": the same two classes, each new request placed
+# in the class fusedpar.layers.layout_policy.AutoPolicy answers from the step-time curves in step_times and the
+# queue (docs/vllm-resharding.md).
+POLICIES = ("threshold", "dp", "priority", "load", "auto")
+DP_POLICIES = ("dp", "priority", "load", "auto")  # the policies that run DP steps over a "dp{P}" layout
+TP_CLASS_POLICIES = ("priority", "load", "auto")  # the policies with a TP/SP class beside the DP ranks
+AUTO_KEYS = ("step_times", "latency_goal_s", "decode_steps")  # policy "auto" only
 _DP_LAYOUT = re.compile(r"^dp(\d+)$")
 MAX_SHIFT_THRESHOLD = 2**31 - 1  # any value >= max_num_batched_tokens already means "always shift"
 FUSED_KERNEL_CHOICES = ("auto", True, False)
@@ -75,13 +79,17 @@ class FusedparVllmConfig:
     policy: "threshold" (base / shift by shift_threshold), "dp" (every step of the workload in the
         "dp{P}" layout; needs sequence_parallel_size = P, whose base shard is the full weight) or
         "priority" (the TP/SP class beside the "dp{P}" layout: see tp_priority) or "load" (the same
-        classes, see load_low / load_high).
+        classes, see load_low / load_high) or "auto" (the same classes, see step_times).
     tp_priority: with policy "priority", the level of vLLM's per-request `priority` (lower value = served
         first, as in vLLM's priority scheduling) at or above which a request runs in the TP/SP class:
         priority value <= tp_priority -> TP/SP class (base / shift steps), else a DP rank. None otherwise.
     load_low, load_high: with policy "load", the hysteresis band of the engine's load (running + waiting
         requests) that places new requests (fusedpar.layers.layout_policy.LoadPolicy): from the TP/SP
         class to DP ranks when the load reaches load_high, back when it falls to load_low. None otherwise.
+    step_times, latency_goal_s, decode_steps: with policy "auto", the step-time curves of the DP layout
+        ("dp{P}") and of the TP/SP class ("tp{P}"): layout name -> ((tokens, seconds), ...) points,
+        tokens strictly increasing; the TTFT goal for waiting requests in seconds; the decode steps each
+        placement looks ahead (fusedpar.layers.layout_policy.AutoPolicy). Empty / None otherwise.
     """
 
     sequence_parallel_size: int
@@ -92,6 +100,9 @@ class FusedparVllmConfig:
     tp_priority: int | None = None
     load_low: int | None = None
     load_high: int | None = None
+    step_times: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    latency_goal_s: float | None = None
+    decode_steps: int = 0
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -102,7 +113,7 @@ class FusedparVllmConfig:
 
     @property
     def dp_size(self) -> int:
-        """D of the "dp{D}" layout DP steps run in (policies "dp", "priority", "load"); 0 when every step runs
+        """D of the "dp{D}" layout DP steps run in (policies "dp", "priority", "load", "auto"); 0 when every step runs
         base / shift."""
         if self.policy not in DP_POLICIES:
             return 0
@@ -175,8 +186,8 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
     elif policy in DP_POLICIES and not layouts:
         problems.append(f'policy "{policy}" needs a DP layout in layouts (e.g. "layouts": ["dp2"])')
     elif policy not in DP_POLICIES and layouts:
-        problems.append(f"layouts {layouts} need policy \"dp\", \"priority\" or \"load\" (policy {policy!r} runs base "
-                        "/ shift steps only)")
+        problems.append(f"layouts {layouts} need policy \"dp\", \"priority\", \"load\" or \"auto\" (policy "
+                        f"{policy!r} runs base / shift steps only)")
     tp_priority = section.get("tp_priority")
     if "tp_priority" in section and not _is_int(tp_priority):
         problems.append(f"tp_priority must be an int (vLLM's request priority: requests whose priority value is at "
@@ -199,10 +210,55 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
             problems.append(f"load_low={load['load_low']} must be below load_high={load['load_high']} (the hysteresis "
                             "band: new requests go to DP ranks once the load reaches load_high and to the TP/SP class "
                             "again once it falls to load_low)")
+    step_times = _auto_problems(section, policy, layouts, problems)
     _raise(problems)
     return FusedparVllmConfig(sequence_parallel_size=sp, shift_threshold=threshold, fused_kernels=fused,
                               layouts=tuple(layouts), policy=policy, tp_priority=tp_priority,
-                              load_low=load["load_low"], load_high=load["load_high"], raw=dict(section))
+                              load_low=load["load_low"], load_high=load["load_high"], step_times=step_times,
+                              latency_goal_s=section.get("latency_goal_s"),
+                              decode_steps=section.get("decode_steps", 0), raw=dict(section))
+
+
+def _curve_problem(name: str, points) -> str | None:
+    """What is wrong with one step-time curve of the section (None: nothing)."""
+    if (not isinstance(points, list) or not points
+            or not all(isinstance(p, list | tuple) and len(p) == 2 for p in points)):
+        return f"step_times[{name!r}] must be a list of [tokens, seconds] pairs, got {points!r}"
+    tokens = [n for n, _ in points]
+    if not all(_is_int(n) and n >= 1 for n in tokens) or any(b <= a for a, b in itertools.pairwise(tokens)):
+        return f"step_times[{name!r}] tokens must be strictly increasing ints >= 1, got {tokens}"
+    seconds = [t for _, t in points]
+    if not all(isinstance(t, int | float) and not isinstance(t, bool) and 0 < t < float("inf") for t in seconds):
+        return f"step_times[{name!r}] seconds must be finite numbers > 0, got {seconds}"
+    return None
+
+
+def _auto_problems(section: dict, policy: str, layouts: list, problems: list[str]):
+    """Append what is wrong with the keys of policy "auto" to `problems`; return its step_times as a tuple of
+    (layout name, points) in the order dp{P}, tp{P} (empty when they are wrong or the policy is not "auto")."""
+    given = [k for k in AUTO_KEYS if k in section]
+    if policy != "auto":
+        if given:
+            problems.append(f'{", ".join(given)} need policy "auto", got policy {policy!r}')
+        return ()
+    dp = next((x for x in layouts if _DP_LAYOUT.match(x)), None)
+    goal, steps = section.get("latency_goal_s"), section.get("decode_steps", 0)
+    if not isinstance(goal, int | float) or isinstance(goal, bool) or not 0 < goal < float("inf"):
+        problems.append(f'policy "auto" needs latency_goal_s, a finite number of seconds > 0 (the TTFT goal for '
+                        f"waiting requests), got {goal!r}")
+    if not _is_int(steps) or steps < 0:
+        problems.append(f"decode_steps must be an int >= 0 (decode steps each placement looks ahead), got {steps!r}")
+    curves = section.get("step_times")
+    if dp is None:
+        return ()
+    names = [dp, "tp" + dp[2:]]
+    if not isinstance(curves, dict) or sorted(curves) != sorted(names):
+        problems.append(f'policy "auto" needs step_times with the step-time curves of {names} (layout name -> '
+                        f"[[tokens, seconds], ...]), got {curves!r}")
+        return ()
+    bad = [m for m in (_curve_problem(n, curves[n]) for n in names) if m]
+    problems.extend(bad)
+    return () if bad else tuple((n, tuple((int(a), float(b)) for a, b in curves[n])) for n in names)
 
 
 @dataclass(frozen=True)
@@ -306,7 +362,8 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
 
 
 def dp_problems(cfg: FusedparVllmConfig, info: DeploymentInfo) -> list[str]:
-    """What stops the "dp{D}" layout (policies "dp", "priority", "load") on this engine, each with its numbers."""
+    """What stops the "dp{D}" layout (policies "dp", "priority", "load", "auto") on this engine, each with its
+    numbers."""
     P, sp, D = info.tensor_parallel_size, cfg.sequence_parallel_size, cfg.dp_size
     kv = info.num_key_value_heads
     problems = []

@@ -85,32 +85,56 @@ class RecomputeWatch:
             self.reach[rid] = before + n
 
 
+class ModeSwitches:
+    """The engine's steps whose mode ("dp" or "tp") differs from the previous step's. Every rank sees every step
+    of the engine (a DP step too, whether it has requests of its own or not), so every rank counts the same."""
+
+    def __init__(self):
+        self.last: str | None = None
+        self.switches = 0
+
+    def step(self, mode: str) -> None:
+        if self.last is not None and mode != self.last:
+            self.switches += 1
+        self.last = mode
+
+
 class ClassLedger:
-    """One rank's record of the steps of an engine with a DP layout, per request class (ClassRecord) and the
-    tokens recomputed (RecomputeWatch)."""
+    """One rank's record of the steps of an engine with a DP layout, per request class (ClassRecord), the switches
+    between DP and TP steps (ModeSwitches), the KV bytes moved between classes (none: a request keeps the class
+    it was placed in) and the tokens recomputed (RecomputeWatch)."""
 
     def __init__(self):
         self.reset()
 
-    def record(self, mode: str, request_tokens: dict[str, int], computed: dict[str, int], finished) -> None:
+    def record(self, mode: str, request_tokens: dict[str, int], computed: dict[str, int], finished, *,
+               engine_step: bool = True) -> None:
         """A step in `mode` ("dp" or "tp") that runs `request_tokens` (request id -> scheduled tokens) on this
-        rank, whose requests had `computed` tokens before it; `finished`: request ids vLLM has finished."""
+        rank, whose requests had `computed` tokens before it; `finished`: request ids vLLM has finished;
+        engine_step: whether the engine scheduled any token in the step (on any rank)."""
+        if engine_step:
+            self.modes.step(mode)
         self.classes[mode].step(request_tokens)
         self.recompute.step(request_tokens, computed, finished)
 
     def reset(self) -> None:
         self.classes = {name: ClassRecord(name) for name in ("dp", "tp")}
+        self.modes = ModeSwitches()
+        self.kv_bytes_moved = 0
         self.recompute = RecomputeWatch()
 
     def stats(self) -> dict:
         out = {k: v for record in self.classes.values() for k, v in record.stats().items()}
+        out["switches"] = self.modes.switches
+        out["kv_bytes_moved"] = self.kv_bytes_moved
         out["recomputed_tokens"] = self.recompute.recomputed
         return out
 
     def summary(self) -> str:
         dp, tp = self.classes["dp"], self.classes["tp"]
         return (f", dp {dp.steps} steps / {dp.tokens} tokens / {len(dp.requests)} requests, tp class {tp.steps} "
-                f"steps / {tp.tokens} tokens / {len(tp.requests)} requests, {self.recompute.recomputed} recomputed")
+                f"steps / {tp.tokens} tokens / {len(tp.requests)} requests, {self.modes.switches} switches, "
+                f"{self.kv_bytes_moved} KV bytes moved, {self.recompute.recomputed} recomputed")
 
 
 def snapshot(deployment, model, counter: StepCounter) -> dict:

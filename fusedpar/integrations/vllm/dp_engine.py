@@ -2,7 +2,7 @@
 
 Runs in the process that builds the engine config (`check_engine_config`, from the plugin's
 `EngineArgs.create_engine_config` wrapper), after vLLM's platform resolved the worker class and
-async scheduling. For the policies with DP steps ("dp", "priority", "load") it refuses every engine feature
+async scheduling. For the policies with DP steps ("dp", "priority", "load", "auto") it refuses every engine feature
 this version does not carry through a DP step (one FusedparConfigError naming each), then points
 vLLM at:
 
@@ -11,11 +11,16 @@ vLLM at:
   distributed_executor_backend  dp_executor.DPExecutor    every rank's output of a DP step, merged
 
 as qualified names (strings travel to the engine core and worker processes as they are).
+
+Where requests enter the engine (the caller of `LLM.generate`, the API server: vLLM's
+`InputProcessor.process_inputs`, wrapped by the plugin) `check_request_kv` refuses a request that no
+KV pool of the engine can ever hold, before it reaches the engine core (dp_kv.outgrows_dp_pool).
 """
 
 from __future__ import annotations
 
-from .config import FusedparConfigError, FusedparVllmConfig
+from .config import FusedparConfigError, FusedparVllmConfig, parse_additional_config
+from .dp_kv import KVSplit, outgrows_dp_pool
 
 SCHEDULER = "fusedpar.integrations.vllm.dp_scheduler.DPScheduler"
 WORKER = "fusedpar.integrations.vllm.dp_worker.DPWorker"
@@ -79,3 +84,19 @@ def install_dp_classes(vllm_config, cfg: FusedparVllmConfig) -> None:
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER
     vllm_config.parallel_config.worker_cls = WORKER
     vllm_config.parallel_config.distributed_executor_backend = EXECUTOR
+
+
+def check_request_kv(vllm_config, request) -> None:
+    """KVTooLargeError (a ValueError) naming the request, its KV need and every pool's capacity when the engine's
+    DP layout has no pool that can ever hold the request (vLLM's EngineCoreRequest `request`, as the input
+    processor made it): a request that outgrows one DP pool with policy "dp", or the TP/SP class's pool too.
+    Nothing for an engine without a DP layout, a request without sampling parameters, or before the engine
+    knows its KV block count (the scheduler places and checks every request again: dp_scheduler.py)."""
+    cfg = parse_additional_config(vllm_config.additional_config)
+    blocks = vllm_config.cache_config.num_gpu_blocks
+    params = request.sampling_params
+    if cfg is None or not cfg.dp_size or not blocks or params is None or request.prompt_token_ids is None:
+        return
+    split = KVSplit.of(blocks, vllm_config.parallel_config.tensor_parallel_size, tp_class=cfg.has_tp_class)
+    outgrows_dp_pool(split, vllm_config.cache_config.block_size, request.request_id, len(request.prompt_token_ids),
+                     params.max_tokens or 0, vllm_config.model_config.max_model_len)

@@ -1,4 +1,4 @@
-"""The executor of an engine with a "dp{P}" layout (policies "dp", "priority", "load").
+"""The executor of an engine with a "dp{P}" layout (policies "dp", "priority", "load", "auto").
 
 vLLM's MultiprocExecutor broadcasts each step to all ranks and reads the answer of one
 (`output_rank`), which in TP is everyone's answer. In a DP step every rank answers for its own
@@ -12,11 +12,24 @@ is vLLM's: every rank answers for the same requests, vLLM reads one.
 
 Structured outputs (grammar bitmasks) and logprobs are not merged in this version: a DP step whose
 outputs carry them is an error naming it.
+
+A worker that dies: vLLM's worker monitor (MultiprocExecutor.start_worker_monitor) marks the executor
+failed and shuts it down, which first waits for the other workers to exit (up to
+VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, then SIGTERM and SIGKILL) and only then cancels the output
+queues a waiting call reads; until then the engine waits, and the error it finally gets ("cancelled",
+"Executor failed.") names no worker. `DPExecutor` watches the same process sentinels: the moment a
+worker dies it records which (`DeadWorker`) and cancels the output queues, so a call waiting on them
+(every rank's answer in a DP step, vLLM's one answer in a TP step) or any later call raises
+`WorkerDiedError` naming the dead worker at once; vLLM's monitor still shuts the other workers down.
 """
 
 from __future__ import annotations
 
+import multiprocessing.connection
+import threading
+import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from vllm import envs
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
@@ -54,8 +67,97 @@ def merge_outputs(outputs: list) -> ModelRunnerOutput:
                              num_nans_in_logits=nans or None)
 
 
+@dataclass(frozen=True)
+class DeadWorker:
+    """A worker process that died: its rank, vLLM's name for its process, its pid and exit code (-N: signal N)."""
+
+    rank: int
+    name: str
+    pid: int
+    exitcode: int | None
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} ({self.name}, pid {self.pid}, exit code {self.exitcode})"
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process of the engine died; the message names it (DeadWorker)."""
+
+
+def dead_workers(handles, sentinels=None) -> list[DeadWorker]:
+    """The workers among vLLM's process handles whose process has ended: those whose sentinel is among
+    `sentinels` (ready sentinels: the process has ended, though it may not be reaped yet), else those no longer
+    alive. Each is joined for a second, so that its exit code is known."""
+    if sentinels is not None:
+        ended = [(rank, h) for rank, h in enumerate(handles) if h.proc.sentinel in sentinels]
+    else:
+        ended = [(rank, h) for rank, h in enumerate(handles) if not h.proc.is_alive()]
+    for _, h in ended:
+        h.proc.join(1)
+    return [DeadWorker(rank, h.proc.name, h.proc.pid, h.proc.exitcode) for rank, h in ended]
+
+
+def _watch(executor_ref, handles) -> None:
+    """Wait for the first worker process to end; unless the executor is being shut down (not for a failure),
+    record the dead ones and cancel the executor's output queues, which wakes any call waiting on them. vLLM's
+    own monitor, woken by the same death, marks the executor failed before it starts shutting it down."""
+    died = multiprocessing.connection.wait([h.proc.sentinel for h in handles])
+    executor = executor_ref()
+    if executor is None or (getattr(executor, "shutting_down", False) and not executor.is_failed):
+        return
+    executor.dead = tuple(dead_workers(handles, died))
+    for mq in list(getattr(executor, "response_mqs", None) or ()):
+        mq.shutdown()
+
+
+class _NamedFailure(Future):
+    """A pending result of vLLM's whose failure is raised as the executor's error for it (WorkerDiedError once a
+    worker died)."""
+
+    def __init__(self, inner: Future, executor: DPExecutor, method: str):
+        super().__init__()
+        self._inner, self._executor, self._method = inner, executor, method
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def result(self, timeout=None):
+        try:
+            return self._inner.result(timeout)
+        except Exception as e:
+            raise self._executor.failure(self._method, e) from e
+
+
 class DPExecutor(MultiprocExecutor):
-    """vLLM's MultiprocExecutor that merges every rank's output in a DP step (module docstring)."""
+    """vLLM's MultiprocExecutor that merges every rank's output in a DP step and names a worker that died (module
+    docstring)."""
+
+    dead: tuple[DeadWorker, ...] = ()  # the workers the watcher found dead (set once, by its thread)
+
+    def start_worker_monitor(self, inline=False) -> None:
+        threading.Thread(target=_watch, args=(weakref.ref(self), list(self.workers)), daemon=True,
+                         name="FusedparWorkerWatch").start()
+        super().start_worker_monitor(inline=inline)
+
+    def failure(self, method: str, error: Exception) -> Exception:
+        """The error for `error` raised by a call of `method`: WorkerDiedError naming every dead worker when one
+        died, else `error` itself."""
+        dead = self.dead or dead_workers(getattr(self, "workers", None) or ())
+        if not dead:
+            return error
+        return WorkerDiedError(f"fusedpar: worker {', '.join(map(str, dead))} died; {method} cannot complete and the "
+                               f"engine cannot go on ({type(error).__name__}: {error})")
+
+    def collective_rpc(self, method, *args, non_block: bool = False, **kwargs):
+        name = method if isinstance(method, str) else getattr(method, "__name__", "a collective RPC")
+        try:
+            out = super().collective_rpc(method, *args, non_block=non_block, **kwargs)
+        except Exception as e:
+            failure = self.failure(name, e)
+            if failure is e:
+                raise
+            raise failure from e
+        return _NamedFailure(out, self, name) if non_block else out
 
     def execute_model(self, scheduler_output, non_block: bool = False):
         tag = getattr(scheduler_output, TAG, None)

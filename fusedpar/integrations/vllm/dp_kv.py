@@ -3,7 +3,7 @@
 A DP request needs all kv heads of its tokens on its own rank: P times the bytes of a TP block.
 DP block d of rank r is TP blocks [P d, P d + P) of rank r's buffer (a zero-copy view with all kv
 heads, the same block size in tokens: dp_runner.dp_kv_view). `KVSplit` divides each rank's buffer of
-N TP blocks into disjoint id ranges: with a TP/SP class (policies "priority", "load") the TP pool holds TP
+N TP blocks into disjoint id ranges: with a TP/SP class (policies "priority", "load", "auto") the TP pool holds TP
 blocks [0, T) of every rank and the DP pools DP blocks [T / P, N / P); without one (policy "dp") the
 DP pools hold the whole buffer. `RoutingKVCacheManager` holds one vLLM `KVCacheManager` per DP rank
 (ids [0, N_dp), its own null block 0, DP blocks dp_offset + id of the buffer) and, with the TP/SP
@@ -73,6 +73,38 @@ class KVSplit:
         if problems:
             raise FusedparConfigError("fusedpar cannot run this engine: the DP layout needs " + "; ".join(problems))
         return split
+
+
+class KVTooLargeError(ValueError):
+    """A request whose full KV need no pool of the engine can ever hold, refused when the engine admits it."""
+
+
+def outgrows_dp_pool(split: KVSplit, block_size: int, request_id: str, prompt_tokens: int, max_tokens: int,
+                     max_model_len: int) -> bool:
+    """Whether a request's full KV need (prompt_tokens + max_tokens, at most max_model_len, in blocks of
+    block_size tokens) is more than one DP pool can ever hold (its blocks but vLLM's null block): such a
+    request must be served where the ranks pool their memory, the TP/SP class. KVTooLargeError naming the
+    request, its need and the capacity of every pool when none can hold it (an engine without a TP/SP class,
+    or a TP pool too small as well)."""
+    tokens = min(prompt_tokens + max_tokens, max_model_len)
+    need = -(-tokens // block_size)
+    dp_capacity = split.dp_blocks - 1
+    if need <= dp_capacity:
+        return False
+    tp_capacity = split.tp_blocks - 1 if split.tp_blocks else 0
+    if split.tp_blocks and need <= tp_capacity:
+        return True
+    pools = (f"one DP pool holds {dp_capacity} blocks ({dp_capacity * block_size} tokens)")
+    if split.tp_blocks:
+        pools += f" and the TP/SP class's pool {tp_capacity} blocks ({tp_capacity * block_size} tokens)"
+        fix = "give the engine more KV cache or lower max_tokens"
+    else:
+        pools += "; policy \"dp\" has no TP/SP class to pool the ranks' memory"
+        fix = 'give the engine more KV cache, lower max_tokens, or use policy "priority" or "load"'
+    raise KVTooLargeError(
+        f"fusedpar DP: request {request_id!r} needs KV for {tokens} tokens (prompt {prompt_tokens} + max_tokens "
+        f"{max_tokens}, at most max_model_len={max_model_len}) = {need} blocks of {block_size} tokens, but {pools}; "
+        f"{fix}")
 
 
 class _RoutingCoordinator:

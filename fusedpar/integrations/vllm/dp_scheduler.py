@@ -1,5 +1,5 @@
 """The scheduler of an engine with a "dp{P}" layout: every step a DP step (policy "dp"), or DP steps and
-TP/SP steps side by side (policies "priority" and "load").
+TP/SP steps side by side (policies "priority", "load" and "auto").
 
 `DPScheduler` is vLLM's Scheduler with
   - placement (`Admission`, `LoadAdmission`): a request is placed once and keeps its place for its
@@ -7,8 +7,12 @@ TP/SP steps side by side (policies "priority" and "load").
     at most tp_priority (vLLM serves lower values first) joins the TP/SP class. Policy "load": at the
     start of the first step that finds it waiting, by the engine's load then (running + waiting
     requests, fusedpar.layers.layout_policy.LoadPolicy with its hysteresis band): DP ranks while the
-    load is high, the TP/SP class while it is low. Every other request is a DP request, the i-th DP
-    request placed on rank i % P;
+    load is high, the TP/SP class while it is low. Policy "auto": likewise at the first step that finds it
+    waiting, in the class whose layout fusedpar.layers.layout_policy.AutoPolicy answers from the section's
+    step-time curves and the queue then. Every other request is a DP request, the i-th DP
+    request placed on rank i % P. Whatever the policy, a request whose full KV need (prompt + max_tokens)
+    is more than one DP pool can ever hold joins the TP/SP class when the engine admits it, or, without a
+    TP/SP class (policy "dp"), is refused there (dp_kv.outgrows_dp_pool);
   - KV pools: `kv_cache_manager` is a dp_kv.RoutingKVCacheManager of P DP pools and, with the TP/SP
     class, a TP pool on disjoint block ranges of every rank's buffer (dp_kv.KVSplit), so every
     allocation lands in the pool of the request's class and rank;
@@ -41,11 +45,11 @@ from dataclasses import dataclass, field
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from fusedpar.layers.layout_policy import LoadPolicy, StepFacts
+from fusedpar.layers.layout_policy import AutoPolicy, LoadPolicy, StepFacts
 from fusedpar.layouts import ParallelLayout
 
 from .config import parse_additional_config
-from .dp_kv import TP_CLASS, KVSplit, RoutingKVCacheManager
+from .dp_kv import TP_CLASS, KVSplit, RoutingKVCacheManager, outgrows_dp_pool
 
 TAG = "fusedpar_dp"
 DP_STEP, TP_STEP = "dp", "tp"
@@ -78,8 +82,9 @@ class Admission:
         self.tp_priority = tp_priority
         self._ranks = itertools.cycle(range(size))
 
-    def observe(self, running: int, waiting: int) -> None:
-        """The engine's requests at the start of a step (placement by priority does not read them)."""
+    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0) -> None:
+        """The engine's requests at the start of a step and the prompt tokens its waiting requests have not
+        computed yet (placement by priority does not read them)."""
 
     def place(self, priority: int) -> int:
         if self.tp_priority is not None and priority <= self.tp_priority:
@@ -101,7 +106,7 @@ class LoadAdmission(Admission):
         self.policy = LoadPolicy(self.dp_layout, self.tp_layout, low=low, high=high, initial=self.tp_layout)
         self.current = self.tp_layout
 
-    def observe(self, running: int, waiting: int) -> None:
+    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0) -> None:
         # LoadPolicy reads running and waiting; the step's token count is not known before it is scheduled
         self.current = self.policy.decide(StepFacts(scheduled_tokens=1, running=running, waiting=waiting),
                                           self.current)
@@ -110,10 +115,45 @@ class LoadAdmission(Admission):
         return TP_CLASS if self.current is self.tp_layout else next(self._ranks)
 
 
-def admission_of(cfg, size: int) -> Admission:
-    """The placement rule of the section's policy."""
+class AutoAdmission(Admission):
+    """Where each request is served by step-time curves (policy "auto"): fusedpar's AutoPolicy between the DP
+    layout and the TP/SP layout, fed with the section's curves (layout name -> (tokens, seconds) points) and
+    asked at each step that finds requests waiting, with the queue then: the step's tokens (the running
+    requests' one token each and the waiting prompt tokens, within the engine's token budget), the running
+    and waiting requests and the waiting prompt tokens. The requests first seen waiting at that step join the
+    class it answers. Placement moves nothing, so no switch cost enters the estimates. Starts in the TP/SP
+    class."""
+
+    at_arrival = False
+
+    def __init__(self, size: int, step_times, latency_goal_s: float, decode_steps: int, budget: int):
+        super().__init__(size)
+        self.dp_layout, self.tp_layout = ParallelLayout(size, tp=1), ParallelLayout(size, tp=size)
+        curves = dict(step_times)
+        self.policy = AutoPolicy({self.dp_layout: curves[f"dp{size}"], self.tp_layout: curves[f"tp{size}"]},
+                                 latency_goal_s=latency_goal_s, decode_steps=decode_steps, initial=self.tp_layout)
+        self.budget = budget
+        self.current = self.tp_layout
+
+    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0) -> None:
+        if not waiting:
+            return  # nothing to place
+        tokens = max(1, min(self.budget, running + waiting_prefill_tokens))
+        facts = StepFacts(scheduled_tokens=tokens, running=running, waiting=waiting,
+                          waiting_prefill_tokens=waiting_prefill_tokens)
+        self.current = self.policy.decide(facts, self.current)
+
+    def place(self, priority: int) -> int:
+        return TP_CLASS if self.current is self.tp_layout else next(self._ranks)
+
+
+def admission_of(cfg, size: int, budget: int = 1) -> Admission:
+    """The placement rule of the section's policy; budget: the engine's token budget per step
+    (max_num_batched_tokens), which policy "auto" estimates steps with."""
     if cfg.policy == "load":
         return LoadAdmission(size, cfg.load_low, cfg.load_high)
+    if cfg.policy == "auto":
+        return AutoAdmission(size, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget)
     return Admission(size, cfg.tp_priority if cfg.policy == "priority" else None)
 
 
@@ -146,7 +186,7 @@ class DPScheduler(Scheduler):
         self.dp_size = P
         self.split = KVSplit.of(kv_cache_config.num_blocks, P, tp_class=cfg.has_tp_class)
         self.placement: dict[str, int] = {}
-        self.admission = admission_of(cfg, P)
+        self.admission = admission_of(cfg, P, self.scheduler_config.max_num_batched_tokens)
         self.alternation = Alternation()
         self.step_mode = DP_STEP
         dp_pools = [self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.dp_blocks))
@@ -175,15 +215,21 @@ class DPScheduler(Scheduler):
         )
 
     def add_request(self, request) -> None:
-        if (self.admission.at_arrival and request.request_id not in self.placement
-                and request.request_id not in self.requests):
-            self.placement[request.request_id] = self.admission.place(request.priority)
+        rid = request.request_id
+        if rid not in self.placement and rid not in self.requests:
+            if outgrows_dp_pool(self.split, self.block_size, rid, request.num_prompt_tokens, request.max_tokens,
+                                self.max_model_len):
+                self.placement[rid] = TP_CLASS
+            elif self.admission.at_arrival:
+                self.placement[rid] = self.admission.place(request.priority)
         super().add_request(request)
 
     def _place_waiting(self) -> None:
-        """Place the requests that wait unplaced (policy "load"), by the load at the start of this step."""
+        """Place the requests that wait unplaced (policies "load", "auto"), by the queue at the start of this
+        step."""
         waiting = list(itertools.chain(self.waiting, self.kv_holding_waiting))
-        self.admission.observe(len(self.running), len(waiting))
+        prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in waiting)
+        self.admission.observe(len(self.running), len(waiting), prefill)
         for request in waiting:
             if request.request_id not in self.placement:
                 self.placement[request.request_id] = self.admission.place(request.priority)

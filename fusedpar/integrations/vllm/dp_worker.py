@@ -1,18 +1,19 @@
-"""The worker of an engine with a "dp{P}" layout (policies "dp", "priority", "load").
+"""The worker of an engine with a "dp{P}" layout (policies "dp", "priority", "load", "auto").
 
 `DPWorker` is the platform worker (vLLM's CPUWorker in this version) that
   - after loading the weights sets up the DP step's embedding and logits on vLLM's vocab shards
     (dp_runner.DPVocab: collective in every DP step);
   - per step reads the step's mode from the scheduler's tag (dp_scheduler.DPTag), the same on every
-    rank; a TP step (the TP/SP class's requests, policies "priority", "load") runs as vLLM broadcast
+    rank; a TP step (the TP/SP class's requests, policies "priority", "load", "auto") runs as vLLM broadcast
     it, through the plugin's base / shift path over the TP pool;
   - in a DP step keeps only its own requests of the broadcast SchedulerOutput (`own_output`, from the
     scheduler's tag, dp_scheduler.DPTag) and runs them: vLLM's model runner builds the inputs, the
     slot mapping and the attention metadata from its own requests' DP block ids, and the model's
     forward is the DP runner's (announced to the plugin's worker state: `expect_dp_step`);
   - zeroes the DP blocks vLLM asked for on this rank as the P TP blocks each one is;
-  - records the step for `stats(llm)`: steps, tokens and requests per class, and tokens computed again
-    that an earlier step had computed (counters.ClassLedger).
+  - records the step for `stats(llm)`: steps, tokens and requests per class, switches between DP and TP
+    steps, KV bytes moved, and tokens computed again that an earlier step had computed
+    (counters.ClassLedger).
 The requests of the class a step leaves out stay in vLLM's model runner's cached states (its
 persistent batch drops them for the step and takes them back when they are scheduled again), with
 their block ids and computed tokens.
@@ -108,12 +109,14 @@ class DPWorker(CPUWorker):
         state = self._fp_state()
         if tag.mode == TP_STEP:
             state.classes.record(TP_STEP, scheduler_output.num_scheduled_tokens, computed_tokens(scheduler_output),
-                                 scheduler_output.finished_req_ids)
+                                 scheduler_output.finished_req_ids,
+                                 engine_step=bool(scheduler_output.total_num_scheduled_tokens))
             return super().execute_model(scheduler_output)
         from vllm.distributed import get_tensor_model_parallel_rank
 
         own = own_output(scheduler_output, tag, get_tensor_model_parallel_rank())
-        state.classes.record(tag.mode, own.num_scheduled_tokens, computed_tokens(own), own.finished_req_ids)
+        state.classes.record(tag.mode, own.num_scheduled_tokens, computed_tokens(own), own.finished_req_ids,
+                             engine_step=bool(scheduler_output.total_num_scheduled_tokens))
         if own.total_num_scheduled_tokens:
             state.expect_dp_step()
         elif scheduler_output.total_num_scheduled_tokens:  # the other ranks' embedding and logits need this one

@@ -78,7 +78,7 @@ class WorkerState:
         self.model = ModelHooks(self)
         self.comms = BaseComms(dep, self.model)  # collective: SP / TP / shift / DP groups
         self.step: Step = IDLE
-        # layout "dp{P}" (policies "dp", "priority", "load"): what this rank served per class, and whether the
+        # layout "dp{P}" (policies "dp", "priority", "load", "auto"): what this rank served per class, and whether the
         # next model forward is the DP step the worker announced (dp_worker.DPWorker.execute_model ->
         # expect_dp_step) and the logits call after it is that step's (the last forward was a DP step: its
         # rows' logits, dp_runner.DPVocab)
