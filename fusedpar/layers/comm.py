@@ -12,14 +12,10 @@ Stages (rows = this rank's rows: m = n_pad / SP in base mode, n in shift mode; b
                              group (TP in base, the shift group in shift); act = SwiGLU of the blocked
                              gate_up output when swiglu_block > 0 (fusedpar.kernels.swiglu), else x.
   fuses_residual(rows, w, mode)  whether o_proj adds the residual inside a fused reduce (free).
-  column_parallel(h, w, bias, swiglu_block)  h @ w^T (+ bias) on this rank's rows, no collective;
-                             SwiGLU'd when swiglu_block > 0 (the MLP's gate_up).
 
 PlainComm: F.linear (FP8Weight.linear for FP8 weights) + fusedpar.collectives; any device and backend (gloo on
 CPU, NCCL on CUDA).
-FusedComm: symmetric-memory workspaces (CUDA) + the fused Triton kernels; decode-size GEMMs (at most
-fusedpar.kernels.gemv.MAX_M rows) without a collective on the weight-streaming decode GEMM, the
-gate_up's SwiGLU in its epilogue. Each stage checks
+FusedComm: symmetric-memory workspaces (CUDA) + the fused Triton kernels. Each stage checks
 whether it can take the step (a workspace, a group of more than one rank) and otherwise runs its
 PlainComm's; the kernels route by size themselves. `should_use(x)` says whether a communicator can
 take hidden states x at all; `select` returns the first of several that can (callers list them
@@ -101,11 +97,6 @@ class PlainComm:
         else:
             y = all_reduce_sum(linear(act, w), group)
         return y if residual is None else residual + y
-
-    def column_parallel(self, h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                        swiglu_block: int = 0) -> torch.Tensor:
-        y = linear(h, w, bias)
-        return self.swiglu(y, swiglu_block) if swiglu_block else y
 
     @staticmethod
     def swiglu(gate_up: torch.Tensor, block: int) -> torch.Tensor:
@@ -214,9 +205,7 @@ class FusedComm:
     def qkv(self, h: torch.Tensor, w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         """As PlainComm.qkv. After the exchange every row holds this rank's own block, so the bias
         added is that block of `bias` (out of place: the rows may be a view of the receive buffer)."""
-        if not self._exchanges(mode):  # no all-to-all: the rank's own rows
-            return self.column_parallel(h, w, bias)
-        if self.qkv_ws is None:
+        if self.qkv_ws is None or not self._exchanges(mode):
             return self.plain.qkv(h, w, mode, bias)
         from fusedpar.kernels.ulysses import qkv_all_to_all
 
@@ -254,10 +243,7 @@ class FusedComm:
     def row_parallel(self, x: torch.Tensor, w: torch.Tensor, mode: str, *, residual: torch.Tensor | None = None,
                      swiglu_block: int = 0) -> torch.Tensor:
         ws = self.gemm_ar_ws[mode]
-        if ws is None and self.ctx.attention_group(mode).size == 1:  # no reduce: the rank's own GEMM
-            y = self.column_parallel(self.plain.swiglu(x, swiglu_block) if swiglu_block else x, w)
-            return y if residual is None else residual + y
-        if ws is None:
+        if ws is None:  # a group of one
             return self.plain.row_parallel(x, w, mode, residual=residual, swiglu_block=swiglu_block)
         from fusedpar.kernels.gemm_all_reduce import gemm_all_reduce
 
@@ -265,19 +251,6 @@ class FusedComm:
         # slower than this + the kernel (fusedpar.kernels.gemm_all_reduce docstring).
         act = self.plain.swiglu(x, swiglu_block) if swiglu_block else x
         return gemm_all_reduce(act, w, self.ctx.attention_group(mode), ws, residual=residual)
-
-    def column_parallel(self, h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                        swiglu_block: int = 0) -> torch.Tensor:
-        """As PlainComm.column_parallel; decode-size steps on the weight-streaming GEMM (SwiGLU in its
-        epilogue), larger ones on cuBLAS."""
-        from fusedpar.kernels.gemv import skinny_matmul, takes
-
-        if not takes(h, w):
-            return self.plain.column_parallel(h, w, bias, swiglu_block)
-        if bias is not None and swiglu_block:
-            raise ValueError("column_parallel: a bias before the SwiGLU epilogue is not supported")
-        y = skinny_matmul(h, w, swiglu_block=swiglu_block)
-        return y if bias is None else y + bias
 
     def fuses_residual(self, rows: int, w: torch.Tensor, mode: str) -> bool:
         """Whether row_parallel (o_proj outside base mode) adds the residual inside a fused reduce

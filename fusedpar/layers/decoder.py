@@ -175,9 +175,8 @@ class ShiftParallelDecoderLayer(nn.Module):
                 h = _norm(x, rep["post_norm"], cfg.rms_norm_eps)
             else:  # residual add + post-attention norm in one pass (attention zero-fills padding rows)
                 x, h = _add_norm(x, comm.o_proj(attn, w["o"], mode), rep["post_norm"], cfg.rms_norm_eps)
-        # SwiGLU of the [gate | up] blocks rides on the gate_up GEMM, the residual add on the down projection
-        act = comm.column_parallel(h, w["gate_up"], swiglu_block=self.act_block)
-        return comm.row_parallel(act, w["down"], mode, residual=x)
+        # SwiGLU of the [gate | up] blocks and the residual add ride on the down projection
+        return comm.row_parallel(linear(h, w["gate_up"]), w["down"], mode, residual=x, swiglu_block=self.act_block)
 
     def _fused_attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache, scatter=None
                          ) -> torch.Tensor | None:

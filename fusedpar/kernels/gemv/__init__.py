@@ -31,17 +31,7 @@ import torch
 from fusedpar.kernels.gemv import ops as _ops  # noqa: F401  (registers torch.ops.fusedpar.skinny_matmul*)
 from fusedpar.kernels.gemv.config import GPU_TABLE, MAX_M, SkinnyConfig, choose_programs, pick_config
 
-__all__ = ["GPU_TABLE", "MAX_M", "SkinnyConfig", "choose_programs", "pick_config", "skinny_matmul", "takes"]
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def takes(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a decode step's a @ w^T runs here rather than on cuBLAS: CUDA, 1 to MAX_M rows, one
-    half-precision dtype (fp32 stays on the exact path), plain 2-D weights. Shapes only, so every rank
-    decides alike."""
-    return (a.is_cuda and a.dim() == 2 and 1 <= a.shape[0] <= MAX_M and isinstance(w, torch.Tensor)
-            and w.dim() == 2 and a.dtype in _HALF and w.dtype == a.dtype and w.device == a.device)
+__all__ = ["GPU_TABLE", "MAX_M", "SkinnyConfig", "choose_programs", "pick_config", "skinny_matmul"]
 
 
 def skinny_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
