@@ -56,12 +56,18 @@ class FP8Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] @ weight^T (+ bias), x quantised per token and group of tile[1] input columns (per
-        token where a tile spans K), in x.dtype. On CUDA the FP8 kernels (fusedpar.kernels.fp8:
-        quantisation and the e4m3 GEMM in one op) where they take the operands; elsewhere, and for tiles
-        they do not take (a scale per input column), the reference math (reference_linear)."""
-        if x.is_cuda and kernel_takes(x, self.q, self.tile, self.tile[1]):
-            return fp8_matmul_tiles(x, self.q, self.scale, self.tile, self.tile[1], bias)
+        token where a tile spans K), in x.dtype: the reference math (fusedpar.kernels.fp8.reference) on
+        every device. `kernel_linear` is the same product on the FP8 Triton kernels; the layers take it
+        once its GPU tests have passed on a GPU."""
         return self.reference_linear(x, bias)
+
+    def kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """linear on the FP8 kernels (fusedpar.kernels.fp8: quantisation and the e4m3 GEMM in one op), for
+        the tiles they take (kernel_takes; not a scale per input column: ValueError)."""
+        if not kernel_takes(x, self.q, self.tile, self.tile[1]):
+            raise ValueError(f"FP8Weight.kernel_linear: the FP8 kernels do not take {tuple(x.shape)} inputs with "
+                             f"{self.tile} weight tiles")
+        return fp8_matmul_tiles(x, self.q, self.scale, self.tile, self.tile[1], bias)
 
     def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """linear in the plain-PyTorch reference (fusedpar.kernels.fp8.reference): the CPU path and the

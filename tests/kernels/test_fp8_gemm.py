@@ -188,6 +188,20 @@ def test_fp8_matmul_is_the_reference_linear(m, n, k, dtype, scheme):
     assert_close(y, fp8.fp8_linear(x, qw, sw, scheme, bias), dtype=dtype, name="vs fp8_linear")
 
 
+@pytest.mark.parametrize("kind", ["rows", "columns"])
+def test_kernel_linear_of_shard_views(kind):
+    """FP8Weight.kernel_linear of a block-scaled weight's shard view (its scales with it) against the
+    reference path; a scale per input column is refused by name."""
+    gen = torch.Generator().manual_seed(5)
+    base = FP8Weight.quantize(_randn((96, 128), gen), FP8Scheme("block", (32, 32)))
+    w = base.narrow(0, 32, 64) if kind == "rows" else base.narrow(1, 64, 64)
+    x = _activations(9, w.shape[1], gen, torch.float32)
+    bias = _randn((w.shape[0],), gen)
+    assert_close(w.kernel_linear(x, bias), w.reference_linear(x, bias), dtype=torch.float32, name=kind)
+    with pytest.raises(ValueError, match="kernel_linear: the FP8 kernels do not take"):
+        w.unit_tiles(1).kernel_linear(x)
+
+
 @pytest.mark.parametrize("config", [(16, 32, 16, 1), (32, 16, 64, 3), (64, 64, 32, 8)])
 @pytest.mark.parametrize("scheme", SCHEMES[1:], ids=IDS[1:])
 def test_other_tilings(scheme, config):
@@ -496,8 +510,8 @@ def test_gpu_tp4_shapes(m, n, k, scheme):
 @pytest.mark.parametrize("kind", ["row_view", "col_view"])
 @pytest.mark.parametrize("m", (1, 200, 1000))
 def test_gpu_shift_views_and_fp8_weight_linear(m, kind, scheme):
-    """Shift-mode views (block 1 of 4 rows / columns of a Llama-70B-sized base) through FP8Weight.linear,
-    which takes the kernel on CUDA, against its reference path."""
+    """Shift-mode views (block 1 of 4 rows / columns of a Llama-70B-sized base) through
+    FP8Weight.kernel_linear against its reference path."""
     n, k = 1280, 8192
     gen = torch.Generator().manual_seed(m)
     if kind == "row_view":
@@ -506,7 +520,7 @@ def test_gpu_shift_views_and_fp8_weight_linear(m, kind, scheme):
         w = FP8Weight.quantize(_randn((n, 4 * k), gen), scheme).narrow(1, k, k)
     x = _activations(m, k, gen, torch.bfloat16)
     bias = _randn((n,), gen, dtype=torch.bfloat16)
-    assert_close(w.linear(x, bias), w.reference_linear(x, bias), dtype=torch.bfloat16, name=kind)
+    assert_close(w.kernel_linear(x, bias), w.reference_linear(x, bias), dtype=torch.bfloat16, name=kind)
 
 
 @pytest.mark.gpu
