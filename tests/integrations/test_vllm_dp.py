@@ -51,6 +51,9 @@ MIXED = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "priority", 
 LOAD = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "load", "load_low": 3, "load_high": 4,
         "shift_threshold": 8}
 LOAD_CLASSES = ("dp", "tp", "tp")
+# policy "load" moving live requests: the first batch's 7 requests start on the DP ranks; once 4 of them have
+# finished the load is at load_low, the TP/SP class is idle, and the ones still decoding move into it with their KV
+MOVE = {**LOAD, "move_to_tp": True}
 # policy "auto" on the same batches, with step-time curves near t = a + b n: the DP layout (a = 0.0645 s, b =
 # 0.0005 s per token) and the TP/SP class (a = 0.001 s, b = 0.0015 s per token). A placement's TTFT estimate is one
 # step of min(32, W) tokens (the budget) and then the W waiting prompt tokens: 2 a + b (32 + W), so DP answers from
@@ -71,6 +74,7 @@ def test_parse_dp_section():
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.tp_priority) == ("priority", 2, True, -3)
     cfg = parse_additional_config({"fusedpar": LOAD})
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.load_low, cfg.load_high) == ("load", 2, True, 3, 4)
+    assert not cfg.move_to_tp and parse_additional_config({"fusedpar": MOVE}).move_to_tp
     cfg = parse_additional_config({"fusedpar": {**AUTO, "decode_steps": 4}})
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.latency_goal_s, cfg.decode_steps) == ("auto", 2, True,
                                                                                                 10.0, 4)
@@ -117,6 +121,8 @@ def test_parse_dp_section():
     ({**AUTO, "step_times": {"dp2": "fast", "tp2": [[1, 0.1]]}}, "step_times['dp2'] must be a list of [tokens, "
                                                                 "seconds] pairs, got 'fast'"),
     ({**LOAD, "latency_goal_s": 1.0}, "latency_goal_s need policy \"auto\", got policy 'load'"),
+    ({**MIXED, "move_to_tp": True}, "move_to_tp=true needs policy \"load\", got policy 'priority'"),
+    ({**LOAD, "move_to_tp": 1}, "move_to_tp must be true or false, got 1"),
 ])
 def test_parse_rejects_dp_sections(section, needle):
     with pytest.raises(FusedparConfigError) as e:
@@ -307,6 +313,29 @@ def test_dp_and_tp_classes_with_the_engine_core_in_its_own_process(models, tmp_p
     first = fp["stats"][0]
     assert all(s["tp_steps"] > 0 and s["recomputed_tokens"] == 0 for s in first), first
     assert sum(s["dp_steps"] > 0 for s in first) == 2, first
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_load_moves_decoding_requests_into_the_tp_class_with_their_kv(models, tmp_path_factory):
+    """Policy "load" with move_to_tp: requests that started on DP ranks move into the TP/SP class mid-decode, their
+    KV copied (no re-prefill): tokens are the unsharded model's and plain vLLM TP=2's, every rank received KV
+    bytes, nothing was recomputed, and a moved request's later steps ran in the TP/SP class on every rank."""
+    fp = _engine(models, tmp_path_factory, "qwen3", MOVE)
+    assert fp["tokens"] == _unsharded_tokens(models["qwen3"])
+    assert fp["tokens"] == _engine(models, tmp_path_factory, "qwen3", None)["tokens"]
+    first = fp["stats"][0]
+    moved = set(first[0]["moved_requests"])
+    assert moved and all(set(s["moved_requests"]) == moved for s in first), first
+    assert all(s["kv_bytes_moved"] > 0 and s["recomputed_tokens"] == 0 for s in first), first
+    for rid in moved:
+        # began on one DP rank, went on in the TP/SP class on every rank
+        assert sum(rid in s["dp_requests"] for s in first) == 1 and all(rid in s["tp_requests"] for s in first), first
+    # every prompt token and every fed-back token computed once, in one class or the other
+    batch = _prompts()[0]
+    assert (sum(s["dp_tokens"] for s in first) + first[0]["tp_tokens"]
+            == sum(map(len, batch)) + len(batch) * (MAX_TOKENS - 1)), first
+    assert all(s["recomputed_tokens"] == 0 for per_rank in fp["stats"] for s in per_rank)
 
 
 def _check_switches(per_rank) -> None:
@@ -666,6 +695,150 @@ def test_admission_and_alternation():
                                                         DP_STEP, DP_STEP]
 
 
+class _Pool:
+    """A stand-in for one vLLM KVCacheManager in the move plan's tests: request id -> block ids, a free count."""
+
+    def __init__(self, blocks: dict[str, list[int]], free: int, next_id: int = 1):
+        self.blocks, self.free_blocks, self.next_id = blocks, free, next_id
+        self.block_pool = type("BP", (), {"get_num_free_blocks": lambda _s: self.free_blocks})()
+
+    def get_block_ids(self, rid):
+        return (list(self.blocks[rid]),)
+
+    def free(self, request):
+        self.free_blocks += len(self.blocks.pop(request.request_id))
+
+    def allocate_slots(self, request, n):
+        need = -(-(request.num_computed_tokens + n) // 4) - len(self.blocks.get(request.request_id, []))
+        ids = list(range(self.next_id, self.next_id + need))
+        self.next_id += need
+        self.free_blocks -= need
+        self.blocks.setdefault(request.request_id, []).extend(ids)
+        return ids
+
+
+def _move_scheduler(requests, placement, dp_blocks, tp_free, *, current_tp=True):
+    from types import SimpleNamespace
+
+    from fusedpar.integrations.vllm.dp_scheduler import DPScheduler, LoadAdmission, MoveRule
+
+    sched = object.__new__(DPScheduler)
+    sched.placement = dict(placement)
+    sched.admission = LoadAdmission(2, 1, 3)
+    if not current_tp:
+        sched.admission.current = sched.admission.dp_layout
+    sched.move_rule = MoveRule(True)
+    sched.running, sched.waiting, sched.kv_holding_waiting = list(requests), [], []
+    sched.block_size = 4
+    pools = [_Pool({r: b for r, b in dp_blocks.items() if placement[r] == k}, 0) for k in range(2)]
+    sched.kv_cache_manager = SimpleNamespace(dp_pools=pools, tp_pool=_Pool({}, tp_free))
+    return sched
+
+
+def _request(rid, prompt, computed, outputs, **sampling):
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.request import RequestStatus
+
+    return SimpleNamespace(request_id=rid, status=RequestStatus.RUNNING, num_prompt_tokens=prompt,
+                           num_computed_tokens=computed, num_output_tokens=outputs, mm_features=[],
+                           prompt_embeds=None, structured_output_request=None,
+                           sampling_params=SamplingParams(max_tokens=10, temperature=0.0, **sampling))
+
+
+@needs_vllm
+def test_move_plan_takes_decoding_dp_requests_into_the_tp_pool():
+    """The move plan: a decoding DP request's DP blocks for its computed tokens, freed from its rank's pool, paired
+    with as many TP blocks of the TP pool (which also holds the next token's); one still in prefill, one whose
+    sampling reads its outputs (a penalty) and one the TP pool cannot hold stay on their ranks."""
+    from fusedpar.integrations.vllm.dp_kv import TP_CLASS
+    from fusedpar.integrations.vllm.dp_scheduler import KVMove
+
+    reqs = [_request("a", 5, 9, 5), _request("b", 12, 8, 0), _request("c", 3, 4, 2, presence_penalty=0.5),
+            _request("d", 6, 7, 2), _request("e", 30, 40, 11)]
+    placement = {"a": 0, "b": 1, "c": 1, "d": 1, "e": 0}
+    blocks = {"a": [3, 5, 7], "b": [2, 4], "c": [6], "d": [8, 9], "e": [10 + i for i in range(10)]}
+    sched = _move_scheduler(reqs, placement, blocks, tp_free=6)
+    moves = sched._move_to_tp()
+    # a: 9 computed tokens in 3 blocks of 4 (10 with the next: 3 TP blocks); d: 7 in 2 (8: 2); e needs 11 > 1 left
+    assert moves == [KVMove("a", 0, (3, 5, 7), (1, 2, 3), 9), KVMove("d", 1, (8, 9), (4, 5), 7)]
+    assert sched.placement == {**placement, "a": TP_CLASS, "d": TP_CLASS}
+    dp0, dp1 = sched.kv_cache_manager.dp_pools
+    assert "a" not in dp0.blocks and "d" not in dp1.blocks and dp0.free_blocks == 3 and dp1.free_blocks == 2
+    # nothing moves while the load answers DP, or while the TP/SP class has a request
+    assert _move_scheduler(reqs, placement, blocks, 6, current_tp=False)._move_to_tp() == []
+    busy = _move_scheduler([*reqs, _request("t", 2, 3, 1)], {**placement, "t": TP_CLASS}, blocks, 6)
+    assert busy._move_to_tp() == []
+
+
+@needs_vllm
+def test_move_turns_the_cached_entry_into_a_new_request_with_its_tokens():
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    from fusedpar.integrations.vllm.dp_scheduler import as_new_request, without_requests
+
+    c = CachedRequestData(req_ids=["x", "m"], resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
+                          new_block_ids=[None, ([9],)], num_computed_tokens=[3, 7], num_output_tokens=[1, 3])
+    req = SimpleNamespace(request_id="m", prompt_token_ids=[1, 2, 3, 4, 5], all_token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                          num_computed_tokens=8, mm_features=[], sampling_params=SamplingParams(max_tokens=4),
+                          pooling_params=None, lora_request=None, prompt_embeds=None, prompt_is_token_ids=None,
+                          replay_start=0)
+    new = as_new_request(req, 1, c, ([4, 5],))
+    assert (new.req_id, new.prompt_token_ids, new.num_computed_tokens, new.block_ids) == (
+        "m", [1, 2, 3, 4, 5, 6, 7, 8], 7, ([4, 5],))
+    rest = without_requests(c, {"m"})
+    assert (rest.req_ids, rest.new_block_ids, rest.num_computed_tokens, rest.num_output_tokens) == (
+        ["x"], [None], [3], [1])
+
+
+def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks():
+    """move_kv on P = 2 ranks, emulated in one process: rank 1's DP blocks hold all kv heads of a request's 7 tokens
+    (the DP view's layout: each token's key, then its value); after the move rank j has written, per layer, kv head
+    group j of those tokens at the slots of its TP blocks, through the backend's write; bytes counted per rank."""
+    import torch
+
+    from fusedpar.integrations.vllm.dp_move import move_kv
+    from fusedpar.integrations.vllm.dp_scheduler import KVMove
+
+    P, N, h, bs, hd, L, tokens = 2, 12, 2, 4, 3, 3, 7
+    torch.manual_seed(0)
+    bufs = [[torch.randn(N, h, bs, 2 * hd) for _ in range(L)] for _ in range(P)]
+    move = KVMove("r", 1, (1, 3), (2, 0), tokens)
+    dp_offset = 2  # DP pool ids start at DP block 2 (TP blocks 4, 5) of the buffer
+    sent: dict = {}
+
+    def scatter_for(rank):
+        def scatter(out, groups, src):
+            if groups is not None:
+                sent.update(enumerate(groups))
+            out.copy_(sent[rank])
+        return scatter
+
+    written: dict = {}
+
+    def write_for(rank):
+        def write(layer, key, value, slots):
+            written[rank, layer] = (key, value, slots.tolist())
+        return write
+
+    # the source rank scatters first in this emulation; the collective takes the ranks together
+    moved = [move_kv([move], bufs[r], P, dp_offset, r, scatter_for(r), write_for(r)) for r in (1, 0)]
+    assert moved == [L * 2 * tokens * h * hd * 4] * 2
+    slots = [2 * bs + t for t in range(bs)] + [0 * bs + t for t in range(tokens - bs)]
+    for j in range(P):
+        for layer in range(L):
+            key, value, got = written[j, layer]
+            assert got == slots and key.shape == value.shape == (tokens, h, hd)
+            for t in range(tokens):
+                d = move.dp_blocks[t // bs]
+                src = bufs[1][layer][P * (dp_offset + d) + j][:, t % bs]  # DP block's head group j = TP block P d + j
+                assert torch.equal(key[t], src[:, :hd]) and torch.equal(value[t], src[:, hd:])
+
+
 def test_class_ledger_counts_steps_per_class_and_tokens_recomputed():
     from fusedpar.integrations.vllm.counters import ClassLedger
 
@@ -677,7 +850,7 @@ def test_class_ledger_counts_steps_per_class_and_tokens_recomputed():
     led.record("tp", {"a": 1}, {"a": 30}, ())
     assert led.stats() == {"dp_steps": 1, "dp_tokens": 13, "dp_requests": ["b", "c"], "tp_steps": 2,
                            "tp_tokens": 31, "tp_requests": ["a"], "switches": 2, "kv_bytes_moved": 0,
-                           "recomputed_tokens": 0}
+                           "moved_requests": [], "recomputed_tokens": 0}
     led.record("dp", {"b": 8}, {"b": 0}, ())  # b computed again from 0: a preemption by recompute
     led.record("tp", {"a": 4}, {"a": 0}, {"a"})  # a finished; a new request with its id starts over
     assert led.stats()["recomputed_tokens"] == 8

@@ -17,7 +17,7 @@ from fusedpar.layouts import ModelDims, ParallelLayout
 
 CONFIG_KEY = "fusedpar"
 KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels", "layouts", "policy", "tp_priority",
-              "load_low", "load_high", "step_times", "latency_goal_s", "decode_steps")
+              "load_low", "load_high", "move_to_tp", "step_times", "latency_goal_s", "decode_steps")
 # policy: how a step picks its layout. "threshold": base / shift by token count (the default); "dp": every
 # step of the workload is a DP step over the one "dp{P}" layout; "priority": two classes side by side, the
 # requests whose vLLM priority value is at most tp_priority in the TP/SP class (base / shift steps), the
@@ -86,6 +86,9 @@ class FusedparVllmConfig:
     load_low, load_high: with policy "load", the hysteresis band of the engine's load (running + waiting
         requests) that places new requests (fusedpar.layers.layout_policy.LoadPolicy): from the TP/SP
         class to DP ranks when the load reaches load_high, back when it falls to load_low. None otherwise.
+    move_to_tp: with policy "load", whether a step at which the load has fallen to TP, the TP/SP class has no
+        requests and DP requests are decoding moves those requests, with their KV, into the TP/SP class
+        (dp_scheduler.MoveRule; their KV is copied, never recomputed). False: a request keeps its class.
     step_times, latency_goal_s, decode_steps: with policy "auto", the step-time curves of the DP layout
         ("dp{P}") and of the TP/SP class ("tp{P}"): layout name -> ((tokens, seconds), ...) points,
         tokens strictly increasing; the TTFT goal for waiting requests in seconds; the decode steps each
@@ -100,6 +103,7 @@ class FusedparVllmConfig:
     tp_priority: int | None = None
     load_low: int | None = None
     load_high: int | None = None
+    move_to_tp: bool = False
     step_times: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     latency_goal_s: float | None = None
     decode_steps: int = 0
@@ -210,11 +214,17 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
             problems.append(f"load_low={load['load_low']} must be below load_high={load['load_high']} (the hysteresis "
                             "band: new requests go to DP ranks once the load reaches load_high and to the TP/SP class "
                             "again once it falls to load_low)")
+    move_to_tp = section.get("move_to_tp", False)
+    if move_to_tp is not True and move_to_tp is not False:
+        problems.append(f"move_to_tp must be true or false, got {move_to_tp!r}")
+    elif move_to_tp and policy != "load":
+        problems.append(f'move_to_tp=true needs policy "load", got policy {policy!r}')
     step_times = _auto_problems(section, policy, layouts, problems)
     _raise(problems)
     return FusedparVllmConfig(sequence_parallel_size=sp, shift_threshold=threshold, fused_kernels=fused,
                               layouts=tuple(layouts), policy=policy, tp_priority=tp_priority,
-                              load_low=load["load_low"], load_high=load["load_high"], step_times=step_times,
+                              load_low=load["load_low"], load_high=load["load_high"], move_to_tp=move_to_tp,
+                              step_times=step_times,
                               latency_goal_s=section.get("latency_goal_s"),
                               decode_steps=section.get("decode_steps", 0), raw=dict(section))
 

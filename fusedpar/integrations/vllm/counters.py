@@ -101,8 +101,9 @@ class ModeSwitches:
 
 class ClassLedger:
     """One rank's record of the steps of an engine with a DP layout, per request class (ClassRecord), the switches
-    between DP and TP steps (ModeSwitches), the KV bytes moved between classes (none: a request keeps the class
-    it was placed in) and the tokens recomputed (RecomputeWatch)."""
+    between DP and TP steps (ModeSwitches), the KV bytes written into this rank's TP blocks by requests moving from
+    DP ranks into the TP/SP class (dp_move.move_kv; 0 unless move_to_tp moves them), the ids of those requests, and
+    the tokens recomputed (RecomputeWatch)."""
 
     def __init__(self):
         self.reset()
@@ -121,12 +122,14 @@ class ClassLedger:
         self.classes = {name: ClassRecord(name) for name in ("dp", "tp")}
         self.modes = ModeSwitches()
         self.kv_bytes_moved = 0
+        self.moved: set[str] = set()  # requests moved from DP ranks into the TP/SP class
         self.recompute = RecomputeWatch()
 
     def stats(self) -> dict:
         out = {k: v for record in self.classes.values() for k, v in record.stats().items()}
         out["switches"] = self.modes.switches
         out["kv_bytes_moved"] = self.kv_bytes_moved
+        out["moved_requests"] = sorted(self.moved)
         out["recomputed_tokens"] = self.recompute.recomputed
         return out
 

@@ -24,6 +24,14 @@ TP/SP steps side by side (policies "priority", "load" and "auto").
   - the step's tag: each SchedulerOutput carries `fusedpar_dp` (a DPTag: the step's mode, the rank of
     every request of a DP step, the new DP blocks each rank must zero, the DP pools' offset in the
     buffer), pickled with it to the workers: every rank takes the step's mode from it (dp_worker.py);
+  - moves (policy "load" with move_to_tp, `MoveRule`): at a step at which the load has fallen to TP, the TP/SP
+    class has no request and DP requests are decoding, those requests move into the TP/SP class with their
+    KV: the scheduler frees their DP blocks, allocates TP blocks for their computed tokens, makes the step a
+    TP step and puts the plan (`KVMove`: request, source rank, source DP blocks, destination TP blocks) in
+    the step's tag; every worker copies its kv-head group's slice of the source blocks into its TP blocks
+    before the step's forward (dp_move.py). The workers take a moved request as a new request whose prompt
+    is its tokens so far and whose computed tokens are kept (`as_new_request`), so nothing is recomputed;
+    the DP blocks are free for the DP steps after this step only (a TP step allocates no DP block);
   - no preemption: vLLM preempts by recompute and picks its victim among all running requests, which
     with per-class, per-rank pools may be in another pool than the full one; in this version a
     preemption is an error (give the engine more KV cache or fewer concurrent requests).
@@ -43,7 +51,9 @@ import itertools
 from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from fusedpar.layers.layout_policy import AutoPolicy, LoadPolicy, StepFacts
 from fusedpar.layouts import ParallelLayout
@@ -56,6 +66,19 @@ DP_STEP, TP_STEP = "dp", "tp"
 
 
 @dataclass(frozen=True)
+class KVMove:
+    """One request moving from a DP rank into the TP/SP class at a step: its KV for `tokens` computed tokens in
+    DP blocks `dp_blocks` (pool-local ids of rank `rank`'s pool) goes to TP blocks `tp_blocks` (TP pool ids,
+    the same count), every rank receiving its kv-head group's slice."""
+
+    request_id: str
+    rank: int
+    dp_blocks: tuple[int, ...]
+    tp_blocks: tuple[int, ...]
+    tokens: int
+
+
+@dataclass(frozen=True)
 class DPTag:
     """What a step tells the workers beyond vLLM's SchedulerOutput.
 
@@ -63,13 +86,77 @@ class DPTag:
     class's requests, on every rank); ranks: request id -> rank for every request scheduled in a DP step;
     zero: rank -> the DP block ids (pool-local) of that rank's pool that vLLM wants zeroed before the
     step (each is P TP blocks on that rank); size: P; dp_offset: the DP block of the buffer that is id 0
-    of every DP pool (dp_kv.KVSplit)."""
+    of every DP pool (dp_kv.KVSplit); moves: the requests moving from DP ranks into the TP/SP class at this
+    step (a TP step), whose KV every rank copies before the step's forward (KVMove)."""
 
     ranks: dict[str, int]
     size: int
     zero: dict[int, list[int]] = field(default_factory=dict)
     mode: str = DP_STEP
     dp_offset: int = 0
+    moves: tuple[KVMove, ...] = ()
+
+
+def movable(request) -> bool:
+    """Whether a running request can move into the TP/SP class with its KV: it is decoding (its prompt computed)
+    and the workers' sampling state of it reads nothing of its output tokens but the tokens themselves (the
+    workers take it as a new request whose prompt is its tokens so far: no presence, frequency or repetition
+    penalty, no seed, no min_tokens still pending, no bad words, logprobs, structured output or multimodal
+    input)."""
+    sp = request.sampling_params
+    if (request.status != RequestStatus.RUNNING or request.num_computed_tokens < request.num_prompt_tokens
+            or sp is None or request.mm_features or request.prompt_embeds is not None
+            or getattr(request, "structured_output_request", None) is not None):
+        return False
+    return (sp.presence_penalty == 0 and sp.frequency_penalty == 0 and sp.repetition_penalty == 1
+            and sp.seed is None and sp.min_tokens <= request.num_output_tokens and not sp.bad_words
+            and sp.logprobs is None and sp.prompt_logprobs is None)
+
+
+class MoveRule:
+    """When running DP requests move into the TP/SP class (policy "load" with move_to_tp): at the start of a
+    step at which the placement answers the TP/SP class (the load has fallen to load_low), the class has no
+    request (running or waiting) and DP requests are running; then every movable DP request (`movable`) whose
+    blocks the TP pool can hold moves, in vLLM's running order."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def candidates(self, admission: Admission, running, waiting, placement) -> list:
+        if not self.enabled or getattr(admission, "current", None) is not getattr(admission, "tp_layout", False):
+            return []
+        if any(placement.get(r.request_id) == TP_CLASS for r in itertools.chain(running, waiting)):
+            return []
+        return [r for r in running if placement.get(r.request_id, TP_CLASS) != TP_CLASS and movable(r)]
+
+
+def as_new_request(request, cached_index: int, c: CachedRequestData, block_ids) -> NewRequestData:
+    """What the workers get for a request moved at this step: a new request whose prompt is its tokens so far
+    (prompt and outputs up to the step's input), its computed tokens and its TP blocks, in place of its entry
+    `cached_index` of the step's CachedRequestData `c` (taken before the step advanced it)."""
+    computed = c.num_computed_tokens[cached_index]
+    tokens = list(request.all_token_ids)
+    new = NewRequestData.from_request(request, block_ids)
+    is_ids = None if request.prompt_is_token_ids is None else [True] * len(tokens)
+    return dataclasses.replace(new, prompt_token_ids=tokens, num_computed_tokens=computed, prompt_is_token_ids=is_ids)
+
+
+def without_requests(c: CachedRequestData, drop: set[str]) -> CachedRequestData:
+    """CachedRequestData `c` without the requests in `drop`."""
+    keep = [i for i, rid in enumerate(c.req_ids) if rid not in drop]
+
+    def pick(values: list) -> list:
+        return [values[i] for i in keep] if len(values) == len(c.req_ids) else values
+
+    return CachedRequestData(
+        req_ids=[c.req_ids[i] for i in keep],
+        resumed_req_ids={rid for rid in c.resumed_req_ids if rid not in drop},
+        new_token_ids=pick(c.new_token_ids),
+        all_token_ids={rid: ids for rid, ids in c.all_token_ids.items() if rid not in drop},
+        new_block_ids=pick(c.new_block_ids),
+        num_computed_tokens=pick(c.num_computed_tokens),
+        num_output_tokens=pick(c.num_output_tokens),
+    )
 
 
 class Admission:
@@ -189,6 +276,7 @@ class DPScheduler(Scheduler):
         self.admission = admission_of(cfg, P, self.scheduler_config.max_num_batched_tokens)
         self.alternation = Alternation()
         self.step_mode = DP_STEP
+        self.move_rule = MoveRule(cfg.move_to_tp)
         dp_pools = [self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.dp_blocks))
                     for _ in range(P)]
         tp_pool = (self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.tp_blocks))
@@ -256,11 +344,56 @@ class DPScheduler(Scheduler):
         return self._in_step(request) and super()._handle_blocked_waiting_request(request)
 
     # ---- the step ------------------------------------------------------------------------------------
+    def _move_to_tp(self) -> list[KVMove]:
+        """Move the requests MoveRule names from their DP pools into the TP pool (module docstring): free their DP
+        blocks, place them in the TP/SP class, allocate TP blocks for their computed tokens and the next one."""
+        kv = self.kv_cache_manager
+        waiting = list(itertools.chain(self.waiting, self.kv_holding_waiting))
+        moves = []
+        for request in self.move_rule.candidates(self.admission, self.running, waiting, self.placement):
+            rid = request.request_id
+            tokens = request.num_computed_tokens
+            n = -(-tokens // self.block_size)
+            if kv.tp_pool.block_pool.get_num_free_blocks() < -(-(tokens + 1) // self.block_size):
+                break  # the TP pool holds no more: the rest stay on their ranks
+            rank = self.placement[rid]
+            src = kv.dp_pools[rank].get_block_ids(rid)
+            if len(src) != 1 or len(src[0]) < n:
+                raise RuntimeError(f"fusedpar DP: request {rid} holds DP blocks {src} for {tokens} computed tokens "
+                                   "(one KV cache group of whole blocks expected)")
+            kv.dp_pools[rank].free(request)
+            self.placement[rid] = TP_CLASS
+            if kv.tp_pool.allocate_slots(request, 1) is None:
+                raise RuntimeError(f"fusedpar DP: the TP pool could not allocate the blocks of moved request {rid}")
+            dst = kv.tp_pool.get_block_ids(rid)[0]
+            moves.append(KVMove(rid, rank, tuple(src[0][:n]), tuple(dst[:n]), tokens))
+        return moves
+
+    def _deliver_moves(self, out, moves: list[KVMove]) -> None:
+        """Turn the moved requests' entries of the step's output into new requests (as_new_request) and keep
+        their copied TP blocks out of the blocks to zero."""
+        c = out.scheduled_cached_reqs
+        missing = [m.request_id for m in moves if m.request_id not in c.req_ids]
+        if missing:
+            raise RuntimeError(f"fusedpar DP: moved requests {missing} were not scheduled in the step they moved at")
+        new = [as_new_request(self.requests[m.request_id], c.req_ids.index(m.request_id), c,
+                              self.kv_cache_manager.get_block_ids(m.request_id)) for m in moves]
+        out.scheduled_cached_reqs = without_requests(c, {m.request_id for m in moves})
+        out.scheduled_new_reqs = [*out.scheduled_new_reqs, *new]
+        copied = {b for m in moves for b in m.tp_blocks}
+        if out.new_block_ids_to_zero:
+            out.new_block_ids_to_zero = [b for b in out.new_block_ids_to_zero if b not in copied] or None
+
     def schedule(self, *args, **kwargs):
         if not self.admission.at_arrival:
             self._place_waiting()
+        moves = self._move_to_tp() if self.move_rule.enabled else []
         self.step_mode = self.alternation.next(*self._classes_with_requests())
+        if moves:  # the moved requests run in this step, which copies their KV
+            self.step_mode = self.alternation.last = TP_STEP
         out = super().schedule(*args, **kwargs)
+        if moves:
+            self._deliver_moves(out, moves)
         strays = sorted(rid for rid in out.num_scheduled_tokens if self._mode_of(rid) != self.step_mode)
         if strays:
             raise RuntimeError(f"fusedpar DP: a {self.step_mode} step scheduled requests {strays} of the other class "
@@ -269,7 +402,7 @@ class DPScheduler(Scheduler):
         zero = self.kv_cache_manager.take_new_block_ids_by_rank()
         ranks = {rid: self.placement[rid] for rid in out.num_scheduled_tokens} if self.step_mode == DP_STEP else {}
         tag = DPTag(ranks=ranks, size=self.dp_size, zero=zero if self.needs_kv_cache_zeroing else {},
-                    mode=self.step_mode, dp_offset=self.split.dp_offset)
+                    mode=self.step_mode, dp_offset=self.split.dp_offset, moves=tuple(moves))
         setattr(out, TAG, tag)
         return out
 

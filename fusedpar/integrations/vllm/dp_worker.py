@@ -10,6 +10,10 @@
     scheduler's tag, dp_scheduler.DPTag) and runs them: vLLM's model runner builds the inputs, the
     slot mapping and the attention metadata from its own requests' DP block ids, and the model's
     forward is the DP runner's (announced to the plugin's worker state: `expect_dp_step`);
+  - in a TP step that moves requests from DP ranks into the TP/SP class (the tag's moves) copies their KV
+    into its TP blocks before the forward (dp_move.move_kv, collective over the TP group); the source
+    rank drops the request's DP-step state, and every rank takes it as the new request the scheduler
+    made of it (dp_scheduler.as_new_request);
   - zeroes the DP blocks vLLM asked for on this rank as the P TP blocks each one is;
   - records the step for `stats(llm)`: steps, tokens and requests per class, switches between DP and TP
     steps, KV bytes moved, and tokens computed again that an earlier step had computed
@@ -107,12 +111,15 @@ class DPWorker(CPUWorker):
                                    "fusedpar's DPScheduler)")
             return super().execute_model(scheduler_output)
         state = self._fp_state()
+        from vllm.distributed import get_tensor_model_parallel_rank
+
         if tag.mode == TP_STEP:
             state.classes.record(TP_STEP, scheduler_output.num_scheduled_tokens, computed_tokens(scheduler_output),
                                  scheduler_output.finished_req_ids,
                                  engine_step=bool(scheduler_output.total_num_scheduled_tokens))
+            if tag.moves:
+                scheduler_output = self._move_in(scheduler_output, tag, get_tensor_model_parallel_rank())
             return super().execute_model(scheduler_output)
-        from vllm.distributed import get_tensor_model_parallel_rank
 
         own = own_output(scheduler_output, tag, get_tensor_model_parallel_rank())
         state.classes.record(tag.mode, own.num_scheduled_tokens, computed_tokens(own), own.finished_req_ids,
@@ -123,6 +130,27 @@ class DPWorker(CPUWorker):
             dep = state.deployment
             state.model.dp_runner.vocab.idle(dep.hidden_size, dep.dtype, dep.device)
         return super().execute_model(own)
+
+    def _move_in(self, so, tag: DPTag, rank: int):
+        """Copy the KV of the step's moves into this rank's TP blocks; the SchedulerOutput the model runner gets:
+        on a source rank the moved requests are finished first (vLLM's model runner drops their DP-step state,
+        then takes them as the step's new requests)."""
+        from vllm.distributed import get_tp_group
+
+        from .dp_move import group_scatter, move_kv
+
+        state = self._fp_state()
+        attns = [layer.attn for layer in state.model.dp_runner.layers]
+
+        def write(layer: int, key, value, slots) -> None:  # the backend's own KV write (its block layout)
+            attn = attns[layer]
+            attn.impl.do_kv_cache_update(attn, key, value, attn.kv_cache, slots)
+
+        state.classes.kv_bytes_moved += move_kv(tag.moves, [a.kv_cache for a in attns], tag.size, tag.dp_offset,
+                                                rank, group_scatter(get_tp_group()), write)
+        state.classes.moved.update(m.request_id for m in tag.moves)
+        mine = {m.request_id for m in tag.moves if m.rank == rank}
+        return dataclasses.replace(so, finished_req_ids=set(so.finished_req_ids) | mine) if mine else so
 
     def _fp_state(self):
         from .state import _require_state
