@@ -12,13 +12,8 @@ tests run the kernels on Hopper at the TP=4 shapes of Llama-3-70B and Qwen3-32B.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +29,7 @@ from fusedpar.kernels.gemm import GemmConfig
 from fusedpar.layers.fp8_weights import FP8Weight
 from fusedpar.testing.gpu import local_device
 from fusedpar.testing.numerics import assert_close, poison_
+from tests.kernels.sm90_build import build_for_sm90
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(
@@ -449,14 +445,8 @@ def test_gpu_builds_for_sm90_within_shared_memory(tmp_path):
     """Every tiling pick_fp8_config returns on the TP=4 rank shapes (decode to 16384 tokens), with the scales
     in the epilogue and per K step, builds for sm_90 and fits Hopper's 227 KiB of shared memory; from 128
     rows the K loop reads by TMA and multiplies on e4m3 wgmma. The quantisers build with IEEE divisions."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     shapes = [(m, n, k) for m in (1, 16, 64, 128, 1024, 4096, 16384) for n, k in TP4_SHAPES]
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(shapes)], env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
-    built = json.loads(run.stdout.strip().splitlines()[-1])
+    built = build_for_sm90(_COMPILE, shapes, tmp_path, timeout=900)
     assert len(built["mm"]) >= 8, built
     for b in built["mm"]:
         assert b["cubin_bytes"] > 10_000 and b["shared"] <= 227 * 1024, b

@@ -10,13 +10,7 @@ against a float64 product, with outputs pre-filled with NaN so an element never 
 from __future__ import annotations
 
 import itertools
-import json
-import math
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +22,8 @@ from fusedpar.kernels.gemv import launch as gemv_launch
 from fusedpar.kernels.reference import blocked_swiglu
 from fusedpar.testing.gpu import local_device
 from fusedpar.testing.numerics import assert_close, poison_
+from tests.kernels.sm90_build import build_for_sm90
+from tests.kernels.test_gemm import _randn, make_weight, reference
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(
@@ -41,31 +37,6 @@ CPU_DTYPES = (torch.float16, torch.float32, torch.bfloat16)
 GPU_DTYPES = (torch.bfloat16, torch.float16)
 DECODE_ROWS = (1, 3, 8, 17, 33, 64)
 WEIGHT_KINDS = ("contiguous", "row_view", "col_view", "transposed")
-
-
-def _randn(shape, dtype, gen, scale=1.0) -> torch.Tensor:
-    """Standard normal times scale, drawn in fp32 on the CPU (reproducible), then moved and cast."""
-    return (torch.randn(shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
-
-
-def make_weight(kind: str, n: int, k: int, dtype, gen, blocks: int = 3) -> torch.Tensor:
-    """A [n, k] weight with entries ~ N(0, 1/k) (outputs O(1)), stored as `kind`: row_view / col_view are
-    block 1 of a [blocks*n, k] / [n, blocks*k] base (the shard views of column- / row-parallel weights),
-    transposed is a [k, n] tensor's .T."""
-    scale = 1.0 / math.sqrt(max(k, 1))
-    if kind == "contiguous":
-        return _randn((n, k), dtype, gen, scale)
-    if kind == "row_view":
-        return _randn((blocks * n, k), dtype, gen, scale).narrow(0, n, n)
-    if kind == "col_view":
-        return _randn((n, blocks * k), dtype, gen, scale).narrow(1, k, k)
-    if kind == "transposed":
-        return _randn((k, n), dtype, gen, scale).T
-    raise ValueError(kind)
-
-
-def reference(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return a.double() @ w.double().T
 
 
 def run_and_check(a, w, *, name, out_dtype=None, config=None):
@@ -316,13 +287,7 @@ _SM90_BUILD = textwrap.dedent(
 def _build_for_sm90(tmp_path, specs: list[dict]) -> list[dict]:
     """Build each spec's kernel for sm_90 (PTX, then cubin by Triton's ptxas) in one subprocess that does
     not interpret; per build: cubin size, shared memory, wgmma and cp.async instruction counts."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _SM90_BUILD, json.dumps(specs)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return build_for_sm90(_SM90_BUILD, specs, tmp_path)
 
 
 def test_gpu_tilings_build_for_sm90_pipelined(tmp_path):

@@ -8,14 +8,11 @@ would first fail on a GPU machine. This catches build errors there, not numerics
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+
+from tests.kernels.sm90_build import build_for_sm90
 
 _COMPILE = textwrap.dedent(
     """
@@ -63,18 +60,12 @@ def _qkv_constexprs(timeline: bool, tma: bool, split: bool) -> dict:
                          [(False, False, False), (True, False, False), (False, True, False), (False, True, True),
                           (False, False, True)])
 def test_qkv_kernel_builds_for_sm90_in_bf16(tmp_path, timeline, tma, split):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh build, not a cached one
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     bm = 64 if split else 128
     types = dict(_QKV_TYPES, x_desc=f"tensordesc<bf16[{bm}, 64]>", w_desc="tensordesc<bf16[256, 64]>",
                  w2_desc="tensordesc<bf16[64, 64]>")
     options = {"num_warps": 4, "num_stages": 4} if split else {"num_warps": 8, "num_stages": 3}
     spec = {"types": types, "constexprs": _qkv_constexprs(timeline, tma, split), "options": options}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(spec)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = build_for_sm90(_COMPILE, spec, tmp_path)
     assert got["cubin_bytes"] > 10_000, got
     assert got["shared"] <= 227 * 1024, got  # Hopper's shared memory per block: a launch would fail above it
     # The timeline reads the clock at its four points; without it the build has no clock read at all.
@@ -127,15 +118,9 @@ _GEMM_COMPILE = textwrap.dedent(
 def test_gemm_tma_picks_build_for_sm90_within_shared_memory(tmp_path):
     """Every TMA tiling pick_config returns on the Llama-70B / Qwen3-32B TP=4 shapes builds for sm_90
     with TMA loads and fits Hopper's 227 KiB of shared memory (a launch would fail otherwise)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     shapes = [(m, n, k) for m in (1024, 2048, 4096, 16384)
               for n, k in ((2560, 8192), (8192, 2048), (14336, 8192), (8192, 7168), (2560, 5120), (5120, 6400))]
-    run = subprocess.run([sys.executable, "-c", _GEMM_COMPILE, json.dumps(shapes)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
-    built = json.loads(run.stdout.strip().splitlines()[-1])
+    built = build_for_sm90(_GEMM_COMPILE, shapes, tmp_path)
     # 128x256, 128x128 and the split 64x(256+64) tilings (with two swizzle groups) occur on these shapes
     assert len(built) == 4, built
     assert any("block_n2=64" in b["config"] for b in built), built
@@ -208,13 +193,7 @@ def test_attention_kernels_build_for_sm90_in_bf16(tmp_path, scatter):
     """The attention kernel (base-mode prefill tiling, split decode), the combine kernel and the o
     arrival barrier build for sm_90; the scattering variant loads the destination table (int64 peer
     addresses), the local one loads no 64-bit word at all, and both fit Hopper's shared memory."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _ATTN_COMPILE, json.dumps(scatter)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
-    built = json.loads(run.stdout.strip().splitlines()[-1])
+    built = build_for_sm90(_ATTN_COMPILE, scatter, tmp_path)
     for name, b in built.items():
         assert b["cubin_bytes"] > 1000 and b["shared"] <= 227 * 1024, (name, b)
     for name in ("prefill", "combine"):
@@ -263,9 +242,6 @@ def test_attention_fast_rope_and_pdl_build_for_sm90(tmp_path):
     cos/sin.approx.f32, the write kernel's PDL trigger and the attention kernel's PDL wait (before q,
     or after its per-token q prologue), and the decode launch that writes its own new keys (no write
     kernel, so no wait). Each build holds the instructions it should and none it should not."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     fast = 3  # attention.config.ROPE_THETA_FAST (not imported here: the module is interpreted in this process)
     write = {"NQ": 16, "NQ_P2": 16, "NKV": 2, "NKV_P2": 2, "HD": 128, "PAGE": 16, "HAS_Q_NORM": True,
              "HAS_K_NORM": True, "ROPE": fast, "WRITE_KV": True, "WRITE_Q": True, "LAUNCH_DEPENDENTS": True}
@@ -283,10 +259,7 @@ def test_attention_fast_rope_and_pdl_build_for_sm90(tmp_path):
          {"num_warps": 4, "num_stages": 2}),
         ("_combine_kernel", {"NQ": 16, "HD": 128, "SPLITS_P2": 64, "SCATTER": False, "PDL": True}, {"num_warps": 2}),
     ]
-    run = subprocess.run([sys.executable, "-c", _ATTENTION_COMPILE, json.dumps(specs)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, f"sm_90 build failed:\n{run.stderr[-3000:]}"
-    write_ptx, in_kernel_q, prerotated_q, fused_decode, combine = json.loads(run.stdout.strip().splitlines()[-1])
+    write_ptx, in_kernel_q, prerotated_q, fused_decode, combine = build_for_sm90(_ATTENTION_COMPILE, specs, tmp_path)
     assert write_ptx["sin.approx.f32"] and write_ptx["cos.approx.f32"], write_ptx
     assert write_ptx["griddepcontrol.launch_dependents"] and not write_ptx["griddepcontrol.wait"], write_ptx
     assert in_kernel_q["sin.approx.f32"] and in_kernel_q["griddepcontrol.wait"], in_kernel_q
