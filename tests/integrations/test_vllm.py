@@ -156,7 +156,7 @@ def test_check_accepts_and_returns_layout():
     (_cfg(sp=2), _info(decode_context_parallel_size=2), "context parallelism"),
     (_cfg(sp=2), _info(architectures=("DeepseekV3ForCausalLM",)), "model architecture ['DeepseekV3ForCausalLM']"),
     (_cfg(sp=2), _info(v_head_dim=64), "unsupported attention: v head size 64 != q/k head size 128"),
-    (_cfg(sp=2), _info(quantization="fp8"), "quantized weights (quantization='fp8')"),
+    (_cfg(sp=2), _info(quantization="awq"), "quantized weights (quantization='awq'"),
     (_cfg(sp=2), _info(lora=True), "LoRA"),
     (_cfg(sp=2), _info(speculative=True), "speculative decoding"),
     (_cfg(sp=2), _info(compilation_mode="STOCK_TORCH_COMPILE"), "STOCK_TORCH_COMPILE"),
