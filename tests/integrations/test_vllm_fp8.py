@@ -109,9 +109,9 @@ def test_fp8_checkpoints_are_accepted(qc):
     (_info({**_compressed("channel"), "kv_cache_scheme": {"num_bits": 8}}), ["FP8 KV cache (compressed-tensors"]),
     (_info(None, kv_cache_dtype="fp8_e4m3"), ["an FP8 KV cache (kv_cache_dtype='fp8_e4m3')"]),
     (_info({**_compressed("channel"), "ignore": ["lm_head", "re:.*down_proj"]}),
-     ["FP8 checkpoints that keep projection weights unquantized (['re:.*down_proj'])"]),
+     ["FP8 checkpoints that keep projection weights unquantized (ignore=['re:.*down_proj'])"]),
     (_info({**BLOCK, "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]}),
-     ["FP8 checkpoints that keep projection weights unquantized (modules_to_not_convert="]),
+     ["FP8 checkpoints that keep projection weights unquantized (modules_to_not_convert=['model.layers.0.mlp"]),
     (_info(None, method="fp8"), ["quantization='fp8' without an FP8 quantization_config in the checkpoint"]),
 ])
 def test_unsupported_quantizations_are_refused_by_name(info, needles):

@@ -390,10 +390,9 @@ def fp8_checkpoint(info: DeploymentInfo):
     if fmt is None and not problems:
         problems.append(f"quantization={info.quantization!r} without an FP8 quantization_config in the checkpoint "
                         f"(got {qc!r})")
-    ignored = [m for m in qc.get("ignore") or qc.get("modules_to_not_convert") or ()
-               if any(p in str(m) for p in _PROJECTION_NAMES)]
-    if ignored:
-        problems.append(f"FP8 checkpoints that keep projection weights unquantized ({ignored})")
+    ignored = [m for m in qc.get("ignore") or () if any(p in str(m) for p in _PROJECTION_NAMES)]
+    if ignored:  # compressed-tensors (fp8_format names the fine-grained format's modules_to_not_convert)
+        problems.append(f"FP8 checkpoints that keep projection weights unquantized (ignore={ignored})")
     if fmt is not None and fmt.scheme.weight == "tensor" and info.quantization == "fp8":
         problems.append("quantization='fp8' without weight_block_size (per-tensor weight scales): vLLM requantizes "
                         "a merged qkv / gate_up to the largest of its scales and, without CUTLASS FP8 kernels (CPU), "
