@@ -70,9 +70,10 @@ class _ReferenceFP8Linear(torch.nn.Module):
         return self.w.linear(x)
 
 
-def _quantized(name: str) -> tuple[torch.nn.Module, dict[str, FP8Weight]]:
-    family, _, scheme, _ = CHECKPOINTS[name]
-    model = make_model(family, seed=SEED)
+def _quantized(name: str, checkpoints: dict = CHECKPOINTS, **shape) -> tuple[torch.nn.Module, dict[str, FP8Weight]]:
+    """The dense model of checkpoint `name` (make_model with the `shape` overrides) and its FP8 weights."""
+    family, _, scheme, _ = checkpoints[name]
+    model = make_model(family, seed=SEED, **shape)
     weights = {}
     for i, layer in enumerate(model.model.layers):
         for n in FP8_WEIGHTS:
@@ -81,18 +82,18 @@ def _quantized(name: str) -> tuple[torch.nn.Module, dict[str, FP8Weight]]:
     return model, weights
 
 
-def oracle(name: str) -> torch.nn.Module:
+def oracle(name: str, checkpoints: dict = CHECKPOINTS, **shape) -> torch.nn.Module:
     """The unsharded FP8 model: every projection on the FP8 reference math."""
-    model, weights = _quantized(name)
+    model, weights = _quantized(name, checkpoints, **shape)
     for key, w in weights.items():
         parent, _, child = key.rpartition(".")
         setattr(model.get_submodule(parent), child, _ReferenceFP8Linear(w))
     return model
 
 
-def write_checkpoint(name: str, path) -> None:
-    _, qc, scheme, scale_name = CHECKPOINTS[name]
-    model, weights = _quantized(name)
+def write_checkpoint(name: str, path, checkpoints: dict = CHECKPOINTS, **shape) -> None:
+    _, qc, scheme, scale_name = checkpoints[name]
+    model, weights = _quantized(name, checkpoints, **shape)
     model.config.quantization_config = qc
     model.save_pretrained(path)
     file = path / "model.safetensors"

@@ -156,7 +156,7 @@ def test_check_accepts_and_returns_layout():
     (_cfg(sp=2), _info(decode_context_parallel_size=2), "context parallelism"),
     (_cfg(sp=2), _info(architectures=("DeepseekV3ForCausalLM",)), "model architecture ['DeepseekV3ForCausalLM']"),
     (_cfg(sp=2), _info(v_head_dim=64), "unsupported attention: v head size 64 != q/k head size 128"),
-    (_cfg(sp=2), _info(quantization="fp8"), "quantized weights (quantization='fp8')"),
+    (_cfg(sp=2), _info(quantization="awq"), "quantized weights (quantization='awq'"),
     (_cfg(sp=2), _info(lora=True), "LoRA"),
     (_cfg(sp=2), _info(speculative=True), "speculative decoding"),
     (_cfg(sp=2), _info(compilation_mode="STOCK_TORCH_COMPILE"), "STOCK_TORCH_COMPILE"),
@@ -314,17 +314,21 @@ def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None, *, tp:
         spec = {"model": models[family], "tensor_parallel_size": tp, "fusedpar": fusedpar,
                 "max_tokens": MAX_TOKENS, "batches": _batches(family),
                 "enforce_eager": enforce_eager, "engine_args": engine_args or {}}
-        (work / "spec.json").write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
-                               str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=900)
-        log = proc.stdout + proc.stderr
-        if proc.returncode != 0:
-            result = {"error": proc.returncode, "log": log}
-        else:
-            result = {**json.loads((work / "out.json").read_text()), "log": log}
-        _RESULTS[key] = result
+        _RESULTS[key] = run_engine(spec, work)
     result = _RESULTS[key]
     return result
+
+
+def run_engine(spec: dict, work: Path) -> dict:
+    """Run tests/integrations/vllm_engine.py on `spec` in a process of its own (files in the folder `work`): its
+    result and log, or {"error": its exit status, "log": ...} when it failed."""
+    (work / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
+                           str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        return {"error": proc.returncode, "log": log}
+    return {**json.loads((work / "out.json").read_text()), "log": log}
 
 
 def _ok(result: dict) -> dict:
@@ -344,17 +348,23 @@ def _unsharded_tokens(model_dir: str, family: str) -> list:
 
     if family not in _REFERENCE:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        out = []
-        with torch.no_grad():
-            for batch in _batches(family):
-                out.append([])
-                for ids in batch:
-                    seq = list(ids)
-                    for _ in range(MAX_TOKENS):
-                        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-                    out[-1].append(seq[len(ids):])
-        _REFERENCE[family] = out
+        _REFERENCE[family] = greedy_tokens(model, _batches(family))
     return _REFERENCE[family]
+
+
+def greedy_tokens(model, batches: list[list[list[int]]]) -> list:
+    """Greedy MAX_TOKENS tokens of every prompt of `batches` from a transformers causal LM (whole sequence
+    each step, no cache)."""
+    import torch
+
+    def continuation(ids: list[int]) -> list[int]:
+        seq = list(ids)
+        with torch.no_grad():
+            while len(seq) < len(ids) + MAX_TOKENS:
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        return seq[len(ids):]
+
+    return [[continuation(ids) for ids in batch] for batch in batches]
 
 
 def _expected(models, tmp_path_factory, family: str) -> list:

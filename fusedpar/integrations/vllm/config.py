@@ -287,6 +287,8 @@ class DeploymentInfo:
     prefill_context_parallel_size: int = 1
     v_head_dim: int | None = None
     quantization: str | None = None
+    quantization_config: dict | None = None  # the checkpoint's (config.json's) quantization_config
+    kv_cache_dtype: str = "auto"
     lora: bool = False
     speculative: bool = False
     model_impl: str = "auto"
@@ -338,8 +340,7 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
         )
     if info.v_head_dim is not None and info.v_head_dim != info.head_dim:
         problems.append(f"unsupported attention: v head size {info.v_head_dim} != q/k head size {info.head_dim}")
-    if info.quantization:
-        problems.append(f"quantized weights (quantization={info.quantization!r})")
+    problems.extend(quantization_problems(cfg, info, layout))
     if info.lora:
         problems.append("LoRA adapters (enable_lora); LoRA wraps the linear layers fusedpar shards")
     if info.speculative:
@@ -369,6 +370,64 @@ def check_deployment(cfg: FusedparVllmConfig, info: DeploymentInfo) -> ParallelL
             problems.append(f"heads / MLP do not fit SP={sp} x TP={P // sp}: {e}")
     _raise(problems)
     return layout
+
+
+_PROJECTION_NAMES = ("self_attn", "mlp", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_checkpoint(info: DeploymentInfo):
+    """The FP8 format (fusedpar.integrations.hf.fp8.FP8Format) of the engine's checkpoint, and what keeps
+    fusedpar from running it: (None, []) for an unquantized model."""
+    if not info.quantization:
+        return None, []
+    if info.quantization not in ("fp8", "compressed-tensors"):
+        return None, [f"quantized weights (quantization={info.quantization!r}; supported: FP8 checkpoints, "
+                      "'compressed-tensors' FP8 with dynamic per-token activations and 'fp8' with weight_block_size)"]
+    from fusedpar.integrations.hf.fp8 import fp8_format  # torch: imported only for a quantized checkpoint
+
+    fmt, problems = fp8_format(info.quantization_config)
+    qc = info.quantization_config or {}
+    if fmt is None and not problems:
+        problems.append(f"quantization={info.quantization!r} without an FP8 quantization_config in the checkpoint "
+                        f"(got {qc!r})")
+    ignored = [m for m in qc.get("ignore") or () if any(p in str(m) for p in _PROJECTION_NAMES)]
+    if ignored:  # compressed-tensors (fp8_format names the fine-grained format's modules_to_not_convert)
+        problems.append(f"FP8 checkpoints that keep projection weights unquantized (ignore={ignored})")
+    if fmt is not None and fmt.scheme.weight == "tensor" and info.quantization == "fp8":
+        problems.append("quantization='fp8' without weight_block_size (per-tensor weight scales): vLLM requantizes "
+                        "a merged qkv / gate_up to the largest of its scales and, without CUTLASS FP8 kernels (CPU), "
+                        "quantizes activations with one dynamic scale per step, which a base step over part of the "
+                        "tokens cannot reproduce; use a compressed-tensors FP8 checkpoint (per-tensor or per-channel "
+                        "weights, dynamic per-token activations) or block FP8")
+    return (None if problems else fmt), problems
+
+
+def quantization_problems(cfg: FusedparVllmConfig, info: DeploymentInfo, layout: ParallelLayout | None) -> list[str]:
+    """What stops fusedpar on this engine's quantization (checkpoint and KV cache), each with its names and
+    numbers."""
+    problems = []
+    if str(info.kv_cache_dtype).startswith("fp8"):
+        problems.append(f"an FP8 KV cache (kv_cache_dtype={info.kv_cache_dtype!r}); use kv_cache_dtype 'auto'")
+    fmt, fp8 = fp8_checkpoint(info)
+    problems.extend(fp8)
+    if fmt is None:
+        return problems
+    if cfg.fused_kernels is True:
+        problems.append("fused_kernels=true with FP8 weights: the fused kernels take bf16 / fp16 weights (FP8 base "
+                        "steps run fusedpar's FP8 linear layers on plain collectives); use fused_kernels \"auto\"")
+    if cfg.dp_size:
+        problems.append(f"layout dp{cfg.dp_size} with FP8 weights (DP steps run dense weights)")
+    if fmt.scheme.weight == "block" and layout is not None:
+        from fusedpar.layouts import scale_block_problems
+
+        bo, bi = fmt.scheme.block
+        try:
+            cuts = scale_block_problems(layout, ModelDims(info.num_attention_heads, info.num_key_value_heads,
+                                                          info.head_dim, info.intermediate_size), fmt.scheme.block)
+        except ValueError:
+            cuts = []  # the shard map itself does not fit: named by check_deployment
+        problems.extend(f"FP8 weights in {bo}x{bi} scale blocks: {p}" for p in cuts)
+    return problems
 
 
 def dp_problems(cfg: FusedparVllmConfig, info: DeploymentInfo) -> list[str]:

@@ -158,6 +158,12 @@ def snapshot(deployment, model, counter: StepCounter) -> dict:
         # exactly the base shards, the shift weights being views of them
         "weight_bytes": sum(m.weight.untyped_storage().nbytes() for m in model.modules),
         "base_shard_bytes": dep.base_shard_bytes(model.layers_taken.get("qkv", 0)),
+        # FP8 checkpoints: the weight scale scheme and what runs the shift GEMMs on the views (vLLM's FP8
+        # kernel by its class name, or "fusedpar": fusedpar's FP8 linear layer); None when unquantized
+        "fp8": None if dep.fp8 is None else {
+            "scheme": dep.fp8.scheme.weight,
+            "shift_kernels": sorted({type(m._fp_vllm_kernel).__name__ if m._fp_vllm_kernel is not None
+                                     else "fusedpar" for m in model.modules})},
         **counter.stats,
     }
 

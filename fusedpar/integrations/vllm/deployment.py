@@ -11,6 +11,7 @@ buckets of base steps. Nothing in it changes while the engine runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,8 +21,11 @@ from fusedpar.layers.step_plan import StepModeRule, padded_token_count
 from fusedpar.layouts import HeadPlacement, ModelDims, ParallelLayout, RankCoords, StepMode, WeightShardMap
 
 from .base_runner import bucket_for, row_buckets
-from .config import DeploymentInfo, FusedparConfigError, FusedparVllmConfig, check_deployment
+from .config import DeploymentInfo, FusedparConfigError, FusedparVllmConfig, check_deployment, fp8_checkpoint
 from .step import Step
+
+if TYPE_CHECKING:
+    from fusedpar.integrations.hf.fp8 import FP8Format
 
 
 def deployment_info(vllm_config) -> DeploymentInfo:
@@ -49,12 +53,21 @@ def deployment_info(vllm_config) -> DeploymentInfo:
         head_dim=mc.get_head_size(),
         intermediate_size=getattr(hf, "intermediate_size", 0) or 0,
         quantization=mc.quantization,
+        quantization_config=_quantization_config(mc.hf_config),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         lora=vllm_config.lora_config is not None,
         speculative=vllm_config.speculative_config is not None,
         compilation_mode=mode_name,
         full_cudagraphs=full,
         max_cudagraph_capture_size=cc.max_cudagraph_capture_size,
     )
+
+
+def _quantization_config(hf_config) -> dict | None:
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None or isinstance(qc, dict):
+        return qc
+    return qc.to_dict() if callable(getattr(qc, "to_dict", None)) else dict(vars(qc))
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,8 @@ class Deployment:
     rank: this worker's rank in vLLM's TP group (= the shift group, = the torch.distributed world);
     coords: its (sp, tp) in the base layout; shards / placement: its weight shards and heads in both
     modes; max_tokens: vLLM's max_num_batched_tokens (the largest step); buckets: the rows per rank
-    a base step pads to when base steps run as CUDA graphs, else ().
+    a base step pads to when base steps run as CUDA graphs, else (); fp8: the FP8 format of the
+    projection weights (fusedpar.integrations.hf.fp8.FP8Format), None for an unquantized model.
     """
 
     cfg: FusedparVllmConfig
@@ -81,6 +95,7 @@ class Deployment:
     policy: StepModeRule
     max_tokens: int
     buckets: tuple[int, ...]
+    fp8: FP8Format | None = None
 
     @classmethod
     def of(cls, vllm_config, cfg: FusedparVllmConfig) -> Deployment:
@@ -103,7 +118,8 @@ class Deployment:
         is_cuda = current_platform.is_cuda_alike()
         device = torch.device("cuda", torch.cuda.current_device()) if is_cuda else torch.device("cpu")
         dtype = vllm_config.model_config.dtype
-        use_fused = layout.sp > 1 and choose_fused_kernels(
+        fp8, _ = fp8_checkpoint(info)  # check_deployment refused any problem
+        use_fused = layout.sp > 1 and fp8 is None and choose_fused_kernels(
             None if cfg.fused_kernels == "auto" else cfg.fused_kernels, device=device, dtype=dtype,
             subject="the engine", half_only=True, name="fused_kernels",
             refuse=lambda why: FusedparConfigError("fusedpar: fused_kernels=true is not possible: " + "; ".join(why)))
@@ -117,7 +133,7 @@ class Deployment:
         return cls(cfg=cfg, layout=layout, rank=rank, coords=layout.coords(rank), dims=dims,
                    shards=layout.weight_shards(dims), hidden_size=vllm_config.model_config.hf_text_config.hidden_size,
                    device=device, dtype=dtype, use_fused=use_fused, use_graphs=use_graphs, policy=policy,
-                   max_tokens=max_tokens, buckets=buckets)
+                   max_tokens=max_tokens, buckets=buckets, fp8=fp8)
 
     @property
     def placement(self) -> HeadPlacement:
@@ -157,7 +173,8 @@ class Deployment:
 
     def base_shard_bytes(self, num_layers: int) -> int:
         """Bytes of this rank's base shards of the four projections over `num_layers` decoder layers."""
-        return self.shards.base_bytes(self.rank, self.hidden_size, self.dtype.itemsize) * num_layers
+        itemsize = 1 if self.fp8 is not None else self.dtype.itemsize  # e4m3 weights
+        return self.shards.base_bytes(self.rank, self.hidden_size, itemsize) * num_layers
 
 
 def _base_rows(threshold: int, max_tokens: int, sp: int) -> range:
