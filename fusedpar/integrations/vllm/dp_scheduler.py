@@ -24,14 +24,17 @@ TP/SP steps side by side (policies "priority", "load" and "auto").
   - the step's tag: each SchedulerOutput carries `fusedpar_dp` (a DPTag: the step's mode, the rank of
     every request of a DP step, the new DP blocks each rank must zero, the DP pools' offset in the
     buffer), pickled with it to the workers: every rank takes the step's mode from it (dp_worker.py);
-  - moves (policy "load" with move_to_tp, `MoveRule`): at a step at which the load has fallen to TP, the TP/SP
-    class has no request and DP requests are decoding, those requests move into the TP/SP class with their
-    KV: the scheduler frees their DP blocks, allocates TP blocks for their computed tokens, makes the step a
-    TP step and puts the plan (`KVMove`: request, source rank, source DP blocks, destination TP blocks) in
+  - moves (policy "load" with move_to_tp / move_to_dp, `MoveRule`): at a step at which the load has fallen to
+    TP, the TP/SP class has no request and DP requests are decoding, those requests move into the TP/SP class
+    with their KV: the scheduler frees their DP blocks, allocates TP blocks for their computed tokens, makes the
+    step a TP step and puts the plan (`KVMove`: request, source rank, source DP blocks, destination TP blocks) in
     the step's tag; every worker copies its kv-head group's slice of the source blocks into its TP blocks
-    before the step's forward (dp_move.py). The workers take a moved request as a new request whose prompt
-    is its tokens so far and whose computed tokens are kept (`as_new_request`), so nothing is recomputed;
-    the DP blocks are free for the DP steps after this step only (a TP step allocates no DP block);
+    before the step's forward (dp_move.py). The way back: at a step at which the load has risen to DP, decoding
+    TP/SP-class requests move to the DP ranks (each to the rank with the fewest DP requests whose pool holds its
+    blocks), the step a DP step, every rank's kv-head group of the TP blocks gathered into the destination's DP
+    blocks. The workers take a moved request as a new request whose prompt is its tokens so far and whose
+    computed tokens are kept (`as_new_request`), so nothing is recomputed; the source blocks are free for the
+    steps of their class after this step only (a step allocates no block of the other class);
   - no preemption: vLLM preempts by recompute and picks its victim among all running requests, which
     with per-class, per-rank pools may be in another pool than the full one; in this version a
     preemption is an error (give the engine more KV cache or fewer concurrent requests).
@@ -67,9 +70,10 @@ DP_STEP, TP_STEP = "dp", "tp"
 
 @dataclass(frozen=True)
 class KVMove:
-    """One request moving from a DP rank into the TP/SP class at a step: its KV for `tokens` computed tokens in
-    DP blocks `dp_blocks` (pool-local ids of rank `rank`'s pool) goes to TP blocks `tp_blocks` (TP pool ids,
-    the same count), every rank receiving its kv-head group's slice."""
+    """One request moving between a DP rank and the TP/SP class at a step, with its KV for `tokens` computed tokens:
+    DP blocks `dp_blocks` (pool-local ids of rank `rank`'s pool) and TP blocks `tp_blocks` (TP pool ids), the same
+    count. In a TP step it moves into the TP/SP class (every rank receives its kv-head group's slice of the DP
+    blocks), in a DP step to DP rank `rank` (which gathers every rank's kv-head group of the TP blocks)."""
 
     request_id: str
     rank: int
@@ -86,8 +90,8 @@ class DPTag:
     class's requests, on every rank); ranks: request id -> rank for every request scheduled in a DP step;
     zero: rank -> the DP block ids (pool-local) of that rank's pool that vLLM wants zeroed before the
     step (each is P TP blocks on that rank); size: P; dp_offset: the DP block of the buffer that is id 0
-    of every DP pool (dp_kv.KVSplit); moves: the requests moving from DP ranks into the TP/SP class at this
-    step (a TP step), whose KV every rank copies before the step's forward (KVMove)."""
+    of every DP pool (dp_kv.KVSplit); moves: the requests moving between the classes at this step, into the TP/SP
+    class in a TP step, to DP ranks in a DP step, whose KV every rank copies before the step's forward (KVMove)."""
 
     ranks: dict[str, int]
     size: int
@@ -114,20 +118,32 @@ def movable(request) -> bool:
 
 
 class MoveRule:
-    """When running DP requests move into the TP/SP class (policy "load" with move_to_tp): at the start of a
-    step at which the placement answers the TP/SP class (the load has fallen to load_low), the class has no
-    request (running or waiting) and DP requests are running; then every movable DP request (`movable`) whose
-    blocks the TP pool can hold moves, in vLLM's running order."""
+    """When running requests move between the classes with their KV (policy "load" with move_to_tp / move_to_dp):
+      - into the TP/SP class (to_tp): at the start of a step at which the placement answers the TP/SP class (the
+        load has fallen to load_low), the class has no request (running or waiting) and DP requests are running;
+        then every movable DP request (`movable`) whose blocks the TP pool can hold moves, in vLLM's running order;
+      - to the DP ranks (to_dp): at the start of a step at which the placement answers DP (the load has risen to
+        load_high) and TP/SP-class requests are running; then every movable one moves, in vLLM's running order, to
+        the DP rank with the fewest requests among those whose pool can hold its blocks (none: it stays)."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, to_tp: bool, to_dp: bool = False):
+        self.to_tp, self.to_dp = to_tp, to_dp
+
+    @property
+    def enabled(self) -> bool:
+        return self.to_tp or self.to_dp
 
     def candidates(self, admission: Admission, running, waiting, placement) -> list:
-        if not self.enabled or getattr(admission, "current", None) is not getattr(admission, "tp_layout", False):
+        if not self.to_tp or getattr(admission, "current", None) is not getattr(admission, "tp_layout", False):
             return []
         if any(placement.get(r.request_id) == TP_CLASS for r in itertools.chain(running, waiting)):
             return []
         return [r for r in running if placement.get(r.request_id, TP_CLASS) != TP_CLASS and movable(r)]
+
+    def candidates_to_dp(self, admission: Admission, running, placement) -> list:
+        if not self.to_dp or getattr(admission, "current", None) is not getattr(admission, "dp_layout", False):
+            return []
+        return [r for r in running if placement.get(r.request_id) == TP_CLASS and movable(r)]
 
 
 def as_new_request(request, cached_index: int, c: CachedRequestData, block_ids) -> NewRequestData:
@@ -157,6 +173,13 @@ def without_requests(c: CachedRequestData, drop: set[str]) -> CachedRequestData:
         num_computed_tokens=pick(c.num_computed_tokens),
         num_output_tokens=pick(c.num_output_tokens),
     )
+
+
+def zero_without_moves(zero: dict[int, list[int]], moves) -> dict[int, list[int]]:
+    """The DP blocks to zero per rank (pool-local ids) without those a DP step's moves copy KV into."""
+    copied = {(m.rank, b) for m in moves for b in m.dp_blocks}
+    kept = {r: [b for b in ids if (r, b) not in copied] for r, ids in zero.items()}
+    return {r: ids for r, ids in kept.items() if ids}
 
 
 class Admission:
@@ -276,7 +299,7 @@ class DPScheduler(Scheduler):
         self.admission = admission_of(cfg, P, self.scheduler_config.max_num_batched_tokens)
         self.alternation = Alternation()
         self.step_mode = DP_STEP
-        self.move_rule = MoveRule(cfg.move_to_tp)
+        self.move_rule = MoveRule(cfg.move_to_tp, cfg.move_to_dp)
         dp_pools = [self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.dp_blocks))
                     for _ in range(P)]
         tp_pool = (self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.tp_blocks))
@@ -344,6 +367,26 @@ class DPScheduler(Scheduler):
         return self._in_step(request) and super()._handle_blocked_waiting_request(request)
 
     # ---- the step ------------------------------------------------------------------------------------
+    def _relocate(self, request, src_pool, dst_pool, place: int) -> tuple[list[int], list[int]]:
+        """Move `request`'s blocks from src_pool to dst_pool (placed at `place`): free its source blocks, allocate
+        destination blocks for its computed tokens and the next one; (source blocks, destination blocks) of its
+        computed tokens."""
+        rid, tokens = request.request_id, request.num_computed_tokens
+        n = -(-tokens // self.block_size)
+        src = src_pool.get_block_ids(rid)
+        if len(src) != 1 or len(src[0]) < n:
+            raise RuntimeError(f"fusedpar DP: request {rid} holds blocks {src} for {tokens} computed tokens (one KV "
+                               "cache group of whole blocks expected)")
+        src_pool.free(request)
+        self.placement[rid] = place
+        if dst_pool.allocate_slots(request, 1) is None:
+            raise RuntimeError(f"fusedpar DP: the destination pool could not allocate the blocks of moved request "
+                               f"{rid}")
+        return src[0][:n], dst_pool.get_block_ids(rid)[0][:n]
+
+    def _blocks_needed(self, request) -> int:
+        return -(-(request.num_computed_tokens + 1) // self.block_size)
+
     def _move_to_tp(self) -> list[KVMove]:
         """Move the requests MoveRule names from their DP pools into the TP pool (module docstring): free their DP
         blocks, place them in the TP/SP class, allocate TP blocks for their computed tokens and the next one."""
@@ -351,27 +394,39 @@ class DPScheduler(Scheduler):
         waiting = list(itertools.chain(self.waiting, self.kv_holding_waiting))
         moves = []
         for request in self.move_rule.candidates(self.admission, self.running, waiting, self.placement):
-            rid = request.request_id
-            tokens = request.num_computed_tokens
-            n = -(-tokens // self.block_size)
-            if kv.tp_pool.block_pool.get_num_free_blocks() < -(-(tokens + 1) // self.block_size):
+            if kv.tp_pool.block_pool.get_num_free_blocks() < self._blocks_needed(request):
                 break  # the TP pool holds no more: the rest stay on their ranks
-            rank = self.placement[rid]
-            src = kv.dp_pools[rank].get_block_ids(rid)
-            if len(src) != 1 or len(src[0]) < n:
-                raise RuntimeError(f"fusedpar DP: request {rid} holds DP blocks {src} for {tokens} computed tokens "
-                                   "(one KV cache group of whole blocks expected)")
-            kv.dp_pools[rank].free(request)
-            self.placement[rid] = TP_CLASS
-            if kv.tp_pool.allocate_slots(request, 1) is None:
-                raise RuntimeError(f"fusedpar DP: the TP pool could not allocate the blocks of moved request {rid}")
-            dst = kv.tp_pool.get_block_ids(rid)[0]
-            moves.append(KVMove(rid, rank, tuple(src[0][:n]), tuple(dst[:n]), tokens))
+            rank = self.placement[request.request_id]
+            dp, tp = self._relocate(request, kv.dp_pools[rank], kv.tp_pool, TP_CLASS)
+            moves.append(KVMove(request.request_id, rank, tuple(dp), tuple(tp), request.num_computed_tokens))
+        return moves
+
+    def _move_to_dp(self) -> list[KVMove]:
+        """Move the requests MoveRule names from the TP pool to DP pools (module docstring), each to the rank with
+        the fewest DP requests whose pool holds its blocks, at most one token budget of them (each needs one token of
+        this step, and they go first in vLLM's running order so that the step schedules them)."""
+        kv = self.kv_cache_manager
+        moves = []
+        budget = self.scheduler_config.max_num_batched_tokens
+        for request in self.move_rule.candidates_to_dp(self.admission, self.running, self.placement)[:budget]:
+            need = self._blocks_needed(request)
+            load = [0] * self.dp_size
+            for place in self.placement.values():
+                if place != TP_CLASS:
+                    load[place] += 1
+            room = [r for r in range(self.dp_size) if kv.dp_pools[r].block_pool.get_num_free_blocks() >= need]
+            if not room:
+                continue  # no DP pool holds it: it stays in the TP/SP class
+            rank = min(room, key=lambda r: (load[r], r))
+            tp, dp = self._relocate(request, kv.tp_pool, kv.dp_pools[rank], rank)
+            moves.append(KVMove(request.request_id, rank, tuple(dp), tuple(tp), request.num_computed_tokens))
+        moved = {m.request_id for m in moves}
+        self.running.sort(key=lambda r: r.request_id not in moved)  # stable: the moved first, in their order
         return moves
 
     def _deliver_moves(self, out, moves: list[KVMove]) -> None:
         """Turn the moved requests' entries of the step's output into new requests (as_new_request) and keep
-        their copied TP blocks out of the blocks to zero."""
+        their copied TP blocks out of the blocks to zero (a TP step's moves; a DP step's: zero_without_moves)."""
         c = out.scheduled_cached_reqs
         missing = [m.request_id for m in moves if m.request_id not in c.req_ids]
         if missing:
@@ -381,16 +436,18 @@ class DPScheduler(Scheduler):
         out.scheduled_cached_reqs = without_requests(c, {m.request_id for m in moves})
         out.scheduled_new_reqs = [*out.scheduled_new_reqs, *new]
         copied = {b for m in moves for b in m.tp_blocks}
-        if out.new_block_ids_to_zero:
+        if out.new_block_ids_to_zero and self.step_mode == TP_STEP:
             out.new_block_ids_to_zero = [b for b in out.new_block_ids_to_zero if b not in copied] or None
 
     def schedule(self, *args, **kwargs):
         if not self.admission.at_arrival:
             self._place_waiting()
-        moves = self._move_to_tp() if self.move_rule.enabled else []
+        moves = self._move_to_tp() if self.move_rule.to_tp else []
+        to_dp = self._move_to_dp() if self.move_rule.to_dp and not moves else []
         self.step_mode = self.alternation.next(*self._classes_with_requests())
-        if moves:  # the moved requests run in this step, which copies their KV
-            self.step_mode = self.alternation.last = TP_STEP
+        if moves or to_dp:  # the moved requests run in this step, which copies their KV
+            self.step_mode = self.alternation.last = TP_STEP if moves else DP_STEP
+            moves = moves or to_dp
         out = super().schedule(*args, **kwargs)
         if moves:
             self._deliver_moves(out, moves)
@@ -399,7 +456,7 @@ class DPScheduler(Scheduler):
             raise RuntimeError(f"fusedpar DP: a {self.step_mode} step scheduled requests {strays} of the other class "
                                "(vLLM's scheduling loop did not leave them out: a vLLM version this plugin does not "
                                "know)")
-        zero = self.kv_cache_manager.take_new_block_ids_by_rank()
+        zero = zero_without_moves(self.kv_cache_manager.take_new_block_ids_by_rank(), to_dp)
         ranks = {rid: self.placement[rid] for rid in out.num_scheduled_tokens} if self.step_mode == DP_STEP else {}
         tag = DPTag(ranks=ranks, size=self.dp_size, zero=zero if self.needs_kv_cache_zeroing else {},
                     mode=self.step_mode, dp_offset=self.split.dp_offset, moves=tuple(moves))
