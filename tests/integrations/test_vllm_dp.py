@@ -70,6 +70,14 @@ ARRIVALS = [[0, 0, 3, 3, 3, 3]]
 AUTO = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "auto", "latency_goal_s": 10.0,
         "step_times": {"dp2": [[1, 0.065], [1024, 0.5765]], "tp2": [[1, 0.0025], [1024, 1.537]]},
         "shift_threshold": 8}
+# policy "auto" moving live requests both ways on MOVES_LENGTHS / ARRIVALS, with AUTO's curves ten times slower (so
+# that the moves' cost, timed at start-up, stays far below the margins): the first two prompts (15 tokens) go to the
+# TP/SP class; at step 3 the 108 waiting prompt tokens make it answer DP (estimates 1.99 s + the moves' cost against
+# 2.12 s), so the two decoding TP/SP-class requests move to the DP ranks, one each; at the next step nothing waits and
+# six decode steps cost 0.1 s in the TP/SP class against 0.675 s on the DP ranks, so the decoding DP requests move
+# into the idle TP/SP class
+AUTO_MOVES = {**AUTO, "latency_goal_s": 100.0, "move_to_tp": True, "move_to_dp": True,
+              "step_times": {"dp2": [[1, 0.65], [1024, 5.765]], "tp2": [[1, 0.025], [1024, 15.37]]}}
 
 
 # ---- the section (no vLLM) -------------------------------------------------------------------------
@@ -85,6 +93,8 @@ def test_parse_dp_section():
     assert not cfg.move_to_tp and not cfg.move_to_dp and parse_additional_config({"fusedpar": MOVE}).move_to_tp
     cfg = parse_additional_config({"fusedpar": MOVES})
     assert (cfg.move_to_tp, cfg.move_to_dp) == (True, True)
+    cfg = parse_additional_config({"fusedpar": AUTO_MOVES})
+    assert (cfg.policy, cfg.move_to_tp, cfg.move_to_dp) == ("auto", True, True)
     cfg = parse_additional_config({"fusedpar": {**AUTO, "decode_steps": 4}})
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.latency_goal_s, cfg.decode_steps) == ("auto", 2, True,
                                                                                                 10.0, 4)
@@ -131,10 +141,10 @@ def test_parse_dp_section():
     ({**AUTO, "step_times": {"dp2": "fast", "tp2": [[1, 0.1]]}}, "step_times['dp2'] must be a list of [tokens, "
                                                                 "seconds] pairs, got 'fast'"),
     ({**LOAD, "latency_goal_s": 1.0}, "latency_goal_s need policy \"auto\", got policy 'load'"),
-    ({**MIXED, "move_to_tp": True}, "move_to_tp=true needs policy \"load\", got policy 'priority'"),
+    ({**MIXED, "move_to_tp": True}, "move_to_tp=true needs policy \"load\" or \"auto\", got policy 'priority'"),
     ({**LOAD, "move_to_tp": 1}, "move_to_tp must be true or false, got 1"),
     ({**MIXED, "move_to_dp": True, "move_to_tp": "yes"}, "move_to_tp must be true or false, got 'yes'; move_to_dp=true "
-                                                         "needs policy \"load\", got policy 'priority'"),
+                                                         "needs policy \"load\" or \"auto\", got policy 'priority'"),
 ])
 def test_parse_rejects_dp_sections(section, needle):
     with pytest.raises(FusedparConfigError) as e:
@@ -383,6 +393,26 @@ def test_moves_both_ways_match_plain_vllm_tp2(models, tmp_path_factory):
     assert plain["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
     assert _engine(models, tmp_path_factory, "qwen3", MOVES, lengths=MOVES_LENGTHS,
                    arrivals=ARRIVALS)["tokens"] == plain["tokens"]
+
+
+@needs_vllm
+def test_auto_moves_decoding_requests_both_ways_with_their_kv(models, tmp_path_factory):
+    """Policy "auto" with move_to_dp and move_to_tp (AUTO_MOVES): the two first requests move to the DP ranks, one
+    each, when waiting prompts turn the answer to DP, and back into the TP/SP class with the next two when nothing
+    waits; tokens are the unsharded model's and plain vLLM TP=2's, nothing recomputed, every rank wrote moved KV, and
+    the executor timed the moves at start-up."""
+    fp = _engine(models, tmp_path_factory, "qwen3", AUTO_MOVES, lengths=MOVES_LENGTHS, arrivals=ARRIVALS)
+    assert fp["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
+    assert fp["tokens"] == _engine(models, tmp_path_factory, "qwen3", None, lengths=MOVES_LENGTHS,
+                                   arrivals=ARRIVALS)["tokens"]
+    assert "fusedpar DP: a KV move between the classes costs" in fp["log"]
+    per_rank = fp["stats"][0]
+    moved = set(per_rank[0]["moved_requests"])
+    assert {"0", "1", "2", "3"} <= {rid.split("-")[1] for rid in moved}, moved
+    assert all(s["kv_bytes_moved"] > 0 and s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+    first = {rid for rid in moved if rid.split("-")[1] in ("0", "1")}
+    assert [len(first & set(s["dp_requests"])) for s in per_rank] == [1, 1], per_rank
+    assert first <= set(per_rank[0]["tp_requests"]) and first <= set(per_rank[1]["tp_requests"]), per_rank
 
 
 def _check_switches(per_rank) -> None:
@@ -742,6 +772,56 @@ def test_admission_and_alternation():
                                                         DP_STEP, DP_STEP]
 
 
+def test_auto_with_moves_is_asked_at_decode_steps_and_charges_the_moves():
+    """AutoAdmission with moves answers at steps where nothing waits too (a change of answer moves the running
+    requests), and the switch cost it is given keeps the current class unless the other saves more."""
+    from fusedpar.integrations.vllm.dp_kv import TP_CLASS
+    from fusedpar.integrations.vllm.dp_scheduler import AutoAdmission
+
+    cfg = parse_additional_config({"fusedpar": AUTO_MOVES})
+
+    def run(steps, moves=True):
+        auto = AutoAdmission(2, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget=32, moves=moves)
+        answers = []
+        for running, waiting, prefill, switch_s in steps:
+            auto.observe(running, waiting, prefill, switch_s)
+            answers.append("tp" if auto.current is auto.tp_layout else "dp")
+        return answers
+
+    # AUTO_MOVES's comment: TP for 15 prompt tokens, DP for 108 with two running (1.99 s + 0.1 s < 2.12 s), TP when
+    # six decode (0.1 s + 0.5 s < 0.675 s)
+    steps = [(0, 2, 15, 0.0), (2, 0, 0, 0.0), (2, 4, 108, 0.1), (6, 0, 0, 0.5)]
+    assert run(steps) == ["tp", "tp", "dp", "tp"]
+    # a dearer move keeps the class: DP at 2.12 s - 1.99 s = 0.13 s or more, TP at 0.675 s - 0.1 s or more
+    assert run([(0, 2, 15, 0.0), (2, 4, 108, 0.14), (2, 4, 108, 0.12), (6, 0, 0, 0.58)]) == ["tp", "tp", "dp", "dp"]
+    # without moves it is asked only when requests wait, and charges nothing
+    assert run([(2, 4, 108, 5.0), (6, 0, 0, 0.0)], moves=False) == ["dp", "dp"]
+    auto = AutoAdmission(2, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget=32, moves=True)
+    auto.observe(0, 0, 0, 0.0)  # an idle engine: nothing to place or move
+    assert auto.place(0) == TP_CLASS
+
+
+def test_move_cost_fits_timed_moves():
+    from fusedpar.integrations.vllm.dp_move import MoveCost, time_moves
+
+    cost = MoveCost.fit([1 << 16, 1 << 23], [0.002, 0.002 + 0.001 * ((1 << 23) - (1 << 16)) / (1 << 20)])
+    assert cost.latency == pytest.approx(0.002 - 0.001 / 16) and cost.per_byte == pytest.approx(0.001 / (1 << 20))
+    assert cost.seconds(2, 1 << 20) == pytest.approx(2 * cost.latency + 0.001)
+    assert MoveCost.fit([10, 20], [0.5, 0.1]) == MoveCost(0.5, 0.0)  # never below 0
+    calls = []
+
+    def scatter(out, groups, src):
+        calls.append(("scatter", out.numel(), len(groups), src))
+
+    def gather(part, parts, dst):
+        calls.append(("gather", part.numel(), len(parts), dst))
+
+    seconds = time_moves(scatter, gather, 2, 0, [64, 800], iters=2)
+    assert len(seconds) == 2 and all(t >= 0 for t in seconds)
+    # per size one untimed and two timed moves each way, float32 parts of size / P bytes from / to rank 0
+    assert calls == [(k, n, 2, 0) for n in (8, 100) for _ in range(3) for k in ("scatter", "gather")]
+
+
 class _Pool:
     """A stand-in for one vLLM KVCacheManager in the move plan's tests: request id -> block ids, a free count."""
 
@@ -850,6 +930,29 @@ def test_move_plan_takes_decoding_tp_requests_to_the_dp_ranks_balanced():
     # the copied DP blocks are not zeroed after the copy; other new blocks are
     assert zero_without_moves({0: [20, 21, 22, 23], 1: [20, 21, 22, 23]}, moves) == {0: [21], 1: [23]}
     assert _move_scheduler(reqs, placement, {"x": [1]}, 0, dp_free=(6, 3), tp_blocks=tp_blocks)._move_to_dp() == []
+
+
+@needs_vllm
+def test_switch_cost_is_the_time_of_the_moves_a_change_would_make():
+    """Policy "auto" with moves charges a change of answer the timed cost of the moves it would make: from the TP/SP
+    class, its decoding movable requests' KV (every rank's) to the DP ranks; from DP, the decoding DP requests' into
+    the TP/SP class, but only while that class is idle (else nothing would move)."""
+    from fusedpar.integrations.vllm.dp_kv import TP_CLASS
+    from fusedpar.integrations.vllm.dp_move import MoveCost
+
+    reqs = [_request("a", 5, 9, 5), _request("p", 12, 8, 0), _request("d", 3, 4, 2), _request("pen", 3, 4, 2,
+                                                                                                seed=3)]
+    placement = {"a": TP_CLASS, "p": TP_CLASS, "d": 1, "pen": TP_CLASS}
+    sched = _move_scheduler(reqs, placement, {"d": [1]}, 0)
+    sched.move_cost, sched.kv_token_bytes = MoveCost(0.01, 1e-6), 100
+    assert sched._switch_seconds([]) == pytest.approx(0.01 + 9 * 100 * 1e-6)  # a alone: p prefills, pen is seeded
+    sched.admission.current = sched.admission.dp_layout
+    assert sched._switch_seconds([]) == 0.0  # the TP/SP class is busy: nothing would move into it
+    idle = _move_scheduler(reqs[2:3], {"d": 1}, {"d": [1]}, 0, current_tp=False)
+    idle.move_cost, idle.kv_token_bytes = MoveCost(0.01, 1e-6), 100
+    assert idle._switch_seconds([]) == pytest.approx(0.01 + 4 * 100 * 1e-6)
+    idle.move_cost = None  # moves not priced (policy "load", or "auto" without moves)
+    assert idle._switch_seconds([]) == 0.0
 
 
 @needs_vllm

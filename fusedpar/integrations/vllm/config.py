@@ -32,7 +32,7 @@ DP_POLICIES = ("dp", "priority", "load", "auto")  # the policies that run DP ste
 TP_CLASS_POLICIES = ("priority", "load", "auto")  # the policies with a TP/SP class beside the DP ranks
 AUTO_KEYS = ("step_times", "latency_goal_s", "decode_steps")  # policy "auto" only
 MOVE_KEYS = ("move_to_tp", "move_to_dp")  # live moves between the classes, each way
-MOVE_POLICIES = ("load",)  # the policies whose placement moves live requests
+MOVE_POLICIES = ("load", "auto")  # the policies whose placement moves live requests
 _DP_LAYOUT = re.compile(r"^dp(\d+)$")
 MAX_SHIFT_THRESHOLD = 2**31 - 1  # any value >= max_num_batched_tokens already means "always shift"
 FUSED_KERNEL_CHOICES = ("auto", True, False)
@@ -89,11 +89,13 @@ class FusedparVllmConfig:
     load_low, load_high: with policy "load", the hysteresis band of the engine's load (running + waiting
         requests) that places new requests (fusedpar.layers.layout_policy.LoadPolicy): from the TP/SP
         class to DP ranks when the load reaches load_high, back when it falls to load_low. None otherwise.
-    move_to_tp: with policy "load", whether a step at which the load has fallen to TP, the TP/SP class has no
-        requests and DP requests are decoding moves those requests, with their KV, into the TP/SP class
-        (dp_scheduler.MoveRule; their KV is copied, never recomputed). False: a request keeps its class.
-    move_to_dp: with policy "load", whether a step at which the load has risen to DP moves decoding TP/SP-class
-        requests, with their KV, to the DP ranks (balanced over the ranks whose pool holds them). False: they stay.
+    move_to_tp: with policy "load" or "auto", whether a step at which the load has fallen to TP (policy "auto": at
+        which it answers the TP/SP class), the TP/SP class has no requests and DP requests are decoding moves those
+        requests, with their KV, into the TP/SP class (dp_scheduler.MoveRule; their KV is copied, never
+        recomputed). False: a request keeps its class.
+    move_to_dp: with policy "load" or "auto", whether a step at which the load has risen to DP (policy "auto": at
+        which it answers DP) moves decoding TP/SP-class requests, with their KV, to the DP ranks (balanced over the
+        ranks whose pool holds them). False: they stay.
     step_times, latency_goal_s, decode_steps: with policy "auto", the step-time curves of the DP layout
         ("dp{P}") and of the TP/SP class ("tp{P}"): layout name -> ((tokens, seconds), ...) points,
         tokens strictly increasing; the TTFT goal for waiting requests in seconds; the decode steps each

@@ -21,7 +21,10 @@ and value somewhere in the block, and where is all a read needs.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -80,6 +83,66 @@ def move_kv(moves, caches: Sequence[torch.Tensor], P: int, dp_offset: int, rank:
             write(layer, key[layer].contiguous(), value[layer].contiguous(), slots)
         moved += 2 * key.numel() * key.element_size()
     return moved
+
+
+@dataclass(frozen=True)
+class MoveCost:
+    """What a step's KV moves cost in seconds: `latency` per moved request (its collective) and `per_byte` per byte
+    of KV it moves (every rank's part together), fitted to timed moves of scratch KV (time_moves)."""
+
+    latency: float
+    per_byte: float
+
+    def seconds(self, requests: int, nbytes: int) -> float:
+        return requests * self.latency + nbytes * self.per_byte
+
+    @classmethod
+    def fit(cls, sizes: Sequence[int], seconds: Sequence[float]) -> MoveCost:
+        """The line through the (bytes, seconds) of the smallest and the largest timed move, never below 0."""
+        (s0, t0), (s1, t1) = min(zip(sizes, seconds, strict=True)), max(zip(sizes, seconds, strict=True))
+        per_byte = max(0.0, (t1 - t0) / (s1 - s0)) if s1 > s0 else 0.0
+        return cls(max(0.0, t0 - per_byte * s0), per_byte)
+
+
+MOVE_PROBE_BYTES = (1 << 16, 1 << 23)  # the scratch moves time_moves times at engine start-up
+_MOVE_COSTS: dict[int, MoveCost] = {}  # id of an engine's VllmConfig -> its measured MoveCost
+
+
+def record_move_cost(vllm_config, cost: MoveCost) -> None:
+    """Keep the MoveCost measured for the engine of `vllm_config` (by its executor, dp_executor.DPExecutor) for that
+    engine's scheduler, built after the executor in the same process from the same config object."""
+    _MOVE_COSTS[id(vllm_config)] = cost
+
+
+def move_cost_of(vllm_config) -> MoveCost:
+    """The MoveCost recorded for the engine of `vllm_config`; RuntimeError when its executor measured none."""
+    cost = _MOVE_COSTS.get(id(vllm_config))
+    if cost is None:
+        raise RuntimeError("fusedpar DP: no KV move cost was measured for this engine (its executor is not fusedpar's "
+                           "DPExecutor, or the measurement at start-up did not run)")
+    return cost
+
+
+def time_moves(scatter: Callable[[torch.Tensor, list[torch.Tensor] | None, int], None],
+               gather: Callable[[torch.Tensor, list[torch.Tensor] | None, int], None], P: int, rank: int,
+               sizes: Sequence[int], device=None, iters: int = 3) -> list[float]:
+    """Seconds of one move of scratch KV of each size in `sizes` (bytes of every rank's part together): the mean of a
+    move into the TP/SP class (move_kv's scatter from rank 0) and one to a DP rank (move_kv_to_dp's gather to rank 0)
+    of float32 parts of size / P bytes each, the median of `iters` after one untimed; this rank's times (the caller
+    takes the slowest rank's). Collective over the group of scatter and gather: every rank calls it alike."""
+    out = []
+    for size in sizes:
+        part = torch.zeros(max(1, size // (4 * P)), dtype=torch.float32, device=device)
+        parts = [torch.empty_like(part) for _ in range(P)] if rank == 0 else None
+        times = []
+        for i in range(iters + 1):
+            t0 = time.perf_counter()
+            scatter(part, parts, 0)
+            gather(part, parts, 0)
+            if i:
+                times.append((time.perf_counter() - t0) / 2)
+        out.append(statistics.median(times))
+    return out
 
 
 def group_scatter(tp_group) -> Callable[[torch.Tensor, list[torch.Tensor] | None, int], None]:

@@ -24,17 +24,18 @@ TP/SP steps side by side (policies "priority", "load" and "auto").
   - the step's tag: each SchedulerOutput carries `fusedpar_dp` (a DPTag: the step's mode, the rank of
     every request of a DP step, the new DP blocks each rank must zero, the DP pools' offset in the
     buffer), pickled with it to the workers: every rank takes the step's mode from it (dp_worker.py);
-  - moves (policy "load" with move_to_tp / move_to_dp, `MoveRule`): at a step at which the load has fallen to
-    TP, the TP/SP class has no request and DP requests are decoding, those requests move into the TP/SP class
-    with their KV: the scheduler frees their DP blocks, allocates TP blocks for their computed tokens, makes the
-    step a TP step and puts the plan (`KVMove`: request, source rank, source DP blocks, destination TP blocks) in
-    the step's tag; every worker copies its kv-head group's slice of the source blocks into its TP blocks
+  - moves (policies "load" and "auto" with move_to_tp / move_to_dp, `MoveRule`; under "auto" read "the load" as "the
+    placement's answer", which then charges each change the time its moves would take): at a step at which the load
+    has fallen to TP, the TP/SP class has no request and DP requests are decoding, those requests move into the
+    TP/SP class with their KV: the scheduler frees their DP blocks, allocates TP blocks for their computed tokens,
+    makes the step a TP step and puts the plan (`KVMove`: request, source rank, source DP blocks, destination TP
+    blocks) in the step's tag; every worker copies its kv-head group's slice of the source blocks into its TP blocks
     before the step's forward (dp_move.py). The way back: at a step at which the load has risen to DP, decoding
     TP/SP-class requests move to the DP ranks (each to the rank with the fewest DP requests whose pool holds its
     blocks), the step a DP step, every rank's kv-head group of the TP blocks gathered into the destination's DP
-    blocks. The workers take a moved request as a new request whose prompt is its tokens so far and whose
-    computed tokens are kept (`as_new_request`), so nothing is recomputed; the source blocks are free for the
-    steps of their class after this step only (a step allocates no block of the other class);
+    blocks. The workers take a moved request as a new request whose prompt is its tokens so far and whose computed
+    tokens are kept (`as_new_request`), so nothing is recomputed; the source blocks are free for the steps of their
+    class after this step only (a step allocates no block of the other class);
   - no preemption: vLLM preempts by recompute and picks its victim among all running requests, which
     with per-class, per-rank pools may be in another pool than the full one; in this version a
     preemption is an error (give the engine more KV cache or fewer concurrent requests).
@@ -63,6 +64,7 @@ from fusedpar.layouts import ParallelLayout
 
 from .config import parse_additional_config
 from .dp_kv import TP_CLASS, KVSplit, RoutingKVCacheManager, outgrows_dp_pool
+from .dp_move import move_cost_of
 
 TAG = "fusedpar_dp"
 DP_STEP, TP_STEP = "dp", "tp"
@@ -118,7 +120,8 @@ def movable(request) -> bool:
 
 
 class MoveRule:
-    """When running requests move between the classes with their KV (policy "load" with move_to_tp / move_to_dp):
+    """When running requests move between the classes with their KV (policy "load" or "auto" with move_to_tp /
+    move_to_dp; under "auto" the load's answer is AutoAdmission's):
       - into the TP/SP class (to_tp): at the start of a step at which the placement answers the TP/SP class (the
         load has fallen to load_low), the class has no request (running or waiting) and DP requests are running;
         then every movable DP request (`movable`) whose blocks the TP pool can hold moves, in vLLM's running order;
@@ -134,16 +137,30 @@ class MoveRule:
         return self.to_tp or self.to_dp
 
     def candidates(self, admission: Admission, running, waiting, placement) -> list:
-        if not self.to_tp or getattr(admission, "current", None) is not getattr(admission, "tp_layout", False):
+        if getattr(admission, "current", None) is not getattr(admission, "tp_layout", False):
             return []
-        if any(placement.get(r.request_id) == TP_CLASS for r in itertools.chain(running, waiting)):
-            return []
-        return [r for r in running if placement.get(r.request_id, TP_CLASS) != TP_CLASS and movable(r)]
+        return self.movers(True, running, waiting, placement)
 
     def candidates_to_dp(self, admission: Admission, running, placement) -> list:
-        if not self.to_dp or getattr(admission, "current", None) is not getattr(admission, "dp_layout", False):
+        if getattr(admission, "current", None) is not getattr(admission, "dp_layout", False):
             return []
-        return [r for r in running if placement.get(r.request_id) == TP_CLASS and movable(r)]
+        return self.movers(False, running, (), placement)
+
+    def movers(self, to_tp: bool, running, waiting, placement) -> list:
+        """The requests that move into the TP/SP class (to_tp) or to the DP ranks at a step whose placement answers
+        that way, before the destination pools' room is checked."""
+        if not (self.to_tp if to_tp else self.to_dp):
+            return []
+        if to_tp and any(placement.get(r.request_id) == TP_CLASS for r in itertools.chain(running, waiting)):
+            return []
+        source = (lambda p: p is not None and p != TP_CLASS) if to_tp else (lambda p: p == TP_CLASS)
+        return [r for r in running if source(placement.get(r.request_id)) and movable(r)]
+
+
+def moves_priced(cfg) -> bool:
+    """Whether the section's placement charges its changes of answer the KV moves they make (policy "auto" with
+    move_to_tp or move_to_dp): its executor times KV moves at start-up (dp_executor.DPExecutor)."""
+    return cfg is not None and cfg.policy == "auto" and (cfg.move_to_tp or cfg.move_to_dp)
 
 
 def as_new_request(request, cached_index: int, c: CachedRequestData, block_ids) -> NewRequestData:
@@ -192,9 +209,10 @@ class Admission:
         self.tp_priority = tp_priority
         self._ranks = itertools.cycle(range(size))
 
-    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0) -> None:
+    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0, switch_s: float = 0.0) -> None:
         """The engine's requests at the start of a step and the prompt tokens its waiting requests have not
-        computed yet (placement by priority does not read them)."""
+        computed yet (placement by priority does not read them); switch_s: the seconds the moves a change of answer
+        would make take (read by policy "auto" with moves)."""
 
     def place(self, priority: int) -> int:
         if self.tp_priority is not None and priority <= self.tp_priority:
@@ -216,7 +234,7 @@ class LoadAdmission(Admission):
         self.policy = LoadPolicy(self.dp_layout, self.tp_layout, low=low, high=high, initial=self.tp_layout)
         self.current = self.tp_layout
 
-    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0) -> None:
+    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0, switch_s: float = 0.0) -> None:
         # LoadPolicy reads running and waiting; the step's token count is not known before it is scheduled
         self.current = self.policy.decide(StepFacts(scheduled_tokens=1, running=running, waiting=waiting),
                                           self.current)
@@ -231,26 +249,30 @@ class AutoAdmission(Admission):
     asked at each step that finds requests waiting, with the queue then: the step's tokens (the running
     requests' one token each and the waiting prompt tokens, within the engine's token budget), the running
     and waiting requests and the waiting prompt tokens. The requests first seen waiting at that step join the
-    class it answers. Placement moves nothing, so no switch cost enters the estimates. Starts in the TP/SP
-    class."""
+    class it answers. Without moves placement moves nothing, so no switch cost enters the estimates. With moves
+    (moves True: move_to_tp / move_to_dp) it is asked at every step that finds requests running or waiting, since
+    a change of answer moves the running requests (MoveRule), and each change costs the seconds those moves would
+    take (switch_s of observe). Starts in the TP/SP class."""
 
     at_arrival = False
 
-    def __init__(self, size: int, step_times, latency_goal_s: float, decode_steps: int, budget: int):
+    def __init__(self, size: int, step_times, latency_goal_s: float, decode_steps: int, budget: int,
+                 moves: bool = False):
         super().__init__(size)
         self.dp_layout, self.tp_layout = ParallelLayout(size, tp=1), ParallelLayout(size, tp=size)
         curves = dict(step_times)
         self.policy = AutoPolicy({self.dp_layout: curves[f"dp{size}"], self.tp_layout: curves[f"tp{size}"]},
                                  latency_goal_s=latency_goal_s, decode_steps=decode_steps, initial=self.tp_layout)
-        self.budget = budget
+        self.budget, self.moves = budget, moves
         self.current = self.tp_layout
 
-    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0) -> None:
-        if not waiting:
-            return  # nothing to place
+    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0, switch_s: float = 0.0) -> None:
+        if not waiting and not (self.moves and running):
+            return  # nothing to place or move
         tokens = max(1, min(self.budget, running + waiting_prefill_tokens))
         facts = StepFacts(scheduled_tokens=tokens, running=running, waiting=waiting,
                           waiting_prefill_tokens=waiting_prefill_tokens)
+        self.policy.switch_s = switch_s if self.moves else 0.0
         self.current = self.policy.decide(facts, self.current)
 
     def place(self, priority: int) -> int:
@@ -263,7 +285,7 @@ def admission_of(cfg, size: int, budget: int = 1) -> Admission:
     if cfg.policy == "load":
         return LoadAdmission(size, cfg.load_low, cfg.load_high)
     if cfg.policy == "auto":
-        return AutoAdmission(size, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget)
+        return AutoAdmission(size, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget, moves_priced(cfg))
     return Admission(size, cfg.tp_priority if cfg.policy == "priority" else None)
 
 
@@ -300,6 +322,10 @@ class DPScheduler(Scheduler):
         self.alternation = Alternation()
         self.step_mode = DP_STEP
         self.move_rule = MoveRule(cfg.move_to_tp, cfg.move_to_dp)
+        self.move_cost = move_cost_of(vllm_config) if moves_priced(cfg) else None
+        # KV bytes of one token over every rank: each layer's page (one block of this rank's kv heads) per token
+        self.kv_token_bytes = P * sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+                                      for g in kv_cache_config.kv_cache_groups) // self.block_size
         dp_pools = [self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.dp_blocks))
                     for _ in range(P)]
         tp_pool = (self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.tp_blocks))
@@ -340,10 +366,20 @@ class DPScheduler(Scheduler):
         step."""
         waiting = list(itertools.chain(self.waiting, self.kv_holding_waiting))
         prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in waiting)
-        self.admission.observe(len(self.running), len(waiting), prefill)
+        self.admission.observe(len(self.running), len(waiting), prefill, self._switch_seconds(waiting))
         for request in waiting:
             if request.request_id not in self.placement:
                 self.placement[request.request_id] = self.admission.place(request.priority)
+
+    def _switch_seconds(self, waiting) -> float:
+        """The seconds the moves a change of the placement's answer would make take (move_cost: timed at start-up):
+        the requests MoveRule would move the other way, their computed tokens' KV over every rank. 0 without priced
+        moves."""
+        if self.move_cost is None:
+            return 0.0
+        to_tp = self.admission.current is not self.admission.tp_layout
+        movers = self.move_rule.movers(to_tp, self.running, waiting, self.placement)
+        return self.move_cost.seconds(len(movers), self.kv_token_bytes * sum(r.num_computed_tokens for r in movers))
 
     # ---- the step's class ----------------------------------------------------------------------------
     def _mode_of(self, request_id: str) -> str:

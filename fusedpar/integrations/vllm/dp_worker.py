@@ -183,6 +183,21 @@ class DPWorker(CPUWorker):
                                                       group_gather(get_tp_group()), self._fp_block_layout)
         state.classes.moved.update(m.request_id for m in tag.moves)
 
+    def fusedpar_kv_move_seconds(self, sizes) -> list[float]:
+        """Seconds of one KV move of each size in `sizes` (bytes), the slowest rank's (dp_move.time_moves);
+        collective: the executor calls it on every rank."""
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
+
+        from .dp_move import group_gather, group_scatter, time_moves
+
+        tp = get_tp_group()
+        seconds = torch.tensor(time_moves(group_scatter(tp), group_gather(tp), tp.world_size,
+                                          get_tensor_model_parallel_rank(), sizes), dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=tp.cpu_group)
+        return seconds.tolist()
+
     def _fp_state(self):
         from .state import _require_state
 
