@@ -79,6 +79,9 @@ AUTO = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "auto", "late
 AUTO_MOVES = {**AUTO, "latency_goal_s": 100.0, "move_to_tp": True, "move_to_dp": True,
               "step_times": {"dp2": [[1, 0.65], [1024, 5.765]], "tp2": [[1, 0.025], [1024, 15.37]]}}
 
+# the same without step_times: the engine measures its curves at start-up
+AUTO_MEASURED = {k: v for k, v in AUTO_MOVES.items() if k != "step_times"}
+
 
 # ---- the section (no vLLM) -------------------------------------------------------------------------
 def test_parse_dp_section():
@@ -95,6 +98,8 @@ def test_parse_dp_section():
     assert (cfg.move_to_tp, cfg.move_to_dp) == (True, True)
     cfg = parse_additional_config({"fusedpar": AUTO_MOVES})
     assert (cfg.policy, cfg.move_to_tp, cfg.move_to_dp) == ("auto", True, True)
+    cfg = parse_additional_config({"fusedpar": AUTO_MEASURED})
+    assert (cfg.policy, cfg.step_times) == ("auto", ())  # measured at engine start-up
     cfg = parse_additional_config({"fusedpar": {**AUTO, "decode_steps": 4}})
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.latency_goal_s, cfg.decode_steps) == ("auto", 2, True,
                                                                                                 10.0, 4)
@@ -127,7 +132,7 @@ def test_parse_dp_section():
     ({**DP, "load_low": 1, "load_high": 4}, "load_low=1, load_high=4 need policy \"load\", got policy 'dp'"),
     ({**LOAD, "tp_priority": 0}, "tp_priority=0 needs policy \"priority\", got policy 'load'"),
     ({**AUTO, "layouts": []}, 'policy "auto" needs a DP layout in layouts'),
-    ({k: v for k, v in AUTO.items() if k != "step_times"}, "policy \"auto\" needs step_times with the step-time "
+    ({**AUTO, "step_times": None}, "policy \"auto\" needs step_times with the step-time "
                                                           "curves of ['dp2', 'tp2'] (layout name -> [[tokens, "
                                                           "seconds], ...]), got None"),
     ({**AUTO, "step_times": {"dp2": [[1, 0.1]]}}, "curves of ['dp2', 'tp2']"),
@@ -396,6 +401,7 @@ def test_moves_both_ways_match_plain_vllm_tp2(models, tmp_path_factory):
 
 
 @needs_vllm
+@pytest.mark.deep
 def test_auto_moves_decoding_requests_both_ways_with_their_kv(models, tmp_path_factory):
     """Policy "auto" with move_to_dp and move_to_tp (AUTO_MOVES): the two first requests move to the DP ranks, one
     each, when waiting prompts turn the answer to DP, and back into the TP/SP class with the next two when nothing
@@ -413,6 +419,92 @@ def test_auto_moves_decoding_requests_both_ways_with_their_kv(models, tmp_path_f
     first = {rid for rid in moved if rid.split("-")[1] in ("0", "1")}
     assert [len(first & set(s["dp_requests"])) for s in per_rank] == [1, 1], per_rank
     assert first <= set(per_rank[0]["tp_requests"]) and first <= set(per_rank[1]["tp_requests"]), per_rank
+
+
+@needs_vllm
+def test_auto_measures_its_curves_at_start_up(models, tmp_path_factory):
+    """Policy "auto" without step_times (AUTO_MEASURED): the engine measures both classes' step-time curves at
+    start-up through its own steps, logging each point, and then serves as with given curves: tokens are the
+    unsharded model's and plain vLLM TP=2's, nothing recomputed, and the stats count the workload alone (the
+    measurement steps are reset)."""
+    from fusedpar.integrations.vllm.dp_curves import points
+
+    fp = _engine(models, tmp_path_factory, "qwen3", AUTO_MEASURED, lengths=MOVES_LENGTHS, arrivals=ARRIVALS)
+    assert fp["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
+    assert fp["tokens"] == _engine(models, tmp_path_factory, "qwen3", None, lengths=MOVES_LENGTHS,
+                                   arrivals=ARRIVALS)["tokens"]
+    sizes = points(CHUNKED["max_num_batched_tokens"])
+    for i, n in enumerate(sizes):
+        for k, name in enumerate(("dp2", "tp2")):
+            line = (f"fusedpar auto: measuring step times at start-up: {name}, {n} tokens: ")
+            assert line in fp["log"] and f"({k * len(sizes) + i + 1} of {2 * len(sizes)} points)" in fp["log"], line
+    per_rank = fp["stats"][0]
+    assert all(s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+    batch = _prompts(lengths=MOVES_LENGTHS)[0]
+    assert (sum(s["dp_tokens"] for s in per_rank) + per_rank[0]["tp_tokens"]
+            == sum(map(len, batch)) + len(batch) * (MAX_TOKENS - 1)), per_rank
+    assert not any("fusedpar-measure" in rid for s in per_rank for rid in s["dp_requests"] + s["tp_requests"])
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_auto_names_a_failed_curve_measurement(models, tmp_path_factory):
+    """An engine whose start-up measurement cannot run a point (a 512-token DP step, 256 tokens per rank, in DP pools
+    of 128 tokens) does not start: the error names the class, the point, what was measured and the way out."""
+    work = tmp_path_factory.mktemp("dp_measure")
+    spec = {"model": models["qwen3"], "tensor_parallel_size": 2, "fusedpar": AUTO_MEASURED, "max_tokens": MAX_TOKENS,
+            "batches": _prompts(lengths=((5,),)), "enforce_eager": True,
+            "engine_args": {**CHUNKED, "max_num_batched_tokens": 512, **SMALL_KV}}
+    (work / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
+                           str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not (work / "out.json").exists(), log[-4000:]
+    for needle in ("CurveMeasurementError: fusedpar auto: measuring the step-time curves at engine start-up failed at "
+                   "dp2, 512 tokens", "measured so far: {'dp2': [(1, ", "Give the curves in the section's step_times"):
+        assert needle in log, log[-4000:]
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_auto_measures_its_curves_with_the_engine_core_in_its_own_process(models, tmp_path_factory):
+    fp = _engine(models, tmp_path_factory, "qwen3", AUTO_MEASURED, engine_process=True, lengths=MOVES_LENGTHS,
+                 arrivals=ARRIVALS)
+    assert fp["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
+    assert "fusedpar auto: measuring step times at start-up: tp2, 32 tokens: " in fp["log"]
+
+
+def test_curve_measurement_logs_each_point_and_fails_by_name():
+    from fusedpar.integrations.vllm.dp_curves import CurveMeasurementError, measure_curves, points
+
+    assert points(32) == (1, 16, 32) and points(512) == (1, 16, 64, 512) and points(1) == (1,)
+    runs, logged = [], []
+
+    def run_step(layout, tokens, index):
+        runs.append((layout, tokens, index))
+        return (0.5 if layout == "dp2" else 0.1) + tokens / 1000 + (1.0 if index % 3 == 0 else 0.0)  # warm-up slow
+
+    curves = measure_curves(run_step, 2, 32, log=lambda fmt, *a: logged.append(fmt % a))
+    # per point one untimed step, then two timed ones: the median of those
+    assert curves == {"dp2": [(1, 0.501), (16, 0.516), (32, 0.532)], "tp2": [(1, 0.101), (16, 0.116), (32, 0.132)]}
+    assert [r[:2] for r in runs[:4]] == [("dp2", 1)] * 3 + [("dp2", 16)] and len({r[2] for r in runs}) == 18
+    assert logged[-1] == "fusedpar auto: measuring step times at start-up: tp2, 32 tokens: 0.1320 s (6 of 6 points)"
+
+    def failing(layout, tokens, index):
+        if layout == "tp2" and tokens == 16:
+            raise RuntimeError("no blocks")
+        return 0.25
+
+    with pytest.raises(CurveMeasurementError) as e:
+        measure_curves(failing, 2, 32, log=lambda *a: None)
+    msg = str(e.value)
+    for needle in ("failed at tp2, 16 tokens (RuntimeError: no blocks)", "measured so far: {'dp2': [(1, 0.25), (16, "
+                   "0.25), (32, 0.25)], 'tp2': [(1, 0.25)]}", "Give the curves in the section's step_times"):
+        assert needle in msg, msg
+    ticks = iter(range(100))
+    with pytest.raises(CurveMeasurementError, match=r"failed at dp2, 16 tokens \(the measurement took more than 5 s\); "
+                                                    r"measured so far: \{'dp2': \[\(1, 0.25\)\]\}"):
+        measure_curves(failing, 2, 32, limit_s=5, clock=lambda: float(next(ticks)), log=lambda *a: None)
 
 
 def _check_switches(per_rank) -> None:

@@ -98,8 +98,9 @@ class FusedparVllmConfig:
         ranks whose pool holds them). False: they stay.
     step_times, latency_goal_s, decode_steps: with policy "auto", the step-time curves of the DP layout
         ("dp{P}") and of the TP/SP class ("tp{P}"): layout name -> ((tokens, seconds), ...) points,
-        tokens strictly increasing; the TTFT goal for waiting requests in seconds; the decode steps each
-        placement looks ahead (fusedpar.layers.layout_policy.AutoPolicy). Empty / None otherwise.
+        tokens strictly increasing (empty: the engine measures them at start-up, dp_curves.py); the TTFT goal
+        for waiting requests in seconds; the decode steps each placement looks ahead
+        (fusedpar.layers.layout_policy.AutoPolicy). Empty / None otherwise.
     """
 
     sequence_parallel_size: int
@@ -270,8 +271,8 @@ def _auto_problems(section: dict, policy: str, layouts: list, problems: list[str
     if not _is_int(steps) or steps < 0:
         problems.append(f"decode_steps must be an int >= 0 (decode steps each placement looks ahead), got {steps!r}")
     curves = section.get("step_times")
-    if dp is None:
-        return ()
+    if dp is None or "step_times" not in section:
+        return ()  # without step_times the engine measures the curves at start-up (dp_curves.py)
     names = [dp, "tp" + dp[2:]]
     if not isinstance(curves, dict) or sorted(curves) != sorted(names):
         problems.append(f'policy "auto" needs step_times with the step-time curves of {names} (layout name -> '

@@ -23,8 +23,9 @@ worker dies it records which (`DeadWorker`) and cancels the output queues, so a 
 `WorkerDiedError` naming the dead worker at once; vLLM's monitor still shuts the other workers down.
 
 Policy "auto" with live moves charges each change of its answer the time the moves it makes would take: once
-its workers are up, the executor times scratch KV moves of two sizes on them (dp_move.time_moves) and records
-the fitted cost (dp_move.MoveCost) for the engine's scheduler, built next in the same process.
+its workers are up, the executor times scratch KV moves of two sizes on them (dp_move.time_moves) and leaves
+the fitted cost (dp_move.MoveCost) for the engine's scheduler, built next in the same process (dp_handoff.py),
+beside itself (the scheduler of policy "auto" without step_times measures its curves through it).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.outputs import ModelRunnerOutput
 
 from .config import parse_additional_config
-from .dp_move import MOVE_PROBE_BYTES, MoveCost, record_move_cost
+from .dp_handoff import leave
+from .dp_move import MOVE_PROBE_BYTES, MoveCost
 from .dp_scheduler import TAG, TP_STEP, moves_priced
 
 logger = logging.getLogger("vllm.fusedpar")
@@ -145,10 +147,11 @@ class DPExecutor(MultiprocExecutor):
 
     def _init_executor(self) -> None:
         super()._init_executor()
+        leave(self.vllm_config, "executor", self, weak=True)
         if moves_priced(parse_additional_config(self.vllm_config.additional_config)):
             seconds = self.collective_rpc("fusedpar_kv_move_seconds", args=(MOVE_PROBE_BYTES,))[0]
             cost = MoveCost.fit(MOVE_PROBE_BYTES, seconds)
-            record_move_cost(self.vllm_config, cost)
+            leave(self.vllm_config, "move_cost", cost)
             logger.info("fusedpar DP: a KV move between the classes costs %.3f ms per request + %.3f ms per MiB "
                         "(timed at start-up)", 1e3 * cost.latency, 1e3 * cost.per_byte * (1 << 20))
 

@@ -105,22 +105,6 @@ class MoveCost:
 
 
 MOVE_PROBE_BYTES = (1 << 16, 1 << 23)  # the scratch moves time_moves times at engine start-up
-_MOVE_COSTS: dict[int, MoveCost] = {}  # id of an engine's VllmConfig -> its measured MoveCost
-
-
-def record_move_cost(vllm_config, cost: MoveCost) -> None:
-    """Keep the MoveCost measured for the engine of `vllm_config` (by its executor, dp_executor.DPExecutor) for that
-    engine's scheduler, built after the executor in the same process from the same config object."""
-    _MOVE_COSTS[id(vllm_config)] = cost
-
-
-def move_cost_of(vllm_config) -> MoveCost:
-    """The MoveCost recorded for the engine of `vllm_config`; RuntimeError when its executor measured none."""
-    cost = _MOVE_COSTS.get(id(vllm_config))
-    if cost is None:
-        raise RuntimeError("fusedpar DP: no KV move cost was measured for this engine (its executor is not fusedpar's "
-                           "DPExecutor, or the measurement at start-up did not run)")
-    return cost
 
 
 def time_moves(scatter: Callable[[torch.Tensor, list[torch.Tensor] | None, int], None],

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -63,8 +64,8 @@ from fusedpar.layers.layout_policy import AutoPolicy, LoadPolicy, StepFacts
 from fusedpar.layouts import ParallelLayout
 
 from .config import parse_additional_config
+from .dp_handoff import take
 from .dp_kv import TP_CLASS, KVSplit, RoutingKVCacheManager, outgrows_dp_pool
-from .dp_move import move_cost_of
 
 TAG = "fusedpar_dp"
 DP_STEP, TP_STEP = "dp", "tp"
@@ -279,13 +280,15 @@ class AutoAdmission(Admission):
         return TP_CLASS if self.current is self.tp_layout else next(self._ranks)
 
 
-def admission_of(cfg, size: int, budget: int = 1) -> Admission:
+def admission_of(cfg, size: int, budget: int = 1, step_times=None) -> Admission:
     """The placement rule of the section's policy; budget: the engine's token budget per step
-    (max_num_batched_tokens), which policy "auto" estimates steps with."""
+    (max_num_batched_tokens), which policy "auto" estimates steps with; step_times: policy "auto"'s curves when
+    the section gives none (measured at start-up, dp_curves.py)."""
     if cfg.policy == "load":
         return LoadAdmission(size, cfg.load_low, cfg.load_high)
     if cfg.policy == "auto":
-        return AutoAdmission(size, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget, moves_priced(cfg))
+        return AutoAdmission(size, step_times or cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget,
+                             moves_priced(cfg))
     return Admission(size, cfg.tp_priority if cfg.policy == "priority" else None)
 
 
@@ -318,11 +321,15 @@ class DPScheduler(Scheduler):
         self.dp_size = P
         self.split = KVSplit.of(kv_cache_config.num_blocks, P, tp_class=cfg.has_tp_class)
         self.placement: dict[str, int] = {}
-        self.admission = admission_of(cfg, P, self.scheduler_config.max_num_batched_tokens)
+        self.cfg = cfg
+        # policy "auto" without step_times: a placeholder until _measure_curves, at the end of __init__
+        self.curves_pending = cfg.policy == "auto" and not cfg.step_times
+        self.admission = (Admission(P) if self.curves_pending
+                          else admission_of(cfg, P, self.scheduler_config.max_num_batched_tokens))
         self.alternation = Alternation()
         self.step_mode = DP_STEP
         self.move_rule = MoveRule(cfg.move_to_tp, cfg.move_to_dp)
-        self.move_cost = move_cost_of(vllm_config) if moves_priced(cfg) else None
+        self.move_cost = take(vllm_config, "move_cost", "KV move cost") if moves_priced(cfg) else None
         # KV bytes of one token over every rank: each layer's page (one block of this rank's kv heads) per token
         self.kv_token_bytes = P * sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
                                       for g in kv_cache_config.kv_cache_groups) // self.block_size
@@ -331,6 +338,9 @@ class DPScheduler(Scheduler):
         tp_pool = (self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.tp_blocks))
                    if cfg.has_tp_class else None)
         self.kv_cache_manager = RoutingKVCacheManager(dp_pools, self.placement, tp_pool)
+        if self.curves_pending:
+            self._measure_curves(take(vllm_config, "executor", "executor"))
+            self.curves_pending = False
 
     def _make_pool(self, kv_cache_config) -> KVCacheManager:
         # the arguments of vLLM's own manager (Scheduler.__init__), on one pool's blocks
@@ -498,6 +508,56 @@ class DPScheduler(Scheduler):
                     mode=self.step_mode, dp_offset=self.split.dp_offset, moves=tuple(moves))
         setattr(out, TAG, tag)
         return out
+
+    # ---- policy "auto"'s curves, measured at start-up ---------------------------------------------------------
+    def _measure_curves(self, executor) -> None:
+        """Measure policy "auto"'s step-time curves through the engine's executor (its workers and KV cache are up,
+        the engine serves nothing yet) and place requests by them (dp_curves.py): each point's requests, placed by
+        hand, run as the engine core runs a step (`_step`); the workers' stats are reset afterwards."""
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        from .dp_curves import measure_curves
+
+        vocab = self.vllm_config.model_config.get_vocab_size()
+        budget = self.scheduler_config.max_num_batched_tokens
+
+        def run_step(layout: str, tokens: int, index: int) -> float:
+            dp = layout.startswith("dp")
+            count = self.dp_size if dp else 1
+            rids = [f"fusedpar-measure-{index}-{r}" for r in range(count)]
+            for r, rid in enumerate(rids):
+                ids = [(7 * index + 13 * r + 31 * t) % vocab for t in range(-(-tokens // count))]
+                params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+                self.placement[rid] = r if dp else TP_CLASS
+                self.add_request(Request(rid, ids, params, None))
+            t0 = time.perf_counter()
+            self._step(executor)
+            seconds = time.perf_counter() - t0
+            left = [rid for rid in rids if rid in self.requests]
+            if left:
+                raise RuntimeError(f"requests {left} of a {tokens}-token step did not finish in that step")
+            for _ in range(2):  # the finished requests' ids reach the workers in the next (empty) step
+                if self.has_requests():
+                    self._step(executor)
+            if self.has_requests():
+                raise RuntimeError(f"the scheduler still holds requests after a {tokens}-token step and two more")
+            return seconds
+
+        curves = measure_curves(run_step, self.dp_size, budget)
+        step_times = tuple((name, tuple(points)) for name, points in curves.items())
+        self.admission = admission_of(self.cfg, self.dp_size, budget, step_times)
+        self.alternation = Alternation()
+        executor.collective_rpc("fusedpar_reset_stats")
+
+    def _step(self, executor) -> None:
+        """One step as vLLM's EngineCore.step runs it (vllm/v1/engine/core.py): schedule, execute, sample where the
+        workers answered None, update from the output."""
+        out = self.schedule()
+        result = executor.execute_model(out)
+        if result is None:
+            result = executor.sample_tokens(self.get_grammar_bitmask(out))
+        self.update_from_output(out, result)
 
     def _preempt_request(self, request, *args, **kwargs) -> None:
         kv = self.kv_cache_manager
