@@ -54,6 +54,14 @@ LOAD_CLASSES = ("dp", "tp", "tp")
 # policy "load" moving live requests: the first batch's 7 requests start on the DP ranks; once 4 of them have
 # finished the load is at load_low, the TP/SP class is idle, and the ones still decoding move into it with their KV
 MOVE = {**LOAD, "move_to_tp": True}
+# moves both ways, with requests arriving while others decode (ARRIVALS: the engine step each prompt arrives at): the
+# first two prompts arrive alone (load 2: the TP/SP class) and decode; at step 3 four more arrive (load 6 >= load_high:
+# DP), so the two decoding TP/SP-class requests move to the DP ranks, one to each; once the first four have finished
+# the load is at load_low and the TP/SP class idle, and the two long prompts, still decoding on their DP ranks (their
+# prefill took several 32-token steps), move back into the TP/SP class
+MOVES = {**LOAD, "move_to_tp": True, "move_to_dp": True}
+MOVES_LENGTHS = ((6, 9, 3, 5, 40, 60),)
+ARRIVALS = [[0, 0, 3, 3, 3, 3]]
 # policy "auto" on the same batches, with step-time curves near t = a + b n: the DP layout (a = 0.0645 s, b =
 # 0.0005 s per token) and the TP/SP class (a = 0.001 s, b = 0.0015 s per token). A placement's TTFT estimate is one
 # step of min(32, W) tokens (the budget) and then the W waiting prompt tokens: 2 a + b (32 + W), so DP answers from
@@ -62,6 +70,17 @@ MOVE = {**LOAD, "move_to_tp": True}
 AUTO = {"sequence_parallel_size": 2, "layouts": ["dp2"], "policy": "auto", "latency_goal_s": 10.0,
         "step_times": {"dp2": [[1, 0.065], [1024, 0.5765]], "tp2": [[1, 0.0025], [1024, 1.537]]},
         "shift_threshold": 8}
+# policy "auto" moving live requests both ways on MOVES_LENGTHS / ARRIVALS, with AUTO's curves ten times slower (so
+# that the moves' cost, timed at start-up, stays far below the margins): the first two prompts (15 tokens) go to the
+# TP/SP class; at step 3 the 108 waiting prompt tokens make it answer DP (estimates 1.99 s + the moves' cost against
+# 2.12 s), so the two decoding TP/SP-class requests move to the DP ranks, one each; at the next step nothing waits and
+# six decode steps cost 0.1 s in the TP/SP class against 0.675 s on the DP ranks, so the decoding DP requests move
+# into the idle TP/SP class
+AUTO_MOVES = {**AUTO, "latency_goal_s": 100.0, "move_to_tp": True, "move_to_dp": True,
+              "step_times": {"dp2": [[1, 0.65], [1024, 5.765]], "tp2": [[1, 0.025], [1024, 15.37]]}}
+
+# the same without step_times: the engine measures its curves at start-up
+AUTO_MEASURED = {k: v for k, v in AUTO_MOVES.items() if k != "step_times"}
 
 
 # ---- the section (no vLLM) -------------------------------------------------------------------------
@@ -74,7 +93,13 @@ def test_parse_dp_section():
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.tp_priority) == ("priority", 2, True, -3)
     cfg = parse_additional_config({"fusedpar": LOAD})
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.load_low, cfg.load_high) == ("load", 2, True, 3, 4)
-    assert not cfg.move_to_tp and parse_additional_config({"fusedpar": MOVE}).move_to_tp
+    assert not cfg.move_to_tp and not cfg.move_to_dp and parse_additional_config({"fusedpar": MOVE}).move_to_tp
+    cfg = parse_additional_config({"fusedpar": MOVES})
+    assert (cfg.move_to_tp, cfg.move_to_dp) == (True, True)
+    cfg = parse_additional_config({"fusedpar": AUTO_MOVES})
+    assert (cfg.policy, cfg.move_to_tp, cfg.move_to_dp) == ("auto", True, True)
+    cfg = parse_additional_config({"fusedpar": AUTO_MEASURED})
+    assert (cfg.policy, cfg.step_times) == ("auto", ())  # measured at engine start-up
     cfg = parse_additional_config({"fusedpar": {**AUTO, "decode_steps": 4}})
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.latency_goal_s, cfg.decode_steps) == ("auto", 2, True,
                                                                                                 10.0, 4)
@@ -107,7 +132,7 @@ def test_parse_dp_section():
     ({**DP, "load_low": 1, "load_high": 4}, "load_low=1, load_high=4 need policy \"load\", got policy 'dp'"),
     ({**LOAD, "tp_priority": 0}, "tp_priority=0 needs policy \"priority\", got policy 'load'"),
     ({**AUTO, "layouts": []}, 'policy "auto" needs a DP layout in layouts'),
-    ({k: v for k, v in AUTO.items() if k != "step_times"}, "policy \"auto\" needs step_times with the step-time "
+    ({**AUTO, "step_times": None}, "policy \"auto\" needs step_times with the step-time "
                                                           "curves of ['dp2', 'tp2'] (layout name -> [[tokens, "
                                                           "seconds], ...]), got None"),
     ({**AUTO, "step_times": {"dp2": [[1, 0.1]]}}, "curves of ['dp2', 'tp2']"),
@@ -121,8 +146,10 @@ def test_parse_dp_section():
     ({**AUTO, "step_times": {"dp2": "fast", "tp2": [[1, 0.1]]}}, "step_times['dp2'] must be a list of [tokens, "
                                                                 "seconds] pairs, got 'fast'"),
     ({**LOAD, "latency_goal_s": 1.0}, "latency_goal_s need policy \"auto\", got policy 'load'"),
-    ({**MIXED, "move_to_tp": True}, "move_to_tp=true needs policy \"load\", got policy 'priority'"),
+    ({**MIXED, "move_to_tp": True}, "move_to_tp=true needs policy \"load\" or \"auto\", got policy 'priority'"),
     ({**LOAD, "move_to_tp": 1}, "move_to_tp must be true or false, got 1"),
+    ({**MIXED, "move_to_dp": True, "move_to_tp": "yes"}, "move_to_tp must be true or false, got 'yes'; move_to_dp=true "
+                                                         "needs policy \"load\" or \"auto\", got policy 'priority'"),
 ])
 def test_parse_rejects_dp_sections(section, needle):
     with pytest.raises(FusedparConfigError) as e:
@@ -191,14 +218,15 @@ _RESULTS: dict[tuple, dict] = {}
 
 
 def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP, *, engine_process: bool = False,
-            priorities=None, lengths=LENGTHS, engine_args=None, record_errors: bool = False) -> dict:
+            priorities=None, lengths=LENGTHS, engine_args=None, record_errors: bool = False, arrivals=None) -> dict:
     """The engine's result; engine_process: its engine core in a process of its own (vLLM's default; the
     harness runs it in process), so the classes and the scheduler's tag cross one more process boundary;
     priorities: vLLM's priority of every prompt, per batch (vLLM's priority scheduling); lengths: the prompts'
     (_prompts); engine_args: more LLM(...) keywords; record_errors: a batch whose generate raises gets its
-    error in "errors" (vllm_engine.py) instead of failing the engine."""
+    error in "errors" (vllm_engine.py) instead of failing the engine; arrivals: the engine step each prompt
+    arrives at, per batch (vllm_engine.staggered)."""
     key = (family, json.dumps(fusedpar), engine_process, json.dumps(priorities), json.dumps(lengths),
-           json.dumps(engine_args), record_errors)
+           json.dumps(engine_args), record_errors, json.dumps(arrivals))
     if key not in _RESULTS:
         work = tmp_path_factory.mktemp("dp_engine")
         engine_args = {**CHUNKED, **(engine_args or {})}
@@ -206,7 +234,7 @@ def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP, *
             engine_args["scheduling_policy"] = "priority"
         spec = {"model": models[family], "tensor_parallel_size": 2, "fusedpar": fusedpar, "max_tokens": MAX_TOKENS,
                 "batches": _prompts(lengths=lengths), "enforce_eager": True, "engine_args": engine_args,
-                "priorities": priorities, "record_errors": record_errors}
+                "priorities": priorities, "record_errors": record_errors, "arrivals": arrivals}
         (work / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if engine_process else None
         proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
@@ -336,6 +364,147 @@ def test_load_moves_decoding_requests_into_the_tp_class_with_their_kv(models, tm
     assert (sum(s["dp_tokens"] for s in first) + first[0]["tp_tokens"]
             == sum(map(len, batch)) + len(batch) * (MAX_TOKENS - 1)), first
     assert all(s["recomputed_tokens"] == 0 for per_rank in fp["stats"] for s in per_rank)
+
+
+@needs_vllm
+def test_load_moves_decoding_requests_both_ways_with_their_kv(models, tmp_path_factory):
+    """Policy "load" with move_to_dp and move_to_tp (MOVES): the first two requests start in the TP/SP class and move
+    to the DP ranks, one each, when the load rises; the two long ones start on DP ranks and move into the TP/SP class
+    when it falls. Each move copies the KV (no re-prefill): tokens are the unsharded model's and plain vLLM TP=2's,
+    nothing recomputed, every rank wrote moved KV, and each moved request ran in both classes."""
+    fp = _engine(models, tmp_path_factory, "qwen3", MOVES, lengths=MOVES_LENGTHS, arrivals=ARRIVALS)
+    assert fp["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
+    per_rank = fp["stats"][0]
+    moved = set(per_rank[0]["moved_requests"])
+    assert all(set(s["moved_requests"]) == moved for s in per_rank), per_rank
+    assert {rid.split("-")[1] for rid in moved} == {"0", "1", "4", "5"}, moved  # b0-<index>[-suffix]
+    assert all(s["kv_bytes_moved"] > 0 and s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+    tp = set(per_rank[0]["tp_requests"])
+    assert all(set(s["tp_requests"]) == tp for s in per_rank), per_rank
+    for rid in moved:  # on one DP rank for a while, in the TP/SP class on every rank for a while
+        assert sum(rid in s["dp_requests"] for s in per_rank) == 1 and rid in tp, per_rank
+    # balanced: each DP rank took one of the two requests that moved to the DP ranks
+    first = {rid for rid in moved if rid.split("-")[1] in ("0", "1")}
+    assert [len(first & set(s["dp_requests"])) for s in per_rank] == [1, 1], per_rank
+    # every prompt token and every fed-back token computed once, in one class or the other
+    batch = _prompts(lengths=MOVES_LENGTHS)[0]
+    assert (sum(s["dp_tokens"] for s in per_rank) + per_rank[0]["tp_tokens"]
+            == sum(map(len, batch)) + len(batch) * (MAX_TOKENS - 1)), per_rank
+
+
+@needs_vllm
+def test_moves_both_ways_match_plain_vllm_tp2(models, tmp_path_factory):
+    plain = _engine(models, tmp_path_factory, "qwen3", None, lengths=MOVES_LENGTHS, arrivals=ARRIVALS)
+    assert plain["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
+    assert _engine(models, tmp_path_factory, "qwen3", MOVES, lengths=MOVES_LENGTHS,
+                   arrivals=ARRIVALS)["tokens"] == plain["tokens"]
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_auto_moves_decoding_requests_both_ways_with_their_kv(models, tmp_path_factory):
+    """Policy "auto" with move_to_dp and move_to_tp (AUTO_MOVES): the two first requests move to the DP ranks, one
+    each, when waiting prompts turn the answer to DP, and back into the TP/SP class with the next two when nothing
+    waits; tokens are the unsharded model's and plain vLLM TP=2's, nothing recomputed, every rank wrote moved KV, and
+    the executor timed the moves at start-up."""
+    fp = _engine(models, tmp_path_factory, "qwen3", AUTO_MOVES, lengths=MOVES_LENGTHS, arrivals=ARRIVALS)
+    assert fp["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
+    assert fp["tokens"] == _engine(models, tmp_path_factory, "qwen3", None, lengths=MOVES_LENGTHS,
+                                   arrivals=ARRIVALS)["tokens"]
+    assert "fusedpar DP: a KV move between the classes costs" in fp["log"]
+    per_rank = fp["stats"][0]
+    moved = set(per_rank[0]["moved_requests"])
+    assert {"0", "1", "2", "3"} <= {rid.split("-")[1] for rid in moved}, moved
+    assert all(s["kv_bytes_moved"] > 0 and s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+    first = {rid for rid in moved if rid.split("-")[1] in ("0", "1")}
+    assert [len(first & set(s["dp_requests"])) for s in per_rank] == [1, 1], per_rank
+    assert first <= set(per_rank[0]["tp_requests"]) and first <= set(per_rank[1]["tp_requests"]), per_rank
+
+
+@needs_vllm
+def test_auto_measures_its_curves_at_start_up(models, tmp_path_factory):
+    """Policy "auto" without step_times (AUTO_MEASURED): the engine measures both classes' step-time curves at
+    start-up through its own steps, logging each point, and then serves as with given curves: tokens are the
+    unsharded model's and plain vLLM TP=2's, nothing recomputed, and the stats count the workload alone (the
+    measurement steps are reset)."""
+    from fusedpar.integrations.vllm.dp_curves import points
+
+    fp = _engine(models, tmp_path_factory, "qwen3", AUTO_MEASURED, lengths=MOVES_LENGTHS, arrivals=ARRIVALS)
+    assert fp["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
+    assert fp["tokens"] == _engine(models, tmp_path_factory, "qwen3", None, lengths=MOVES_LENGTHS,
+                                   arrivals=ARRIVALS)["tokens"]
+    sizes = points(CHUNKED["max_num_batched_tokens"])
+    for i, n in enumerate(sizes):
+        for k, name in enumerate(("dp2", "tp2")):
+            line = (f"fusedpar auto: measuring step times at start-up: {name}, {n} tokens: ")
+            assert line in fp["log"] and f"({k * len(sizes) + i + 1} of {2 * len(sizes)} points)" in fp["log"], line
+    per_rank = fp["stats"][0]
+    assert all(s["recomputed_tokens"] == 0 for s in per_rank), per_rank
+    batch = _prompts(lengths=MOVES_LENGTHS)[0]
+    assert (sum(s["dp_tokens"] for s in per_rank) + per_rank[0]["tp_tokens"]
+            == sum(map(len, batch)) + len(batch) * (MAX_TOKENS - 1)), per_rank
+    assert not any("fusedpar-measure" in rid for s in per_rank for rid in s["dp_requests"] + s["tp_requests"])
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_auto_names_a_failed_curve_measurement(models, tmp_path_factory):
+    """An engine whose start-up measurement cannot run a point (a 512-token DP step, 256 tokens per rank, in DP pools
+    of 128 tokens) does not start: the error names the class, the point, what was measured and the way out."""
+    work = tmp_path_factory.mktemp("dp_measure")
+    spec = {"model": models["qwen3"], "tensor_parallel_size": 2, "fusedpar": AUTO_MEASURED, "max_tokens": MAX_TOKENS,
+            "batches": _prompts(lengths=((5,),)), "enforce_eager": True,
+            "engine_args": {**CHUNKED, "max_num_batched_tokens": 512, **SMALL_KV}}
+    (work / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
+                           str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not (work / "out.json").exists(), log[-4000:]
+    for needle in ("CurveMeasurementError: fusedpar auto: measuring the step-time curves at engine start-up failed at "
+                   "dp2, 512 tokens", "measured so far: {'dp2': [(1, ", "Give the curves in the section's step_times"):
+        assert needle in log, log[-4000:]
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_auto_measures_its_curves_with_the_engine_core_in_its_own_process(models, tmp_path_factory):
+    fp = _engine(models, tmp_path_factory, "qwen3", AUTO_MEASURED, engine_process=True, lengths=MOVES_LENGTHS,
+                 arrivals=ARRIVALS)
+    assert fp["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
+    assert "fusedpar auto: measuring step times at start-up: tp2, 32 tokens: " in fp["log"]
+
+
+def test_curve_measurement_logs_each_point_and_fails_by_name():
+    from fusedpar.integrations.vllm.dp_curves import CurveMeasurementError, measure_curves, points
+
+    assert points(32) == (1, 16, 32) and points(512) == (1, 16, 64, 512) and points(1) == (1,)
+    runs, logged = [], []
+
+    def run_step(layout, tokens, index):
+        runs.append((layout, tokens, index))
+        return (0.5 if layout == "dp2" else 0.1) + tokens / 1000 + (1.0 if index % 3 == 0 else 0.0)  # warm-up slow
+
+    curves = measure_curves(run_step, 2, 32, log=lambda fmt, *a: logged.append(fmt % a))
+    # per point one untimed step, then two timed ones: the median of those
+    assert curves == {"dp2": [(1, 0.501), (16, 0.516), (32, 0.532)], "tp2": [(1, 0.101), (16, 0.116), (32, 0.132)]}
+    assert [r[:2] for r in runs[:4]] == [("dp2", 1)] * 3 + [("dp2", 16)] and len({r[2] for r in runs}) == 18
+    assert logged[-1] == "fusedpar auto: measuring step times at start-up: tp2, 32 tokens: 0.1320 s (6 of 6 points)"
+
+    def failing(layout, tokens, index):
+        if layout == "tp2" and tokens == 16:
+            raise RuntimeError("no blocks")
+        return 0.25
+
+    with pytest.raises(CurveMeasurementError) as e:
+        measure_curves(failing, 2, 32, log=lambda *a: None)
+    msg = str(e.value)
+    for needle in ("failed at tp2, 16 tokens (RuntimeError: no blocks)", "measured so far: {'dp2': [(1, 0.25), (16, "
+                   "0.25), (32, 0.25)], 'tp2': [(1, 0.25)]}", "Give the curves in the section's step_times"):
+        assert needle in msg, msg
+    ticks = iter(range(100))
+    with pytest.raises(CurveMeasurementError, match=r"failed at dp2, 16 tokens \(the measurement took more than 5 s\); "
+                                                    r"measured so far: \{'dp2': \[\(1, 0.25\)\]\}"):
+        measure_curves(failing, 2, 32, limit_s=5, clock=lambda: float(next(ticks)), log=lambda *a: None)
 
 
 def _check_switches(per_rank) -> None:
@@ -695,6 +864,56 @@ def test_admission_and_alternation():
                                                         DP_STEP, DP_STEP]
 
 
+def test_auto_with_moves_is_asked_at_decode_steps_and_charges_the_moves():
+    """AutoAdmission with moves answers at steps where nothing waits too (a change of answer moves the running
+    requests), and the switch cost it is given keeps the current class unless the other saves more."""
+    from fusedpar.integrations.vllm.dp_kv import TP_CLASS
+    from fusedpar.integrations.vllm.dp_scheduler import AutoAdmission
+
+    cfg = parse_additional_config({"fusedpar": AUTO_MOVES})
+
+    def run(steps, moves=True):
+        auto = AutoAdmission(2, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget=32, moves=moves)
+        answers = []
+        for running, waiting, prefill, switch_s in steps:
+            auto.observe(running, waiting, prefill, switch_s)
+            answers.append("tp" if auto.current is auto.tp_layout else "dp")
+        return answers
+
+    # AUTO_MOVES's comment: TP for 15 prompt tokens, DP for 108 with two running (1.99 s + 0.1 s < 2.12 s), TP when
+    # six decode (0.1 s + 0.5 s < 0.675 s)
+    steps = [(0, 2, 15, 0.0), (2, 0, 0, 0.0), (2, 4, 108, 0.1), (6, 0, 0, 0.5)]
+    assert run(steps) == ["tp", "tp", "dp", "tp"]
+    # a dearer move keeps the class: DP at 2.12 s - 1.99 s = 0.13 s or more, TP at 0.675 s - 0.1 s or more
+    assert run([(0, 2, 15, 0.0), (2, 4, 108, 0.14), (2, 4, 108, 0.12), (6, 0, 0, 0.58)]) == ["tp", "tp", "dp", "dp"]
+    # without moves it is asked only when requests wait, and charges nothing
+    assert run([(2, 4, 108, 5.0), (6, 0, 0, 0.0)], moves=False) == ["dp", "dp"]
+    auto = AutoAdmission(2, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget=32, moves=True)
+    auto.observe(0, 0, 0, 0.0)  # an idle engine: nothing to place or move
+    assert auto.place(0) == TP_CLASS
+
+
+def test_move_cost_fits_timed_moves():
+    from fusedpar.integrations.vllm.dp_move import MoveCost, time_moves
+
+    cost = MoveCost.fit([1 << 16, 1 << 23], [0.002, 0.002 + 0.001 * ((1 << 23) - (1 << 16)) / (1 << 20)])
+    assert cost.latency == pytest.approx(0.002 - 0.001 / 16) and cost.per_byte == pytest.approx(0.001 / (1 << 20))
+    assert cost.seconds(2, 1 << 20) == pytest.approx(2 * cost.latency + 0.001)
+    assert MoveCost.fit([10, 20], [0.5, 0.1]) == MoveCost(0.5, 0.0)  # never below 0
+    calls = []
+
+    def scatter(out, groups, src):
+        calls.append(("scatter", out.numel(), len(groups), src))
+
+    def gather(part, parts, dst):
+        calls.append(("gather", part.numel(), len(parts), dst))
+
+    seconds = time_moves(scatter, gather, 2, 0, [64, 800], iters=2)
+    assert len(seconds) == 2 and all(t >= 0 for t in seconds)
+    # per size one untimed and two timed moves each way, float32 parts of size / P bytes from / to rank 0
+    assert calls == [(k, n, 2, 0) for n in (8, 100) for _ in range(3) for k in ("scatter", "gather")]
+
+
 class _Pool:
     """A stand-in for one vLLM KVCacheManager in the move plan's tests: request id -> block ids, a free count."""
 
@@ -717,9 +936,10 @@ class _Pool:
         return ids
 
 
-def _move_scheduler(requests, placement, dp_blocks, tp_free, *, current_tp=True):
+def _move_scheduler(requests, placement, dp_blocks, tp_free, *, current_tp=True, dp_free=(0, 0), tp_blocks=None):
     from types import SimpleNamespace
 
+    from fusedpar.integrations.vllm.dp_kv import TP_CLASS
     from fusedpar.integrations.vllm.dp_scheduler import DPScheduler, LoadAdmission, MoveRule
 
     sched = object.__new__(DPScheduler)
@@ -727,11 +947,14 @@ def _move_scheduler(requests, placement, dp_blocks, tp_free, *, current_tp=True)
     sched.admission = LoadAdmission(2, 1, 3)
     if not current_tp:
         sched.admission.current = sched.admission.dp_layout
-    sched.move_rule = MoveRule(True)
+    sched.move_rule = MoveRule(True, True)
     sched.running, sched.waiting, sched.kv_holding_waiting = list(requests), [], []
-    sched.block_size = 4
-    pools = [_Pool({r: b for r, b in dp_blocks.items() if placement[r] == k}, 0) for k in range(2)]
-    sched.kv_cache_manager = SimpleNamespace(dp_pools=pools, tp_pool=_Pool({}, tp_free))
+    sched.block_size, sched.dp_size = 4, 2
+    sched.scheduler_config = SimpleNamespace(max_num_batched_tokens=32)
+    pools = [_Pool({r: b for r, b in dp_blocks.items() if placement[r] == k}, dp_free[k], next_id=20)
+             for k in range(2)]
+    tp = _Pool({r: b for r, b in (tp_blocks or {}).items() if placement[r] == TP_CLASS}, tp_free)
+    sched.kv_cache_manager = SimpleNamespace(dp_pools=pools, tp_pool=tp)
     return sched
 
 
@@ -773,6 +996,58 @@ def test_move_plan_takes_decoding_dp_requests_into_the_tp_pool():
 
 
 @needs_vllm
+def test_move_plan_takes_decoding_tp_requests_to_the_dp_ranks_balanced():
+    """The way back, at a step whose load answers DP: each decoding TP/SP-class request goes to the DP rank with the
+    fewest DP requests among those whose pool holds its computed tokens and the next one, its TP blocks freed and
+    paired with as many DP blocks; one whose blocks no DP pool holds, one still in prefill and one whose sampling
+    reads its outputs stay; the moved go first in vLLM's running order. Nothing moves while the load answers TP."""
+    from fusedpar.integrations.vllm.dp_kv import TP_CLASS
+    from fusedpar.integrations.vllm.dp_scheduler import KVMove, zero_without_moves
+
+    reqs = [_request("x", 2, 2, 0), _request("a", 5, 9, 5), _request("p", 12, 8, 0), _request("b", 3, 4, 2),
+            _request("c", 6, 7, 2), _request("big", 30, 40, 11), _request("pen", 3, 4, 2, frequency_penalty=0.5)]
+    placement = {"x": 0, "a": TP_CLASS, "p": TP_CLASS, "b": TP_CLASS, "c": TP_CLASS, "big": TP_CLASS,
+                 "pen": TP_CLASS}
+    tp_blocks = {"a": [3, 5, 7], "p": [1, 2], "b": [4], "c": [8, 9], "big": list(range(10, 20)), "pen": [6]}
+    sched = _move_scheduler(reqs, placement, {"x": [1]}, 0, current_tp=False, dp_free=(6, 3), tp_blocks=tp_blocks)
+    moves = sched._move_to_dp()
+    # a: 9 tokens, 3 blocks (10 with the next) -> rank 1 (no DP request yet), which it fills; b: 4 tokens in 1 block
+    # (5: 2 blocks) -> rank 0 (one request each: the lower rank); c: 7 tokens (8: 2 blocks) -> rank 0 (rank 1 is full,
+    # though it has fewer requests); big (41 tokens: 11 blocks) fits no DP pool
+    assert moves == [KVMove("a", 1, (20, 21, 22), (3, 5, 7), 9), KVMove("b", 0, (20,), (4,), 4),
+                     KVMove("c", 0, (22, 23), (8, 9), 7)]
+    assert sched.placement == {**placement, "a": 1, "b": 0, "c": 0}
+    assert [r.request_id for r in sched.running] == ["a", "b", "c", "x", "p", "big", "pen"]
+    assert sched.kv_cache_manager.tp_pool.free_blocks == 6 and "big" in sched.kv_cache_manager.tp_pool.blocks
+    # the copied DP blocks are not zeroed after the copy; other new blocks are
+    assert zero_without_moves({0: [20, 21, 22, 23], 1: [20, 21, 22, 23]}, moves) == {0: [21], 1: [23]}
+    assert _move_scheduler(reqs, placement, {"x": [1]}, 0, dp_free=(6, 3), tp_blocks=tp_blocks)._move_to_dp() == []
+
+
+@needs_vllm
+def test_switch_cost_is_the_time_of_the_moves_a_change_would_make():
+    """Policy "auto" with moves charges a change of answer the timed cost of the moves it would make: from the TP/SP
+    class, its decoding movable requests' KV (every rank's) to the DP ranks; from DP, the decoding DP requests' into
+    the TP/SP class, but only while that class is idle (else nothing would move)."""
+    from fusedpar.integrations.vllm.dp_kv import TP_CLASS
+    from fusedpar.integrations.vllm.dp_move import MoveCost
+
+    reqs = [_request("a", 5, 9, 5), _request("p", 12, 8, 0), _request("d", 3, 4, 2), _request("pen", 3, 4, 2,
+                                                                                                seed=3)]
+    placement = {"a": TP_CLASS, "p": TP_CLASS, "d": 1, "pen": TP_CLASS}
+    sched = _move_scheduler(reqs, placement, {"d": [1]}, 0)
+    sched.move_cost, sched.kv_token_bytes = MoveCost(0.01, 1e-6), 100
+    assert sched._switch_seconds([]) == pytest.approx(0.01 + 9 * 100 * 1e-6)  # a alone: p prefills, pen is seeded
+    sched.admission.current = sched.admission.dp_layout
+    assert sched._switch_seconds([]) == 0.0  # the TP/SP class is busy: nothing would move into it
+    idle = _move_scheduler(reqs[2:3], {"d": 1}, {"d": [1]}, 0, current_tp=False)
+    idle.move_cost, idle.kv_token_bytes = MoveCost(0.01, 1e-6), 100
+    assert idle._switch_seconds([]) == pytest.approx(0.01 + 4 * 100 * 1e-6)
+    idle.move_cost = None  # moves not priced (policy "load", or "auto" without moves)
+    assert idle._switch_seconds([]) == 0.0
+
+
+@needs_vllm
 def test_move_turns_the_cached_entry_into_a_new_request_with_its_tokens():
     from types import SimpleNamespace
 
@@ -795,6 +1070,21 @@ def test_move_turns_the_cached_entry_into_a_new_request_with_its_tokens():
         ["x"], [None], [3], [1])
 
 
+def _emulated_scatter():
+    """scatter_for(rank): move_kv's scatter for `rank` of P ranks emulated in one process, the source rank called
+    first."""
+    sent: dict = {}
+
+    def scatter_for(rank):
+        def scatter(out, groups, src):
+            if groups is not None:
+                sent.update(enumerate(groups))
+            out.copy_(sent[rank])
+        return scatter
+
+    return scatter_for
+
+
 def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks():
     """move_kv on P = 2 ranks, emulated in one process: rank 1's DP blocks hold all kv heads of a request's 7 tokens
     (the DP view's layout: each token's key, then its value); after the move rank j has written, per layer, kv head
@@ -809,14 +1099,7 @@ def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks():
     bufs = [[torch.randn(N, h, bs, 2 * hd) for _ in range(L)] for _ in range(P)]
     move = KVMove("r", 1, (1, 3), (2, 0), tokens)
     dp_offset = 2  # DP pool ids start at DP block 2 (TP blocks 4, 5) of the buffer
-    sent: dict = {}
-
-    def scatter_for(rank):
-        def scatter(out, groups, src):
-            if groups is not None:
-                sent.update(enumerate(groups))
-            out.copy_(sent[rank])
-        return scatter
+    scatter_for = _emulated_scatter()
 
     written: dict = {}
 
@@ -837,6 +1120,100 @@ def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks():
                 d = move.dp_blocks[t // bs]
                 src = bufs[1][layer][P * (dp_offset + d) + j][:, t % bs]  # DP block's head group j = TP block P d + j
                 assert torch.equal(key[t], src[:, :hd]) and torch.equal(value[t], src[:, hd:])
+
+
+def _backend_write(cache, key, value, slots):
+    """A stand-in for vLLM's CPU KV write: each block [h, bs, 2 hd] viewed as [h, 2 bs, hd], keys in the first bs
+    rows, values in the next."""
+    n, h, bs, c = cache.shape
+    view = cache.view(n, h, 2 * bs, c // 2)
+    blk, off = slots // bs, slots % bs
+    view[blk, :, off] = key
+    view[blk, :, bs + off] = value
+
+
+def test_move_kv_to_dp_gathers_every_ranks_kv_head_group_into_the_destination():
+    """DP -> TP -> DP on P = 2 ranks, emulated in one process: a request's KV in DP blocks of rank 1 moves into TP
+    blocks (each rank its kv-head group, written by the backend's layout), then back to DP blocks of rank 0 (each
+    rank's group read back through the probed layout and gathered): rank 0's DP view then holds exactly the source's
+    keys and values of the request's tokens, and the bytes are counted on the destination alone."""
+    import torch
+
+    from fusedpar.integrations.vllm.dp_move import block_layout, move_kv, move_kv_to_dp
+    from fusedpar.integrations.vllm.dp_runner import dp_kv_view
+    from fusedpar.integrations.vllm.dp_scheduler import KVMove
+
+    P, N, h, bs, hd, L, tokens, dp_offset = 2, 12, 2, 4, 3, 3, 7, 2
+    torch.manual_seed(1)
+    bufs = [[torch.randn(N, h, bs, 2 * hd) for _ in range(L)] for _ in range(P)]
+    source = [dp_kv_view(kv, P)[[dp_offset + 1, dp_offset + 3]].clone() for kv in bufs[1]]
+    into_tp, back = KVMove("r", 1, (1, 3), (2, 0), tokens), KVMove("r", 0, (2, 0), (2, 0), tokens)
+    scatter_for = _emulated_scatter()
+
+    def write_for(rank):
+        def write(layer, key, value, slots):
+            _backend_write(bufs[rank][layer], key, value, slots)
+        return write
+
+    for r in (1, 0):
+        move_kv([into_tp], bufs[r], P, dp_offset, r, scatter_for(r), write_for(r))
+    layout = block_layout(_backend_write, (h, bs, 2 * hd), torch.float32)
+    parts: dict = {}
+
+    def gather_for(rank):
+        def gather(part, out, dst):
+            parts[rank] = part
+            if out is not None:
+                for j, o in enumerate(out):
+                    o.copy_(parts[j])
+        return gather
+
+    moved = [move_kv_to_dp([back], bufs[r], P, dp_offset, r, gather_for(r), layout) for r in (1, 0)]
+    assert moved == [0, L * 2 * tokens * P * h * hd * 4]
+    for layer in range(L):
+        got = dp_kv_view(bufs[0][layer], P)[[dp_offset + 2, dp_offset + 0]]  # [2 blocks, P h, bs, 2 hd]
+        flat = lambda t: t.permute(0, 2, 1, 3).reshape(-1, P * h, 2 * hd)[:tokens]  # noqa: E731
+        assert torch.equal(flat(got), flat(source[layer]))
+
+
+def test_block_layout_refuses_a_write_it_cannot_read_back():
+    import torch
+
+    from fusedpar.integrations.vllm.dp_move import block_layout
+
+    key_index, value_index = block_layout(_backend_write, (2, 4, 6), torch.bfloat16, base=4)  # 24 codes: 3 passes
+    assert key_index[1, 0, 2].item() == 0 * 24 + 1 * 3 + 2 and value_index[1, 0, 2].item() == 0 * 24 + 5 * 3 + 2
+
+    def scaled(cache, key, value, slots):
+        _backend_write(cache, key * 2, value, slots)
+
+    with pytest.raises(RuntimeError, match=r"does not place each of the 24 key elements of a \[2, 4, 6\] block"):
+        block_layout(scaled, (2, 4, 6), torch.float32, base=4)
+
+
+@needs_vllm
+def test_block_layout_reads_back_vllms_cpu_kv_write():
+    """The layout probed from vLLM's own CPU KV write (this machine's ISA) reads back keys and values written by it."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from fusedpar.integrations.vllm.dp_move import block_layout, tp_token_kv
+
+    h, bs, hd, N = 2, 16, 32, 5
+    isa = _get_attn_isa(torch.float32, bs, hd)
+
+    def write(cache, key, value, slots):
+        n = cache.shape[0]
+        k, v = cache.view(n, h, 2 * bs, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, k, v, slots, isa)
+
+    layout = block_layout(write, (h, bs, 2 * hd), torch.float32)
+    cache = torch.zeros(N, h, bs, 2 * hd)
+    key, value = torch.randn(21, h, hd), torch.randn(21, h, hd)
+    slots = torch.cat([torch.arange(3 * bs, 4 * bs), torch.arange(bs, bs + 5)])
+    write(cache, key, value, slots)
+    assert torch.equal(tp_token_kv(cache, (3, 1), 21, layout), torch.cat([key, value], dim=-1))
 
 
 def test_class_ledger_counts_steps_per_class_and_tokens_recomputed():

@@ -5,7 +5,9 @@
 SPEC: {"model": dir, "tensor_parallel_size": 2, "fusedpar": {...} or null, "max_tokens": 8,
        "batches": [[[token ids], ...], ...], "dtype": "float32", "logprobs": false,
        "priorities": [[vLLM priority per prompt] per batch] (optional; needs scheduling_policy "priority"),
-       "engine_args": {more LLM(...) keywords}, "record_errors": false}
+       "engine_args": {more LLM(...) keywords}, "record_errors": false,
+       "arrivals": [[engine step at which each prompt arrives] or null per batch] (optional; null: the batch
+       arrives at once through LLM.generate)}
 OUT:  {"tokens": [[[generated ids] per prompt] per batch], "logprobs": [same shape: the chosen
        tokens' logprobs] or null, "stats": [per batch: fusedpar.stats(llm) or null], "seconds": {...},
        "errors": [per batch: null, or the error its generate raised (with record_errors; its tokens are
@@ -56,14 +58,18 @@ def run(spec: dict) -> dict:
                             detokenize=False, logprobs=1 if want_logprobs else None)
     tokens, logprobs, stats, errors = [], [], [], []
     priorities = spec.get("priorities") or [None] * len(spec["batches"])
-    for batch, priority in zip(spec["batches"], priorities, strict=True):
+    arrivals = spec.get("arrivals") or [None] * len(spec["batches"])
+    for index, (batch, priority, arrival) in enumerate(zip(spec["batches"], priorities, arrivals, strict=True)):
         if spec.get("fusedpar") is not None:
             from fusedpar.integrations.vllm import reset_stats
 
             reset_stats(llm)
         try:
-            outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False,
-                                priority=priority)
+            if arrival is None:
+                outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False,
+                                    priority=priority)
+            else:
+                outs = staggered(llm, f"b{index}", batch, params, arrival, priority)
         except Exception as e:
             if not spec.get("record_errors"):
                 raise
@@ -88,6 +94,27 @@ def run(spec: dict) -> dict:
     llm.llm_engine.engine_core.shutdown()
     return {"tokens": tokens, "logprobs": logprobs if want_logprobs else None, "stats": stats, "errors": errors,
             "seconds": {"startup": t1 - t0, "generate": t2 - t1}}
+
+
+def staggered(llm, prefix: str, batch, params, arrival, priority) -> list:
+    """Serve `batch` through the engine step by step, prompt i added before engine step arrival[i] (steps counted
+    from 0 as the loop runs them); the finished outputs in the batch's order."""
+    engine = llm.llm_engine
+    ids = [f"{prefix}-{i}" for i in range(len(batch))]
+    done: dict = {}
+    step = 0
+    while len(done) < len(batch):
+        for i, at in enumerate(arrival):
+            if at == step:
+                engine.add_request(ids[i], {"prompt_token_ids": batch[i]}, params,
+                                   priority=priority[i] if priority else 0)
+        if engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+        step += 1
+        if step > 100 * (len(batch) + max(arrival)) + 1000:
+            raise RuntimeError(f"staggered batch {prefix}: {len(done)} of {len(batch)} requests done after {step} "
+                               "steps")
+    return [done[rid] for rid in ids]
 
 
 def main() -> None:

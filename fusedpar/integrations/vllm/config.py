@@ -10,6 +10,7 @@ ValueError) whose message names each constraint and its numbers.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from fusedpar.layouts import ModelDims, ParallelLayout
 
 CONFIG_KEY = "fusedpar"
 KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels", "layouts", "policy", "tp_priority",
-              "load_low", "load_high", "move_to_tp", "step_times", "latency_goal_s", "decode_steps")
+              "load_low", "load_high", "move_to_tp", "move_to_dp", "step_times", "latency_goal_s", "decode_steps")
 # policy: how a step picks its layout. "threshold": base / shift by token count (the default); "dp": every
 # step of the workload is a DP step over the one "dp{P}" layout; "priority": two classes side by side, the
 # requests whose vLLM priority value is at most tp_priority in the TP/SP class (base / shift steps), the
@@ -30,6 +31,8 @@ POLICIES = ("threshold", "dp", "priority", "load", "auto")
 DP_POLICIES = ("dp", "priority", "load", "auto")  # the policies that run DP steps over a "dp{P}" layout
 TP_CLASS_POLICIES = ("priority", "load", "auto")  # the policies with a TP/SP class beside the DP ranks
 AUTO_KEYS = ("step_times", "latency_goal_s", "decode_steps")  # policy "auto" only
+MOVE_KEYS = ("move_to_tp", "move_to_dp")  # live moves between the classes, each way
+MOVE_POLICIES = ("load", "auto")  # the policies whose placement moves live requests
 _DP_LAYOUT = re.compile(r"^dp(\d+)$")
 MAX_SHIFT_THRESHOLD = 2**31 - 1  # any value >= max_num_batched_tokens already means "always shift"
 FUSED_KERNEL_CHOICES = ("auto", True, False)
@@ -86,13 +89,18 @@ class FusedparVllmConfig:
     load_low, load_high: with policy "load", the hysteresis band of the engine's load (running + waiting
         requests) that places new requests (fusedpar.layers.layout_policy.LoadPolicy): from the TP/SP
         class to DP ranks when the load reaches load_high, back when it falls to load_low. None otherwise.
-    move_to_tp: with policy "load", whether a step at which the load has fallen to TP, the TP/SP class has no
-        requests and DP requests are decoding moves those requests, with their KV, into the TP/SP class
-        (dp_scheduler.MoveRule; their KV is copied, never recomputed). False: a request keeps its class.
+    move_to_tp: with policy "load" or "auto", whether a step at which the load has fallen to TP (policy "auto": at
+        which it answers the TP/SP class), the TP/SP class has no requests and DP requests are decoding moves those
+        requests, with their KV, into the TP/SP class (dp_scheduler.MoveRule; their KV is copied, never
+        recomputed). False: a request keeps its class.
+    move_to_dp: with policy "load" or "auto", whether a step at which the load has risen to DP (policy "auto": at
+        which it answers DP) moves decoding TP/SP-class requests, with their KV, to the DP ranks (balanced over the
+        ranks whose pool holds them). False: they stay.
     step_times, latency_goal_s, decode_steps: with policy "auto", the step-time curves of the DP layout
         ("dp{P}") and of the TP/SP class ("tp{P}"): layout name -> ((tokens, seconds), ...) points,
-        tokens strictly increasing; the TTFT goal for waiting requests in seconds; the decode steps each
-        placement looks ahead (fusedpar.layers.layout_policy.AutoPolicy). Empty / None otherwise.
+        tokens strictly increasing (empty: the engine measures them at start-up, dp_curves.py); the TTFT goal
+        for waiting requests in seconds; the decode steps each placement looks ahead
+        (fusedpar.layers.layout_policy.AutoPolicy). Empty / None otherwise.
     """
 
     sequence_parallel_size: int
@@ -104,6 +112,7 @@ class FusedparVllmConfig:
     load_low: int | None = None
     load_high: int | None = None
     move_to_tp: bool = False
+    move_to_dp: bool = False
     step_times: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     latency_goal_s: float | None = None
     decode_steps: int = 0
@@ -214,16 +223,19 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
             problems.append(f"load_low={load['load_low']} must be below load_high={load['load_high']} (the hysteresis "
                             "band: new requests go to DP ranks once the load reaches load_high and to the TP/SP class "
                             "again once it falls to load_low)")
-    move_to_tp = section.get("move_to_tp", False)
-    if move_to_tp is not True and move_to_tp is not False:
-        problems.append(f"move_to_tp must be true or false, got {move_to_tp!r}")
-    elif move_to_tp and policy != "load":
-        problems.append(f'move_to_tp=true needs policy "load", got policy {policy!r}')
+    moves = {k: section.get(k, False) for k in MOVE_KEYS}
+    for key, value in moves.items():
+        if value is not True and value is not False:
+            problems.append(f"{key} must be true or false, got {value!r}")
+        elif value and policy not in MOVE_POLICIES:
+            problems.append(f'{key}=true needs policy {" or ".join(map(json.dumps, MOVE_POLICIES))}, got policy '
+                            f"{policy!r}")
     step_times = _auto_problems(section, policy, layouts, problems)
     _raise(problems)
     return FusedparVllmConfig(sequence_parallel_size=sp, shift_threshold=threshold, fused_kernels=fused,
                               layouts=tuple(layouts), policy=policy, tp_priority=tp_priority,
-                              load_low=load["load_low"], load_high=load["load_high"], move_to_tp=move_to_tp,
+                              load_low=load["load_low"], load_high=load["load_high"],
+                              move_to_tp=moves["move_to_tp"] is True, move_to_dp=moves["move_to_dp"] is True,
                               step_times=step_times,
                               latency_goal_s=section.get("latency_goal_s"),
                               decode_steps=section.get("decode_steps", 0), raw=dict(section))
@@ -259,8 +271,8 @@ def _auto_problems(section: dict, policy: str, layouts: list, problems: list[str
     if not _is_int(steps) or steps < 0:
         problems.append(f"decode_steps must be an int >= 0 (decode steps each placement looks ahead), got {steps!r}")
     curves = section.get("step_times")
-    if dp is None:
-        return ()
+    if dp is None or "step_times" not in section:
+        return ()  # without step_times the engine measures the curves at start-up (dp_curves.py)
     names = [dp, "tp" + dp[2:]]
     if not isinstance(curves, dict) or sorted(curves) != sorted(names):
         problems.append(f'policy "auto" needs step_times with the step-time curves of {names} (layout name -> '

@@ -101,9 +101,10 @@ class ModeSwitches:
 
 class ClassLedger:
     """One rank's record of the steps of an engine with a DP layout, per request class (ClassRecord), the switches
-    between DP and TP steps (ModeSwitches), the KV bytes written into this rank's TP blocks by requests moving from
-    DP ranks into the TP/SP class (dp_move.move_kv; 0 unless move_to_tp moves them), the ids of those requests, and
-    the tokens recomputed (RecomputeWatch)."""
+    between DP and TP steps (ModeSwitches), the KV bytes written into this rank's blocks by requests moving between
+    the classes (its TP blocks for moves from DP ranks, dp_move.move_kv; its DP blocks for moves to this rank,
+    dp_move.move_kv_to_dp; 0 unless move_to_tp / move_to_dp move them), the ids of those requests, and the tokens
+    recomputed (RecomputeWatch)."""
 
     def __init__(self):
         self.reset()
@@ -122,7 +123,7 @@ class ClassLedger:
         self.classes = {name: ClassRecord(name) for name in ("dp", "tp")}
         self.modes = ModeSwitches()
         self.kv_bytes_moved = 0
-        self.moved: set[str] = set()  # requests moved from DP ranks into the TP/SP class
+        self.moved: set[str] = set()  # requests moved between the classes, either way
         self.recompute = RecomputeWatch()
 
     def stats(self) -> dict:

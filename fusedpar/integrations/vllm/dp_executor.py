@@ -21,10 +21,16 @@ queues a waiting call reads; until then the engine waits, and the error it final
 worker dies it records which (`DeadWorker`) and cancels the output queues, so a call waiting on them
 (every rank's answer in a DP step, vLLM's one answer in a TP step) or any later call raises
 `WorkerDiedError` naming the dead worker at once; vLLM's monitor still shuts the other workers down.
+
+Policy "auto" with live moves charges each change of its answer the time the moves it makes would take: once
+its workers are up, the executor times scratch KV moves of two sizes on them (dp_move.time_moves) and leaves
+the fitted cost (dp_move.MoveCost) for the engine's scheduler, built next in the same process (dp_handoff.py),
+beside itself (the scheduler of policy "auto" without step_times measures its curves through it).
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.connection
 import threading
 import weakref
@@ -35,7 +41,12 @@ from vllm import envs
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm.v1.outputs import ModelRunnerOutput
 
-from .dp_scheduler import TAG, TP_STEP
+from .config import parse_additional_config
+from .dp_handoff import leave
+from .dp_move import MOVE_PROBE_BYTES, MoveCost
+from .dp_scheduler import TAG, TP_STEP, moves_priced
+
+logger = logging.getLogger("vllm.fusedpar")
 
 
 def merge_outputs(outputs: list) -> ModelRunnerOutput:
@@ -133,6 +144,16 @@ class DPExecutor(MultiprocExecutor):
     docstring)."""
 
     dead: tuple[DeadWorker, ...] = ()  # the workers the watcher found dead (set once, by its thread)
+
+    def _init_executor(self) -> None:
+        super()._init_executor()
+        leave(self.vllm_config, "executor", self, weak=True)
+        if moves_priced(parse_additional_config(self.vllm_config.additional_config)):
+            seconds = self.collective_rpc("fusedpar_kv_move_seconds", args=(MOVE_PROBE_BYTES,))[0]
+            cost = MoveCost.fit(MOVE_PROBE_BYTES, seconds)
+            leave(self.vllm_config, "move_cost", cost)
+            logger.info("fusedpar DP: a KV move between the classes costs %.3f ms per request + %.3f ms per MiB "
+                        "(timed at start-up)", 1e3 * cost.latency, 1e3 * cost.per_byte * (1 << 20))
 
     def start_worker_monitor(self, inline=False) -> None:
         threading.Thread(target=_watch, args=(weakref.ref(self), list(self.workers)), daemon=True,

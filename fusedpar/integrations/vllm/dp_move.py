@@ -1,5 +1,6 @@
-"""The KV copy of requests moving from a DP rank into the TP/SP class (dp_scheduler.KVMove), run by every worker
-before the forward of the step the scheduler moved them at.
+"""The KV copy of requests moving between a DP rank and the TP/SP class (dp_scheduler.KVMove), run by every worker
+before the forward of the step the scheduler moved them at: a TP step's moves go from DP ranks into the TP/SP class
+(`move_kv`), a DP step's from the TP/SP class to DP ranks (`move_kv_to_dp`).
 
 A DP block d of rank r is TP blocks [P d, P d + P) of rank r's buffer seen with all kv heads (dp_runner.dp_kv_view):
 kv heads [j h, j h + h) of DP block d are TP block P d + j. TP rank j holds kv heads [j h, j h + h) of a TP
@@ -10,11 +11,20 @@ each rank writes its group's keys and values of the request's tokens at its dest
 attention backend's own KV write (vLLM's CPU backend keeps a block's keys and values apart, [h, 2 bs, hd], not
 per token as the DP view does). fusedpar.layers.kv_reshard.migrate_kv moves fusedpar's own PagedKVCache between
 layouts; vLLM's per-layer buffers and a one-source move need only this scatter.
+
+The way back is the reverse: every rank reads its kv-head group of the request's tokens from its TP blocks, in the
+backend's block layout, and gathers it on the destination rank, which joins the P groups (rank j's are kv heads
+[j h, j h + h)) and writes all kv heads of each token into its DP blocks through the DP view. The backend's layout
+of a block is read back by probing its own write once (`block_layout`): it places every element of a token's key
+and value somewhere in the block, and where is all a read needs.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -75,6 +85,50 @@ def move_kv(moves, caches: Sequence[torch.Tensor], P: int, dp_offset: int, rank:
     return moved
 
 
+@dataclass(frozen=True)
+class MoveCost:
+    """What a step's KV moves cost in seconds: `latency` per moved request (its collective) and `per_byte` per byte
+    of KV it moves (every rank's part together), fitted to timed moves of scratch KV (time_moves)."""
+
+    latency: float
+    per_byte: float
+
+    def seconds(self, requests: int, nbytes: int) -> float:
+        return requests * self.latency + nbytes * self.per_byte
+
+    @classmethod
+    def fit(cls, sizes: Sequence[int], seconds: Sequence[float]) -> MoveCost:
+        """The line through the (bytes, seconds) of the smallest and the largest timed move, never below 0."""
+        (s0, t0), (s1, t1) = min(zip(sizes, seconds, strict=True)), max(zip(sizes, seconds, strict=True))
+        per_byte = max(0.0, (t1 - t0) / (s1 - s0)) if s1 > s0 else 0.0
+        return cls(max(0.0, t0 - per_byte * s0), per_byte)
+
+
+MOVE_PROBE_BYTES = (1 << 16, 1 << 23)  # the scratch moves time_moves times at engine start-up
+
+
+def time_moves(scatter: Callable[[torch.Tensor, list[torch.Tensor] | None, int], None],
+               gather: Callable[[torch.Tensor, list[torch.Tensor] | None, int], None], P: int, rank: int,
+               sizes: Sequence[int], device=None, iters: int = 3) -> list[float]:
+    """Seconds of one move of scratch KV of each size in `sizes` (bytes of every rank's part together): the mean of a
+    move into the TP/SP class (move_kv's scatter from rank 0) and one to a DP rank (move_kv_to_dp's gather to rank 0)
+    of float32 parts of size / P bytes each, the median of `iters` after one untimed; this rank's times (the caller
+    takes the slowest rank's). Collective over the group of scatter and gather: every rank calls it alike."""
+    out = []
+    for size in sizes:
+        part = torch.zeros(max(1, size // (4 * P)), dtype=torch.float32, device=device)
+        parts = [torch.empty_like(part) for _ in range(P)] if rank == 0 else None
+        times = []
+        for i in range(iters + 1):
+            t0 = time.perf_counter()
+            scatter(part, parts, 0)
+            gather(part, parts, 0)
+            if i:
+                times.append((time.perf_counter() - t0) / 2)
+        out.append(statistics.median(times))
+    return out
+
+
 def group_scatter(tp_group) -> Callable[[torch.Tensor, list[torch.Tensor] | None, int], None]:
     """`scatter` for move_kv over vLLM's TP GroupCoordinator (its device group: gloo on CPU), src a rank in the
     group."""
@@ -84,3 +138,106 @@ def group_scatter(tp_group) -> Callable[[torch.Tensor, list[torch.Tensor] | None
         dist.scatter(out, groups, src=tp_group.ranks[src], group=tp_group.device_group)
 
     return scatter
+
+
+def block_layout(write_into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+                 block_shape: Sequence[int], dtype: torch.dtype, device=None, base: int = 64) -> tuple[torch.Tensor,
+                                                                                                      torch.Tensor]:
+    """Where the attention backend's KV write puts the keys and values of one TP block's tokens: (key_index,
+    value_index), each [bs, h, hd] of positions in the block's flat elements. write_into(cache, key, value, slots)
+    is the backend's write of [tokens, h, hd] keys and values at `slots` of `cache` ([blocks, *block_shape]);
+    block_shape: [h, bs, 2 hd]. The write is probed on a scratch block with codes of the elements, base-`base`
+    digits at a time (exact in 16-bit floats too); RuntimeError unless it places every key and value element
+    exactly once (a write that scales or packs its values cannot be read back this way)."""
+    h, bs, c = block_shape
+    hd, n = c // 2, bs * h * (c // 2)
+    codes = torch.arange(n, device=device).reshape(bs, h, hd)
+    slots = torch.arange(bs, device=device)
+    acc = torch.zeros(h * bs * c, dtype=torch.long, device=device)
+    kind = None
+    scale = 1
+    while True:
+        digit = (codes // scale) % base
+        block = torch.full((1, h, bs, c), -1.0, dtype=dtype, device=device)
+        write_into(block, digit.to(dtype), (digit + base).to(dtype), slots)
+        flat = block.reshape(-1).to(torch.long)
+        written = torch.where(flat < 0, 0, torch.where(flat < base, 1, 2))  # 0: untouched, 1: key, 2: value
+        if kind is None:
+            kind = written
+        elif not torch.equal(kind, written):
+            kind = None
+            break
+        acc += (flat.clamp(min=0) % base) * scale
+        scale *= base
+        if scale >= n:
+            break
+    out = []
+    for k in (1, 2):
+        pos = (kind == k).nonzero().reshape(-1) if kind is not None else torch.empty(0, dtype=torch.long)
+        code = acc[pos]
+        if pos.numel() != n or not torch.equal(code.sort().values, torch.arange(n, device=device)):
+            raise RuntimeError(f"fusedpar DP: the attention backend's KV write does not place each of the {n} "
+                               f"{'key' if k == 1 else 'value'} elements of a [{h}, {bs}, {c}] block exactly once "
+                               f"({pos.numel()} places found): its TP blocks cannot be read back for a move to a DP "
+                               "rank")
+        index = torch.empty(n, dtype=torch.long, device=device)
+        index[code] = pos
+        out.append(index.reshape(bs, h, hd))
+    return out[0], out[1]
+
+
+def tp_token_kv(cache: torch.Tensor, tp_blocks: Sequence[int], tokens: int,
+                layout: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The keys and values ([tokens, h, 2 hd]: each token's key, then its value) of the first `tokens` tokens of TP
+    blocks `tp_blocks` of one layer's cache ([N, h, bs, 2 hd], written by the backend: `layout` is its
+    block_layout)."""
+    key_index, value_index = layout
+    h, hd = key_index.shape[1:]
+    idx = torch.tensor(list(tp_blocks), dtype=torch.long, device=cache.device)
+    flat = cache.index_select(0, idx).reshape(len(tp_blocks), -1)
+    key = flat[:, key_index.reshape(-1)].reshape(-1, h, hd)[:tokens]
+    value = flat[:, value_index.reshape(-1)].reshape(-1, h, hd)[:tokens]
+    return torch.cat([key, value], dim=-1)
+
+
+def move_kv_to_dp(moves, caches: Sequence[torch.Tensor], P: int, dp_offset: int, rank: int,
+                  gather: Callable[[torch.Tensor, list[torch.Tensor] | None, int], None],
+                  layout: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Copy the KV of every move (dp_scheduler.KVMove of a DP step: from the TP/SP class to DP rank move.rank) into
+    the DP blocks of its destination rank; collective over the TP group: every rank calls it with the same moves in
+    the same order. caches: every layer's KV buffer of this rank ([N, h, bs, 2 hd]); gather(part, parts, dst):
+    parts (a list of P tensors on rank dst, None elsewhere) receives every rank's `part`; layout: the backend's
+    block layout (block_layout). Returns the bytes of KV written into this rank's DP blocks."""
+    moved = 0
+    for move in moves:
+        bs = caches[0].shape[2]
+        n = -(-move.tokens // bs)
+        if len(move.dp_blocks) != n or len(move.tp_blocks) != n:
+            raise RuntimeError(f"fusedpar DP: move of {move.request_id} ({move.tokens} tokens) pairs "
+                               f"{len(move.tp_blocks)} TP blocks with {len(move.dp_blocks)} DP blocks")
+        if not n:
+            continue
+        part = torch.stack([tp_token_kv(kv, move.tp_blocks, move.tokens, layout) for kv in caches])
+        parts = [torch.empty_like(part) for _ in range(P)] if rank == move.rank else None
+        gather(part.contiguous(), parts, move.rank)
+        if parts is None:
+            continue
+        rows = torch.cat(parts, dim=2)  # [layers, tokens, P h, 2 hd]: kv heads in rank order
+        t = torch.arange(move.tokens, device=rows.device)
+        blocks = torch.tensor([dp_offset + b for b in move.dp_blocks], dtype=torch.long, device=rows.device)
+        blk, off = blocks[t // bs], t % bs
+        for layer, kv in enumerate(caches):
+            dp_kv_view(kv, P)[blk, :, off, :] = rows[layer].to(kv.dtype)
+        moved += rows.numel() * rows.element_size()
+    return moved
+
+
+def group_gather(tp_group) -> Callable[[torch.Tensor, list[torch.Tensor] | None, int], None]:
+    """`gather` for move_kv_to_dp over vLLM's TP GroupCoordinator (its device group: gloo on CPU), dst a rank in
+    the group."""
+    import torch.distributed as dist
+
+    def gather(part: torch.Tensor, parts: list[torch.Tensor] | None, dst: int) -> None:
+        dist.gather(part, parts, dst=tp_group.ranks[dst], group=tp_group.device_group)
+
+    return gather

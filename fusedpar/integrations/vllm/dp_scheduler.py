@@ -24,14 +24,18 @@ TP/SP steps side by side (policies "priority", "load" and "auto").
   - the step's tag: each SchedulerOutput carries `fusedpar_dp` (a DPTag: the step's mode, the rank of
     every request of a DP step, the new DP blocks each rank must zero, the DP pools' offset in the
     buffer), pickled with it to the workers: every rank takes the step's mode from it (dp_worker.py);
-  - moves (policy "load" with move_to_tp, `MoveRule`): at a step at which the load has fallen to TP, the TP/SP
-    class has no request and DP requests are decoding, those requests move into the TP/SP class with their
-    KV: the scheduler frees their DP blocks, allocates TP blocks for their computed tokens, makes the step a
-    TP step and puts the plan (`KVMove`: request, source rank, source DP blocks, destination TP blocks) in
-    the step's tag; every worker copies its kv-head group's slice of the source blocks into its TP blocks
-    before the step's forward (dp_move.py). The workers take a moved request as a new request whose prompt
-    is its tokens so far and whose computed tokens are kept (`as_new_request`), so nothing is recomputed;
-    the DP blocks are free for the DP steps after this step only (a TP step allocates no DP block);
+  - moves (policies "load" and "auto" with move_to_tp / move_to_dp, `MoveRule`; under "auto" read "the load" as "the
+    placement's answer", which then charges each change the time its moves would take): at a step at which the load
+    has fallen to TP, the TP/SP class has no request and DP requests are decoding, those requests move into the
+    TP/SP class with their KV: the scheduler frees their DP blocks, allocates TP blocks for their computed tokens,
+    makes the step a TP step and puts the plan (`KVMove`: request, source rank, source DP blocks, destination TP
+    blocks) in the step's tag; every worker copies its kv-head group's slice of the source blocks into its TP blocks
+    before the step's forward (dp_move.py). The way back: at a step at which the load has risen to DP, decoding
+    TP/SP-class requests move to the DP ranks (each to the rank with the fewest DP requests whose pool holds its
+    blocks), the step a DP step, every rank's kv-head group of the TP blocks gathered into the destination's DP
+    blocks. The workers take a moved request as a new request whose prompt is its tokens so far and whose computed
+    tokens are kept (`as_new_request`), so nothing is recomputed; the source blocks are free for the steps of their
+    class after this step only (a step allocates no block of the other class);
   - no preemption: vLLM preempts by recompute and picks its victim among all running requests, which
     with per-class, per-rank pools may be in another pool than the full one; in this version a
     preemption is an error (give the engine more KV cache or fewer concurrent requests).
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -59,6 +64,7 @@ from fusedpar.layers.layout_policy import AutoPolicy, LoadPolicy, StepFacts
 from fusedpar.layouts import ParallelLayout
 
 from .config import parse_additional_config
+from .dp_handoff import take
 from .dp_kv import TP_CLASS, KVSplit, RoutingKVCacheManager, outgrows_dp_pool
 
 TAG = "fusedpar_dp"
@@ -67,9 +73,10 @@ DP_STEP, TP_STEP = "dp", "tp"
 
 @dataclass(frozen=True)
 class KVMove:
-    """One request moving from a DP rank into the TP/SP class at a step: its KV for `tokens` computed tokens in
-    DP blocks `dp_blocks` (pool-local ids of rank `rank`'s pool) goes to TP blocks `tp_blocks` (TP pool ids,
-    the same count), every rank receiving its kv-head group's slice."""
+    """One request moving between a DP rank and the TP/SP class at a step, with its KV for `tokens` computed tokens:
+    DP blocks `dp_blocks` (pool-local ids of rank `rank`'s pool) and TP blocks `tp_blocks` (TP pool ids), the same
+    count. In a TP step it moves into the TP/SP class (every rank receives its kv-head group's slice of the DP
+    blocks), in a DP step to DP rank `rank` (which gathers every rank's kv-head group of the TP blocks)."""
 
     request_id: str
     rank: int
@@ -86,8 +93,8 @@ class DPTag:
     class's requests, on every rank); ranks: request id -> rank for every request scheduled in a DP step;
     zero: rank -> the DP block ids (pool-local) of that rank's pool that vLLM wants zeroed before the
     step (each is P TP blocks on that rank); size: P; dp_offset: the DP block of the buffer that is id 0
-    of every DP pool (dp_kv.KVSplit); moves: the requests moving from DP ranks into the TP/SP class at this
-    step (a TP step), whose KV every rank copies before the step's forward (KVMove)."""
+    of every DP pool (dp_kv.KVSplit); moves: the requests moving between the classes at this step, into the TP/SP
+    class in a TP step, to DP ranks in a DP step, whose KV every rank copies before the step's forward (KVMove)."""
 
     ranks: dict[str, int]
     size: int
@@ -114,20 +121,47 @@ def movable(request) -> bool:
 
 
 class MoveRule:
-    """When running DP requests move into the TP/SP class (policy "load" with move_to_tp): at the start of a
-    step at which the placement answers the TP/SP class (the load has fallen to load_low), the class has no
-    request (running or waiting) and DP requests are running; then every movable DP request (`movable`) whose
-    blocks the TP pool can hold moves, in vLLM's running order."""
+    """When running requests move between the classes with their KV (policy "load" or "auto" with move_to_tp /
+    move_to_dp; under "auto" the load's answer is AutoAdmission's):
+      - into the TP/SP class (to_tp): at the start of a step at which the placement answers the TP/SP class (the
+        load has fallen to load_low), the class has no request (running or waiting) and DP requests are running;
+        then every movable DP request (`movable`) whose blocks the TP pool can hold moves, in vLLM's running order;
+      - to the DP ranks (to_dp): at the start of a step at which the placement answers DP (the load has risen to
+        load_high) and TP/SP-class requests are running; then every movable one moves, in vLLM's running order, to
+        the DP rank with the fewest requests among those whose pool can hold its blocks (none: it stays)."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, to_tp: bool, to_dp: bool = False):
+        self.to_tp, self.to_dp = to_tp, to_dp
+
+    @property
+    def enabled(self) -> bool:
+        return self.to_tp or self.to_dp
 
     def candidates(self, admission: Admission, running, waiting, placement) -> list:
-        if not self.enabled or getattr(admission, "current", None) is not getattr(admission, "tp_layout", False):
+        if getattr(admission, "current", None) is not getattr(admission, "tp_layout", False):
             return []
-        if any(placement.get(r.request_id) == TP_CLASS for r in itertools.chain(running, waiting)):
+        return self.movers(True, running, waiting, placement)
+
+    def candidates_to_dp(self, admission: Admission, running, placement) -> list:
+        if getattr(admission, "current", None) is not getattr(admission, "dp_layout", False):
             return []
-        return [r for r in running if placement.get(r.request_id, TP_CLASS) != TP_CLASS and movable(r)]
+        return self.movers(False, running, (), placement)
+
+    def movers(self, to_tp: bool, running, waiting, placement) -> list:
+        """The requests that move into the TP/SP class (to_tp) or to the DP ranks at a step whose placement answers
+        that way, before the destination pools' room is checked."""
+        if not (self.to_tp if to_tp else self.to_dp):
+            return []
+        if to_tp and any(placement.get(r.request_id) == TP_CLASS for r in itertools.chain(running, waiting)):
+            return []
+        source = (lambda p: p is not None and p != TP_CLASS) if to_tp else (lambda p: p == TP_CLASS)
+        return [r for r in running if source(placement.get(r.request_id)) and movable(r)]
+
+
+def moves_priced(cfg) -> bool:
+    """Whether the section's placement charges its changes of answer the KV moves they make (policy "auto" with
+    move_to_tp or move_to_dp): its executor times KV moves at start-up (dp_executor.DPExecutor)."""
+    return cfg is not None and cfg.policy == "auto" and (cfg.move_to_tp or cfg.move_to_dp)
 
 
 def as_new_request(request, cached_index: int, c: CachedRequestData, block_ids) -> NewRequestData:
@@ -159,6 +193,13 @@ def without_requests(c: CachedRequestData, drop: set[str]) -> CachedRequestData:
     )
 
 
+def zero_without_moves(zero: dict[int, list[int]], moves) -> dict[int, list[int]]:
+    """The DP blocks to zero per rank (pool-local ids) without those a DP step's moves copy KV into."""
+    copied = {(m.rank, b) for m in moves for b in m.dp_blocks}
+    kept = {r: [b for b in ids if (r, b) not in copied] for r, ids in zero.items()}
+    return {r: ids for r, ids in kept.items() if ids}
+
+
 class Admission:
     """Where each request is served: TP_CLASS for a request whose vLLM priority value is at most
     tp_priority (None: no TP/SP class), else the DP ranks in turn. Placed when the engine admits it."""
@@ -169,9 +210,10 @@ class Admission:
         self.tp_priority = tp_priority
         self._ranks = itertools.cycle(range(size))
 
-    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0) -> None:
+    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0, switch_s: float = 0.0) -> None:
         """The engine's requests at the start of a step and the prompt tokens its waiting requests have not
-        computed yet (placement by priority does not read them)."""
+        computed yet (placement by priority does not read them); switch_s: the seconds the moves a change of answer
+        would make take (read by policy "auto" with moves)."""
 
     def place(self, priority: int) -> int:
         if self.tp_priority is not None and priority <= self.tp_priority:
@@ -193,7 +235,7 @@ class LoadAdmission(Admission):
         self.policy = LoadPolicy(self.dp_layout, self.tp_layout, low=low, high=high, initial=self.tp_layout)
         self.current = self.tp_layout
 
-    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0) -> None:
+    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0, switch_s: float = 0.0) -> None:
         # LoadPolicy reads running and waiting; the step's token count is not known before it is scheduled
         self.current = self.policy.decide(StepFacts(scheduled_tokens=1, running=running, waiting=waiting),
                                           self.current)
@@ -208,39 +250,45 @@ class AutoAdmission(Admission):
     asked at each step that finds requests waiting, with the queue then: the step's tokens (the running
     requests' one token each and the waiting prompt tokens, within the engine's token budget), the running
     and waiting requests and the waiting prompt tokens. The requests first seen waiting at that step join the
-    class it answers. Placement moves nothing, so no switch cost enters the estimates. Starts in the TP/SP
-    class."""
+    class it answers. Without moves placement moves nothing, so no switch cost enters the estimates. With moves
+    (moves True: move_to_tp / move_to_dp) it is asked at every step that finds requests running or waiting, since
+    a change of answer moves the running requests (MoveRule), and each change costs the seconds those moves would
+    take (switch_s of observe). Starts in the TP/SP class."""
 
     at_arrival = False
 
-    def __init__(self, size: int, step_times, latency_goal_s: float, decode_steps: int, budget: int):
+    def __init__(self, size: int, step_times, latency_goal_s: float, decode_steps: int, budget: int,
+                 moves: bool = False):
         super().__init__(size)
         self.dp_layout, self.tp_layout = ParallelLayout(size, tp=1), ParallelLayout(size, tp=size)
         curves = dict(step_times)
         self.policy = AutoPolicy({self.dp_layout: curves[f"dp{size}"], self.tp_layout: curves[f"tp{size}"]},
                                  latency_goal_s=latency_goal_s, decode_steps=decode_steps, initial=self.tp_layout)
-        self.budget = budget
+        self.budget, self.moves = budget, moves
         self.current = self.tp_layout
 
-    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0) -> None:
-        if not waiting:
-            return  # nothing to place
+    def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0, switch_s: float = 0.0) -> None:
+        if not waiting and not (self.moves and running):
+            return  # nothing to place or move
         tokens = max(1, min(self.budget, running + waiting_prefill_tokens))
         facts = StepFacts(scheduled_tokens=tokens, running=running, waiting=waiting,
                           waiting_prefill_tokens=waiting_prefill_tokens)
+        self.policy.switch_s = switch_s if self.moves else 0.0
         self.current = self.policy.decide(facts, self.current)
 
     def place(self, priority: int) -> int:
         return TP_CLASS if self.current is self.tp_layout else next(self._ranks)
 
 
-def admission_of(cfg, size: int, budget: int = 1) -> Admission:
+def admission_of(cfg, size: int, budget: int = 1, step_times=None) -> Admission:
     """The placement rule of the section's policy; budget: the engine's token budget per step
-    (max_num_batched_tokens), which policy "auto" estimates steps with."""
+    (max_num_batched_tokens), which policy "auto" estimates steps with; step_times: policy "auto"'s curves when
+    the section gives none (measured at start-up, dp_curves.py)."""
     if cfg.policy == "load":
         return LoadAdmission(size, cfg.load_low, cfg.load_high)
     if cfg.policy == "auto":
-        return AutoAdmission(size, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget)
+        return AutoAdmission(size, step_times or cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget,
+                             moves_priced(cfg))
     return Admission(size, cfg.tp_priority if cfg.policy == "priority" else None)
 
 
@@ -273,15 +321,26 @@ class DPScheduler(Scheduler):
         self.dp_size = P
         self.split = KVSplit.of(kv_cache_config.num_blocks, P, tp_class=cfg.has_tp_class)
         self.placement: dict[str, int] = {}
-        self.admission = admission_of(cfg, P, self.scheduler_config.max_num_batched_tokens)
+        self.cfg = cfg
+        # policy "auto" without step_times: a placeholder until _measure_curves, at the end of __init__
+        self.curves_pending = cfg.policy == "auto" and not cfg.step_times
+        self.admission = (Admission(P) if self.curves_pending
+                          else admission_of(cfg, P, self.scheduler_config.max_num_batched_tokens))
         self.alternation = Alternation()
         self.step_mode = DP_STEP
-        self.move_rule = MoveRule(cfg.move_to_tp)
+        self.move_rule = MoveRule(cfg.move_to_tp, cfg.move_to_dp)
+        self.move_cost = take(vllm_config, "move_cost", "KV move cost") if moves_priced(cfg) else None
+        # KV bytes of one token over every rank: each layer's page (one block of this rank's kv heads) per token
+        self.kv_token_bytes = P * sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+                                      for g in kv_cache_config.kv_cache_groups) // self.block_size
         dp_pools = [self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.dp_blocks))
                     for _ in range(P)]
         tp_pool = (self._make_pool(dataclasses.replace(kv_cache_config, num_blocks=self.split.tp_blocks))
                    if cfg.has_tp_class else None)
         self.kv_cache_manager = RoutingKVCacheManager(dp_pools, self.placement, tp_pool)
+        if self.curves_pending:
+            self._measure_curves(take(vllm_config, "executor", "executor"))
+            self.curves_pending = False
 
     def _make_pool(self, kv_cache_config) -> KVCacheManager:
         # the arguments of vLLM's own manager (Scheduler.__init__), on one pool's blocks
@@ -317,10 +376,20 @@ class DPScheduler(Scheduler):
         step."""
         waiting = list(itertools.chain(self.waiting, self.kv_holding_waiting))
         prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in waiting)
-        self.admission.observe(len(self.running), len(waiting), prefill)
+        self.admission.observe(len(self.running), len(waiting), prefill, self._switch_seconds(waiting))
         for request in waiting:
             if request.request_id not in self.placement:
                 self.placement[request.request_id] = self.admission.place(request.priority)
+
+    def _switch_seconds(self, waiting) -> float:
+        """The seconds the moves a change of the placement's answer would make take (move_cost: timed at start-up):
+        the requests MoveRule would move the other way, their computed tokens' KV over every rank. 0 without priced
+        moves."""
+        if self.move_cost is None:
+            return 0.0
+        to_tp = self.admission.current is not self.admission.tp_layout
+        movers = self.move_rule.movers(to_tp, self.running, waiting, self.placement)
+        return self.move_cost.seconds(len(movers), self.kv_token_bytes * sum(r.num_computed_tokens for r in movers))
 
     # ---- the step's class ----------------------------------------------------------------------------
     def _mode_of(self, request_id: str) -> str:
@@ -344,6 +413,26 @@ class DPScheduler(Scheduler):
         return self._in_step(request) and super()._handle_blocked_waiting_request(request)
 
     # ---- the step ------------------------------------------------------------------------------------
+    def _relocate(self, request, src_pool, dst_pool, place: int) -> tuple[list[int], list[int]]:
+        """Move `request`'s blocks from src_pool to dst_pool (placed at `place`): free its source blocks, allocate
+        destination blocks for its computed tokens and the next one; (source blocks, destination blocks) of its
+        computed tokens."""
+        rid, tokens = request.request_id, request.num_computed_tokens
+        n = -(-tokens // self.block_size)
+        src = src_pool.get_block_ids(rid)
+        if len(src) != 1 or len(src[0]) < n:
+            raise RuntimeError(f"fusedpar DP: request {rid} holds blocks {src} for {tokens} computed tokens (one KV "
+                               "cache group of whole blocks expected)")
+        src_pool.free(request)
+        self.placement[rid] = place
+        if dst_pool.allocate_slots(request, 1) is None:
+            raise RuntimeError(f"fusedpar DP: the destination pool could not allocate the blocks of moved request "
+                               f"{rid}")
+        return src[0][:n], dst_pool.get_block_ids(rid)[0][:n]
+
+    def _blocks_needed(self, request) -> int:
+        return -(-(request.num_computed_tokens + 1) // self.block_size)
+
     def _move_to_tp(self) -> list[KVMove]:
         """Move the requests MoveRule names from their DP pools into the TP pool (module docstring): free their DP
         blocks, place them in the TP/SP class, allocate TP blocks for their computed tokens and the next one."""
@@ -351,27 +440,39 @@ class DPScheduler(Scheduler):
         waiting = list(itertools.chain(self.waiting, self.kv_holding_waiting))
         moves = []
         for request in self.move_rule.candidates(self.admission, self.running, waiting, self.placement):
-            rid = request.request_id
-            tokens = request.num_computed_tokens
-            n = -(-tokens // self.block_size)
-            if kv.tp_pool.block_pool.get_num_free_blocks() < -(-(tokens + 1) // self.block_size):
+            if kv.tp_pool.block_pool.get_num_free_blocks() < self._blocks_needed(request):
                 break  # the TP pool holds no more: the rest stay on their ranks
-            rank = self.placement[rid]
-            src = kv.dp_pools[rank].get_block_ids(rid)
-            if len(src) != 1 or len(src[0]) < n:
-                raise RuntimeError(f"fusedpar DP: request {rid} holds DP blocks {src} for {tokens} computed tokens "
-                                   "(one KV cache group of whole blocks expected)")
-            kv.dp_pools[rank].free(request)
-            self.placement[rid] = TP_CLASS
-            if kv.tp_pool.allocate_slots(request, 1) is None:
-                raise RuntimeError(f"fusedpar DP: the TP pool could not allocate the blocks of moved request {rid}")
-            dst = kv.tp_pool.get_block_ids(rid)[0]
-            moves.append(KVMove(rid, rank, tuple(src[0][:n]), tuple(dst[:n]), tokens))
+            rank = self.placement[request.request_id]
+            dp, tp = self._relocate(request, kv.dp_pools[rank], kv.tp_pool, TP_CLASS)
+            moves.append(KVMove(request.request_id, rank, tuple(dp), tuple(tp), request.num_computed_tokens))
+        return moves
+
+    def _move_to_dp(self) -> list[KVMove]:
+        """Move the requests MoveRule names from the TP pool to DP pools (module docstring), each to the rank with
+        the fewest DP requests whose pool holds its blocks, at most one token budget of them (each needs one token of
+        this step, and they go first in vLLM's running order so that the step schedules them)."""
+        kv = self.kv_cache_manager
+        moves = []
+        budget = self.scheduler_config.max_num_batched_tokens
+        for request in self.move_rule.candidates_to_dp(self.admission, self.running, self.placement)[:budget]:
+            need = self._blocks_needed(request)
+            load = [0] * self.dp_size
+            for place in self.placement.values():
+                if place != TP_CLASS:
+                    load[place] += 1
+            room = [r for r in range(self.dp_size) if kv.dp_pools[r].block_pool.get_num_free_blocks() >= need]
+            if not room:
+                continue  # no DP pool holds it: it stays in the TP/SP class
+            rank = min(room, key=lambda r: (load[r], r))
+            tp, dp = self._relocate(request, kv.tp_pool, kv.dp_pools[rank], rank)
+            moves.append(KVMove(request.request_id, rank, tuple(dp), tuple(tp), request.num_computed_tokens))
+        moved = {m.request_id for m in moves}
+        self.running.sort(key=lambda r: r.request_id not in moved)  # stable: the moved first, in their order
         return moves
 
     def _deliver_moves(self, out, moves: list[KVMove]) -> None:
         """Turn the moved requests' entries of the step's output into new requests (as_new_request) and keep
-        their copied TP blocks out of the blocks to zero."""
+        their copied TP blocks out of the blocks to zero (a TP step's moves; a DP step's: zero_without_moves)."""
         c = out.scheduled_cached_reqs
         missing = [m.request_id for m in moves if m.request_id not in c.req_ids]
         if missing:
@@ -381,16 +482,18 @@ class DPScheduler(Scheduler):
         out.scheduled_cached_reqs = without_requests(c, {m.request_id for m in moves})
         out.scheduled_new_reqs = [*out.scheduled_new_reqs, *new]
         copied = {b for m in moves for b in m.tp_blocks}
-        if out.new_block_ids_to_zero:
+        if out.new_block_ids_to_zero and self.step_mode == TP_STEP:
             out.new_block_ids_to_zero = [b for b in out.new_block_ids_to_zero if b not in copied] or None
 
     def schedule(self, *args, **kwargs):
         if not self.admission.at_arrival:
             self._place_waiting()
-        moves = self._move_to_tp() if self.move_rule.enabled else []
+        moves = self._move_to_tp() if self.move_rule.to_tp else []
+        to_dp = self._move_to_dp() if self.move_rule.to_dp and not moves else []
         self.step_mode = self.alternation.next(*self._classes_with_requests())
-        if moves:  # the moved requests run in this step, which copies their KV
-            self.step_mode = self.alternation.last = TP_STEP
+        if moves or to_dp:  # the moved requests run in this step, which copies their KV
+            self.step_mode = self.alternation.last = TP_STEP if moves else DP_STEP
+            moves = moves or to_dp
         out = super().schedule(*args, **kwargs)
         if moves:
             self._deliver_moves(out, moves)
@@ -399,12 +502,62 @@ class DPScheduler(Scheduler):
             raise RuntimeError(f"fusedpar DP: a {self.step_mode} step scheduled requests {strays} of the other class "
                                "(vLLM's scheduling loop did not leave them out: a vLLM version this plugin does not "
                                "know)")
-        zero = self.kv_cache_manager.take_new_block_ids_by_rank()
+        zero = zero_without_moves(self.kv_cache_manager.take_new_block_ids_by_rank(), to_dp)
         ranks = {rid: self.placement[rid] for rid in out.num_scheduled_tokens} if self.step_mode == DP_STEP else {}
         tag = DPTag(ranks=ranks, size=self.dp_size, zero=zero if self.needs_kv_cache_zeroing else {},
                     mode=self.step_mode, dp_offset=self.split.dp_offset, moves=tuple(moves))
         setattr(out, TAG, tag)
         return out
+
+    # ---- policy "auto"'s curves, measured at start-up ---------------------------------------------------------
+    def _measure_curves(self, executor) -> None:
+        """Measure policy "auto"'s step-time curves through the engine's executor (its workers and KV cache are up,
+        the engine serves nothing yet) and place requests by them (dp_curves.py): each point's requests, placed by
+        hand, run as the engine core runs a step (`_step`); the workers' stats are reset afterwards."""
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        from .dp_curves import measure_curves
+
+        vocab = self.vllm_config.model_config.get_vocab_size()
+        budget = self.scheduler_config.max_num_batched_tokens
+
+        def run_step(layout: str, tokens: int, index: int) -> float:
+            dp = layout.startswith("dp")
+            count = self.dp_size if dp else 1
+            rids = [f"fusedpar-measure-{index}-{r}" for r in range(count)]
+            for r, rid in enumerate(rids):
+                ids = [(7 * index + 13 * r + 31 * t) % vocab for t in range(-(-tokens // count))]
+                params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+                self.placement[rid] = r if dp else TP_CLASS
+                self.add_request(Request(rid, ids, params, None))
+            t0 = time.perf_counter()
+            self._step(executor)
+            seconds = time.perf_counter() - t0
+            left = [rid for rid in rids if rid in self.requests]
+            if left:
+                raise RuntimeError(f"requests {left} of a {tokens}-token step did not finish in that step")
+            for _ in range(2):  # the finished requests' ids reach the workers in the next (empty) step
+                if self.has_requests():
+                    self._step(executor)
+            if self.has_requests():
+                raise RuntimeError(f"the scheduler still holds requests after a {tokens}-token step and two more")
+            return seconds
+
+        curves = measure_curves(run_step, self.dp_size, budget)
+        step_times = tuple((name, tuple(points)) for name, points in curves.items())
+        self.admission = admission_of(self.cfg, self.dp_size, budget, step_times)
+        self.alternation = Alternation()
+        executor.collective_rpc("fusedpar_reset_stats")
+
+    def _step(self, executor) -> None:
+        """One step as vLLM's EngineCore.step runs it (vllm/v1/engine/core.py): schedule, execute, sample where the
+        workers answered None, update from the output."""
+        out = self.schedule()
+        result = executor.execute_model(out)
+        if result is None:
+            result = executor.sample_tokens(self.get_grammar_bitmask(out))
+        self.update_from_output(out, result)
 
     def _preempt_request(self, request, *args, **kwargs) -> None:
         kv = self.kv_cache_manager

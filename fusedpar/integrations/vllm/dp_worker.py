@@ -13,7 +13,10 @@
   - in a TP step that moves requests from DP ranks into the TP/SP class (the tag's moves) copies their KV
     into its TP blocks before the forward (dp_move.move_kv, collective over the TP group); the source
     rank drops the request's DP-step state, and every rank takes it as the new request the scheduler
-    made of it (dp_scheduler.as_new_request);
+    made of it (dp_scheduler.as_new_request); in a DP step that moves requests from the TP/SP class to DP
+    ranks, every rank sends its kv-head group of their TP blocks to the destination rank, which writes them
+    into its DP blocks (dp_move.move_kv_to_dp), every rank drops their TP-step state, and the destination
+    takes each as a new request;
   - zeroes the DP blocks vLLM asked for on this rank as the P TP blocks each one is;
   - records the step for `stats(llm)`: steps, tokens and requests per class, switches between DP and TP
     steps, KV bytes moved, and tokens computed again that an earlier step had computed
@@ -121,8 +124,15 @@ class DPWorker(CPUWorker):
                 scheduler_output = self._move_in(scheduler_output, tag, get_tensor_model_parallel_rank())
             return super().execute_model(scheduler_output)
 
-        own = own_output(scheduler_output, tag, get_tensor_model_parallel_rank())
-        state.classes.record(tag.mode, own.num_scheduled_tokens, computed_tokens(own), own.finished_req_ids,
+        rank = get_tensor_model_parallel_rank()
+        arrived = {m.request_id for m in tag.moves if m.rank == rank}
+        if tag.moves:  # every rank drops the moved requests' TP-step state; their destination takes them as new
+            self._move_out(tag, rank)
+            scheduler_output = dataclasses.replace(
+                scheduler_output, finished_req_ids=set(scheduler_output.finished_req_ids) | {m.request_id
+                                                                                             for m in tag.moves})
+        own = own_output(scheduler_output, tag, rank)
+        state.classes.record(tag.mode, own.num_scheduled_tokens, computed_tokens(own), own.finished_req_ids - arrived,
                              engine_step=bool(scheduler_output.total_num_scheduled_tokens))
         if own.total_num_scheduled_tokens:
             state.expect_dp_step()
@@ -151,6 +161,42 @@ class DPWorker(CPUWorker):
         state.classes.moved.update(m.request_id for m in tag.moves)
         mine = {m.request_id for m in tag.moves if m.rank == rank}
         return dataclasses.replace(so, finished_req_ids=set(so.finished_req_ids) | mine) if mine else so
+
+    def _move_out(self, tag: DPTag, rank: int) -> None:
+        """Gather the KV of a DP step's moves (from the TP/SP class to DP ranks) into their destination ranks' DP
+        blocks (dp_move.move_kv_to_dp: collective over the TP group)."""
+        from vllm.distributed import get_tp_group
+
+        from .dp_move import block_layout, group_gather, move_kv_to_dp
+
+        state = self._fp_state()
+        attns = [layer.attn for layer in state.model.dp_runner.layers]
+        caches = [a.kv_cache for a in attns]
+        if getattr(self, "_fp_block_layout", None) is None:
+            attn = attns[0]
+
+            def write_into(cache, key, value, slots) -> None:  # the backend's own KV write, probed once
+                attn.impl.do_kv_cache_update(attn, key, value, cache, slots)
+
+            self._fp_block_layout = block_layout(write_into, caches[0].shape[1:], caches[0].dtype, caches[0].device)
+        state.classes.kv_bytes_moved += move_kv_to_dp(tag.moves, caches, tag.size, tag.dp_offset, rank,
+                                                      group_gather(get_tp_group()), self._fp_block_layout)
+        state.classes.moved.update(m.request_id for m in tag.moves)
+
+    def fusedpar_kv_move_seconds(self, sizes) -> list[float]:
+        """Seconds of one KV move of each size in `sizes` (bytes), the slowest rank's (dp_move.time_moves);
+        collective: the executor calls it on every rank."""
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
+
+        from .dp_move import group_gather, group_scatter, time_moves
+
+        tp = get_tp_group()
+        seconds = torch.tensor(time_moves(group_scatter(tp), group_gather(tp), tp.world_size,
+                                          get_tensor_model_parallel_rank(), sizes), dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=tp.cpu_group)
+        return seconds.tolist()
 
     def _fp_state(self):
         from .state import _require_state
