@@ -288,6 +288,11 @@ def test_all_to_all_o_proj_fp8_router_and_refusals():
     with pytest.raises(ValueError, match=r"the activation group of 32 columns must divide C = 48"):
         all_to_all_o_proj_emulated(EmulatedWorld(2, 1 << 16), [r[1] for r in ranks], [r[0].q for r in ranks],
                                    fp8=[bad, bad])
+    base = FP8Weight.quantize(torch.randn((40, 160), generator=gen), SCHEMES["block16x32"])
+    cut = base.q.narrow(1, 16, 128)  # starts inside a 32-column block
+    f8 = FP8Operands(torch.ones((6, 2)), base.scale.narrow(1, 0, 4), (16, 32), 32, torch.float16)
+    with pytest.raises(ValueError, match=r"starts at column 16, inside a 32-column scale block"):
+        all_to_all_o_proj_emulated(EmulatedWorld(2, 1 << 16), [attn.to(E4M3)[:6]] * 2, [cut] * 2, fp8=[f8, f8])
 
 
 def test_scattered_o_proj_fp8_on_the_staged_rows():

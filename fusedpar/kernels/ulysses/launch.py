@@ -23,7 +23,8 @@ from fusedpar.collectives.symmetric import PeerTable, as_peer_table
 from fusedpar.kernels._host import INTERPRETED, SUPPORTED_DTYPES, cdiv, max_offset, next_pow2
 from fusedpar.kernels._sync import GPU_SPIN_LIMIT, device_guard, resolve_spin_limit, sm_count
 from fusedpar.kernels.attention import ScatterOut
-from fusedpar.kernels.fp8 import E4M3, MIN_BLOCK_K, NO_FP8_SCALES, FP8Operands, check_fp8_operands, mm_block_k
+from fusedpar.kernels.fp8 import E4M3, NO_FP8_SCALES, FP8Operands, check_fp8_operands
+from fusedpar.kernels.fp8.launch import MIN_BLOCK_K, check_block_view, mm_block_k
 from fusedpar.kernels.gemm import GemmConfig, split_w_descriptor, tma_compatible, tma_descriptors
 from fusedpar.kernels.ulysses.config import (
     QKV_ROTATE_ROWS,
@@ -134,6 +135,11 @@ def check_o_fp8(attn: torch.Tensor, w: torch.Tensor, W: int, fp8: FP8Operands) -
                         f"for w_o {tuple(w.shape)}")
     if fp8.x_scale.dtype != torch.float32 or fp8.w_scale.dtype != torch.float32:
         problems.append(f"scales must be torch.float32, got {fp8.x_scale.dtype} and {fp8.w_scale.dtype}")
+    if fp8.w_scale.dim() == 2:
+        try:
+            check_block_view(w, fp8.w_tile, fp8.w_scale.shape[0], fp8.w_scale.shape[1])
+        except ValueError as e:
+            problems.append(str(e).split(": ", 1)[-1])
     if not problems and o_fp8_block_k(c, W, fp8, 128) is None:
         problems.append(f"no K step of >= {MIN_BLOCK_K} columns lies inside one {g}-column group, one {tk}-column "
                         f"weight tile and one peer's C = {c} columns")
