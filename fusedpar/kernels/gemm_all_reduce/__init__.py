@@ -225,7 +225,8 @@ def gemm_all_reduce(
     x's dtype.
     Collective: every rank calls it with the same shapes, in the same order relative to other
     launches on the workspace, from one stream. Capture-safe (CUDA graphs): no host sync, no
-    allocation besides the output. No autograd (inference).
+    allocation besides the output (and, with an e4m3 weight, the quantised activations and their
+    scales). No autograd (inference).
     """
     opts = options or _DEFAULT
     path = opts.path
