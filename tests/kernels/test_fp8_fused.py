@@ -163,11 +163,17 @@ def test_gemm_all_reduce_fp8_refuses_views_inside_blocks_and_bad_scales_with_num
     with pytest.raises(ValueError, match=r"starts at column 40, inside a 32-column scale block \(column % 32 = 8\)"):
         gemm_all_reduce_emulated(world, [x.to(E4M3)] * 2, [cut] * 2, path="one_shot", fp8=[fp8] * 2)
     bad = FP8Operands(torch.ones((4, 3)), torch.ones((1, 1)), (16, 32), 32, torch.float16)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError) as err:  # every problem in one error
         gemm_all_reduce_emulated(world, [x.to(E4M3)] * 2, [base.q.narrow(1, 32, 48)] * 2, path="one_shot",
                                  fp8=[bad] * 2)
+    assert str(err.value).startswith("gemm_all_reduce: "), err.value
     assert "x_scale (4, 3) must be [M, ceil(K / 32)] = (5, 2)" in str(err.value)
     assert "w_scale (1, 1) must be [ceil(N / 16), ceil(K / 32)] = (4, 2)" in str(err.value)
+    with pytest.raises(ValueError) as err:  # a bad x_scale and a view cut inside a block, together
+        gemm_all_reduce_emulated(world, [x.to(E4M3)] * 2, [cut] * 2, path="one_shot",
+                                 fp8=[FP8Operands(torch.ones((4, 3)), fp8.w_scale, (16, 32), 32, torch.float16)] * 2)
+    assert "x_scale (4, 3) must be [M, ceil(K / 32)] = (5, 2)" in str(err.value)
+    assert "starts at column 40, inside a 32-column scale block" in str(err.value)
 
 
 # ------------------------------------------------------------------------------ qkv GEMM + all-to-all

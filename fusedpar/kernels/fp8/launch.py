@@ -314,7 +314,15 @@ class FP8Operands:
 def check_fp8_operands(op: str, qx: torch.Tensor, qw: torch.Tensor, fp8: FP8Operands) -> None:
     """A fused kernel's e4m3 operands and their scales: the scaled GEMM's constraints (check_mm_args, with
     qw any [N, K] slice of the kernel's weight) and, for a block-scaled view, its start on a block boundary
-    (check_block_view). Every violated constraint is listed, with its numbers."""
-    check_mm_args(qx, fp8.x_scale, qw, fp8.w_scale, fp8.w_tile, fp8.x_group, None, fp8.out_dtype)
+    (check_block_view). Every violated constraint is listed in one error named after `op`, with its numbers."""
+    problems = []
+    try:
+        check_mm_args(qx, fp8.x_scale, qw, fp8.w_scale, fp8.w_tile, fp8.x_group, None, fp8.out_dtype)
+    except ValueError as e:
+        problems.append(str(e).split(": ", 1)[-1])
     if qw.dim() == 2 and fp8.w_scale.dim() == 2:
-        check_block_view(qw, fp8.w_tile, fp8.w_scale.shape[0], fp8.w_scale.shape[1])
+        try:
+            check_block_view(qw, fp8.w_tile, fp8.w_scale.shape[0], fp8.w_scale.shape[1])
+        except ValueError as e:
+            problems.append(str(e).split(": ", 1)[-1])
+    _fail(op, problems)
