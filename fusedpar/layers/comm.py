@@ -15,7 +15,8 @@ Stages (rows = this rank's rows: m = n_pad / SP in base mode, n in shift mode; b
 
 PlainComm: F.linear (FP8Weight.linear for FP8 weights) + fusedpar.collectives; any device and backend (gloo on
 CPU, NCCL on CUDA).
-FusedComm: symmetric-memory workspaces (CUDA) + the fused Triton kernels. Each stage checks
+FusedComm: symmetric-memory workspaces (CUDA) + the fused Triton kernels, on bf16 / fp16 weights and on
+FP8Weight ones (the kernels' e4m3 variants). Each stage checks
 whether it can take the step (a workspace, a group of more than one rank) and otherwise runs its
 PlainComm's; the kernels route by size themselves. `should_use(x)` says whether a communicator can
 take hidden states x at all; `select` returns the first of several that can (callers list them
@@ -42,6 +43,14 @@ if TYPE_CHECKING:
     from fusedpar.kernels.ulysses.config import UlyssesOptions
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def _fp8_args(w, **extra) -> tuple[torch.Tensor, dict]:
+    """A weight as the fused kernels take it: (w, {}) for a plain one; for an FP8Weight its e4m3 tensor and
+    the keywords w_scale / w_tile (with `extra`)."""
+    if isinstance(w, FP8Weight):
+        return w.q, {"w_scale": w.scale, "w_tile": w.tile, **extra}
+    return w, {}
 
 
 def select(x: torch.Tensor, *comms):
@@ -209,7 +218,8 @@ class FusedComm:
             return self.plain.qkv(h, w, mode, bias)
         from fusedpar.kernels.ulysses import qkv_all_to_all
 
-        out = qkv_all_to_all(h, w, self.qkv_ws, self.ctx.sp, options=self.options.ulysses)
+        q, fp8 = _fp8_args(w)
+        out = qkv_all_to_all(h, q, self.qkv_ws, self.ctx.sp, options=self.options.ulysses, **fp8)
         if bias is None:
             return out
         return out + bias.narrow(0, self.ctx.sp.rank * self.blk, self.blk)
@@ -227,7 +237,9 @@ class FusedComm:
     def o_proj_scattered(self, w: torch.Tensor, rows: int, num_tokens: int) -> torch.Tensor:
         from fusedpar.kernels.ulysses import scattered_o_proj
 
-        return self._tp_sum(scattered_o_proj(w, self.o_ws, tokens=rows, num_tokens=num_tokens, c=self.attn_width))
+        q, fp8 = _fp8_args(w, dtype=self.dtype)
+        return self._tp_sum(scattered_o_proj(q, self.o_ws, tokens=rows, num_tokens=num_tokens, c=self.attn_width,
+                                             **fp8))
 
     def o_proj(self, attn: torch.Tensor, w: torch.Tensor, mode: str, *, residual: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -237,7 +249,8 @@ class FusedComm:
             return self.plain.o_proj(attn, w, mode, residual=residual)
         from fusedpar.kernels.ulysses import all_to_all_o_proj
 
-        out = self._tp_sum(all_to_all_o_proj(attn, w, self.o_ws, self.ctx.sp, options=self.options.ulysses))
+        q, fp8 = _fp8_args(w)
+        out = self._tp_sum(all_to_all_o_proj(attn, q, self.o_ws, self.ctx.sp, options=self.options.ulysses, **fp8))
         return out if residual is None else residual + out
 
     def row_parallel(self, x: torch.Tensor, w: torch.Tensor, mode: str, *, residual: torch.Tensor | None = None,
@@ -250,7 +263,8 @@ class FusedComm:
         # A separate pass, not a GEMM prologue: SwiGLU in the one-shot kernel's operand load was
         # slower than this + the kernel (fusedpar.kernels.gemm_all_reduce docstring).
         act = self.plain.swiglu(x, swiglu_block) if swiglu_block else x
-        return gemm_all_reduce(act, w, self.ctx.attention_group(mode), ws, residual=residual)
+        q, fp8 = _fp8_args(w)
+        return gemm_all_reduce(act, q, self.ctx.attention_group(mode), ws, residual=residual, **fp8)
 
     def fuses_residual(self, rows: int, w: torch.Tensor, mode: str) -> bool:
         """Whether row_parallel (o_proj outside base mode) adds the residual inside a fused reduce
@@ -261,5 +275,7 @@ class FusedComm:
         from fusedpar.kernels.gemm_all_reduce import auto_path
 
         group = self.ctx.attention_group(mode)
-        return auto_path(rows, w.shape[0], w.shape[1], w.dtype, group.size, ws.table, w.device) in ("one_shot",
-                                                                                                  "two_shot")
+        q = w.q if isinstance(w, FP8Weight) else w
+        dtype = self.dtype if isinstance(w, FP8Weight) else w.dtype
+        return auto_path(rows, w.shape[0], w.shape[1], dtype, group.size, ws.table, q.device) in ("one_shot",
+                                                                                                "two_shot")

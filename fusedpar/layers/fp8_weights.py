@@ -19,11 +19,14 @@ import torch.nn.functional as F
 
 from fusedpar.kernels.fp8 import (
     E4M3,
+    MIN_BLOCK_K,
     FP8Scheme,
+    check_block_view,
     dequantize,
     fp8_linear_tiles,
     fp8_matmul_tiles,
     kernel_takes,
+    mm_block_k,
     quantize_weight,
 )
 from fusedpar.layouts import WeightShard
@@ -95,6 +98,22 @@ class FP8Weight:
         tile = list(self.tile)
         tile[dim] = 1
         return FP8Weight(self.q, scale, tuple(tile))
+
+
+def fused_fp8_problems(w: FP8Weight) -> list[str]:
+    """Why the fused kernels' e4m3 GEMM cannot take w (empty: it can), each with its numbers: a scale tile
+    narrower than K that is no multiple of the kernels' smallest K step (e.g. one scale per input column),
+    and a block-scaled view that starts inside a scale block of the weight it is cut from."""
+    k = w.shape[1]
+    problems = []
+    if k and mm_block_k(k, w.tile[1], w.tile[1], 128) is None:
+        problems.append(f"one scale per {w.tile[1]} of its {k} input columns: the kernels take scales spanning K or "
+                        f"a multiple of {MIN_BLOCK_K} columns")
+    try:
+        check_block_view(w.q, w.tile, w.scale.shape[0], w.scale.shape[1])
+    except ValueError as e:
+        problems.append(str(e).split(": ", 1)[-1])
+    return problems
 
 
 def cat_fp8(pieces: list[FP8Weight], dim: int) -> FP8Weight:

@@ -19,7 +19,7 @@ from fusedpar.collectives import ParallelContext, all_gather_rows
 from fusedpar.layers.comm import FusedComm, PlainComm
 from fusedpar.layers.config import DecoderConfig
 from fusedpar.layers.decoder import ShiftParallelDecoderLayer, StepState, needs_rope_tables, rope_tables
-from fusedpar.layers.fp8_weights import FP8Weight
+from fusedpar.layers.fp8_weights import FP8Weight, fused_fp8_problems
 from fusedpar.layers.graphs import SCRATCH_SEQ_ID
 from fusedpar.layers.kv_cache import PagedKVCache
 from fusedpar.layers.step_plan import StepBatch, StepModeRule, padded_token_count
@@ -55,10 +55,13 @@ class ShiftParallelStack(nn.Module):
         communicator: comm=PlainComm(ctx) runs cuBLAS + NCCL around the same Triton attention and norms.
         max_tokens also bounds the captured graphs' sizes. Collective: every rank.
         CUDA graphs captured before belong to the old communicator: they are dropped (capture again)."""
-        fp8 = sorted({name for layer in self.layers for name, w in layer.w.base.items() if isinstance(w, FP8Weight)})
-        if fp8 and not isinstance(comm, PlainComm):
-            raise ValueError(f"FP8 weights ({', '.join(fp8)}) run on the plain GEMMs: enable_fused(..., "
-                             f"comm=PlainComm(ctx)); the fused kernels take bf16/fp16 weights")
+        if not isinstance(comm, PlainComm):
+            problems = sorted({f"{mode} {name}: {p}" for layer in self.layers for mode, ws in (("base", layer.w.base),
+                               ("shift", layer.w.shift)) for name, w in ws.items() if isinstance(w, FP8Weight)
+                               for p in fused_fp8_problems(w)})
+            if problems:
+                raise ValueError("the fused kernels do not take these FP8 weights (enable_fused(..., "
+                                 "comm=PlainComm(ctx)) runs them on the plain GEMMs): " + "; ".join(problems))
         self.graphs = self.prefill_graphs = None
         if comm is None:
             comm = FusedComm(self.ctx, self.cfg, max_tokens=max_tokens, dtype=self.weight_dtype)

@@ -14,7 +14,8 @@ import torch
 from fusedpar.collectives.symmetric import EmulatedWorld
 from fusedpar.kernels._host import require_same_on_ranks
 from fusedpar.kernels._sync import check_emulated_rank
-from fusedpar.kernels.gemm_all_reduce.launch import check_operands, launch_chunk, plan_or_raise
+from fusedpar.kernels.fp8 import FP8Operands
+from fusedpar.kernels.gemm_all_reduce.launch import check_operands, chunk_fp8, launch_chunk, plan_or_raise
 from fusedpar.kernels.gemm_all_reduce.plan import FusedConfig
 
 __all__ = ["gemm_all_reduce_emulated"]
@@ -32,10 +33,12 @@ def gemm_all_reduce_emulated(
     schedule: str = "phased",
     config: FusedConfig | None = None,
     residuals: list[torch.Tensor] | None = None,
+    fp8: list[FP8Operands] | None = None,
 ) -> list[torch.Tensor]:
     """One fused call on every rank of an EmulatedWorld (CPU, interpreter); rank r's output at [r].
 
     residuals: as gemm_all_reduce's residual, one per rank (the reduce epilogues of both paths).
+    fp8: e4m3 xs and ws with these scales, one per rank (outputs of each one's out_dtype).
 
     schedule "phased": per chunk, each phase for every rank before the next phase.
     schedule "staggered": a legal interleaving with multi-phase launches and live flags.
@@ -53,18 +56,20 @@ def gemm_all_reduce_emulated(
         raise ValueError(f"gemm_all_reduce_emulated: unknown schedule {schedule!r}")
     require_same_on_ranks("gemm_all_reduce_emulated", "x", xs)
     require_same_on_ranks("gemm_all_reduce_emulated", "w", ws)
+    f8 = fp8 if fp8 is not None else [None] * W
     if outs is None:
-        outs = [torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype) for x, w in zip(xs, ws, strict=True)]
+        outs = [torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype if f is None else f.out_dtype)
+                for x, w, f in zip(xs, ws, f8, strict=True)]
     res = residuals if residuals is not None else [None] * W
     for r in range(W):
-        check_operands(xs[r], ws[r], outs[r], world[r].device, res[r])
-    plan = plan_or_raise(path, xs[0], ws[0], world[0], partial_dtype, config)
+        check_operands(xs[r], ws[r], outs[r], world[r].device, res[r], f8[r])
+    plan = plan_or_raise(path, xs[0], ws[0], world[0], partial_dtype, config, outs[0].dtype)
 
     def run(r: int, m0: int, rows: int, **phases) -> None:
         t = world[r]
         launch_chunk(xs[r].narrow(0, m0, rows), ws[r], outs[r].narrow(0, m0, rows), t.buffer_ptrs, t.signal_ptrs,
                       t.counters, r, W, plan, use_flags=use_flags, spin_limit=None,
-                      residual=None if res[r] is None else res[r].narrow(0, m0, rows),
+                      residual=None if res[r] is None else res[r].narrow(0, m0, rows), fp8=chunk_fp8(f8[r], m0, rows),
                       **{"gemm": False, "reduce": False, "copy": False, **phases})
 
     def checked(r: int) -> None:
@@ -86,8 +91,9 @@ def gemm_all_reduce_emulated(
                 torch.ops.fusedpar.gemm_all_reduce_out(
                     xs[W - 1].narrow(0, m0, rows), ws[W - 1], t.buffer_ptrs, t.signal_ptrs, t.counters,
                     outs[W - 1].narrow(0, m0, rows), W - 1, W, t.buffer_bytes, t.max_blocks, path,
-                    plan.partial_dtype == torch.float32 and xs[0].dtype != torch.float32, plan.config.as_list(),
+                    plan.partial_dtype == torch.float32 and outs[0].dtype != torch.float32, plan.config.as_list(),
                     use_flags, None if res[W - 1] is None else res[W - 1].narrow(0, m0, rows),
+                    *FP8Operands.op_args(chunk_fp8(f8[W - 1], m0, rows)),
                 )
                 checked(W - 1)
                 for r in rest:

@@ -80,7 +80,7 @@ def _poisoned(xs, ws):
     return [poison_(torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)) for x, w in zip(xs, ws, strict=True)]
 
 
-def check_sum(outs, xs, ws, *, partial_dtype=None, name="gemm_all_reduce", k_ranges=None) -> None:
+def check_sum(outs, xs, ws, *, partial_dtype=None, name="gemm_all_reduce", k_ranges=None, out_dtype=None) -> None:
     """Every rank: finite, identical bits, and |out - sum_r x_r w_r^T| within the kernel's rounding bound.
 
     Per element, with p_r = x_r w_r^T exact (float64), s = sum_r p_r and A = sum_r |x_r| |w_r|^T:
@@ -88,10 +88,11 @@ def check_sum(outs, xs, ws, *, partial_dtype=None, name="gemm_all_reduce", k_ran
       + (K + W + 2) 2^-24 A      fp32 accumulation of the GEMM (K terms) and of the rank sum (W)
       + u_o * (|s| + the above)  the final rounding to the output dtype
     (times 1.01 for the bound's own rounding), the textbook worst case of the kernel's arithmetic.
+    out_dtype: the outputs' dtype where it is not xs's (FP8: xs and ws are the dequantised e4m3 operands).
     k_ranges: split-K's K ranges [(start, stop)]: each range's partial is rounded (sum_r sum_range
     |p_r,range| in the first term) and the rank sum has W x len(k_ranges) terms.
     """
-    dtype = xs[0].dtype
+    dtype = out_dtype or xs[0].dtype
     pdt = partial_dtype or dtype
     parts = [x.double() @ w.double().T for x, w in zip(xs, ws, strict=True)]
     ref = torch.stack(parts).sum(0)

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from fusedpar.kernels.fp8 import NO_FP8_SCALES
 from tests.kernels.sm90_build import build_for_sm90
 
 _COMPILE = textwrap.dedent(
@@ -28,8 +29,12 @@ _COMPILE = textwrap.dedent(
     consts = spec["constexprs"]
     missing = [n for n in names if n not in consts and n not in spec["types"]]
     assert not missing, f"no type given for {missing}"
-    sig = {n: "constexpr" if n in consts else spec["types"][n] for n in names}
-    src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+    tuples = {n: v for n, v in consts.items() if isinstance(v, list)}  # a tuple argument, all constexprs
+    sig = {n: ("constexpr",) * len(tuples[n]) if n in tuples else "constexpr" if n in consts else spec["types"][n]
+           for n in names}
+    constexprs = {(names.index(n),): v for n, v in consts.items() if n not in tuples}
+    constexprs.update({(names.index(n), i): v for n, t in tuples.items() for i, v in enumerate(t)})
+    src = ASTSource(fn, sig, constexprs=constexprs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
     ptx = k.asm["ptx"]
     print(json.dumps({"ptx_globaltimer": ptx.count("%globaltimer"), "cubin_bytes": len(k.asm["cubin"]),
@@ -46,7 +51,9 @@ def _qkv_constexprs(timeline: bool, tma: bool, split: bool) -> dict:
     consts = {"WORLD": 4, "WORLD_P2": 4, "BLOCK_M": 64 if split else 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8,
               "NUM_SMS": 132, "EVEN_K": True, "INPUT_PRECISION": "tf32", "EPOCH_AHEAD": 1, "SEND_READY": True,
               "PRODUCE": True, "WAIT": True, "USE_FLAGS": True, "SPIN_LIMIT": 1 << 25, "TIMELINE": timeline,
-              "TMA": tma, "FLATTEN": not tma, "BLOCK_N2": 64 if split else 0, "ROTATE": split}
+              "TMA": tma, "FLATTEN": not tma, "BLOCK_N2": 64 if split else 0, "ROTATE": split,
+              # no FP8 (tests/kernels/test_fp8_fused.py builds the FP8 variant)
+              "fp8_scales": list(NO_FP8_SCALES), "FP8": False, "SCALE_IN_LOOP": False, "OUT_DTYPE": None}
     if not tma:
         consts.update(x_desc=None, w_desc=None)  # what the launcher passes without TMA
     if not (tma and split):

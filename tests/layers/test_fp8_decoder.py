@@ -6,6 +6,8 @@ same numbers in every layout and mode. Per-channel and per-tensor activations ar
 the columns a rank holds, as vLLM's row-parallel FP8 layers do: exact wherever no layer splits its input
 columns (base mode at SP = P), within FP8 rounding where one does (shift mode at TP > 1)."""
 
+import os
+
 import pytest
 import torch
 
@@ -66,27 +68,102 @@ def test_per_token_activation_scales_are_exact_without_split_columns_and_close_w
     assert worst[("shift", "cache")] < FP8_ROUNDING, worst
 
 
-def test_the_fused_kernels_refuse_fp8_weights_by_name():
-    per_rank = run_distributed(_fused_refusal, 2)
-    assert all("FP8 weights (down, gate_up, o, qkv) run on the plain GEMMs" in msg for msg in per_rank), per_rank
+def test_the_fused_path_takes_fp8_weights_and_refuses_what_its_kernels_cannot_by_name():
+    taken, refused = run_distributed(_fused_acceptance, 2)[0]
+    assert taken == "taken", taken
+    # block (8, 8): one scale per 8 input columns, under the kernels' smallest K step (16 on the interpreter)
+    for name, k in (("qkv", 48), ("o", 64), ("down", 32), ("gate_up", 48)):
+        assert f"base {name}: one scale per 8 of its {k} input columns: the kernels take scales spanning K or a " \
+               "multiple of 16 columns" in refused, refused
+    assert "shift down: one scale per 8 of its 16 input columns" in refused, refused
 
 
-def _fused_refusal(rank, world):
+def _fused_acceptance(rank, world):
     from fusedpar import ParallelLayout
     from fusedpar.collectives import ParallelContext
     from fusedpar.layers import ShiftParallelStack, random_decoder_weights
-    from fusedpar.layers.comm import PlainComm
     from fusedpar.layers.fp8_weights import FP8Weight
-    from fusedpar.testing.scenarios import FP8_SOURCES
+    from fusedpar.testing.scenarios import FP8_SOURCES, FallbackFusedComm
 
-    cfg = _cfg(2, 1)
+    cfg = DecoderConfig(hidden_size=48, num_q_heads=8, num_kv_heads=2, head_dim=8, intermediate_size=32,
+                        rope_theta=500.0)
     ctx = ParallelContext(ParallelLayout(world, sp=2))
-    w = random_decoder_weights(cfg, seed=0, dtype=torch.float32)
-    w = {k: FP8Weight.quantize(v, FP8Scheme("block", (8, 8))) if k in FP8_SOURCES else v for k, v in w.items()}
-    stack = ShiftParallelStack.from_full_weights(cfg, ctx, [w])
-    stack.enable_fused(max_tokens=16, comm=PlainComm(ctx))  # the plain GEMMs take them
-    try:
-        stack.enable_fused(max_tokens=16)
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    out = []
+    for block in ((16, 16), (8, 8)):
+        w = random_decoder_weights(cfg, seed=0, dtype=torch.float32)
+        w = {k: FP8Weight.quantize(v, FP8Scheme("block", block)) if k in FP8_SOURCES else v for k, v in w.items()}
+        stack = ShiftParallelStack.from_full_weights(cfg, ctx, [w])
+        try:
+            stack.enable_fused(max_tokens=16, comm=FallbackFusedComm(ctx, cfg, max_tokens=16, dtype=torch.float32))
+            out.append("taken")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+class KernelEntriesComm:
+    """The fused stages' FP8 kernel entries without workspaces (gloo processes share no memory): qkv and the
+    base o-projection through fusedpar.kernels.ulysses' qkv_all_to_all and all_to_all_o_proj, the
+    row-parallel GEMMs through fusedpar.kernels.gemm_all_reduce, each quantising its activations once and
+    running the e4m3 GEMM on the interpreter, with the plain collectives; attention in the fused layer path."""
+
+    def __init__(self, ctx, cfg):
+        from fusedpar.layers.comm import PlainComm
+
+        self.ctx, self.plain = ctx, PlainComm(ctx)
+
+    def should_use(self, x):
+        return True
+
+    def qkv(self, h, w, mode, bias=None):
+        from fusedpar.kernels.ulysses import UlyssesOptions, qkv_all_to_all
+
+        if mode != "base":
+            return self.plain.qkv(h, w, mode, bias)
+        return qkv_all_to_all(h, w.q, None, self.ctx.sp, options=UlyssesOptions(path="plain"), w_scale=w.scale,
+                              w_tile=w.tile)
+
+    def o_target(self, mode, rows):
+        return None
+
+    def o_proj(self, attn, w, mode, *, residual=None):
+        from fusedpar.collectives import all_reduce_sum
+        from fusedpar.kernels.ulysses import UlyssesOptions, all_to_all_o_proj
+
+        if mode != "base":
+            return self.row_parallel(attn, w, mode, residual=residual)
+        y = all_to_all_o_proj(attn, w.q, None, self.ctx.sp, options=UlyssesOptions(path="plain"), w_scale=w.scale,
+                              w_tile=w.tile)
+        y = all_reduce_sum(y, self.ctx.tp)
+        return y if residual is None else residual + y
+
+    def row_parallel(self, x, w, mode, *, residual=None, swiglu_block=0):
+        from fusedpar.kernels.gemm_all_reduce import gemm_all_reduce
+
+        act = self.plain.swiglu(x, swiglu_block) if swiglu_block else x
+        y = gemm_all_reduce(act, w.q, self.ctx.attention_group(mode), None, w_scale=w.scale, w_tile=w.tile)
+        return y if residual is None else residual + y
+
+    def fuses_residual(self, rows, w, mode):
+        return False
+
+
+def _fused_fp8_scenario(rank, world, scheme):
+    from tests.conftest import _fix_interpreter_for_numpy_2_4
+
+    _fix_interpreter_for_numpy_2_4()  # spawned ranks do not run conftest
+    cfg = DecoderConfig(hidden_size=32, num_q_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
+                        rope_theta=500.0)
+    return {name: run_layer_scenario(rank, world, cfg, 2, 1, SCENARIOS[name], fp8=scheme,
+                                     fused_ops=KernelEntriesComm).to_dict() for name in ("mixed",)}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused layer path on CPU needs the Triton interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("scheme", [FP8Scheme("block", (16, 16)), FP8Scheme("channel")], ids=["block16", "channel"])
+def test_fused_layer_path_on_the_fp8_kernels_matches_the_unsharded_fp8_model(scheme):
+    """fp32 hidden states on the FP8 kernels against the float64 FP8 oracle: an activation whose fp32 value
+    rounds to another e4m3 neighbour than its float64 value is the only difference, within FP8 rounding."""
+    worst = _errors(run_distributed(_fused_fp8_scenario, 2, scheme))
+    assert {m for _, m in worst} == {"base", "shift", "cache"}, worst
+    assert max(worst.values()) < FP8_ROUNDING, worst

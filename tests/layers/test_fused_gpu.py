@@ -4,6 +4,7 @@ gemm_all_reduce) vs the fp64 oracle and vs the reference path, on NCCL GPUs unde
 import pytest
 import torch
 
+from fusedpar.kernels.fp8 import FP8Scheme
 from fusedpar.layers import DecoderConfig
 from fusedpar.testing.scenarios import Step, run_layer_scenario
 
@@ -74,3 +75,30 @@ def test_fused_decoder_with_qkv_bias_and_rope_tables(nccl_world, dtype):
                         rope_attention_scaling=1.1)
     assert not cfg.rope_is_default
     _check_fused_against_oracle_and_plain(rank, world, cfg, dtype)
+
+
+# an activation quantised from bf16 hidden states instead of the oracle's float64 ones may land on the other
+# e4m3 neighbour: within 2^-4 of it, twice (as tests/layers/test_fp8_decoder.py's FP8_ROUNDING)
+FP8_ROUNDING = 2 * 2.0**-4
+
+
+@pytest.mark.parametrize("scheme", [FP8Scheme("channel"), FP8Scheme("block"), FP8Scheme("tensor")],
+                         ids=["channel", "block128", "tensor"])
+def test_fused_decoder_with_fp8_weights_matches_oracle_and_plain(nccl_world, scheme):
+    """FP8 (e4m3) projection weights on the fused kernels' FP8 variants (qkv + all-to-all, the scattered and
+    all-to-all o-projections, GEMM + all-reduce) against the unsharded FP8 oracle and the plain path with the
+    same weights."""
+    rank, world = nccl_world
+    cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=2, head_dim=128, intermediate_size=2048,
+                        qk_norm=True, rope_theta=1e6)
+    for sp, tp in _layouts(world):
+        fused = run_layer_scenario(rank, world, cfg, sp, tp, STEPS, dtype=torch.bfloat16, block_size=16, fused=True,
+                                   fp8=scheme)
+        plain = run_layer_scenario(rank, world, cfg, sp, tp, STEPS, dtype=torch.bfloat16, block_size=16, fp8=scheme)
+        for i, (f, p) in enumerate(zip(fused.steps, plain.steps, strict=True)):
+            where = f"sp={sp} tp={tp} step {i} ({f.mode}, {f.tokens} tokens)"
+            assert f.mode == p.mode
+            assert f.rel_error < FP8_ROUNDING, f"{where}: fused rel error {f.rel_error:.3g}"
+            assert f.rel_error < 2 * p.rel_error + 4e-3, f"{where}: fused {f.rel_error:.3g} vs plain {p.rel_error:.3g}"
+        assert fused.cache_rel_error < FP8_ROUNDING
+        assert fused.cache_lengths == plain.cache_lengths

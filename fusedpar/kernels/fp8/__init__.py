@@ -14,6 +14,10 @@ torch.compile and CUDA graphs see one opaque node)
         with 1 x 128 activation groups (applied per K step inside the loop).
     fp8_matmul(x, qw, w_scale, scheme) / fp8_matmul_tiles(x, qw, w_scale, w_tile, x_group): both in one
         op, output in x's dtype: the kernel counterparts of fp8_linear / fp8_linear_tiles.
+    FP8Operands: the scales (and output dtype) the fused communication kernels take beside their e4m3
+        operands (fusedpar.kernels.gemm_all_reduce, fusedpar.kernels.ulysses); check_fp8_operands checks them,
+        quantize_for quantises a fused kernel's activations once and builds them, fp8_product is the GEMM
+        of its plain paths.
 Constraints: e4m3 qx / qw, fp32 scales of the tile grid's shape, fp16 / bf16 / fp32 activations and
 outputs; a weight tile or activation group narrower than K must be a multiple of 32 columns (16 under
 the interpreter); qw may be any strided view (a TP shard, a shift view) but a block-scaled view must start
@@ -27,7 +31,16 @@ from __future__ import annotations
 import torch
 
 from fusedpar.kernels.fp8 import ops as _ops  # noqa: F401  (registers torch.ops.fusedpar.fp8_*)
-from fusedpar.kernels.fp8.launch import ACT_DTYPES, check_block_view, mm_block_k, pick_fp8_config
+from fusedpar.kernels.fp8.launch import (
+    ACT_DTYPES,
+    MIN_BLOCK_K,
+    NO_FP8_SCALES,
+    FP8Operands,
+    check_block_view,
+    check_fp8_operands,
+    mm_block_k,
+    pick_fp8_config,
+)
 from fusedpar.kernels.fp8.reference import (
     E4M3,
     E4M3_MAX,
@@ -39,9 +52,30 @@ from fusedpar.kernels.fp8.reference import (
     quantize_weight,
 )
 
-__all__ = ["E4M3", "E4M3_MAX", "FP8Scheme", "check_block_view", "dequantize", "fp8_linear", "fp8_linear_tiles",
-           "fp8_matmul", "fp8_matmul_tiles", "fp8_quantize", "fp8_scaled_mm", "kernel_takes", "pick_fp8_config",
-           "quantize_activation", "quantize_weight"]
+__all__ = [
+    "E4M3",
+    "E4M3_MAX",
+    "MIN_BLOCK_K",
+    "NO_FP8_SCALES",
+    "FP8Operands",
+    "FP8Scheme",
+    "check_block_view",
+    "check_fp8_operands",
+    "dequantize",
+    "fp8_linear",
+    "fp8_linear_tiles",
+    "fp8_matmul",
+    "fp8_matmul_tiles",
+    "fp8_product",
+    "fp8_quantize",
+    "fp8_scaled_mm",
+    "kernel_takes",
+    "mm_block_k",
+    "pick_fp8_config",
+    "quantize_activation",
+    "quantize_for",
+    "quantize_weight",
+]
 
 
 def kernel_takes(x: torch.Tensor, qw: torch.Tensor, w_tile: tuple[int, int], x_group: int) -> bool:
@@ -87,3 +121,24 @@ def fp8_matmul(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor, scheme:
         raise ValueError(f"fp8_matmul: weight {tuple(qw.shape)} must be [N, K]")
     return fp8_matmul_tiles(x, qw, w_scale, scheme.weight_tile(tuple(qw.shape)), scheme.activation_tile(qw.shape[1]),
                             bias)
+
+
+def quantize_for(op: str, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
+                 w_tile: tuple[int, int] | None, group: int | None = None) -> tuple[torch.Tensor, FP8Operands] | None:
+    """A fused kernel's FP8 entry: None for a plain weight (no scales, not e4m3); else x [M, K] quantised once
+    (fp8_quantize: one scale per token and group of `group` columns, default w_tile[1], per token where that
+    spans K) and the FP8Operands of the scaled GEMM with w's scales, products in x's dtype."""
+    if w_scale is None and w_tile is None and w.dtype != E4M3:
+        return None
+    if w_scale is None or w_tile is None or x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"{op}: an e4m3 weight needs 2-D x and w and both w_scale and w_tile (its scales and the "
+                         f"tile one scale covers), got x {tuple(x.shape)}, w {tuple(w.shape)}, "
+                         f"w_scale={'given' if w_scale is not None else None}, w_tile={w_tile}")
+    group = min(int(w_tile[1] if group is None else group), max(x.shape[1], 1))
+    qx, x_scale = fp8_quantize(x, group)
+    return qx, FP8Operands(x_scale, w_scale, (int(w_tile[0]), int(w_tile[1])), group, x.dtype)
+
+
+def fp8_product(qx: torch.Tensor, w: torch.Tensor, fp8: FP8Operands) -> torch.Tensor:
+    """The scaled GEMM of quantize_for's operands without communication (the fused kernels' plain paths)."""
+    return fp8_scaled_mm(qx, fp8.x_scale, w, fp8.w_scale, fp8.w_tile, fp8.x_group, out_dtype=fp8.out_dtype)

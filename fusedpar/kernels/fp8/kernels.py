@@ -9,7 +9,9 @@ is the reference's bit for bit, on the GPU and under the Triton interpreter alik
 fp32 -> e4m3 cast does not round to nearest).
 
 _fp8_matmul_kernel: C[M, N] = (A_q * a_scale) @ (W_q * w_scale)^T with fp32 accumulation, the
-persistent GROUP_M-swizzled loop of fusedpar.kernels.gemm (`tile_coords`, `load_k_tile`).
+persistent GROUP_M-swizzled loop of fusedpar.kernels.gemm (`tile_coords`, `load_k_tile`). Its mainloop
+pieces (fp8_scale_rows, fp8_dot, fp8_scale_epilogue) are shared with the fused communication kernels
+(fusedpar.kernels.gemm_all_reduce, fusedpar.kernels.ulysses), which take e4m3 operands through them.
 """
 
 from __future__ import annotations
@@ -89,6 +91,47 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, GROUP, num_groups, stride_xm
     tl.store(q_ptr + row * stride_qm + offs_k, _quantize_block(x, scale[:, None]), mask=mask)
 
 
+# ================================================ the scaled GEMM's mainloop pieces (shared by the fused kernels)
+# S, the scale arguments, one tuple: (as_ptr, ws_ptr, W_TILE_N, W_TILE_K, X_GROUP, stride_asm, stride_asg,
+# stride_wsn, stride_wsk) with as [M, ceil(K / X_GROUP)] and ws [ceil(N / W_TILE_N), ceil(K / W_TILE_K)], fp32.
+
+
+@triton.jit
+def fp8_scale_rows(S, offs_am, offs_wn):
+    """A tile's activation-scale and weight-scale row pointers: as[rows, :] and ws[cols // W_TILE_N, :] (rows
+    and columns already clamped into [M, N])."""
+    as_ptr, ws_ptr, tile_n, _tile_k, _x_group, stride_asm, _stride_asg, stride_wsn, _stride_wsk = S
+    return as_ptr + offs_am * stride_asm, ws_ptr + (offs_wn // tile_n) * stride_wsn
+
+
+@triton.jit
+def fp8_dot(accumulator, a, b, as_row, ws_row, ka, kw, S, SCALE_IN_LOOP: tl.constexpr):
+    """One K step of the e4m3 GEMM into the fp32 accumulator. SCALE_IN_LOOP (block scales): the step's
+    partial product is scaled by as[rows, ka // X_GROUP] x ws[cols, kw // W_TILE_K] (ka, kw: the step's first
+    column in the activations' and the weight's K; the step lies in one group and one weight tile); else the
+    scales wait for fp8_scale_epilogue."""
+    if SCALE_IN_LOOP:
+        _as_ptr, _ws_ptr, _tile_n, tile_k, x_group, _stride_asm, stride_asg, _stride_wsn, stride_wsk = S
+        a_s = tl.load(as_row + (ka // x_group) * stride_asg)
+        w_s = tl.load(ws_row + (kw // tile_k) * stride_wsk)
+        accumulator += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
+    else:
+        accumulator = tl.dot(a, b, accumulator)
+    return accumulator
+
+
+@triton.jit
+def fp8_scale_epilogue(accumulator, S, offs_cm, offs_cn, M, N, SCALE_IN_LOOP: tl.constexpr):
+    """The accumulator of output rows offs_cm and columns offs_cn times as[row] x ws[col // W_TILE_N] where the
+    scales span K (not SCALE_IN_LOOP); ragged rows and columns read row / column 0's scales (masked later)."""
+    if not SCALE_IN_LOOP:
+        as_ptr, ws_ptr, tile_n, _tile_k, _x_group, stride_asm, _stride_asg, stride_wsn, _stride_wsk = S
+        a_s = tl.load(as_ptr + tl.where(offs_cm < M, offs_cm, 0) * stride_asm)
+        w_s = tl.load(ws_ptr + (tl.where(offs_cn < N, offs_cn, 0) // tile_n) * stride_wsn)
+        accumulator = accumulator * (a_s[:, None] * w_s[None, :])
+    return accumulator
+
+
 @triton.jit
 def _fp8_matmul_kernel(
     a_ptr,
@@ -146,6 +189,7 @@ def _fp8_matmul_kernel(
     tile_id_c = start_pid - NUM_SMS  # the epilogue's own tile counter (see the bf16 kernel)
 
     offs_k_base = tl.arange(0, BLOCK_K)
+    S = (as_ptr, ws_ptr, W_TILE_N, W_TILE_K, X_GROUP, stride_asm, stride_asg, stride_wsn, stride_wsk)
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
         pid_m, pid_n = tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
@@ -153,8 +197,7 @@ def _fp8_matmul_kernel(
         offs_wn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_am = tl.where(offs_am < M, offs_am, 0)
         offs_wn = tl.where(offs_wn < N, offs_wn, 0)
-        as_row = as_ptr + offs_am * stride_asm
-        ws_row = ws_ptr + (offs_wn // W_TILE_N) * stride_wsn
+        as_row, ws_row = fp8_scale_rows(S, offs_am, offs_wn)
         accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
         for ki in range(k_tiles):
@@ -164,22 +207,13 @@ def _fp8_matmul_kernel(
             else:
                 a, b = load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, ki, K, stride_am, stride_ak,
                                     stride_wk, stride_wn, BLOCK_K, EVEN_K)
-            if SCALE_IN_LOOP:
-                k0 = ki * BLOCK_K
-                a_s = tl.load(as_row + (k0 // X_GROUP) * stride_asg)
-                w_s = tl.load(ws_row + (k0 // W_TILE_K) * stride_wsk)
-                accumulator += tl.dot(a, b) * (a_s[:, None] * w_s[None, :])
-            else:
-                accumulator = tl.dot(a, b, accumulator)
+            accumulator = fp8_dot(accumulator, a, b, as_row, ws_row, ki * BLOCK_K, ki * BLOCK_K, S, SCALE_IN_LOOP)
 
         tile_id_c += NUM_SMS
         pid_m, pid_n = tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
         offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if not SCALE_IN_LOOP:
-            a_s = tl.load(as_ptr + tl.where(offs_cm < M, offs_cm, 0) * stride_asm)
-            w_s = tl.load(ws_ptr + (tl.where(offs_cn < N, offs_cn, 0) // W_TILE_N) * stride_wsn)
-            accumulator = accumulator * (a_s[:, None] * w_s[None, :])
+        accumulator = fp8_scale_epilogue(accumulator, S, offs_cm, offs_cn, M, N, SCALE_IN_LOOP)
         if HAS_BIAS:
             accumulator += tl.load(bias_ptr + offs_cn, mask=offs_cn < N, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + (offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn)

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 
 import torch
+import triton.language as tl
 
 from fusedpar.kernels._host import INTERPRETED, cdiv, check_out_overlap, max_offset, next_pow2
 from fusedpar.kernels._sync import device_guard, sm_count
@@ -20,6 +21,8 @@ from fusedpar.kernels.gemm.config import SMEM_BYTES, GemmConfig
 from fusedpar.kernels.gemm.launch import tma_compatible, tma_descriptors
 
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # activations and outputs
+NO_FP8_SCALES = (None, None, 1, 1, 1, 0, 0, 0, 0)  # a fused kernel's scale arguments without FP8
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 MIN_BLOCK_K = 16 if INTERPRETED else 32  # an e4m3 wgmma consumes K in steps of 32
 # inputs per step of the per-token quantiser: a whole row of the TP=4 shapes (K <= 8192) in one load, kept in
 # registers (16 per thread at 16 warps); 1024 under the interpreter, so the tests see the two-pass loop too
@@ -253,3 +256,73 @@ def _launch_mm(qx: torch.Tensor, x_scale: torch.Tensor, qw: torch.Tensor, w_scal
             FLATTEN=cfg.flatten, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out
+
+
+# ============================================================ e4m3 operands of the fused kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Operands:
+    """What a fused communication kernel needs besides its e4m3 qx [M, K] and qw [N, K] to run the scaled
+    GEMM (qx * x_scale) @ (qw * w_scale)^T: qx's element (m, k) has scale x_scale[m, k // x_group], qw's
+    (n, k) w_scale[n // w_tile[0], k // w_tile[1]]; the products are computed, exchanged and reduced in
+    out_dtype (fp16 / bf16 / fp32), the dtype of the activations qx was quantised from."""
+
+    x_scale: torch.Tensor
+    w_scale: torch.Tensor
+    w_tile: tuple[int, int]
+    x_group: int
+    out_dtype: torch.dtype
+
+    def scale_in_loop(self, k: int) -> bool:
+        """Whether a scale changes along K (block scales): then every K step is scaled in the loop."""
+        return self.w_tile[1] < k or self.x_group < k
+
+    def block_k(self, k: int, block_k: int) -> int:
+        """The K step of a tiling with BLOCK_K = block_k: lowered so that every step lies in one weight
+        tile and one activation group (check_fp8_operands has made sure one exists)."""
+        return mm_block_k(k, self.w_tile[1], self.x_group, block_k) if self.scale_in_loop(k) else block_k
+
+    def kernel_args(self) -> tuple:
+        """The fused kernels' scale arguments, one tuple (S of the shared mainloop functions in kernels.py):
+        pointers, tile sizes and strides."""
+        xs, ws = self.x_scale, self.w_scale
+        return (xs, ws, self.w_tile[0], self.w_tile[1], self.x_group, xs.stride(0), xs.stride(1), ws.stride(0),
+                ws.stride(1))
+
+    @property
+    def tl_out_dtype(self):
+        """out_dtype as a Triton dtype (a kernel's constexpr)."""
+        return _TL_DTYPES[self.out_dtype]
+
+    @staticmethod
+    def op_args(fp8: FP8Operands | None) -> tuple:
+        """fp8 (or None) as a registered op's flat trailing arguments: x_scale, w_scale, [w_tile_n, w_tile_k,
+        x_group], out_dtype (all None without FP8)."""
+        if fp8 is None:
+            return None, None, None, None
+        return fp8.x_scale, fp8.w_scale, [*fp8.w_tile, fp8.x_group], fp8.out_dtype
+
+    @staticmethod
+    def from_op_args(x_scale, w_scale, tiles, out_dtype) -> FP8Operands | None:
+        """The inverse of op_args."""
+        if x_scale is None:
+            return None
+        return FP8Operands(x_scale, w_scale, (tiles[0], tiles[1]), tiles[2], out_dtype)
+
+
+def check_fp8_operands(op: str, qx: torch.Tensor, qw: torch.Tensor, fp8: FP8Operands) -> None:
+    """A fused kernel's e4m3 operands and their scales: the scaled GEMM's constraints (check_mm_args, with
+    qw any [N, K] slice of the kernel's weight) and, for a block-scaled view, its start on a block boundary
+    (check_block_view). Every violated constraint is listed in one error named after `op`, with its numbers."""
+    problems = []
+    try:
+        check_mm_args(qx, fp8.x_scale, qw, fp8.w_scale, fp8.w_tile, fp8.x_group, None, fp8.out_dtype)
+    except ValueError as e:
+        problems.append(str(e).split(": ", 1)[-1])
+    if qw.dim() == 2 and fp8.w_scale.dim() == 2:
+        try:
+            check_block_view(qw, fp8.w_tile, fp8.w_scale.shape[0], fp8.w_scale.shape[1])
+        except ValueError as e:
+            problems.append(str(e).split(": ", 1)[-1])
+    _fail(op, problems)

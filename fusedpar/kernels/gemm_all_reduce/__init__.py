@@ -35,6 +35,7 @@ from fusedpar.collectives.symmetric import PeerTable, SymmetricWorkspace, as_pee
 from fusedpar.kernels._host import SUPPORTED_DTYPES
 from fusedpar.kernels._sync import group_size_and_pg, routes_as_captured
 from fusedpar.kernels.allreduce import all_reduce, sum_over_group_
+from fusedpar.kernels.fp8 import E4M3, fp8_product, quantize_for
 from fusedpar.kernels.gemm_all_reduce.launch import check_operands, check_shapes, launch_gemm_all_reduce, plan_or_raise
 from fusedpar.kernels.gemm_all_reduce.ops import _call_fused
 from fusedpar.kernels.gemm_all_reduce.plan import (
@@ -199,6 +200,8 @@ def gemm_all_reduce(
     out: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     options: GemmAllReduceOptions | None = None,
+    w_scale: torch.Tensor | None = None,
+    w_tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Row-parallel linear + all-reduce: [residual +] sum over the group of x @ w^T, the same on every rank.
 
@@ -215,13 +218,20 @@ def gemm_all_reduce(
     out: optional [..., N] destination (fully overwritten); on the fused paths it must not share
     memory with x, w or itself (ValueError), and may be residual itself but no other view of it.
     options: GemmAllReduceOptions (forced path, partial dtype, tiling, thresholds); None: defaults.
+    w_scale, w_tile: an e4m3 w with fp32 scales, one per w_tile = (rows, columns) of it (fusedpar.kernels.fp8:
+    per tensor, per output channel (1, K_local), 128 x 128 blocks). x (fp16 / bf16 / fp32) is quantised
+    once (fp8_quantize: one dynamic scale per token and group of w_tile[1] columns, per token where the
+    tile spans K_local) and every path runs the scaled e4m3 GEMM; out, residual and the partials are in
+    x's dtype.
     Collective: every rank calls it with the same shapes, in the same order relative to other
     launches on the workspace, from one stream. Capture-safe (CUDA graphs): no host sync, no
-    allocation besides the output. No autograd (inference).
+    allocation besides the output (and, with an e4m3 weight, the quantised activations and their
+    scales). No autograd (inference).
     """
     opts = options or _DEFAULT
     path = opts.path
-    if path == "auto" and out is None and group is not None and x.dim() == 2 and x.is_cuda:
+    fp8_weight = w_scale is not None or w_tile is not None or w.dtype == E4M3
+    if not fp8_weight and path == "auto" and out is None and group is not None and x.dim() == 2 and x.is_cuda:
         two_min = _limits(x.device, group_size_and_pg(group)[0], opts)[1]
         y = _eager_plain_or_none(x, w, group, workspace, residual, two_min)
         if y is not None:
@@ -232,6 +242,8 @@ def gemm_all_reduce(
     lead = x.shape[:-1]
     x2 = x if flat else x.reshape(-1, x.shape[-1])
     check_shapes(x2, w)
+    # an e4m3 weight: the activations are quantised once, for whichever path runs
+    qx, fp8 = quantize_for("gemm_all_reduce", x2, w, w_scale, w_tile) if fp8_weight else (None, None)
     res2 = None
     if residual is not None:
         if tuple(residual.shape) != (*lead, w.shape[0]):
@@ -268,10 +280,15 @@ def gemm_all_reduce(
     if path in ("one_shot", "two_shot"):
         if table is None:
             raise ValueError(f"gemm_all_reduce: path {path!r} needs a workspace")
-        check_operands(x2, w, out2, table.device, res2)
-        plan = plan_or_raise(path, x2, w, table, opts.partial_dtype, opts.config)
-        result = _call_fused(x2, w, table, out2, plan, residual=res2)
+        a = x2 if fp8 is None else qx
+        check_operands(a, w, out2, table.device, res2, fp8)
+        plan = plan_or_raise(path, a, w, table, opts.partial_dtype, opts.config, x2.dtype)
+        result = _call_fused(a, w, table, out2, plan, residual=res2, fp8=fp8)
         res2 = None  # added in the kernel
+    elif fp8 is not None:
+        result = fp8_product(qx, w, fp8)
+        if path != "local":
+            result = sum_over_group_(result, pg) if eager_cuda else all_reduce(result, group, table, inplace=True)
     elif path == "local":
         result = torch.nn.functional.linear(x2, w)
     elif eager_cuda:

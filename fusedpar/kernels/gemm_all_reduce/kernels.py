@@ -14,6 +14,10 @@ two_shot (prefill): tile t is OWNED by rank t % W. Phase A: the GEMM pushes each
     out and pushes the result into every peer's result region [t]; flag word [S + j, rank] on every
     peer. Phase C: non-owned tiles wait for [S + t // W, t % W] and copy result[t] into out. Every
     NVLink byte is a posted remote store; each rank sends 2 (W-1)/W of the output.
+FP8 (e4m3 x and w, fusedpar.kernels.fp8's scale schemes): the GEMM phase runs the scaled GEMM's mainloop
+pieces (fp8_scale_rows / fp8_dot / fp8_scale_epilogue: per-tensor and per-channel scales on the
+accumulator, block scales per K step); each unit's scaled fp32 accumulator becomes the partial, in
+the output's dtype (or fp32). The reduce is the same.
 Residual (HAS_RESIDUAL): the reduce adds a residual identical on every rank, with the plain path's
 roundings: out = round(round(sum) + residual).
 
@@ -34,6 +38,7 @@ import triton
 import triton.language as tl
 
 from fusedpar.kernels._sync import flags_of, launch_epoch, publish, retire, wait_flags
+from fusedpar.kernels.fp8.kernels import fp8_dot, fp8_scale_epilogue, fp8_scale_rows
 from fusedpar.kernels.gemm import load_k_tile, tile_coords
 
 
@@ -88,6 +93,7 @@ def _gemm_all_reduce_kernel(
     slot_bytes,  # bytes per double-buffer slot (multiple of ALIGN_BYTES)
     result_off,  # two-shot: byte offset of the result region inside a slot
     own_cap,  # two-shot: tiles per (src) partial region = cdiv(num_tiles, WORLD)
+    fp8_scales,  # FP8: the scaled GEMM's scale arguments, one tuple (fusedpar.kernels.fp8.kernels)
     WORLD: tl.constexpr,
     WORLD_P2: tl.constexpr,  # next power of two >= WORLD (tl.arange needs one)
     BLOCK_M: tl.constexpr,
@@ -109,6 +115,8 @@ def _gemm_all_reduce_kernel(
     USE_FLAGS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,  # 0: spin until the flag arrives; > 0: give up, set STATUS
+    FP8: tl.constexpr = False,  # e4m3 x and w with their scales; partials and out in out's dtype
+    SCALE_IN_LOOP: tl.constexpr = False,  # FP8 block scales: every K step scaled (fusedpar.kernels.fp8)
 ):
     pid = tl.program_id(axis=0)
     nprog = tl.num_programs(axis=0)
@@ -117,8 +125,8 @@ def _gemm_all_reduce_kernel(
     num_tiles = num_pid_m * num_pid_n
     num_pid_in_group = GROUP_M * num_pid_n
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
-    pdt = tl.float32 if PARTIAL_FP32 else a_ptr.dtype.element_ty  # constexpr condition: resolved at compile time
     odt = out_ptr.dtype.element_ty
+    pdt = tl.float32 if PARTIAL_FP32 else odt  # constexpr condition: resolved at compile time
     peers = tl.arange(0, WORLD_P2)
     peer_mask = peers < WORLD
     # Epoch of this launch (the PeerTable epoch protocol); it lives in device memory so graph replays advance it.
@@ -152,13 +160,24 @@ def _gemm_all_reduce_kernel(
             offs_am = tl.where(offs_am < M, offs_am, 0)
             offs_wn = tl.where(offs_wn < N, offs_wn, 0)
             accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if FP8:
+                as_row, ws_row = fp8_scale_rows(fp8_scales, offs_am, offs_wn)
             for kk in range(k_per):
                 a, b = load_k_tile(a_ptr, w_ptr, offs_am, offs_wn, offs_k_base, k_first + kk, K, stride_am,
                                     stride_ak, stride_wk, stride_wn, BLOCK_K, EVEN_K)
-                accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+                if FP8:
+                    # a split range's steps past K load zeros; their scale index is clamped into K
+                    k0 = tl.minimum((k_first + kk) * BLOCK_K, K - 1)
+                    accumulator = fp8_dot(accumulator, a, b, as_row, ws_row, k0, k0, fp8_scales, SCALE_IN_LOOP)
+                else:
+                    accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
 
             unit_c += NUM_SMS
             tile_id_c = unit_c // SPLIT_K
+            if FP8:
+                pm_s, pn_s = tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+                accumulator = fp8_scale_epilogue(accumulator, fp8_scales, pm_s * BLOCK_M + tl.arange(0, BLOCK_M),
+                                                 pn_s * BLOCK_N + tl.arange(0, BLOCK_N), M, N, SCALE_IN_LOOP)
             part = accumulator.to(pdt)
             if TWO_SHOT:
                 # Reduce-scatter by push: straight into the owner's partial region [rank][t // WORLD].

@@ -8,6 +8,8 @@ flags off, a spin limit, a config). Callers normally want gemm_all_reduce().
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fusedpar.collectives.symmetric import PeerTable
@@ -20,6 +22,7 @@ from fusedpar.kernels._host import (
     overlaps_other_view,
 )
 from fusedpar.kernels._sync import GPU_SPIN_LIMIT, device_guard, esize, next_pow2, resolve_spin_limit
+from fusedpar.kernels.fp8 import NO_FP8_SCALES, FP8Operands, check_fp8_operands
 from fusedpar.kernels.gemm_all_reduce.kernels import _gemm_all_reduce_kernel
 from fusedpar.kernels.gemm_all_reduce.plan import FusedConfig, FusedPlan, fused_plan, layout
 
@@ -36,14 +39,19 @@ def check_shapes(x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def check_operands(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, device: torch.device,
-                   residual: torch.Tensor | None = None) -> None:
+                   residual: torch.Tensor | None = None, fp8: FP8Operands | None = None) -> None:
     """The fused paths' operand checks: shapes, one supported dtype, the workspace's device, out and
-    residual [M, N] of x's dtype, int32-addressable spans, and out's overlaps (real tensors only)."""
+    residual [M, N] of x's dtype, int32-addressable spans, and out's overlaps (real tensors only).
+    fp8: x and w are e4m3 with these scales (check_fp8_operands), out and residual of fp8.out_dtype."""
     check_shapes(x, w)
-    if x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
+    if fp8 is not None:
+        check_fp8_operands("gemm_all_reduce", x, w, fp8)
+    elif x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
         raise TypeError(
-            f"gemm_all_reduce: x and w must share one dtype of {SUPPORTED_DTYPES}, got {x.dtype}, {w.dtype}"
+            f"gemm_all_reduce: x and w must share one dtype of {SUPPORTED_DTYPES}, got {x.dtype}, {w.dtype} "
+            "(e4m3 operands come with their scales: fp8=FP8Operands)"
         )
+    out_dtype = x.dtype if fp8 is None else fp8.out_dtype
     if x.device != device or w.device != device:
         raise ValueError(f"gemm_all_reduce: x ({x.device}) and w ({w.device}) must be on the workspace's {device}")
     if x.device.type == "cpu" and not INTERPRETED:
@@ -53,9 +61,9 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, d
         )
     want = (x.shape[0], w.shape[0])
     for name, t in (("out", out), ("residual", residual)):
-        if t is not None and (tuple(t.shape) != want or t.dtype != x.dtype or t.device != x.device):
+        if t is not None and (tuple(t.shape) != want or t.dtype != out_dtype or t.device != x.device):
             raise ValueError(
-                f"gemm_all_reduce: {name} must be {want} of {x.dtype} on {x.device}, got {tuple(t.shape)} "
+                f"gemm_all_reduce: {name} must be {want} of {out_dtype} on {x.device}, got {tuple(t.shape)} "
                 f"{t.dtype} {t.device}"
             )
     for name, t in (("x", x), ("w", w), ("out", out), ("residual", residual)):
@@ -77,16 +85,20 @@ def _check_out_overlap(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, resi
 
 def launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan: FusedPlan, *,
                   gemm: bool, reduce: bool, copy: bool, use_flags: bool, spin_limit: int | None,
-                  residual: torch.Tensor | None = None):
+                  residual: torch.Tensor | None = None, fp8: FP8Operands | None = None):
     """One launch of the chosen phases over x [rows, K] -> out [rows, N] (+ residual): a chunk of
-    `plan`, as rank `rank` of `world`. Returns Triton's compiled handle (GPU)."""
+    `plan`, as rank `rank` of `world` (fp8: e4m3 x and w with these scales, x_scale's rows those of
+    the chunk). Returns Triton's compiled handle (GPU)."""
     two_shot = plan.path == "two_shot"
     cfg, g = plan.config, plan.config.gemm
     m, k = x.shape
     n = w.shape[0]
     res = residual if residual is not None else out
     tiles, own_cap, result_off, _, _ = layout(plan.path, m, n, world, cfg, esize(plan.partial_dtype),
-                                               esize(x.dtype))
+                                               esize(out.dtype))
+    scale_args = NO_FP8_SCALES if fp8 is None else fp8.kernel_args()
+    if fp8 is not None and fp8.block_k(k, g.block_k) != g.block_k:
+        g = dataclasses.replace(g, block_k=fp8.block_k(k, g.block_k))
     last = copy if two_shot else reduce
     split = 1 if two_shot else cfg.split_k
     if INTERPRETED and split > 1 and gemm and reduce:
@@ -118,6 +130,7 @@ def launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pla
             plan.slot_bytes,
             result_off,
             own_cap,
+            scale_args,
             WORLD=world,
             WORLD_P2=next_pow2(world),
             BLOCK_M=g.block_m,
@@ -127,7 +140,7 @@ def launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pla
             NUM_SMS=cfg.num_sms,
             EVEN_K=k % g.block_k == 0 and cdiv(k, g.block_k) % split == 0,  # every range's steps full
             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            PARTIAL_FP32=plan.partial_dtype == torch.float32 and x.dtype != torch.float32,
+            PARTIAL_FP32=plan.partial_dtype == torch.float32 and out.dtype != torch.float32,
             COMM_ROWS=cfg.comm_rows,
             SPLIT_K=split,
             SPLIT_WORLD_P2=next_pow2(split * world),
@@ -139,30 +152,40 @@ def launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, pla
             USE_FLAGS=use_flags,
             HAS_RESIDUAL=residual is not None,
             SPIN_LIMIT=resolve_spin_limit(spin_limit, INTERPRETED, GPU_SPIN_LIMIT),
+            FP8=fp8 is not None,
+            SCALE_IN_LOOP=fp8 is not None and fp8.scale_in_loop(k),
             num_warps=g.num_warps,
             num_stages=g.num_stages,
         )
 
 
+def chunk_fp8(fp8: FP8Operands | None, m0: int, rows: int) -> FP8Operands | None:
+    """The scales of rows [m0, m0 + rows) of the activations (the weight's are whole)."""
+    return None if fp8 is None else dataclasses.replace(fp8, x_scale=fp8.x_scale.narrow(0, m0, rows))
+
+
 def _run_plan(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan: FusedPlan, *, gemm: bool = True,
               reduce: bool = True, copy: bool = True, use_flags: bool = True, spin_limit: int | None = None,
-              residual: torch.Tensor | None = None):
+              residual: torch.Tensor | None = None, fp8: FP8Operands | None = None):
     """The chosen phases (default all: the GPU path) of every chunk, one launch per chunk. Returns the last handle."""
     if len(plan.chunks) == 1 and plan.chunks[0] == (0, x.shape[0]):  # the decode case: no row views to build
         return launch_chunk(x, w, out, buffer_ptrs, signal_ptrs, counters, rank, world, plan, gemm=gemm,
-                             reduce=reduce, copy=copy, use_flags=use_flags, spin_limit=spin_limit, residual=residual)
+                             reduce=reduce, copy=copy, use_flags=use_flags, spin_limit=spin_limit, residual=residual,
+                             fp8=fp8)
     handle = None
     for m0, rows in plan.chunks:
         handle = launch_chunk(x.narrow(0, m0, rows), w, out.narrow(0, m0, rows), buffer_ptrs, signal_ptrs,
                                counters, rank, world, plan, gemm=gemm, reduce=reduce, copy=copy,
                                use_flags=use_flags, spin_limit=spin_limit,
-                               residual=None if residual is None else residual.narrow(0, m0, rows))
+                               residual=None if residual is None else residual.narrow(0, m0, rows),
+                               fp8=chunk_fp8(fp8, m0, rows))
     return handle
 
 
-def plan_or_raise(path, x, w, table, partial_dtype, config) -> FusedPlan:
-    """fused_plan for x [M, K], w [N, K] on `table`, or ValueError saying why the path cannot run."""
-    plan, why = fused_plan(path, x.shape[0], w.shape[0], x.shape[1], x.dtype, table,
+def plan_or_raise(path, x, w, table, partial_dtype, config, out_dtype: torch.dtype | None = None) -> FusedPlan:
+    """fused_plan for x [M, K], w [N, K] on `table` (partials and output in out_dtype, default x's dtype),
+    or ValueError saying why the path cannot run."""
+    plan, why = fused_plan(path, x.shape[0], w.shape[0], x.shape[1], out_dtype or x.dtype, table,
                            partial_dtype=partial_dtype, config=config)
     if plan is None:
         raise ValueError(f"gemm_all_reduce: the fused {path} path cannot run this call: {why}")
@@ -184,10 +207,11 @@ def launch_gemm_all_reduce(
     spin_limit: int | None = None,
     config: FusedConfig | None = None,
     residual: torch.Tensor | None = None,
+    fp8: FP8Operands | None = None,
 ):
-    """Raw launcher as `table.rank`: the chosen phases (all: the GPU path; one: a step of the CPU
-    emulation), one launch per row chunk. No routing, no op registration: callers normally want
-    gemm_all_reduce().
+    """Raw launcher as `table.rank` (fp8: e4m3 x and w with these scales): the chosen phases (all: the GPU
+    path; one: a step of the CPU emulation), one launch per row chunk. No routing, no op registration:
+    callers normally want gemm_all_reduce().
 
     A subset of the phases needs a one-chunk plan: the epoch only advances in the last phase, so
     the next chunk's phases must wait for it (fusedpar.testing.gemm_all_reduce_emulation
@@ -199,8 +223,8 @@ def launch_gemm_all_reduce(
         raise ValueError(f"launch_gemm_all_reduce: path must be 'one_shot' or 'two_shot', got {path!r}")
     if not (gemm or reduce or (copy and path == "two_shot")):
         raise ValueError("launch_gemm_all_reduce: nothing to do (no phase selected)")
-    check_operands(x, w, out, table.device, residual)
-    plan = plan_or_raise(path, x, w, table, partial_dtype, config)
+    check_operands(x, w, out, table.device, residual, fp8)
+    plan = plan_or_raise(path, x, w, table, partial_dtype, config, out.dtype)
     if len(plan.chunks) > 1 and not (gemm and reduce and (copy or path == "one_shot")):
         raise ValueError(
             f"launch_gemm_all_reduce: a subset of the phases needs a one-chunk plan, this call runs "
@@ -208,4 +232,4 @@ def launch_gemm_all_reduce(
         )
     return _run_plan(x, w, out, table.buffer_ptrs, table.signal_ptrs, table.counters, table.rank, table.world_size,
                      plan, gemm=gemm, reduce=reduce, copy=copy, use_flags=use_flags, spin_limit=spin_limit,
-                     residual=residual)
+                     residual=residual, fp8=fp8)

@@ -10,6 +10,8 @@ qkv_all_to_all(x [m, d], w [W*blk, d]) -> recv [W*m, blk]
 all_to_all_o_proj(attn [W*m, C], w_o [N, W*C]) -> out [m, N]
     = F.linear(head_to_seq_all_to_all(attn, sp_group), w_o): push the rows to their owners, then
     a GEMM per chunk that waits for each band as it needs it, in one launch.
+FP8 (e4m3) weights: each op takes w_scale / w_tile beside the e4m3 weight, quantises its activations
+once (fusedpar.kernels.fp8.fp8_quantize) and runs the scaled e4m3 GEMM on the fused and plain paths.
 scattered_o_proj(w_o, peers) -> out [m, N]: the same result when the attention already stored its
     rows into the owners' staging (paged_attention(scatter=o_scatter_target(...))): an arrival
     barrier, then cuBLAS on the staging.
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from fusedpar.collectives.symmetric import PeerTable, as_peer_table
 from fusedpar.kernels._host import SUPPORTED_DTYPES
 from fusedpar.kernels._sync import group_size_and_pg
+from fusedpar.kernels.fp8 import E4M3, fp8_product, quantize_for
 from fusedpar.kernels.routing import in_ranges, thresholds
 from fusedpar.kernels.ulysses.config import (
     DEFAULT_OPTIONS,
@@ -40,6 +43,7 @@ from fusedpar.kernels.ulysses.config import (
     OProjConfig,
     UlyssesOptions,
     default_o_config,
+    o_proj_fp8_layout,
     o_proj_workspace_bytes,
     qkv_workspace_bytes,
 )
@@ -109,6 +113,8 @@ def qkv_all_to_all(
     *,
     wait: bool = True,
     options: UlyssesOptions | None = None,
+    w_scale: torch.Tensor | None = None,
+    w_tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """recv [W*m, blk] = seq_to_head_all_to_all(F.linear(x, w_qkv), sp_group), one fused kernel.
 
@@ -121,11 +127,16 @@ def qkv_all_to_all(
         reading the result.
     Returns (fused, eager) the receive buffer view: fixed address, valid until the next call on
     the same workspace; under torch.compile a copy of it (registered op); plain path: a new tensor.
+    w_scale, w_tile: an e4m3 w_qkv with fp32 scales, one per w_tile = (rows, columns) of it
+    (fusedpar.kernels.fp8's schemes); x (fp16 / bf16 / fp32) is quantised once (fp8_quantize: per token
+    and group of w_tile[1] columns) and both paths run the scaled e4m3 GEMM; the result in x's dtype.
     Collective: every rank of the SP group calls it with the same shapes, in the same order.
     """
     opts = options or DEFAULT_OPTIONS
     table = None if peers is None else as_peer_table(peers)
     m = x.shape[0]
+    quantized = quantize_for("qkv_all_to_all", x, w_qkv, w_scale, w_tile)
+    a, fp8 = (x, None) if quantized is None else quantized
     possible = False
     if _fits(x, table) and w_qkv.shape[0] % table.world_size == 0:
         W = table.world_size
@@ -135,16 +146,17 @@ def qkv_all_to_all(
             raise ValueError("qkv_all_to_all: the plain path needs the SP group (group=...)")
         from fusedpar.collectives.comm import seq_to_head_all_to_all
 
-        return seq_to_head_all_to_all(F.linear(x, w_qkv), _Group(group))
+        return seq_to_head_all_to_all(F.linear(x, w_qkv) if fp8 is None else fp8_product(a, w_qkv, fp8),
+                                      _Group(group))
     if table is None:
         raise ValueError("qkv_all_to_all: the fused path needs the SP group's workspace (peers=...)")
-    blk = check_qkv(x, w_qkv, table)
+    blk = check_qkv(a, w_qkv, table, fp8)
     check_device("qkv_all_to_all", x, table.device)
     if m == 0:
         return qkv_recv_view(table, 0, blk, x.dtype)
     if torch.compiler.is_compiling():
-        return qkv_op(x, w_qkv, table, config=opts.qkv_config)
-    launch_qkv_all_to_all(x, w_qkv, table, wait=wait, spin_limit=opts.spin_limit, config=opts.qkv_config)
+        return qkv_op(a, w_qkv, table, config=opts.qkv_config, fp8=fp8)
+    launch_qkv_all_to_all(a, w_qkv, table, wait=wait, spin_limit=opts.spin_limit, config=opts.qkv_config, fp8=fp8)
     return qkv_recv_view(table, m, blk, x.dtype)
 
 
@@ -170,6 +182,8 @@ def all_to_all_o_proj(
     *,
     out: torch.Tensor | None = None,
     options: UlyssesOptions | None = None,
+    w_scale: torch.Tensor | None = None,
+    w_tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """out [m, N] = F.linear(head_to_seq_all_to_all(attn, sp_group), w_o), one fused kernel.
 
@@ -180,20 +194,33 @@ def all_to_all_o_proj(
     group: as in qkv_all_to_all.
     out: optional [m, N] destination (attn's dtype or fp32, any strides). The result still needs
         the TP all-reduce (fusedpar's gemm_all_reduce / all_reduce).
+    w_scale, w_tile: an e4m3 w_o with its scales (as qkv_all_to_all's). attn is quantised once per token
+        and group of min(w_tile[1], C) columns (each SP peer's C columns whole groups: C a multiple of
+        the group), before the exchange on the fused path (e4m3 rows and their scales are pushed), after
+        it on the plain path: the same codes and scales either way.
     """
     opts = options or DEFAULT_OPTIONS
     table = None if peers is None else as_peer_table(peers)
+    fp8_weight = w_scale is not None or w_tile is not None or w_o.dtype == E4M3
+    group_cols = min(int(w_tile[1]), max(attn.shape[-1], 1)) if fp8_weight and w_tile is not None else None
     possible, m = False, None
     if _fits(attn, table) and attn.shape[0] % table.world_size == 0:
         W = table.world_size
         m = attn.shape[0] // W
-        possible = o_proj_workspace_bytes(m, attn.shape[1], W, attn.dtype) <= table.buffer_bytes
+        need = (o_proj_workspace_bytes(m, attn.shape[1], W, attn.dtype) if group_cols is None
+                else o_proj_fp8_layout(m, attn.shape[1], W, group_cols)[1])
+        possible = need <= table.buffer_bytes and (group_cols is None or attn.shape[1] % group_cols == 0)
     if not _fused(opts, opts.o_proj_fused_rows, possible, m, table, group, "o_proj"):
         if group is None:
             raise ValueError("all_to_all_o_proj: the plain path needs the SP group (group=...)")
         from fusedpar.collectives.comm import head_to_seq_all_to_all
 
-        result = F.linear(head_to_seq_all_to_all(attn, _Group(group)), w_o)
+        rows = head_to_seq_all_to_all(attn, _Group(group))
+        if fp8_weight:
+            qx, fp8 = quantize_for("all_to_all_o_proj", rows, w_o, w_scale, w_tile, group=group_cols)
+            result = fp8_product(qx, w_o, fp8)
+        else:
+            result = F.linear(rows, w_o)
         if out is None:
             return result
         out.copy_(result)
@@ -201,18 +228,19 @@ def all_to_all_o_proj(
     if table is None:
         raise ValueError("all_to_all_o_proj: the fused path needs the SP group's workspace (peers=...)")
     check_device("all_to_all_o_proj", attn, table.device)
-    m, _ = check_o(attn, w_o, table, out)
+    a, fp8 = quantize_for("all_to_all_o_proj", attn, w_o, w_scale, w_tile) if fp8_weight else (attn, None)
+    m, _ = check_o(a, w_o, table, out, fp8)
     cfg = opts.o_config or default_o_config()
     if torch.compiler.is_compiling():
         if out is None:
-            return o_proj_op(attn, w_o, table, cfg)
-        o_proj_out_op(attn, w_o, out, table, cfg)
+            return o_proj_op(a, w_o, table, cfg, fp8=fp8)
+        o_proj_out_op(a, w_o, out, table, cfg, fp8=fp8)
         return out
     if out is None:
         out = torch.empty((m, w_o.shape[0]), dtype=attn.dtype, device=attn.device)
     if m == 0:
         return out
-    launch_all_to_all_o_proj(attn, w_o, table, out, spin_limit=opts.spin_limit, config=cfg)
+    launch_all_to_all_o_proj(a, w_o, table, out, spin_limit=opts.spin_limit, config=cfg, fp8=fp8)
     return out
 
 
@@ -224,6 +252,9 @@ def scattered_o_proj(
     num_tokens: int,
     c: int,
     options: UlyssesOptions | None = None,
+    w_scale: torch.Tensor | None = None,
+    w_tile: tuple[int, int] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """out [m, N] = F.linear(head_to_seq_all_to_all(attn), w_o), where every SP rank's attention
     already stored its rows into the owners' staging buffers (paged_attention(scatter=
@@ -232,7 +263,9 @@ def scattered_o_proj(
     tokens: m; num_tokens: the step's real rows (rows >= num_tokens are padding no attention
     stores: zero-filled here); c: C. Publishes this rank's arrival and waits for every peer's (one
     tiny launch), then runs cuBLAS on the [m, W * C] staging view. Of the options only spin_limit
-    applies.
+    applies. w_scale, w_tile: an e4m3 w_o with its scales (as qkv_all_to_all's); the staging then holds the
+    attention's dtype, `dtype`, and the GEMM on it is the scaled e4m3 one (the staged rows quantised
+    once, per token and group of w_tile[1] columns).
     Buffer reuse: a peer stores into this rank's staging only in base-mode attention, which runs
     after the step's qkv exchange (fused or NCCL) has received this rank's share - sent only after
     (stream order) its previous o-projection finished reading the staging. So one buffer suffices
@@ -249,9 +282,15 @@ def scattered_o_proj(
         raise ValueError(f"scattered_o_proj: w_o must be [N, W * C] = [N, {W * c}], got {tuple(w_o.shape)}")
     if not 0 <= num_tokens <= W * tokens:
         raise ValueError(f"scattered_o_proj: num_tokens={num_tokens} outside [0, W * m = {W * tokens}]")
-    local = zeroed_padding(table, tokens, num_tokens, c, w_o.dtype)
+    fp8_weight = w_scale is not None or w_tile is not None or w_o.dtype == E4M3
+    if fp8_weight and dtype is None:
+        raise ValueError("scattered_o_proj: an e4m3 w_o needs the staging's dtype (dtype=, the attention's)")
+    local = zeroed_padding(table, tokens, num_tokens, c, dtype if fp8_weight else w_o.dtype)
     if torch.compiler.is_compiling():
         o_arrival_op(local, table)
     else:
         launch_o_arrival(table, spin_limit=opts.spin_limit)
+    if fp8_weight:
+        qx, fp8 = quantize_for("scattered_o_proj", local, w_o, w_scale, w_tile)
+        return fp8_product(qx, w_o, fp8)
     return F.linear(local, w_o)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from fusedpar.kernels._host import INTERPRETED, cdiv, require_pow2
-from fusedpar.kernels._sync import esize
+from fusedpar.kernels._sync import align_up, esize
+from fusedpar.kernels.fp8 import pick_fp8_config
 from fusedpar.kernels.gemm import GemmConfig, pick_config, require_one_block
 from fusedpar.kernels.routing import RowRanges
 
@@ -98,6 +99,13 @@ def o_proj_workspace_bytes(tokens: int, c: int, sp: int, dtype: torch.dtype) -> 
     return sp * tokens * c * esize(dtype)
 
 
+def o_proj_fp8_layout(tokens: int, c: int, sp: int, group: int) -> tuple[int, int]:
+    """(byte offset of the staged activation scales, data bytes per rank) of all_to_all_o_proj on e4m3 rows:
+    [sp, tokens, c] e4m3, then (ALIGN_BYTES-aligned) [sp, tokens, c // group] fp32 scales."""
+    scale_off = align_up(sp * tokens * c)
+    return scale_off, scale_off + sp * tokens * (c // group) * 4
+
+
 # Row ranges tuned on 4x H200; the resulting kernel's times: perf/bench_qkv_all_to_all.py,
 # perf/results/qkv_all_to_all.json.
 # Rows per rank (inclusive) where 16-bit TMA-able qkv GEMMs take split 64 x (256 + 64) tiles, when
@@ -131,6 +139,18 @@ def pick_qkv_config(m: int, n_total: int, k: int, blk: int, dtype: torch.dtype, 
     else:
         cfg = pick_config(m, n_total, k, dtype=dtype, num_sms=num_sms, interpret=INTERPRETED)
     while not cfg.block_n2 and cfg.block_n > 32 and blk % cfg.block_n and blk % (cfg.block_n // 2) == 0:
+        cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+    return cfg
+
+
+@functools.lru_cache(maxsize=1024)
+def pick_qkv_fp8_config(m: int, n_total: int, k: int, blk: int, out_dtype: torch.dtype, num_sms: int,
+                        tma_ok: bool = False) -> GemmConfig:
+    """The qkv GEMM's tiling on e4m3 operands: the FP8 GEMM's (fusedpar.kernels.fp8.pick_fp8_config), with
+    BLOCK_N halved while it does not divide blk (and half of it does), as pick_qkv_config."""
+    cfg = pick_fp8_config(m, n_total, k, out_dtype=out_dtype, num_sms=num_sms, interpret=INTERPRETED,
+                          tma=tma_ok and m > 64)
+    while cfg.block_n > 32 and blk % cfg.block_n and blk % (cfg.block_n // 2) == 0:
         cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
     return cfg
 

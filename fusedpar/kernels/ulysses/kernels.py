@@ -8,7 +8,8 @@ _qkv_all_to_all_kernel: recv [W*m, blk] on rank g, recv[p*m + r, c] = sum_k x_p[
     the epilogue stores tile (rows r, block g, columns c) into rank g's receive buffer at rows
     [s*m + r]. Flag rows: 0 READY (the sender entered the launch, so it finished reading the
     previous one), 1 DONE (every tile it stored here is visible; published by the last program).
-_all_to_all_o_proj_kernel: out [m, N] = sum_g sum_c attn_g[s*m + r, c] w_o[n, g*C + c].
+_all_to_all_o_proj_kernel: out [m, N] = sum_g sum_c attn_g[s*m + r, c] w_o[n, g*C + c] (FP8: e4m3 rows
+    pushed with their per-group activation scales, every K step scaled).
     COMM programs push attn rows [g*m, (g+1)*m) into rank g's staging [W, m, C] (block s), band
     by band, and flag each (band, source) on row 1 + band. GEMM programs (a dynamic tile counter
     that the comm programs join) compute chunk s from the local attn first, wait for their band's
@@ -29,6 +30,7 @@ from triton.language.extra.cuda import globaltimer
 
 from fusedpar.collectives.symmetric import NUM_COUNTERS
 from fusedpar.kernels._sync import EPOCH, flags_of, launch_epoch, publish, retire_system, wait_flags
+from fusedpar.kernels.fp8.kernels import fp8_dot, fp8_scale_epilogue, fp8_scale_rows
 from fusedpar.kernels.gemm import load_k_tile, load_w_tile, tile_coords
 
 # Flag rows of the tables these kernels use.
@@ -70,6 +72,7 @@ def _qkv_all_to_all_kernel(
     stride_xk,
     stride_wn,
     stride_wk,
+    fp8_scales,  # FP8: the scaled GEMM's scale arguments, one tuple (fusedpar.kernels.fp8.kernels)
     WORLD: tl.constexpr,
     WORLD_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -90,6 +93,9 @@ def _qkv_all_to_all_kernel(
     FLATTEN: tl.constexpr = True,
     BLOCK_N2: tl.constexpr = 0,
     ROTATE: tl.constexpr = False,
+    FP8: tl.constexpr = False,  # e4m3 x and w with their scales; the receive buffer holds OUT_DTYPE
+    SCALE_IN_LOOP: tl.constexpr = False,  # FP8 block scales: every K step scaled (fusedpar.kernels.fp8)
+    OUT_DTYPE: tl.constexpr = None,
 ):
     """GEMM x @ w^T with tile (rows r, block g, cols c) stored into rank g's buffer at [rank*M + r, c].
 
@@ -105,6 +111,8 @@ def _qkv_all_to_all_kernel(
     ROTATE: rank r's tile order starts at its own block (tile columns shifted by r blocks, modulo
     all of them). Concurrent tiles span one or two blocks, so without it every rank stores into the
     same owner at once (three peers into one GPU); rotated, the ranks' stores go round a ring.
+    FP8: the K loop and the epilogue's scaling are the scaled GEMM's (fp8_scale_rows / fp8_dot /
+    fp8_scale_epilogue); the owners receive the scaled products in OUT_DTYPE (no split tiles).
     """
     pid = tl.program_id(axis=0)
     nprog = tl.num_programs(axis=0)
@@ -124,7 +132,7 @@ def _qkv_all_to_all_kernel(
             wait_flags(my_flags + _READY_ROW * WORLD + peers, others, epoch, counters_ptr, SPIN_LIMIT)
         _stamp(timeline_ptr, pid, 1, TIMELINE)
 
-        dtype = x_ptr.dtype.element_ty
+        dtype = OUT_DTYPE if FP8 else x_ptr.dtype.element_ty
         # Every rank's buffer address, loaded once: the epilogue picks its owner's with integer
         # ops, so the pipelined loop body carries no extra memory access.
         bases = tl.load(buffer_ptrs + peers, mask=peers < WORLD, other=0)
@@ -151,6 +159,8 @@ def _qkv_all_to_all_kernel(
             offs_wn = blk_id * BLK + tl.where(offs_c < BLK, offs_c, 0)
 
             accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if FP8:
+                as_row, ws_row = fp8_scale_rows(fp8_scales, offs_am, offs_wn)
             if BLOCK_N2 > 0:
                 offs_c2 = c0 + BLOCK_N + tl.arange(0, BLOCK_N2)
                 offs_wn2 = blk_id * BLK + tl.where(offs_c2 < BLK, offs_c2, 0)
@@ -166,7 +176,11 @@ def _qkv_all_to_all_kernel(
                                         stride_wk, stride_wn, BLOCK_K, EVEN_K)
                     if BLOCK_N2 > 0:
                         b2 = load_w_tile(w_ptr, offs_wn2, offs_k_base, ki, K, stride_wk, stride_wn, BLOCK_K, EVEN_K)
-                accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+                if FP8:
+                    accumulator = fp8_dot(accumulator, a, b, as_row, ws_row, ki * BLOCK_K, ki * BLOCK_K, fp8_scales,
+                                          SCALE_IN_LOOP)
+                else:
+                    accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
                 if BLOCK_N2 > 0:
                     accumulator2 = tl.dot(a, b2, accumulator2, input_precision=INPUT_PRECISION)
 
@@ -177,6 +191,10 @@ def _qkv_all_to_all_kernel(
             owner = pid_n // tiles_per_block
             offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_cn = (pid_n % tiles_per_block) * TILE_N + tl.arange(0, BLOCK_N)
+            if FP8:  # the weight rows of the tile's columns (ragged ones clamped into the block)
+                offs_wc = owner * BLK + tl.where(offs_cn < BLK, offs_cn, 0)
+                accumulator = fp8_scale_epilogue(accumulator, fp8_scales, offs_cm, offs_wc, M, WORLD * BLK,
+                                                 SCALE_IN_LOOP)
             dst = tl.sum(tl.where(peers == owner, bases, 0), axis=0).to(tl.pointer_type(dtype))
             # Buffers are ALIGN_BYTES-aligned; an address loaded from memory carries no such fact.
             dst = tl.multiple_of(dst, 16)
@@ -226,6 +244,10 @@ def _all_to_all_o_proj_kernel(
     stride_on,
     band_rows,  # rows per push band (a multiple of BLOCK_M)
     num_bands,
+    fp8_scales,  # FP8: the scaled GEMM's scale tuple; its activation scales: attn's, [WORLD*M, G] contiguous
+    stage_s_ptr,  # FP8: this rank's staged activation scales [WORLD, M, G] fp32 (at scale_off of the buffer)
+    scale_off,  # FP8: byte offset of the staged scales in every rank's buffer
+    G,  # FP8: activation groups per attn row (C / the group)
     WORLD: tl.constexpr,
     WORLD_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -242,8 +264,13 @@ def _all_to_all_o_proj_kernel(
     GEMM: tl.constexpr,
     USE_FLAGS: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
+    FP8: tl.constexpr = False,  # e4m3 attn (quantised per row and group of C / G columns) and w_o
+    G_P2: tl.constexpr = 1,  # FP8: next power of two >= G
 ):
-    """Push attn rows to their owners (comm programs), then out = A @ w^T chunk by chunk (all programs)."""
+    """Push attn rows to their owners (comm programs), then out = A @ w^T chunk by chunk (all programs).
+
+    FP8: the pushed rows are e4m3 and each item also pushes its rows' activation scales; every K step
+    is scaled (fusedpar.kernels.fp8's fp8_dot), the weight's scales read at the chunk's global column."""
     pid = tl.program_id(axis=0)
     nprog = tl.num_programs(axis=0)
     peers = tl.arange(0, WORLD_P2)
@@ -284,6 +311,14 @@ def _all_to_all_o_proj_kernel(
                     v = tl.load(attn_ptr + ((g * M + r)[:, None] * stride_am + c[None, :] * stride_ak), mask=msk)
                     tl.store(dst + (r[:, None] * C + c[None, :]), v, mask=msk)
                     t += 1
+                if FP8:  # the rows' scales into block `rank` of g's staged scales
+                    gg = tl.arange(0, G_P2)
+                    dst_s = tl.multiple_of((tl.load(buffer_ptrs + g) + scale_off).to(tl.pointer_type(tl.float32)), 16)
+                    for r0 in range(row0, row0 + rows, COPY_ROWS):
+                        r = r0 + rr
+                        msk = (r[:, None] < row0 + rows) & (gg[None, :] < G)
+                        v = tl.load(fp8_scales[0] + (g * M + r)[:, None] * G + gg[None, :], mask=msk)
+                        tl.store(dst_s + (rank * M + r)[:, None] * G + gg[None, :], v, mask=msk)
                 if USE_FLAGS:
                     tl.debug_barrier()  # every thread's stores of the item before the release
                     # One destination (no mask): a scalar release of the item's own flag.
@@ -308,6 +343,8 @@ def _all_to_all_o_proj_kernel(
             offs_am = tl.where(offs_am < M, offs_am, 0)
             offs_wn = tl.where(offs_wn < N, offs_wn, 0)
             accumulator = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if FP8:
+                as_row, ws_row = fp8_scale_rows(fp8_scales, rank * M + offs_am, offs_wn)
 
             # Chunk `rank`: this rank's own attention rows, local, no wait.
             a_base = attn_ptr + (rank * M + offs_am)[:, None] * stride_am
@@ -323,7 +360,11 @@ def _all_to_all_o_proj_kernel(
                     # last chunk's C columns may be out of bounds (or non-finite).
                     a = tl.load(a_ptrs, mask=offs_k[None, :] < C, other=0.0)
                     b = tl.load(b_ptrs, mask=offs_k[:, None] < C, other=0.0)
-                accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+                if FP8:
+                    accumulator = fp8_dot(accumulator, a, b, as_row, ws_row, kt * BLOCK_K, rank * C + kt * BLOCK_K,
+                                          fp8_scales, True)
+                else:
+                    accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
 
             if USE_FLAGS:
                 band = (pid_m * BLOCK_M) // band_rows
@@ -341,7 +382,12 @@ def _all_to_all_o_proj_kernel(
                 else:
                     a = tl.load(a_ptrs, mask=offs_k[None, :] < C, other=0.0)
                     b = tl.load(b_ptrs, mask=offs_k[:, None] < C, other=0.0)
-                accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
+                if FP8:
+                    ka = (it % kc_tiles) * BLOCK_K
+                    accumulator = fp8_dot(accumulator, a, b, stage_s_ptr + (src * M + offs_am) * G, ws_row, ka,
+                                          src * C + ka, fp8_scales, True)
+                else:
+                    accumulator = tl.dot(a, b, accumulator, input_precision=INPUT_PRECISION)
 
             offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

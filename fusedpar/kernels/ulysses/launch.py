@@ -15,20 +15,26 @@ exchange) orders every write after the peers' reads of the previous call (fusedp
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fusedpar.collectives.symmetric import PeerTable, as_peer_table
 from fusedpar.kernels._host import INTERPRETED, SUPPORTED_DTYPES, cdiv, max_offset, next_pow2
 from fusedpar.kernels._sync import GPU_SPIN_LIMIT, device_guard, resolve_spin_limit, sm_count
 from fusedpar.kernels.attention import ScatterOut
+from fusedpar.kernels.fp8 import E4M3, NO_FP8_SCALES, FP8Operands, check_fp8_operands
+from fusedpar.kernels.fp8.launch import MIN_BLOCK_K, check_block_view, mm_block_k
 from fusedpar.kernels.gemm import GemmConfig, split_w_descriptor, tma_compatible, tma_descriptors
 from fusedpar.kernels.ulysses.config import (
     QKV_ROTATE_ROWS,
     OProjConfig,
     default_o_config,
     o_launch_shape,
+    o_proj_fp8_layout,
     o_proj_workspace_bytes,
     pick_qkv_config,
+    pick_qkv_fp8_config,
     qkv_workspace_bytes,
 )
 from fusedpar.kernels.ulysses.kernels import (
@@ -74,8 +80,9 @@ def check_status(peers) -> None:
         )
 
 
-def check_qkv(x: torch.Tensor, w: torch.Tensor, table: PeerTable) -> int:
-    """Shape, dtype and workspace checks of qkv_all_to_all; returns blk."""
+def check_qkv(x: torch.Tensor, w: torch.Tensor, table: PeerTable, fp8: FP8Operands | None = None) -> int:
+    """Shape, dtype and workspace checks of qkv_all_to_all (fp8: e4m3 x and w with these scales, the
+    receive buffer in fp8.out_dtype); returns blk."""
     W = table.world_size
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"qkv_all_to_all: x must be [m, d] and w [W*blk, d], got {tuple(x.shape)}, {tuple(w.shape)}")
@@ -85,15 +92,19 @@ def check_qkv(x: torch.Tensor, w: torch.Tensor, table: PeerTable) -> int:
         )
     if w.shape[0] % W:
         raise ValueError(f"qkv_all_to_all: w has {w.shape[0]} rows, not a multiple of the SP size {W}")
-    if x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
+    if fp8 is not None:
+        check_fp8_operands("qkv_all_to_all", x, w, fp8)
+    elif x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
         raise TypeError(
-            f"qkv_all_to_all: x and w must share one dtype of {SUPPORTED_DTYPES}, got {x.dtype}, {w.dtype}"
+            f"qkv_all_to_all: x and w must share one dtype of {SUPPORTED_DTYPES}, got {x.dtype}, {w.dtype} "
+            "(e4m3 operands come with their scales: fp8=FP8Operands)"
         )
     blk = w.shape[0] // W
-    need = qkv_workspace_bytes(x.shape[0], blk, W, x.dtype)
+    dtype = x.dtype if fp8 is None else fp8.out_dtype
+    need = qkv_workspace_bytes(x.shape[0], blk, W, dtype)
     if need > table.buffer_bytes:
         raise ValueError(
-            f"qkv_all_to_all: the receive buffer [{W}*{x.shape[0]}, {blk}] {x.dtype} needs {need} bytes, the "
+            f"qkv_all_to_all: the receive buffer [{W}*{x.shape[0]}, {blk}] {dtype} needs {need} bytes, the "
             f"workspace has {table.buffer_bytes} (size it with qkv_workspace_bytes for the largest step)"
         )
     if table.max_blocks < 2:
@@ -103,8 +114,52 @@ def check_qkv(x: torch.Tensor, w: torch.Tensor, table: PeerTable) -> int:
     return blk
 
 
-def check_o(attn: torch.Tensor, w: torch.Tensor, table: PeerTable, out: torch.Tensor | None) -> tuple[int, int]:
-    """Shape, dtype and workspace checks of all_to_all_o_proj; returns (m, C)."""
+def check_o_fp8(attn: torch.Tensor, w: torch.Tensor, W: int, fp8: FP8Operands) -> list[str]:
+    """The FP8 operands of all_to_all_o_proj, every violated constraint with its numbers: e4m3 attn [W*m, C]
+    and w_o [N, W*C]; x_scale [W*m, C / x_group] (contiguous); the activation group a divisor of C (each SP
+    peer's columns whole groups); w_scale of the weight tile's grid; a K step inside one group, one weight
+    tile and one peer's C columns."""
+    problems = []
+    for name, t in (("attn", attn), ("w_o", w)):
+        if t.dtype != E4M3:
+            problems.append(f"{name} dtype {t.dtype} must be {E4M3}")
+    (wm, c), (n, k) = attn.shape, w.shape
+    g, (tn, tk) = fp8.x_group, fp8.w_tile
+    if g < 1 or c % g:
+        problems.append(f"the activation group of {g} columns must divide C = {c} (each SP peer's columns)")
+    elif tuple(fp8.x_scale.shape) != (wm, c // g) or not fp8.x_scale.is_contiguous():
+        problems.append(f"x_scale {tuple(fp8.x_scale.shape)} must be a contiguous [W*m, C / {g}] = {(wm, c // g)}")
+    want_w = (-(-n // tn), -(-k // tk)) if tn >= 1 and tk >= 1 else None
+    if want_w is None or tuple(fp8.w_scale.shape) != want_w:
+        problems.append(f"w_scale {tuple(fp8.w_scale.shape)} must be [ceil(N / {tn}), ceil(K / {tk})] = {want_w} "
+                        f"for w_o {tuple(w.shape)}")
+    if fp8.x_scale.dtype != torch.float32 or fp8.w_scale.dtype != torch.float32:
+        problems.append(f"scales must be torch.float32, got {fp8.x_scale.dtype} and {fp8.w_scale.dtype}")
+    if fp8.w_scale.dim() == 2:
+        try:
+            check_block_view(w, fp8.w_tile, fp8.w_scale.shape[0], fp8.w_scale.shape[1])
+        except ValueError as e:
+            problems.append(str(e).split(": ", 1)[-1])
+    if not problems and o_fp8_block_k(c, W, fp8, 128) is None:
+        problems.append(f"no K step of >= {MIN_BLOCK_K} columns lies inside one {g}-column group, one {tk}-column "
+                        f"weight tile and one peer's C = {c} columns")
+    return problems
+
+
+def o_fp8_block_k(c: int, W: int, fp8: FP8Operands, block_k: int) -> int | None:
+    """all_to_all_o_proj's K step on e4m3 operands: <= block_k, inside one activation group and one weight tile
+    (mm_block_k over the chunk's C columns), and dividing C where the weight tiles are narrower than W*C."""
+    tk = fp8.w_tile[1]
+    bk = mm_block_k(c, tk if tk < W * c else c, fp8.x_group, block_k)
+    while bk is not None and tk < W * c and c % bk:
+        bk = mm_block_k(c, tk, fp8.x_group, bk // 2) if bk > MIN_BLOCK_K else None
+    return bk
+
+
+def check_o(attn: torch.Tensor, w: torch.Tensor, table: PeerTable, out: torch.Tensor | None,
+            fp8: FP8Operands | None = None) -> tuple[int, int]:
+    """Shape, dtype and workspace checks of all_to_all_o_proj (fp8: e4m3 attn and w_o with these scales, out of
+    fp8.out_dtype or fp32); returns (m, C)."""
     W = table.world_size
     if attn.dim() != 2 or w.dim() != 2:
         raise ValueError(
@@ -118,11 +173,16 @@ def check_o(attn: torch.Tensor, w: torch.Tensor, table: PeerTable, out: torch.Te
     m, C = attn.shape[0] // W, attn.shape[1]
     if w.shape[1] != W * C:
         raise ValueError(f"all_to_all_o_proj: w_o {tuple(w.shape)} must have W*C = {W}*{C} = {W * C} columns")
-    if attn.dtype not in SUPPORTED_DTYPES or w.dtype != attn.dtype:
+    if fp8 is not None:
+        problems = check_o_fp8(attn, w, W, fp8)
+        if problems:
+            raise ValueError("all_to_all_o_proj: " + "; ".join(problems))
+    elif attn.dtype not in SUPPORTED_DTYPES or w.dtype != attn.dtype:
         raise TypeError(
             f"all_to_all_o_proj: attn and w_o must share one dtype of {SUPPORTED_DTYPES}, got {attn.dtype}, {w.dtype}"
         )
-    need = o_proj_workspace_bytes(m, C, W, attn.dtype)
+    dtype = attn.dtype if fp8 is None else fp8.out_dtype
+    need = o_proj_workspace_bytes(m, C, W, attn.dtype) if fp8 is None else o_proj_fp8_layout(m, C, W, fp8.x_group)[1]
     if need > table.buffer_bytes:
         raise ValueError(
             f"all_to_all_o_proj: the staging buffer [{W}, {m}, {C}] {attn.dtype} needs {need} bytes, the workspace "
@@ -135,8 +195,8 @@ def check_o(attn: torch.Tensor, w: torch.Tensor, table: PeerTable, out: torch.Te
     if out is not None:
         if tuple(out.shape) != (m, w.shape[0]):
             raise ValueError(f"all_to_all_o_proj: out must be [m, N] = {(m, w.shape[0])}, got {tuple(out.shape)}")
-        if out.dtype not in (attn.dtype, torch.float32):
-            raise TypeError(f"all_to_all_o_proj: out dtype must be {attn.dtype} or float32, got {out.dtype}")
+        if out.dtype not in (dtype, torch.float32):
+            raise TypeError(f"all_to_all_o_proj: out dtype must be {dtype} or float32, got {out.dtype}")
         if out.device != attn.device:
             raise ValueError(f"all_to_all_o_proj: out is on {out.device} but attn on {attn.device}")
     return m, C
@@ -202,6 +262,7 @@ def launch_qkv_all_to_all(
     config: GemmConfig | None = None,
     timeline: torch.Tensor | None = None,
     rotate: bool | None = None,
+    fp8: FP8Operands | None = None,
 ):
     """Launch the qkv kernel as `table.rank`: all phases (GPU) or some of them (CPU emulation).
 
@@ -211,11 +272,13 @@ def launch_qkv_all_to_all(
     pick_qkv_config). rotate: the kernel's ROTATE (None: by QKV_ROTATE_ROWS; a rank's own tile
     order, so ranks need not agree). timeline (GPU diagnostic): an int64 [>= programs, 4] tensor
     that receives each program's %globaltimer ns at QKV_TIMELINE_POINTS (qkv_timeline_summary).
+    fp8: e4m3 x and w with these scales; the tiling is pick_qkv_fp8_config's (no split tiles), its K
+    step lowered to the scale blocks.
     Returns Triton's compiled kernel (None when interpreting).
     """
     table = as_peer_table(table)
     check_device("qkv_all_to_all", x, table.device)
-    blk = check_qkv(x, w, table)
+    blk = check_qkv(x, w, table, fp8)
     if not (send_ready or produce or wait):
         raise ValueError("launch_qkv_all_to_all: nothing to do")
     m, k = x.shape
@@ -223,7 +286,13 @@ def launch_qkv_all_to_all(
     W = table.world_size
     num_sms = sm_count(x.device, INTERPRETED)
     tma_ok = tma_compatible(x, w)
-    cfg = config or pick_qkv_config(m, W * blk, k, blk, x.dtype, num_sms, tma_ok=tma_ok)
+    if fp8 is None:
+        cfg = config or pick_qkv_config(m, W * blk, k, blk, x.dtype, num_sms, tma_ok=tma_ok)
+    else:
+        cfg = config or pick_qkv_fp8_config(m, W * blk, k, blk, fp8.out_dtype, num_sms, tma_ok=tma_ok)
+        if cfg.block_n2 or fp8.block_k(k, cfg.block_k) != cfg.block_k:
+            cfg = dataclasses.replace(cfg, block_n2=0, block_k=fp8.block_k(k, cfg.block_k))
+    scale_args = NO_FP8_SCALES if fp8 is None else fp8.kernel_args()
     grid = max(1, min(num_sms, cdiv(m, cfg.block_m) * W * cdiv(blk, cfg.tile_n))) if produce else 1
     if timeline is not None:
         if not produce:
@@ -237,7 +306,7 @@ def launch_qkv_all_to_all(
             x, w, x_desc, w_desc, w2_desc,
             table.buffer_ptrs, table.signal_ptrs, table.counters,
             table.counters if timeline is None else timeline,
-            table.rank, m, blk, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            table.rank, m, blk, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), scale_args,
             WORLD=W,
             WORLD_P2=next_pow2(W),
             BLOCK_M=cfg.block_m,
@@ -258,6 +327,9 @@ def launch_qkv_all_to_all(
             FLATTEN=cfg.flatten,
             BLOCK_N2=cfg.block_n2,
             ROTATE=QKV_ROTATE_ROWS[0] <= m <= QKV_ROTATE_ROWS[1] if rotate is None else rotate,
+            FP8=fp8 is not None,
+            SCALE_IN_LOOP=fp8 is not None and fp8.scale_in_loop(k),
+            OUT_DTYPE=None if fp8 is None else fp8.tl_out_dtype,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -275,6 +347,7 @@ def launch_qkv_wait(signal_ptrs, counters, rank: int, world_size: int, *, use_fl
             signal_ptrs, counters,
             counters,  # timeline unused
             rank, 1, 1, 1, 1, 1, 1, 1,
+            NO_FP8_SCALES,
             WORLD=W,
             WORLD_P2=next_pow2(W),
             BLOCK_M=16,
@@ -350,8 +423,10 @@ def launch_all_to_all_o_proj(
     use_flags: bool = True,
     spin_limit: int | None = None,
     config: OProjConfig | None = None,
+    fp8: FP8Operands | None = None,
 ):
     """Launch the o_proj kernel as `table.rank`: all phases (GPU) or some (CPU emulation).
+    fp8: e4m3 attn and w_o with these scales (check_o_fp8); the staging holds e4m3 rows, then their scales.
 
     Phases: send_ready (publish READY e), push (comm programs: wait READY, copy rows to their
     owners, flag each band), gemm (all programs: out = A @ w^T with per-band waits; retires the
@@ -359,7 +434,7 @@ def launch_all_to_all_o_proj(
     """
     table = as_peer_table(table)
     check_device("all_to_all_o_proj", attn, table.device)
-    m, C = check_o(attn, w, table, out)
+    m, C = check_o(attn, w, table, out, fp8)
     if not (send_ready or push or gemm):
         raise ValueError("launch_all_to_all_o_proj: nothing to do")
     if out is None:
@@ -368,12 +443,20 @@ def launch_all_to_all_o_proj(
     W, n = table.world_size, w.shape[0]
     num_sms = sm_count(attn.device, INTERPRETED)
     cfg = config or default_o_config()
-    shape = o_launch_shape(m, n, C, W, attn.dtype, out.dtype, table.max_blocks, cfg, num_sms)
+    shape = o_launch_shape(m, n, C, W, attn.dtype if fp8 is None else fp8.out_dtype, out.dtype, table.max_blocks,
+                           cfg, num_sms)
     gcfg = shape.gemm
+    if fp8 is not None and o_fp8_block_k(C, W, fp8, gcfg.block_k) != gcfg.block_k:
+        gcfg = dataclasses.replace(gcfg, block_k=o_fp8_block_k(C, W, fp8, gcfg.block_k))
     comm = shape.comm_programs if push else 0
     tiles = cdiv(m, gcfg.block_m) * cdiv(n, gcfg.block_n)
     grid = max(comm + (min(num_sms - comm, tiles) if gemm else 0), 1)  # >= 1: a READY-only launch
     stage = table.view(attn.dtype, W * m * C)
+    scale_off, groups, stage_s = 0, 1, None
+    if fp8 is not None:
+        scale_off = o_proj_fp8_layout(m, C, W, fp8.x_group)[0]
+        groups = C // fp8.x_group
+        stage_s = table.view(torch.float32, W * m * groups, byte_offset=scale_off)
     with device_guard(attn.device):
         return _all_to_all_o_proj_kernel[(grid,)](
             attn, w, out, stage,
@@ -381,6 +464,7 @@ def launch_all_to_all_o_proj(
             table.rank, m, n, C,
             attn.stride(0), attn.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
             shape.band_rows, shape.num_bands,
+            NO_FP8_SCALES if fp8 is None else fp8.kernel_args(), stage_s, scale_off, groups,
             WORLD=W,
             WORLD_P2=next_pow2(W),
             BLOCK_M=gcfg.block_m,
@@ -397,6 +481,8 @@ def launch_all_to_all_o_proj(
             GEMM=gemm,
             USE_FLAGS=use_flags,
             SPIN_LIMIT=_spin_limit(spin_limit),
+            FP8=fp8 is not None,
+            G_P2=next_pow2(groups),
             num_warps=gcfg.num_warps,
             num_stages=gcfg.num_stages,
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from fusedpar.collectives.symmetric import PeerTable
+from fusedpar.kernels.fp8 import FP8Operands
 from fusedpar.kernels.gemm import GemmConfig
 from fusedpar.kernels.ulysses.config import OProjConfig
 from fusedpar.kernels.ulysses.launch import (
@@ -81,19 +82,26 @@ def _qkv_op(
     max_blocks: int,
     use_flags: bool,
     gemm_meta: list[int],
+    x_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
+    fp8_tiles: list[int] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """All phases in one launch, then a copy of the receive buffer [W*m, blk]."""
+    """All phases in one launch, then a copy of the receive buffer [W*m, blk] (e4m3 x and w: of out_dtype,
+    with the scales of FP8Operands.op_args)."""
     table = _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks)
-    launch_qkv_all_to_all(x, w, table, use_flags=use_flags, config=_gemm_cfg(*gemm_meta))
+    fp8 = FP8Operands.from_op_args(x_scale, w_scale, fp8_tiles, out_dtype)
+    launch_qkv_all_to_all(x, w, table, use_flags=use_flags, config=_gemm_cfg(*gemm_meta), fp8=fp8)
     blk = w.shape[0] // world_size
-    return qkv_recv_view(table, x.shape[0], blk, x.dtype).clone()
+    return qkv_recv_view(table, x.shape[0], blk, out_dtype or x.dtype).clone()
 
 
 @_qkv_op.register_fake
-def _qkv_fake(x, w, buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks, use_flags, gemm_meta):
+def _qkv_fake(x, w, buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks, use_flags, gemm_meta,
+              x_scale=None, w_scale=None, fp8_tiles=None, out_dtype=None):
     if w.dim() != 2 or x.dim() != 2 or w.shape[0] % world_size or x.shape[1] != w.shape[1]:
         raise ValueError("qkv_all_to_all: x must be [m, d] and w [W*blk, d]")
-    return x.new_empty((world_size * x.shape[0], w.shape[0] // world_size))
+    return x.new_empty((world_size * x.shape[0], w.shape[0] // world_size), dtype=out_dtype or x.dtype)
 
 
 @torch.library.custom_op("fusedpar::qkv_all_to_all_wait", mutates_args=("counters",))
@@ -107,9 +115,10 @@ def _qkv_wait_fake(signal_ptrs, counters, rank, world_size):
 
 
 def qkv_op(x: torch.Tensor, w: torch.Tensor, table: PeerTable, *, use_flags: bool = True,
-           config: GemmConfig | None = None) -> torch.Tensor:
+           config: GemmConfig | None = None, fp8: FP8Operands | None = None) -> torch.Tensor:
     """torch.ops.fusedpar.qkv_all_to_all on `table`: all phases, a copy of the receive buffer."""
-    return torch.ops.fusedpar.qkv_all_to_all(x, w, *table_args(table), use_flags, gemm_meta(config))
+    return torch.ops.fusedpar.qkv_all_to_all(x, w, *table_args(table), use_flags, gemm_meta(config),
+                                             *FP8Operands.op_args(fp8))
 
 
 def qkv_wait_op(table: PeerTable) -> None:
@@ -133,18 +142,25 @@ def _o_op(
     max_blocks: int,
     use_flags: bool,
     meta: list[int],
+    x_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
+    fp8_tiles: list[int] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    """A new [m, N] output (e4m3 attn and w_o: of out_dtype, with the scales of FP8Operands.op_args)."""
     table = _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks)
-    out = torch.empty((attn.shape[0] // world_size, w.shape[0]), dtype=attn.dtype, device=attn.device)
-    launch_all_to_all_o_proj(attn, w, table, out, use_flags=use_flags, config=_o_cfg(meta))
+    out = torch.empty((attn.shape[0] // world_size, w.shape[0]), dtype=out_dtype or attn.dtype, device=attn.device)
+    launch_all_to_all_o_proj(attn, w, table, out, use_flags=use_flags, config=_o_cfg(meta),
+                             fp8=FP8Operands.from_op_args(x_scale, w_scale, fp8_tiles, out_dtype))
     return out
 
 
 @_o_op.register_fake
-def _o_fake(attn, w, buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks, use_flags, meta):
+def _o_fake(attn, w, buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks, use_flags, meta,
+            x_scale=None, w_scale=None, fp8_tiles=None, out_dtype=None):
     if attn.dim() != 2 or w.dim() != 2 or attn.shape[0] % world_size or w.shape[1] != world_size * attn.shape[1]:
         raise ValueError("all_to_all_o_proj: attn must be [W*m, C] and w_o [N, W*C]")
-    return attn.new_empty((attn.shape[0] // world_size, w.shape[0]))
+    return attn.new_empty((attn.shape[0] // world_size, w.shape[0]), dtype=out_dtype or attn.dtype)
 
 
 @torch.library.custom_op("fusedpar::all_to_all_o_proj_out", mutates_args=("out", "counters"))
@@ -161,28 +177,37 @@ def _o_out_op(
     max_blocks: int,
     use_flags: bool,
     meta: list[int],
+    x_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
+    fp8_tiles: list[int] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> None:
+    """Into `out` (FP8 arguments: as all_to_all_o_proj's op)."""
     table = _table_from(buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks)
-    launch_all_to_all_o_proj(attn, w, table, out, use_flags=use_flags, config=_o_cfg(meta))
+    launch_all_to_all_o_proj(attn, w, table, out, use_flags=use_flags, config=_o_cfg(meta),
+                             fp8=FP8Operands.from_op_args(x_scale, w_scale, fp8_tiles, out_dtype))
 
 
 @_o_out_op.register_fake
 def _o_out_fake(
-    attn, w, out, buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks, use_flags, meta
+    attn, w, out, buffer, buffer_ptrs, signal_ptrs, counters, rank, world_size, max_blocks, use_flags, meta,
+    x_scale=None, w_scale=None, fp8_tiles=None, out_dtype=None
 ):
     return None
 
 
 def o_proj_op(attn: torch.Tensor, w: torch.Tensor, table: PeerTable, config: OProjConfig, *,
-              use_flags: bool = True) -> torch.Tensor:
+              use_flags: bool = True, fp8: FP8Operands | None = None) -> torch.Tensor:
     """torch.ops.fusedpar.all_to_all_o_proj on `table`: a new [m, N] output."""
-    return torch.ops.fusedpar.all_to_all_o_proj(attn, w, *table_args(table), use_flags, o_meta(config))
+    return torch.ops.fusedpar.all_to_all_o_proj(attn, w, *table_args(table), use_flags, o_meta(config),
+                                                *FP8Operands.op_args(fp8))
 
 
 def o_proj_out_op(attn: torch.Tensor, w: torch.Tensor, out: torch.Tensor, table: PeerTable, config: OProjConfig, *,
-                  use_flags: bool = True) -> None:
+                  use_flags: bool = True, fp8: FP8Operands | None = None) -> None:
     """torch.ops.fusedpar.all_to_all_o_proj_out on `table`: into `out`."""
-    torch.ops.fusedpar.all_to_all_o_proj_out(attn, w, out, *table_args(table), use_flags, o_meta(config))
+    torch.ops.fusedpar.all_to_all_o_proj_out(attn, w, out, *table_args(table), use_flags, o_meta(config),
+                                             *FP8Operands.op_args(fp8))
 
 
 # ================================================================================ scattered_o_proj
