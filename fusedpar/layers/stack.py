@@ -55,6 +55,10 @@ class ShiftParallelStack(nn.Module):
         communicator: comm=PlainComm(ctx) runs cuBLAS + NCCL around the same Triton attention and norms.
         max_tokens also bounds the captured graphs' sizes. Collective: every rank.
         CUDA graphs captured before belong to the old communicator: they are dropped (capture again)."""
+        fp8 = sorted({name for layer in self.layers for name, w in layer.w.base.items() if isinstance(w, FP8Weight)})
+        if fp8 and not isinstance(comm, PlainComm) and self.ctx.device.type == "cuda":
+            raise ValueError(f"FP8 weights ({', '.join(fp8)}) run on the plain GEMMs on CUDA: enable_fused(..., "
+                             "comm=PlainComm(ctx)); the fused kernels' e4m3 variants are not enabled on CUDA")
         if not isinstance(comm, PlainComm):
             problems = sorted({f"{mode} {name}: {p}" for layer in self.layers for mode, ws in (("base", layer.w.base),
                                ("shift", layer.w.shift)) for name, w in ws.items() if isinstance(w, FP8Weight)

@@ -69,8 +69,9 @@ def test_per_token_activation_scales_are_exact_without_split_columns_and_close_w
 
 
 def test_the_fused_path_takes_fp8_weights_and_refuses_what_its_kernels_cannot_by_name():
-    taken, refused = run_distributed(_fused_acceptance, 2)[0]
+    taken, refused, cuda = run_distributed(_fused_acceptance, 2)[0]
     assert taken == "taken", taken
+    assert cuda.startswith("FP8 weights (down, gate_up, o, qkv) run on the plain GEMMs on CUDA"), cuda
     # block (8, 8): one scale per 8 input columns, under the kernels' smallest K step (16 on the interpreter)
     for name, k in (("qkv", 48), ("o", 64), ("down", 32), ("gate_up", 48)):
         assert f"base {name}: one scale per 8 of its {k} input columns: the kernels take scales spanning K or a " \
@@ -98,6 +99,14 @@ def _fused_acceptance(rank, world):
             out.append("taken")
         except ValueError as e:
             out.append(str(e))
+    stack.ctx.device = torch.device("cuda")  # only read by the check: the e4m3 variants are not enabled on CUDA
+    try:
+        stack.enable_fused(max_tokens=16, comm=FallbackFusedComm(ctx, cfg, max_tokens=16, dtype=torch.float32))
+        out.append("taken on CUDA")
+    except ValueError as e:
+        out.append(str(e))
+    finally:
+        stack.ctx.device = torch.device("cpu")
     return out
 
 

@@ -84,21 +84,17 @@ FP8_ROUNDING = 2 * 2.0**-4
 
 @pytest.mark.parametrize("scheme", [FP8Scheme("channel"), FP8Scheme("block"), FP8Scheme("tensor")],
                          ids=["channel", "block128", "tensor"])
-def test_fused_decoder_with_fp8_weights_matches_oracle_and_plain(nccl_world, scheme):
-    """FP8 (e4m3) projection weights on the fused kernels' FP8 variants (qkv + all-to-all, the scattered and
-    all-to-all o-projections, GEMM + all-reduce) against the unsharded FP8 oracle and the plain path with the
-    same weights."""
+def test_fp8_weights_run_the_plain_path_on_cuda_and_the_fused_path_refuses_them(nccl_world, scheme):
+    """FP8 (e4m3) projection weights: the plain path (FP8 reference math) against the unsharded FP8 oracle;
+    the fused path refuses them on CUDA by name (its e4m3 variants are not enabled there)."""
     rank, world = nccl_world
     cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=2, head_dim=128, intermediate_size=2048,
                         qk_norm=True, rope_theta=1e6)
     for sp, tp in _layouts(world):
-        fused = run_layer_scenario(rank, world, cfg, sp, tp, STEPS, dtype=torch.bfloat16, block_size=16, fused=True,
-                                   fp8=scheme)
         plain = run_layer_scenario(rank, world, cfg, sp, tp, STEPS, dtype=torch.bfloat16, block_size=16, fp8=scheme)
-        for i, (f, p) in enumerate(zip(fused.steps, plain.steps, strict=True)):
-            where = f"sp={sp} tp={tp} step {i} ({f.mode}, {f.tokens} tokens)"
-            assert f.mode == p.mode
-            assert f.rel_error < FP8_ROUNDING, f"{where}: fused rel error {f.rel_error:.3g}"
-            assert f.rel_error < 2 * p.rel_error + 4e-3, f"{where}: fused {f.rel_error:.3g} vs plain {p.rel_error:.3g}"
-        assert fused.cache_rel_error < FP8_ROUNDING
-        assert fused.cache_lengths == plain.cache_lengths
+        for i, p in enumerate(plain.steps):
+            assert p.rel_error < FP8_ROUNDING, f"sp={sp} tp={tp} step {i} ({p.mode}): rel error {p.rel_error:.3g}"
+        assert plain.cache_rel_error < FP8_ROUNDING
+        with pytest.raises(ValueError, match=r"FP8 weights \(down, gate_up, o, qkv\) run on the plain GEMMs on CUDA"):
+            run_layer_scenario(rank, world, cfg, sp, tp, STEPS, dtype=torch.bfloat16, block_size=16, fused=True,
+                               fp8=scheme)
