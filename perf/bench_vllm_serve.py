@@ -475,19 +475,26 @@ def _kill_group(proc: subprocess.Popen) -> None:
     print(f"   processes of the case's group {proc.pid} still exist {GROUP_EXIT_S:.0f} s after SIGKILL", flush=True)
 
 
-def metrics(res: dict, part: str, requests, phases, peak_window: float) -> dict:
-    """serve_bench's metrics (_serve.metrics) of one served request set of a case."""
+def run_result(served: dict, name: str):
+    """serve_bench's RunResult (_serve.loop) of a served request set as a case's process reports it."""
     from _serve.loop import RunResult
-    from _serve.metrics import percentile, summarize
 
-    got = {int(k): v for k, v in res[part].items()}
-    rr = RunResult(policy=part)
+    got = {int(k): v for k, v in served.items()}
+    rr = RunResult(policy=name)
     for rid, g in got.items():
         if g["first"] is not None:
             rr.first_t[rid], rr.done_t[rid] = g["first"], g["done"]
         rr.outputs[rid] = g["tokens"]
         rr.emitted.extend((t, n) for t, n in g["emitted"])
     rr.end = max((g["done"] for g in got.values() if g["done"] is not None), default=0.0)
+    return rr
+
+
+def metrics(res: dict, part: str, requests, phases, peak_window: float) -> dict:
+    """serve_bench's metrics (_serve.metrics) of one served request set of a case."""
+    from _serve.metrics import percentile, summarize
+
+    rr = run_result(res[part], part)
     rr.wall_s = res[f"{part}_wall_s"]
     m = summarize(rr, requests, phases, peak_window)
     for key in LOOP_ONLY:
@@ -546,17 +553,7 @@ def records(o: dict, results: dict, requests, phases, flood, gpu: str, existing:
             continue
         m = metrics(res, "trace", requests, phases, o["peak_window"])
         if flood:
-            fl = {int(k): v for k, v in res["flood"].items()}
-            from _serve.loop import RunResult
-
-            rr = RunResult(policy="saturated")
-            for rid, g in fl.items():
-                if g["first"] is not None:
-                    rr.first_t[rid], rr.done_t[rid] = g["first"], g["done"]
-                rr.outputs[rid] = g["tokens"]
-                rr.emitted.extend((t, n) for t, n in g["emitted"])
-            rr.end = max((g["done"] for g in fl.values() if g["done"] is not None), default=0.0)
-            m.update(summarize_saturated(rr, flood))
+            m.update(summarize_saturated(run_result(res["flood"], "saturated"), flood))
             for key in ("steps", "switches"):
                 m["saturated"].pop(key, None)
         rec = {**common, "case": f"{case} {model}", "case_key": case, "label": _label(case, P),
