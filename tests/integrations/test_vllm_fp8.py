@@ -194,11 +194,12 @@ def _oracle_tokens(name: str) -> list:
 _ENGINES: dict[str, dict] = {}
 
 
-def _engine(checkpoints, tmp_path_factory, name: str, fusedpar: dict | None, dtype: str = "float32") -> dict:
-    key = json.dumps([name, fusedpar, dtype], sort_keys=True)
+def _engine(checkpoints, tmp_path_factory, name: str, fusedpar: dict | None, dtype: str = "float32",
+            eager: bool = False) -> dict:
+    key = json.dumps([name, fusedpar, dtype, eager], sort_keys=True)
     if key not in _ENGINES:
         spec = {"model": checkpoints[name], "tensor_parallel_size": 2, "fusedpar": fusedpar, "max_tokens": MAX_TOKENS,
-                "batches": _batches(name), "dtype": dtype}
+                "batches": _batches(name), "dtype": dtype, "enforce_eager": eager}
         _ENGINES[key] = run_engine(spec, tmp_path_factory.mktemp("engine"))
     return _ENGINES[key]
 
@@ -230,6 +231,19 @@ def test_fp8_engine_matches_the_unsharded_fp8_model(checkpoints, tmp_path_factor
     _fp8_stats(fp["stats"], scheme, "fusedpar" if scheme == "block" else VLLM_KERNEL)
     # vLLM's compiled model ran the shift steps (with threshold 0 there is none: nothing is compiled)
     assert all(_check_stats(w, [])["shift_compiled"] is (threshold > 0) for w in fp["stats"])
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_fp8_engine_on_the_eager_path_matches_the_unsharded_fp8_model(checkpoints, tmp_path_factory):
+    """As above with enforce_eager: the same threshold-crossing orders, nothing compiled."""
+    name = "channel_llama"
+    fp = _ok(_engine(checkpoints, tmp_path_factory, name, {"sequence_parallel_size": 2, "shift_threshold": THRESHOLD},
+                     eager=True))
+    assert fp["tokens"] == _oracle_tokens(name)
+    _modes_of_orders(fp["stats"], CHECKPOINTS[name][0], threshold=THRESHOLD)
+    _fp8_stats(fp["stats"], "channel", VLLM_KERNEL)
+    assert not any(_check_stats(w, [])["shift_compiled"] for w in fp["stats"])
 
 
 @needs_vllm
