@@ -705,6 +705,88 @@ def test_engine_problems_name_every_feature_dp_steps_do_not_carry():
     assert dp_engine_problems(good, "0.32.0") == []
 
 
+def _engine(**sched):
+    from types import SimpleNamespace as NS
+
+    return NS(cache_config=NS(enable_prefix_caching=False), speculative_config=None, lora_config=None,
+              kv_transfer_config=None, use_v2_model_runner=False,
+              scheduler_config=NS(async_scheduling=False, scheduler_cls=None, policy="fcfs", **sched),
+              parallel_config=NS(pipeline_parallel_size=1, worker_cls="vllm.v1.worker.cpu_worker.CPUWorker",
+                                 distributed_executor_backend="mp"))
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.0+cu130", "0.31.1", "0.33.0", "0.320.0", "1.32.0"])
+@pytest.mark.parametrize("policy", ["dp", "load"])
+def test_dp_layouts_are_refused_on_a_vllm_other_than_0_32(version, policy):
+    from fusedpar.integrations.vllm.dp_engine import DP_VLLM_INTERNALS, dp_engine_problems, dp_version_problem
+
+    problem = dp_version_problem(version, policy)
+    assert problem is not None
+    for needle in (f'policy "{policy}"', f"a DP layout on vLLM {version} is not supported", "vLLM 0.32 only",
+                   *DP_VLLM_INTERNALS):
+        assert needle in problem, problem
+    assert dp_engine_problems(_engine(), version, policy=policy) == [problem]
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.1"])
+def test_dp_layouts_run_on_vllm_0_32(version):
+    from fusedpar.integrations.vllm.dp_engine import dp_engine_problems, dp_version_problem
+
+    assert dp_version_problem(version) is None
+    assert dp_engine_problems(_engine(), version) == []
+
+
+@needs_vllm
+def test_dp_classes_are_not_set_on_another_vllm(monkeypatch):
+    """The refusal where the engine config is built: the running vLLM's version, a FusedparConfigError naming it and
+    the policy, and none of the DP classes set."""
+    import vllm
+
+    from fusedpar.integrations.vllm.dp_engine import install_dp_classes
+
+    cfg = parse_additional_config({"fusedpar": DP})
+    engine = _engine()
+    monkeypatch.setattr(vllm, "__version__", "0.26.0")
+    with pytest.raises(FusedparConfigError, match=r'policy "dp": a DP layout on vLLM 0\.26\.0 is not supported'):
+        install_dp_classes(engine, cfg)
+    assert engine.scheduler_config.scheduler_cls is None
+    assert engine.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
+    assert engine.parallel_config.distributed_executor_backend == "mp"
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    install_dp_classes(engine, cfg)
+    assert engine.scheduler_config.scheduler_cls.endswith("dp_scheduler.DPScheduler")
+
+
+@needs_vllm
+def test_the_vllm_internals_the_dp_classes_need_are_in_the_running_vllm():
+    """DP_VLLM_INTERNALS, the names the version refusal gives, are what the installed vLLM 0.32 has and the DP
+    scheduler uses."""
+    import inspect
+
+    import vllm
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from fusedpar.integrations.vllm import dp_scheduler
+    from fusedpar.integrations.vllm.dp_engine import DP_VLLM_INTERNALS, dp_version_problem
+
+    assert dp_version_problem(vllm.__version__) is None, vllm.__version__
+    ours = inspect.getsource(dp_scheduler)
+    for name in DP_VLLM_INTERNALS:
+        if name.startswith("KVCacheManager("):
+            attr = name[len("KVCacheManager("):name.index("=")]
+            assert attr in inspect.signature(KVCacheManager.__init__).parameters, name
+            assert f"{attr}=" in ours, name
+            continue
+        owner, _, attr = name.partition(".")
+        assert owner == "Scheduler", name
+        if attr.startswith("_"):
+            assert callable(getattr(Scheduler, attr, None)), name
+        else:
+            assert f"self.{attr}" in inspect.getsource(Scheduler.__init__), name
+        assert attr in ours, name
+
+
 @needs_vllm
 def test_own_output_keeps_a_ranks_requests_and_its_blocks_to_zero():
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput

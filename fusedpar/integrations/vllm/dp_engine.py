@@ -27,6 +27,22 @@ WORKER = "fusedpar.integrations.vllm.dp_worker.DPWorker"
 EXECUTOR = "fusedpar.integrations.vllm.dp_executor.DPExecutor"
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 DP_VLLM_VERSION = "0.32."  # the vLLM whose scheduler internals the DP classes are written against
+# What the DP classes take from vLLM 0.32 that its earlier releases lack (vLLM 0.26.0 has none of them): the two
+# scheduling-loop methods through which a step leaves the other class's requests out, the queue of waiting requests
+# that hold KV blocks, and the KV cache manager's argument every per-rank pool is built with.
+DP_VLLM_INTERNALS = ("Scheduler._reserve_prefill_lookahead", "Scheduler._handle_blocked_waiting_request",
+                     "Scheduler.kv_holding_waiting", "KVCacheManager(num_prefill_lookahead=...)")
+
+
+def dp_version_problem(vllm_version: str, policy: str = "dp") -> str | None:
+    """What keeps the DP classes off vLLM `vllm_version` (None: the vLLM they are written against); policy: the
+    section's, named in the message."""
+    if vllm_version.startswith(DP_VLLM_VERSION):
+        return None
+    dp = DP_VLLM_VERSION.rstrip(".")
+    return (f'policy "{policy}": a DP layout on vLLM {vllm_version} is not supported; DP layouts run on vLLM {dp} '
+            f"only (fusedpar's DP scheduler, worker and executor build on vLLM {dp}'s {', '.join(DP_VLLM_INTERNALS)}); "
+            'policy "threshold" (base / shift steps) does not need them')
 
 
 def dp_engine_problems(vllm_config, vllm_version: str | None = None, *, policy: str = "dp") -> list[str]:
@@ -40,9 +56,9 @@ def dp_engine_problems(vllm_config, vllm_version: str | None = None, *, policy: 
         vllm_version = vllm.__version__
     cache, sched, par = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.parallel_config
     problems = []
-    if not vllm_version.startswith(DP_VLLM_VERSION):
-        problems.append(f"a DP layout on vLLM {vllm_version}: its scheduler, worker and executor classes build on "
-                        f"vLLM {DP_VLLM_VERSION}'s internals (KVCacheManager, SchedulerOutput, MultiprocExecutor)")
+    version = dp_version_problem(vllm_version, policy)
+    if version:
+        problems.append(version)
     if cache.enable_prefix_caching:
         problems.append("prefix caching with a DP layout (enable_prefix_caching=True); pass "
                         "enable_prefix_caching=False")
