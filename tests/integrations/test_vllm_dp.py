@@ -14,6 +14,11 @@ priority 0 (tp_priority 0) run in the TP/SP class (base steps for prefill chunks
 threshold, shift steps for decodes), the others on DP ranks, with DP and TP steps alternating while
 both classes have requests; its greedy tokens must equal the same reference, every computed token
 once per class, and no token recomputed.
+
+At P = 4 (tensor_parallel_size=4, models4: tiny Llama / Qwen3 with 4 kv heads) an engine with policy "load" and moves
+both ways serves a trace that rises to a burst and drains (P4_MOVES, BURST_*): every request's greedy tokens equal the
+unsharded model's, every request is served once, the steps switch both ways, every rank writes moved KV and nothing is
+recomputed; the deep profile also runs the Llama engine, plain vLLM at tensor_parallel_size=4 and policy "auto".
 """
 
 from __future__ import annotations
