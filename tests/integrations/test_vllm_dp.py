@@ -757,6 +757,47 @@ def test_a_killed_worker_gives_a_bounded_error_naming_it(models, tmp_path_factor
     assert out["seconds_to_error"] < 60, out
 
 
+# the engines a worker dies or stalls in during a KV move: vLLM's distributed_timeout_seconds, the moves' bound
+MOVE_BOUND_S = 20
+
+
+@needs_vllm
+@pytest.mark.deep
+@pytest.mark.parametrize("sig", ["kill", "stop"])
+@pytest.mark.parametrize("move", ["to_tp", "to_dp"])
+def test_a_worker_killed_or_stalled_during_a_kv_move_gives_a_bounded_error_naming_it(models, tmp_path_factory, sig,
+                                                                                      move):
+    """Worker 1 of the moves-both-ways engine (MOVES on the ARRIVALS trace) signals itself as its first KV move of one
+    direction starts (the harness wraps the move function): SIGKILL gives WorkerDiedError naming it as dead during
+    that KV move at once; SIGSTOP (a stalled worker) gives KVMoveError naming it within the moves' bound
+    (distributed_timeout_seconds) plus a margin. Either way the engine shuts itself down and every worker process,
+    the stopped one too, ends without the harness's help."""
+    work = tmp_path_factory.mktemp("dp_move_fault")
+    spec = {"model": models["qwen3"], "tensor_parallel_size": 2, "fusedpar": MOVES, "rank": 1, "when": "move",
+            "move": move, "signal": sig, "limit": 180, "end_within": 60, "max_tokens": MAX_TOKENS,
+            "engine_args": {**CHUNKED, "distributed_timeout_seconds": MOVE_BOUND_S},
+            "prompts": _prompts(lengths=MOVES_LENGTHS)[0], "arrivals": ARRIVALS[0]}
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "5"}
+    proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_kill", str(work / "spec.json"),
+                           str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert (work / "out.json").exists(), (proc.stdout + proc.stderr)[-8000:]
+    out = json.loads((work / "out.json").read_text())
+    assert out["signalled"] and out["error"] is not None, (out, (proc.stdout + proc.stderr)[-8000:])
+    where = "into the TP/SP class" if move == "to_tp" else "to DP ranks"
+    if sig == "kill":
+        needles = ("WorkerDiedError", f"worker rank 1 (VllmWorker-1, pid {out['killed_pid']}, exit code -9) died "
+                   "during a KV move (requests [", where)
+        bound = 15
+    else:
+        needles = ("KVMoveError", "during a KV move (requests [", where, "rank 1 died or stalled during it")
+        bound = MOVE_BOUND_S + 15
+    for needle in needles:
+        assert needle in out["error"], out
+    assert out["seconds_to_error"] < bound, out
+    assert out["workers_ended_s"] is not None, out
+
+
 _BUILD_CONFIG = """
 import json, sys
 from vllm.engine.arg_utils import EngineArgs
@@ -1544,3 +1585,81 @@ def test_executor_names_a_dead_worker():
     assert pending.done()
     with pytest.raises(WorkerDiedError, match="worker rank 1"):
         pending.result()
+
+
+def test_a_failed_kv_move_names_the_move_and_the_peers_it_waited_on():
+    import datetime
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_move import MOVE_TIMEOUT_S, KVMoveError, guarded, move_timeout
+
+    assert move_timeout(None) == datetime.timedelta(seconds=MOVE_TIMEOUT_S)
+    assert move_timeout(7) == datetime.timedelta(seconds=7)
+    moves = [NS(request_id="a", rank=1), NS(request_id="b", rank=0)]
+    timeout = datetime.timedelta(seconds=5)
+    calls = []
+    # a move that completes: its bytes, then the settling barrier
+    assert guarded(lambda: calls.append("run") or 12, lambda: calls.append("settle"), moves, True, 0, 2,
+                   timeout) == 12
+    assert calls == ["run", "settle"]
+
+    def timed_out():
+        raise RuntimeError("Operation timed out!")
+
+    # the collective of the move, or the barrier after it, failing: the move, this rank and its peers by name
+    with pytest.raises(KVMoveError) as err:
+        guarded(timed_out, lambda: None, moves, True, 0, 2, timeout)
+    msg = str(err.value)
+    assert msg.startswith(KVMoveError.PREFIX + " into the TP/SP class failed on rank 0 after "), msg
+    for needle in ("(bound 5 s per collective): rank 1 died or stalled during it", "moving a (from DP rank 1), "
+                   "b (from DP rank 0)", "(RuntimeError: Operation timed out!)"):
+        assert needle in msg, msg
+    with pytest.raises(KVMoveError) as err:
+        guarded(lambda: 0, timed_out, moves[:1], False, 2, 4, timeout)
+    msg = str(err.value)
+    assert msg.startswith(KVMoveError.PREFIX + " from the TP/SP class to DP ranks failed on rank 2"), msg
+    assert "one of ranks [0, 1, 3] died or stalled during it; moving a (to DP rank 1)" in msg, msg
+
+
+@needs_vllm
+def test_executor_names_a_kv_move_a_worker_died_or_stalled_in_and_shuts_down(monkeypatch):
+    import datetime
+    import threading
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_executor import DPExecutor, WorkerDiedError, dead_workers, moves_in_words
+    from fusedpar.integrations.vllm.dp_move import KVMoveError, move_failure
+    from fusedpar.integrations.vllm.dp_scheduler import DP_STEP, TP_STEP
+
+    moves = (NS(request_id="r1", rank=1),)
+    assert moves_in_words(None) == "" and moves_in_words(NS(mode=TP_STEP, moves=())) == ""
+    assert moves_in_words(NS(mode=TP_STEP, moves=moves)) == "requests ['r1'] into the TP/SP class"
+    assert moves_in_words(NS(mode=DP_STEP, moves=moves)) == "requests ['r1'] to DP ranks"
+
+    def handle(alive: bool, pid: int, exitcode):
+        return NS(proc=NS(name=f"VllmWorker-{pid}", pid=pid, exitcode=exitcode, sentinel=pid,
+                          is_alive=lambda: alive, join=lambda timeout=None: None))
+
+    stopped = threading.Event()
+    monkeypatch.setattr(DPExecutor, "shutdown", lambda self: stopped.set())
+    ex = DPExecutor.__new__(DPExecutor)
+    ex.workers, ex.is_failed, ex.failure_callback = [handle(True, 10, None), handle(True, 11, None)], False, None
+    ex.moving = moves_in_words(NS(mode=TP_STEP, moves=moves))
+    # every worker alive and an error that is no KV move's: vLLM's own, the executor goes on
+    timeout = RuntimeError("RPC call to execute_model timed out.")
+    assert ex.failure("execute_model", timeout) is timeout and not ex.is_failed
+    # a survivor's failed move (a stalled peer): named, and the executor fails and shuts down behind it
+    failed = move_failure(moves, True, 0, 2, 5.0, datetime.timedelta(seconds=5), RuntimeError("Operation timed out!"))
+    worker = RuntimeError(f"Worker failed with error '{failed}', please check the stack trace above")
+    err = ex.failure("execute_model", worker)
+    assert isinstance(err, KVMoveError), err
+    assert str(err).startswith("fusedpar: execute_model failed during a KV move (requests ['r1'] into the TP/SP "
+                               "class); the engine cannot go on"), str(err)
+    assert "rank 1 died or stalled during it" in str(err)
+    assert ex.is_failed and stopped.wait(10)
+    # a worker that died during the move: WorkerDiedError names it and the move
+    ex.dead = tuple(dead_workers([handle(True, 10, None), handle(False, 11, -9)], sentinels=[11]))
+    err = ex.failure("execute_model", RuntimeError("cancelled"))
+    assert isinstance(err, WorkerDiedError)
+    assert str(err).startswith("fusedpar: worker rank 1 (VllmWorker-11, pid 11, exit code -9) died during a KV move "
+                               "(requests ['r1'] into the TP/SP class); execute_model cannot complete"), str(err)
