@@ -705,7 +705,7 @@ def test_engine_problems_name_every_feature_dp_steps_do_not_carry():
     assert dp_engine_problems(good, "0.32.0") == []
 
 
-def _engine(**sched):
+def _engine_config(**sched):
     from types import SimpleNamespace as NS
 
     return NS(cache_config=NS(enable_prefix_caching=False), speculative_config=None, lora_config=None,
@@ -725,7 +725,7 @@ def test_dp_layouts_are_refused_on_a_vllm_other_than_0_32(version, policy):
     for needle in (f'policy "{policy}"', f"a DP layout on vLLM {version} is not supported", "vLLM 0.32 only",
                    *DP_VLLM_INTERNALS):
         assert needle in problem, problem
-    assert dp_engine_problems(_engine(), version, policy=policy) == [problem]
+    assert dp_engine_problems(_engine_config(), version, policy=policy) == [problem]
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.1"])
@@ -733,7 +733,7 @@ def test_dp_layouts_run_on_vllm_0_32(version):
     from fusedpar.integrations.vllm.dp_engine import dp_engine_problems, dp_version_problem
 
     assert dp_version_problem(version) is None
-    assert dp_engine_problems(_engine(), version) == []
+    assert dp_engine_problems(_engine_config(), version) == []
 
 
 @needs_vllm
@@ -745,7 +745,7 @@ def test_dp_classes_are_not_set_on_another_vllm(monkeypatch):
     from fusedpar.integrations.vllm.dp_engine import install_dp_classes
 
     cfg = parse_additional_config({"fusedpar": DP})
-    engine = _engine()
+    engine = _engine_config()
     monkeypatch.setattr(vllm, "__version__", "0.26.0")
     with pytest.raises(FusedparConfigError, match=r'policy "dp": a DP layout on vLLM 0\.26\.0 is not supported'):
         install_dp_classes(engine, cfg)
