@@ -875,6 +875,20 @@ def test_gate_leaves_the_other_class_out_of_one_step_and_requeues_it_at_the_head
         assert skipped == ["w0", "w2", "w3", "s0", "s1"]
 
 
+def test_routed_pools_report_no_common_prefix():
+    """vLLM 0.26's scheduler asks for the blocks common to every running request (cascade attention) with its first
+    running request, whose pool is not the step's batch: the routed pools answer none, whatever a pool would."""
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_kv import TP_CLASS, RoutingKVCacheManager
+
+    def pool():
+        return NS(num_kv_cache_groups=2, get_num_common_prefix_blocks=lambda rid: [5, 5])
+
+    kv = RoutingKVCacheManager([pool(), pool()], {"a": 0, "b": TP_CLASS}, pool())
+    assert kv.get_num_common_prefix_blocks("a") == [0, 0] and kv.get_num_common_prefix_blocks("b") == [0, 0]
+
+
 def test_hooks_change_nothing_and_a_failing_step_still_restores_the_gates():
     from types import SimpleNamespace as NS
 
