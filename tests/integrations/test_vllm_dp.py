@@ -23,6 +23,7 @@ recomputed; the deep profile also runs the Llama engine, plain vLLM at tensor_pa
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -861,9 +862,9 @@ def test_engine_problems_name_every_feature_dp_steps_do_not_carry():
              scheduler_config=NS(async_scheduling=True, scheduler_cls="my.Scheduler", policy="fcfs"),
              parallel_config=NS(pipeline_parallel_size=2, worker_cls="vllm.v1.worker.gpu_worker.Worker",
                                 distributed_executor_backend="ray"))
-    assert not any("scheduling_policy" in p for p in dp_engine_problems(bad, "0.26.0"))  # policy "dp"
-    msg = "; ".join(dp_engine_problems(bad, "0.26.0", policy="priority"))
-    for needle in ("a DP layout on vLLM 0.26.0",
+    assert not any("scheduling_policy" in p for p in dp_engine_problems(bad, "0.31.0"))  # policy "dp"
+    msg = "; ".join(dp_engine_problems(bad, "0.31.0", policy="priority"))
+    for needle in ("a DP layout on vLLM 0.31.0",
                    "enable_prefix_caching=True", "speculative decoding", "LoRA", "pipeline_parallel_size=2",
                    "async_scheduling=True", "V2 model runner", "kv_transfer_config", "scheduler_cls='my.Scheduler'",
                    "'vllm.v1.worker.gpu_worker.Worker'", "distributed_executor_backend='ray'",
@@ -877,7 +878,7 @@ def test_engine_problems_name_every_feature_dp_steps_do_not_carry():
     assert dp_engine_problems(good, "0.32.0") == []
 
 
-def _engine(**sched):
+def _engine_config(**sched):
     from types import SimpleNamespace as NS
 
     return NS(cache_config=NS(enable_prefix_caching=False), speculative_config=None, lora_config=None,
@@ -887,25 +888,26 @@ def _engine(**sched):
                                  distributed_executor_backend="mp"))
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.26.0+cu130", "0.31.1", "0.33.0", "0.320.0", "1.32.0"])
+@pytest.mark.parametrize("version", ["0.25.2", "0.31.1", "0.33.0", "0.320.0", "0.260.0", "1.32.0", "1.26.0", "dev"])
 @pytest.mark.parametrize("policy", ["dp", "load"])
-def test_dp_layouts_are_refused_on_a_vllm_other_than_0_32(version, policy):
-    from fusedpar.integrations.vllm.dp_engine import DP_VLLM_INTERNALS, dp_engine_problems, dp_version_problem
+def test_dp_layouts_are_refused_on_a_vllm_other_than_0_26_and_0_32(version, policy):
+    from fusedpar.integrations.vllm.dp_compat import INTERNALS
+    from fusedpar.integrations.vllm.dp_engine import dp_engine_problems, dp_version_problem
 
     problem = dp_version_problem(version, policy)
     assert problem is not None
-    for needle in (f'policy "{policy}"', f"a DP layout on vLLM {version} is not supported", "vLLM 0.32 only",
-                   *DP_VLLM_INTERNALS):
+    for needle in (f'policy "{policy}"', f"a DP layout on vLLM {version} is not supported", "vLLM 0.26 and 0.32 only",
+                   *(name for internals in INTERNALS.values() for name in internals.names)):
         assert needle in problem, problem
-    assert dp_engine_problems(_engine(), version, policy=policy) == [problem]
+    assert dp_engine_problems(_engine_config(), version, policy=policy) == [problem]
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.1"])
-def test_dp_layouts_run_on_vllm_0_32(version):
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.1", "0.26.0", "0.26.0+cu130", "0.26.1"])
+def test_dp_layouts_run_on_vllm_0_26_and_0_32(version):
     from fusedpar.integrations.vllm.dp_engine import dp_engine_problems, dp_version_problem
 
     assert dp_version_problem(version) is None
-    assert dp_engine_problems(_engine(), version) == []
+    assert dp_engine_problems(_engine_config(), version) == []
 
 
 @needs_vllm
@@ -917,46 +919,162 @@ def test_dp_classes_are_not_set_on_another_vllm(monkeypatch):
     from fusedpar.integrations.vllm.dp_engine import install_dp_classes
 
     cfg = parse_additional_config({"fusedpar": DP})
-    engine = _engine()
-    monkeypatch.setattr(vllm, "__version__", "0.26.0")
-    with pytest.raises(FusedparConfigError, match=r'policy "dp": a DP layout on vLLM 0\.26\.0 is not supported'):
+    engine = _engine_config()
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    with pytest.raises(FusedparConfigError, match=r'policy "dp": a DP layout on vLLM 0\.31\.0 is not supported'):
         install_dp_classes(engine, cfg)
     assert engine.scheduler_config.scheduler_cls is None
     assert engine.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
     assert engine.parallel_config.distributed_executor_backend == "mp"
-    monkeypatch.setattr(vllm, "__version__", "0.32.0")
-    install_dp_classes(engine, cfg)
-    assert engine.scheduler_config.scheduler_cls.endswith("dp_scheduler.DPScheduler")
+    for version in ("0.26.0", "0.32.0"):
+        engine = _engine_config()
+        monkeypatch.setattr(vllm, "__version__", version)
+        install_dp_classes(engine, cfg)
+        assert engine.scheduler_config.scheduler_cls.endswith("dp_scheduler.DPScheduler"), version
 
 
 @needs_vllm
 def test_the_vllm_internals_the_dp_classes_need_are_in_the_running_vllm():
-    """DP_VLLM_INTERNALS, the names the version refusal gives, are what the installed vLLM 0.32 has and the DP
-    scheduler uses."""
+    """The running vLLM's entry of dp_compat.INTERNALS (the names its version refusal gives, its waiting queues, its
+    pool arguments) is what the installed vLLM has, and its questions are the ones DPScheduler answers."""
     import inspect
 
     import vllm
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
 
-    from fusedpar.integrations.vllm import dp_scheduler
-    from fusedpar.integrations.vllm.dp_engine import DP_VLLM_INTERNALS, dp_version_problem
+    from fusedpar.integrations.vllm import dp_compat
+    from fusedpar.integrations.vllm.dp_scheduler import DPScheduler
 
-    assert dp_version_problem(vllm.__version__) is None, vllm.__version__
-    ours = inspect.getsource(dp_scheduler)
-    for name in DP_VLLM_INTERNALS:
+    internals = dp_compat.internals_of(vllm.__version__)
+    assert internals is not None and internals is dp_compat.running(), vllm.__version__
+    init = inspect.getsource(Scheduler.__init__)
+    kv_args = inspect.signature(KVCacheManager.__init__).parameters
+    for name in internals.names:
         if name.startswith("KVCacheManager("):
-            attr = name[len("KVCacheManager("):name.index("=")]
-            assert attr in inspect.signature(KVCacheManager.__init__).parameters, name
-            assert f"{attr}=" in ours, name
+            assert name[len("KVCacheManager("):name.index("=")] in kv_args, name
             continue
         owner, _, attr = name.partition(".")
-        assert owner == "Scheduler", name
-        if attr.startswith("_"):
+        if owner == "Request":
+            assert f"self.{attr}" in inspect.getsource(Request.__init__), name
+        elif attr.startswith("_"):
             assert callable(getattr(Scheduler, attr, None)), name
+            assert attr in DPScheduler.__dict__, name  # DPScheduler answers the question
         else:
-            assert f"self.{attr}" in inspect.getsource(Scheduler.__init__), name
-        assert attr in ours, name
+            assert f"self.{attr}" in init, name
+    for queue in internals.waiting_queues:
+        assert f"self.{queue} = create_request_queue" in init, queue
+    for arg, attr in internals.pool_arguments:
+        assert arg in kv_args and f"self.{attr}" in init, (arg, attr)
+    schedule = inspect.getsource(Scheduler.schedule)
+    if internals.leave_out == dp_compat.GATE:
+        assert "self.current_step < request.next_decode_eligible_step" in schedule
+        assert "self.current_step += 1" in schedule
+
+
+def test_vllm_releases_and_their_internals():
+    from fusedpar.integrations.vllm.dp_compat import GATE, HOOKS, INTERNALS, internals_of, release_of
+
+    assert [release_of(v) for v in ("0.32.1+cpu", "0.26.0", "0.26", "1.2.3rc1", "10.04.0", "dev", "0", "0.x.1")] == [
+        "0.32", "0.26", "0.26", "1.2", "10.4", None, None, None]
+    assert internals_of("0.32.0+cpu") is INTERNALS["0.32"] and internals_of("0.26.0+cu130") is INTERNALS["0.26"]
+    assert internals_of("0.31.0") is None and internals_of("0.260.0") is None
+    assert INTERNALS["0.32"].leave_out == HOOKS and INTERNALS["0.26"].leave_out == GATE
+    assert INTERNALS["0.32"].waiting_queues == ("waiting", "kv_holding_waiting")
+    assert INTERNALS["0.26"].waiting_queues == ("waiting", "skipped_waiting")
+
+
+def test_pool_arguments_and_waiting_requests_follow_the_release():
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_compat import INTERNALS, pool_arguments, waiting_requests
+
+    sched = NS(use_eagle=False, use_eagle_block_drop=True, num_prefill_lookahead=3, waiting=["a", "b"],
+               kv_holding_waiting=["c"], skipped_waiting=["d"])
+    assert pool_arguments(INTERNALS["0.32"], sched) == {"use_eagle": True, "num_prefill_lookahead": 3}
+    assert pool_arguments(INTERNALS["0.26"], sched) == {"use_eagle": False}
+    assert list(waiting_requests(INTERNALS["0.32"], sched)) == ["a", "b", "c"]
+    assert list(waiting_requests(INTERNALS["0.26"], sched)) == ["a", "b", "d"]
+
+
+class _Req:
+    def __init__(self, rid: str, cls: str, gate: int = 0, priority: int = 0, arrival: float = 0.0):
+        self.request_id, self.cls, self.next_decode_eligible_step = rid, cls, gate
+        self.priority, self.arrival_time = priority, arrival
+
+    def __lt__(self, other):  # vLLM's Request orders a priority queue this way
+        return (self.priority, self.arrival_time) < (other.priority, other.arrival_time)
+
+
+@needs_vllm
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_gate_leaves_the_other_class_out_of_one_step_and_requeues_it_at_the_head(policy):
+    """vLLM 0.26's way (dp_compat.excluded, GATE) on its queues: in the step, the other class's running requests have
+    a closed gate and its waiting requests are in no queue; afterwards the gates are as they were and those requests
+    head skipped_waiting, in their order, before the requests vLLM's loop skipped itself."""
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+
+    from fusedpar.integrations.vllm.dp_compat import INTERNALS, excluded
+
+    def queue(*reqs):
+        q = create_request_queue(SchedulingPolicy(policy))
+        for r in reqs:
+            q.add_request(r)
+        return q
+
+    run = [_Req("r0", "dp", gate=0), _Req("r1", "tp", gate=4), _Req("r2", "dp", gate=1)]
+    w = [_Req(f"w{i}", c, arrival=i) for i, c in enumerate(("tp", "dp", "tp", "dp"))]
+    s = [_Req(f"s{i}", c, arrival=10 + i) for i, c in enumerate(("dp", "tp"))]
+    sched = NS(current_step=7, running=list(run), waiting=queue(*w), skipped_waiting=queue(*s))
+    seen = {}
+    with excluded(INTERNALS["0.26"], sched, lambda r: r.cls == "dp"):
+        sched.current_step += 1  # what Scheduler.schedule does first
+        seen["open"] = [r.request_id for r in sched.running if not sched.current_step < r.next_decode_eligible_step]
+        seen["waiting"] = sorted(r.request_id for r in sched.waiting)
+        seen["skipped"] = sorted(r.request_id for r in sched.skipped_waiting)
+        sched.waiting.remove_requests([w[1], w[3]])  # one scheduled, one skipped by vLLM's loop itself
+        sched.skipped_waiting.prepend_request(w[3])
+    assert seen == {"open": ["r0", "r2"], "waiting": ["w1", "w3"], "skipped": ["s0"]}
+    assert [r.next_decode_eligible_step for r in run] == [0, 4, 1]
+    assert sorted(r.request_id for r in sched.waiting) == []
+    skipped = [sched.skipped_waiting.pop_request().request_id for _ in range(len(sched.skipped_waiting))]
+    if policy == "fcfs":  # the other class first, skipped_waiting's before waiting's, each in its order
+        assert skipped == ["s1", "w0", "w2", "w3", "s0"]
+    else:  # a priority queue keeps its own order
+        assert skipped == ["w0", "w2", "w3", "s0", "s1"]
+
+
+def test_routed_pools_report_no_common_prefix():
+    """vLLM 0.26's scheduler asks for the blocks common to every running request (cascade attention) with its first
+    running request, whose pool is not the step's batch: the routed pools answer none, whatever a pool would."""
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_kv import TP_CLASS, RoutingKVCacheManager
+
+    def pool():
+        return NS(num_kv_cache_groups=2, get_num_common_prefix_blocks=lambda rid: [5, 5])
+
+    kv = RoutingKVCacheManager([pool(), pool()], {"a": 0, "b": TP_CLASS}, pool())
+    assert kv.get_num_common_prefix_blocks("a") == [0, 0] and kv.get_num_common_prefix_blocks("b") == [0, 0]
+
+
+def test_hooks_change_nothing_and_a_failing_step_still_restores_the_gates():
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_compat import INTERNALS, excluded
+
+    r = _Req("r", "tp", gate=2)
+    sched = NS(current_step=0, running=[r], waiting=[], kv_holding_waiting=[])
+    with excluded(INTERNALS["0.32"], sched, lambda req: False):
+        assert r.next_decode_eligible_step == 2
+    sched = NS(current_step=5, running=[r], waiting=[], skipped_waiting=[])
+    with pytest.raises(RuntimeError, match="boom"), excluded(INTERNALS["0.26"], sched, lambda req: False):
+        assert r.next_decode_eligible_step == 7  # shut through the step schedule() counts next
+        raise RuntimeError("boom")
+    assert r.next_decode_eligible_step == 2
 
 
 @needs_vllm
@@ -973,10 +1091,10 @@ def test_own_output_keeps_a_ranks_requests_and_its_blocks_to_zero():
     cached = CachedRequestData(req_ids=["c0", "c1"], resumed_req_ids={"c1"}, new_token_ids=[],
                                all_token_ids={"c1": [1, 2, 3]}, new_block_ids=[None, ([4],)],
                                num_computed_tokens=[5, 6], num_output_tokens=[1, 0])
-    so = SchedulerOutput(scheduled_new_reqs=[new("n0"), new("n1")], scheduled_cached_reqs=cached,
-                         num_scheduled_tokens={"n0": 2, "n1": 2, "c0": 1, "c1": 3}, total_num_scheduled_tokens=8,
-                         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-                         finished_req_ids={"gone"}, free_encoder_mm_hashes=[])
+    so = dataclasses.replace(  # every vLLM release's own empty output, with this step's requests
+        SchedulerOutput.make_empty(), scheduled_new_reqs=[new("n0"), new("n1")], scheduled_cached_reqs=cached,
+        num_scheduled_tokens={"n0": 2, "n1": 2, "c0": 1, "c1": 3}, total_num_scheduled_tokens=8,
+        finished_req_ids={"gone"})
     tag = DPTag(ranks={"n0": 0, "c0": 0, "n1": 1, "c1": 1}, size=2, zero={1: [3]})
     one = own_output(so, tag, 1)
     assert [r.req_id for r in one.scheduled_new_reqs] == ["n1"]
@@ -1005,6 +1123,14 @@ def test_merge_outputs_concatenates_disjoint_ranks_and_refuses_overlap():
     x = ModelRunnerOutput(req_ids=["x"], req_id_to_index={"x": 0}, sampled_token_ids=[[4]])
     with pytest.raises(RuntimeError, match=r"requests \['x'\] ran on more than one rank"):
         merge_outputs([a, x])
+    # a field a DP step does not merge, in any vLLM release, is refused by name; the runner's statistics are dropped
+    for field in ("logprobs", "pooler_output", "kv_connector_output"):
+        y = ModelRunnerOutput(req_ids=["y2"], req_id_to_index={"y2": 0}, sampled_token_ids=[[5]], **{field: object()})
+        with pytest.raises(RuntimeError, match=rf"rank 1's output carries \['{field}'\], which DP steps do not"):
+            merge_outputs([a, y])
+    stats = ModelRunnerOutput(req_ids=["w"], req_id_to_index={"w": 0}, sampled_token_ids=[[6]],
+                              cudagraph_stats=object())
+    assert merge_outputs([stats]).req_ids == ["w"]
 
 
 @needs_vllm
@@ -1034,10 +1160,9 @@ def test_own_output_moves_dp_block_ids_past_the_tp_pool():
                          pooling_params=None, block_ids=([1, 2],), num_computed_tokens=0, lora_request=None)
     cached = CachedRequestData(req_ids=["c"], resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
                                new_block_ids=[([3],)], num_computed_tokens=[17], num_output_tokens=[1])
-    so = SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                         num_scheduled_tokens={"n": 2, "c": 1}, total_num_scheduled_tokens=3,
-                         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
-                         free_encoder_mm_hashes=[], new_block_ids_to_zero=[5])
+    so = dataclasses.replace(SchedulerOutput.make_empty(), scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                             num_scheduled_tokens={"n": 2, "c": 1}, total_num_scheduled_tokens=3,
+                             new_block_ids_to_zero=[5])
     own = own_output(so, DPTag(ranks={"n": 1, "c": 1}, size=2, zero={1: [2]}, dp_offset=10), 1)
     assert own.scheduled_new_reqs[0].block_ids == ([11, 12],) and new.block_ids == ([1, 2],)
     assert own.scheduled_cached_reqs.new_block_ids == [([13],)]
@@ -1203,6 +1328,7 @@ def _move_scheduler(requests, placement, dp_blocks, tp_free, *, current_tp=True,
         sched.admission.current = sched.admission.dp_layout
     sched.move_rule = MoveRule(True, True)
     sched.running, sched.waiting, sched.kv_holding_waiting = list(requests), [], []
+    sched.skipped_waiting = []  # vLLM 0.26's queue beside `waiting`
     sched.block_size, sched.dp_size = 4, 2
     sched.scheduler_config = SimpleNamespace(max_num_batched_tokens=32)
     pools = [_Pool({r: b for r, b in dp_blocks.items() if placement[r] == k}, dp_free[k], next_id=20)

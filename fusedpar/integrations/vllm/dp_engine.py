@@ -20,29 +20,25 @@ KV pool of the engine can ever hold, before it reaches the engine core (dp_kv.ou
 from __future__ import annotations
 
 from .config import FusedparConfigError, FusedparVllmConfig, parse_additional_config
+from .dp_compat import INTERNALS, internals_of
 from .dp_kv import KVSplit, outgrows_dp_pool
 
 SCHEDULER = "fusedpar.integrations.vllm.dp_scheduler.DPScheduler"
 WORKER = "fusedpar.integrations.vllm.dp_worker.DPWorker"
 EXECUTOR = "fusedpar.integrations.vllm.dp_executor.DPExecutor"
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
-DP_VLLM_VERSION = "0.32."  # the vLLM whose scheduler internals the DP classes are written against
-# What the DP classes take from vLLM 0.32 that its earlier releases lack (vLLM 0.26.0 has none of them): the two
-# scheduling-loop methods through which a step leaves the other class's requests out, the queue of waiting requests
-# that hold KV blocks, and the KV cache manager's argument every per-rank pool is built with.
-DP_VLLM_INTERNALS = ("Scheduler._reserve_prefill_lookahead", "Scheduler._handle_blocked_waiting_request",
-                     "Scheduler.kv_holding_waiting", "KVCacheManager(num_prefill_lookahead=...)")
 
 
 def dp_version_problem(vllm_version: str, policy: str = "dp") -> str | None:
-    """What keeps the DP classes off vLLM `vllm_version` (None: the vLLM they are written against); policy: the
-    section's, named in the message."""
-    if vllm_version.startswith(DP_VLLM_VERSION):
+    """What keeps the DP classes off vLLM `vllm_version` (None: a release they are written against, an entry of
+    dp_compat.INTERNALS); policy: the section's, named in the message."""
+    if internals_of(vllm_version) is not None:
         return None
-    dp = DP_VLLM_VERSION.rstrip(".")
-    return (f'policy "{policy}": a DP layout on vLLM {vllm_version} is not supported; DP layouts run on vLLM {dp} '
-            f"only (fusedpar's DP scheduler, worker and executor build on vLLM {dp}'s {', '.join(DP_VLLM_INTERNALS)}); "
-            'policy "threshold" (base / shift steps) does not need them')
+    releases = " and ".join(sorted(INTERNALS))
+    needs = "; ".join(f"{r}'s {', '.join(i.names)}" for r, i in sorted(INTERNALS.items()))
+    return (f'policy "{policy}": a DP layout on vLLM {vllm_version} is not supported; DP layouts run on vLLM '
+            f"{releases} only (fusedpar's DP scheduler, worker and executor build on their scheduler internals: "
+            f'{needs}); policy "threshold" (base / shift steps) does not need them')
 
 
 def dp_engine_problems(vllm_config, vllm_version: str | None = None, *, policy: str = "dp") -> list[str]:

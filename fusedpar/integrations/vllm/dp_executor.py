@@ -35,6 +35,7 @@ beside itself (the scheduler of policy "auto" without step_times measures its cu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing.connection
 import threading
@@ -54,6 +55,16 @@ from .dp_scheduler import TAG, TP_STEP, moves_priced
 logger = logging.getLogger("vllm.fusedpar")
 
 
+# the fields of vLLM's ModelRunnerOutput a DP step merges, and those it drops (one rank's runner statistics); every
+# other field, whichever vLLM release defines it, must be unset in every rank's output
+_MERGED = ("req_ids", "req_id_to_index", "sampled_token_ids", "prompt_logprobs_dict", "num_nans_in_logits")
+_DROPPED = ("cudagraph_stats",)
+
+
+def _is_set(value) -> bool:
+    return value is not None and not (isinstance(value, (dict, list, tuple)) and not value)
+
+
 def merge_outputs(outputs: list) -> ModelRunnerOutput:
     """One ModelRunnerOutput of the ranks' outputs for disjoint request sets, in rank order."""
     req_ids: list[str] = []
@@ -63,12 +74,11 @@ def merge_outputs(outputs: list) -> ModelRunnerOutput:
     for rank, out in enumerate(outputs):
         if not isinstance(out, ModelRunnerOutput):
             raise RuntimeError(f"fusedpar DP: rank {rank} answered {type(out).__name__}, not a ModelRunnerOutput")
-        unsupported = [name for name in ("logprobs", "pooler_output", "kv_connector_output", "ec_connector_output",
-                                         "aux_output_connector_output", "sampling_masks")
-                       if getattr(out, name, None) is not None]
-        if unsupported or out.prompt_token_id_logprobs_dict:
-            raise RuntimeError(f"fusedpar DP: rank {rank}'s output carries {unsupported or ['prompt logprobs']}, "
-                               "which DP steps do not merge in this version")
+        unsupported = [f.name for f in dataclasses.fields(out)
+                       if f.name not in _MERGED + _DROPPED and _is_set(getattr(out, f.name))]
+        if unsupported:
+            raise RuntimeError(f"fusedpar DP: rank {rank}'s output carries {unsupported}, which DP steps do not merge "
+                               "in this version")
         overlap = set(out.req_ids) & set(req_ids)
         if overlap:
             raise RuntimeError(f"fusedpar DP: requests {sorted(overlap)} ran on more than one rank")
