@@ -130,6 +130,11 @@ def test_parse_dp_section():
     assert (cfg.policy, cfg.dp_size, cfg.has_tp_class, cfg.latency_goal_s, cfg.decode_steps) == ("auto", 2, True,
                                                                                                 10.0, 4)
     assert cfg.step_times == (("dp2", ((1, 0.065), (1024, 0.5765))), ("tp2", ((1, 0.0025), (1024, 1.537))))
+    assert cfg.decode_step_times == ()  # decode steps priced by step_times
+    cfg = parse_additional_config({"fusedpar": {**AUTO_MEASURED, "decode_step_times": {
+        "dp2": [[1, 0.02], [8, 0.03]], "tp2": [[1, 0.01], [8, 0.04]]}}})
+    assert cfg.step_times == () and cfg.decode_step_times == (("dp2", ((1, 0.02), (8, 0.03))),
+                                                              ("tp2", ((1, 0.01), (8, 0.04))))
 
 
 @pytest.mark.parametrize("section, needle", [
@@ -172,6 +177,16 @@ def test_parse_dp_section():
     ({**AUTO, "step_times": {"dp2": "fast", "tp2": [[1, 0.1]]}}, "step_times['dp2'] must be a list of [tokens, "
                                                                 "seconds] pairs, got 'fast'"),
     ({**LOAD, "latency_goal_s": 1.0}, "latency_goal_s need policy \"auto\", got policy 'load'"),
+    ({**LOAD, "decode_step_times": {"dp2": [[1, 0.1]], "tp2": [[1, 0.1]]}}, "decode_step_times need policy \"auto\", "
+                                                                           "got policy 'load'"),
+    ({**AUTO, "decode_step_times": None}, "policy \"auto\" needs decode_step_times with the decode-step curves of "
+                                          "['dp2', 'tp2'] (layout name -> [[sequences, seconds], ...]), got None"),
+    ({**AUTO, "decode_step_times": {"tp2": [[1, 0.1]]}}, "decode-step curves of ['dp2', 'tp2']"),
+    ({**AUTO_MEASURED, "decode_step_times": {"dp2": [[2, 0.1], [2, 0.2]], "tp2": [[1, 0.1], [2, float("inf")]]}},
+     "decode_step_times['dp2'] sequences must be strictly increasing ints >= 1, got [2, 2]; "
+     "decode_step_times['tp2'] seconds must be finite numbers > 0, got [0.1, inf]"),
+    ({**AUTO, "decode_step_times": {"dp2": [[1]], "tp2": [[1, 0.1]]}}, "decode_step_times['dp2'] must be a list of "
+                                                                      "[sequences, seconds] pairs, got [[1]]"),
     ({**MIXED, "move_to_tp": True}, "move_to_tp=true needs policy \"load\" or \"auto\", got policy 'priority'"),
     ({**LOAD, "move_to_tp": 1}, "move_to_tp must be true or false, got 1"),
     ({**MIXED, "move_to_dp": True, "move_to_tp": "yes"}, "move_to_tp must be true or false, got 'yes'; move_to_dp=true "
@@ -555,21 +570,40 @@ def test_auto_moves_decoding_requests_both_ways_with_their_kv(models, tmp_path_f
 
 @needs_vllm
 def test_auto_measures_its_curves_at_start_up(models, tmp_path_factory):
-    """Policy "auto" without step_times (AUTO_MEASURED): the engine measures both classes' step-time curves at
-    start-up through its own steps, logging each point, and then serves as with given curves: tokens are the
-    unsharded model's and plain vLLM TP=2's, nothing recomputed, and the stats count the workload alone (the
-    measurement steps are reset)."""
-    from fusedpar.integrations.vllm.dp_curves import points
+    """Policy "auto" without step_times (AUTO_MEASURED): the engine measures both classes' step-time curves and
+    decode-step curves at start-up through its own steps, logging each point, places requests by both (logged as the
+    curves its AutoPolicy holds) and then serves as with given curves: tokens are the unsharded model's and plain vLLM
+    TP=2's, nothing recomputed, and the stats count the workload alone (the measurement steps are reset)."""
+    import ast
+    import re
+
+    from fusedpar.integrations.vllm.dp_curves import decode_points, points
 
     fp = _engine(models, tmp_path_factory, "qwen3", AUTO_MEASURED, lengths=MOVES_LENGTHS, arrivals=ARRIVALS)
     assert fp["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
     assert fp["tokens"] == _engine(models, tmp_path_factory, "qwen3", None, lengths=MOVES_LENGTHS,
                                    arrivals=ARRIVALS)["tokens"]
     sizes = points(CHUNKED["max_num_batched_tokens"])
+    batches = decode_points(2, CHUNKED["max_num_seqs"])  # the KV cache holds max_num_seqs short requests per class
+    total = 2 * len(sizes) + 2 * len(batches)
     for i, n in enumerate(sizes):
         for k, name in enumerate(("dp2", "tp2")):
             line = (f"fusedpar auto: measuring step times at start-up: {name}, {n} tokens: ")
-            assert line in fp["log"] and f"({k * len(sizes) + i + 1} of {2 * len(sizes)} points)" in fp["log"], line
+            assert line in fp["log"] and f"({k * len(sizes) + i + 1} of {total} points)" in fp["log"], line
+    logged = {}
+    for i, b in enumerate(batches):
+        for k, name in enumerate(("dp2", "tp2")):
+            done = 2 * len(sizes) + k * len(batches) + i + 1
+            found = re.search(rf"fusedpar auto: measuring decode step times at start-up: {name}, {b} sequences: "
+                              rf"([0-9.]+) s \({done} of {total} points\)", fp["log"])
+            assert found, (name, b, fp["log"][-3000:])
+            logged.setdefault(name, []).append((b, float(found.group(1))))
+    placing = re.search(r"fusedpar auto: placing requests by the step-time curves (\{.*?\}) and the decode-step "
+                        r"curves (\{.*?\})\n", fp["log"])
+    assert placing, fp["log"][-3000:]
+    prefill, decode = (ast.literal_eval(g) for g in placing.groups())
+    assert [n for n, _ in prefill["dp2"]] == list(sizes) and [b for b, _ in decode["tp2"]] == list(batches)
+    assert {name: [(b, pytest.approx(t, abs=1e-4)) for b, t in pts] for name, pts in decode.items()} == logged
     per_rank = fp["stats"][0]
     assert all(s["recomputed_tokens"] == 0 for s in per_rank), per_rank
     batch = _prompts(lengths=MOVES_LENGTHS)[0]
@@ -617,8 +651,9 @@ def test_curve_measurement_logs_each_point_and_fails_by_name():
         return (0.5 if layout == "dp2" else 0.1) + tokens / 1000 + (1.0 if index % 3 == 0 else 0.0)  # warm-up slow
 
     curves = measure_curves(run_step, 2, 32, log=lambda fmt, *a: logged.append(fmt % a))
-    # per point one untimed step, then two timed ones: the median of those
-    assert curves == {"dp2": [(1, 0.501), (16, 0.516), (32, 0.532)], "tp2": [(1, 0.101), (16, 0.116), (32, 0.132)]}
+    # per point one untimed step, then two timed ones: the median of those; without run_decode no decode curves
+    assert curves == {"step_times": {"dp2": [(1, 0.501), (16, 0.516), (32, 0.532)],
+                                     "tp2": [(1, 0.101), (16, 0.116), (32, 0.132)]}}
     assert [r[:2] for r in runs[:4]] == [("dp2", 1)] * 3 + [("dp2", 16)] and len({r[2] for r in runs}) == 18
     assert logged[-1] == "fusedpar auto: measuring step times at start-up: tp2, 32 tokens: 0.1320 s (6 of 6 points)"
 
@@ -631,12 +666,89 @@ def test_curve_measurement_logs_each_point_and_fails_by_name():
         measure_curves(failing, 2, 32, log=lambda *a: None)
     msg = str(e.value)
     for needle in ("failed at tp2, 16 tokens (RuntimeError: no blocks)", "measured so far: {'dp2': [(1, 0.25), (16, "
-                   "0.25), (32, 0.25)], 'tp2': [(1, 0.25)]}", "Give the curves in the section's step_times"):
+                   "0.25), (32, 0.25)], 'tp2': [(1, 0.25)]}", "Give the curves in the section's step_times and "
+                   "decode_step_times"):
         assert needle in msg, msg
     ticks = iter(range(100))
     with pytest.raises(CurveMeasurementError, match=r"failed at dp2, 16 tokens \(the measurement took more than 5 s\); "
                                                     r"measured so far: \{'dp2': \[\(1, 0.25\)\]\}"):
         measure_curves(failing, 2, 32, limit_s=5, clock=lambda: float(next(ticks)), log=lambda *a: None)
+
+
+def test_decode_curve_measurement_follows_the_prefill_one_within_its_limit():
+    """With run_decode the measurement adds the decode-step curves over decode_points, after the prefill curves, one
+    point count and one time limit for both; a failed decode point names the class, the batch and what was
+    measured of both curves."""
+    from fusedpar.integrations.vllm.dp_curves import CurveMeasurementError, decode_points, measure_curves
+
+    assert decode_points(2, 8) == (1, 2, 8) and decode_points(2, 256) == (1, 2, 8, 32, 256)
+    assert decode_points(4, 3) == (1, 3) and decode_points(2, 1) == (1,) and decode_points(2, 0) == (1,)
+    runs, logged = [], []
+
+    def prefill(layout, tokens, index):
+        runs.append(("prefill", layout, tokens, index))
+        return 0.2 + tokens / 1000
+
+    def decode(layout, sequences, index):
+        runs.append(("decode", layout, sequences, index))
+        # DP: each rank decodes its share of the batch with full weights; TP: one batch over 1/P of the weights
+        return (0.01 * -(-sequences // 2) if layout == "dp2" else 0.004 + 0.001 * sequences) + (
+            1.0 if index % 3 == 0 else 0.0)  # warm-up slow
+
+    curves = measure_curves(prefill, 2, 16, run_decode=decode, max_batch=8,
+                            log=lambda fmt, *a: logged.append(fmt % a))
+    assert curves["step_times"] == {"dp2": [(1, pytest.approx(0.201)), (16, pytest.approx(0.216))],
+                                    "tp2": [(1, pytest.approx(0.201)), (16, pytest.approx(0.216))]}
+    assert curves["decode_step_times"] == {
+        "dp2": [(n, pytest.approx(t)) for n, t in ((1, 0.01), (2, 0.01), (8, 0.04))],
+        "tp2": [(n, pytest.approx(t)) for n, t in ((1, 0.005), (2, 0.006), (8, 0.012))]}
+    assert [r[0] for r in runs] == ["prefill"] * 12 + ["decode"] * 18 and len({r[3] for r in runs}) == 30
+    assert logged[3] == "fusedpar auto: measuring step times at start-up: tp2, 16 tokens: 0.2160 s (4 of 10 points)"
+    assert logged[-1] == ("fusedpar auto: measuring decode step times at start-up: tp2, 8 sequences: 0.0120 s "
+                          "(10 of 10 points)")
+
+    def failing(layout, sequences, index):
+        if layout == "tp2" and sequences == 2:
+            raise RuntimeError("did not prefill")
+        return 0.5
+
+    with pytest.raises(CurveMeasurementError) as e:
+        measure_curves(lambda *a: 0.25, 2, 16, run_decode=failing, max_batch=8, log=lambda *a: None)
+    msg = str(e.value)
+    for needle in ("failed at tp2 decode, 2 sequences (RuntimeError: did not prefill)",
+                   "measured so far: {'dp2': [(1, 0.25), (16, 0.25)], 'tp2': [(1, 0.25), (16, 0.25)]}; decode steps: "
+                   "{'dp2': [(1, 0.5), (2, 0.5), (8, 0.5)], 'tp2': [(1, 0.5)]}", "decode_step_times to skip"):
+        assert needle in msg, msg
+    # one limit for both: the 12 prefill steps fit in 13 ticks, the decode points do not
+    ticks = iter(range(100))
+    with pytest.raises(CurveMeasurementError, match=r"failed at dp2 decode, 1 sequences \(the measurement took more "
+                                                    r"than 13 s\)"):
+        measure_curves(lambda *a: 0.25, 2, 16, run_decode=failing, max_batch=8, limit_s=13,
+                       clock=lambda: float(next(ticks)), log=lambda *a: None)
+
+
+def test_auto_admission_prices_decode_steps_by_the_decode_curves():
+    """AutoAdmission hands decode_step_times to AutoPolicy: a decode step (nothing waiting) and the decode look-ahead
+    are priced by them, prefill steps by step_times; without them decode steps are priced by step_times."""
+    from fusedpar.integrations.vllm.dp_scheduler import AutoAdmission, admission_of
+
+    cfg = parse_additional_config({"fusedpar": {**AUTO_MOVES, "decode_steps": 4}})
+    # AUTO_MOVES's curves: six decode steps cost 0.1 s in the TP/SP class against 0.675 s on the DP ranks
+    decode = (("dp2", ((1, 0.01), (8, 0.02))), ("tp2", ((1, 0.05), (8, 0.4))))
+
+    def answer(decode_step_times):
+        auto = AutoAdmission(2, cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget=32, moves=True,
+                             decode_step_times=decode_step_times)
+        auto.observe(6, 0, 0)
+        return "tp" if auto.current is auto.tp_layout else "dp"
+
+    assert answer(()) == "tp" and answer(decode) == "dp"
+    auto = admission_of(parse_additional_config({"fusedpar": {**AUTO_MOVES, "decode_step_times": {
+        "dp2": [[1, 0.01], [8, 0.02]], "tp2": [[1, 0.05], [8, 0.4]]}}}), 2, 32)
+    assert auto.policy_curves("decode_step_times") == {"dp2": [(1, 0.01), (8, 0.02)], "tp2": [(1, 0.05), (8, 0.4)]}
+    assert auto.policy_curves("step_times") == {"dp2": [(1, 0.65), (1024, 5.765)], "tp2": [(1, 0.025), (1024, 15.37)]}
+    given = admission_of(cfg, 2, 32)  # step_times alone: decode steps priced by them
+    assert given.policy_curves("decode_step_times") == given.policy_curves("step_times")
 
 
 def _check_switches(per_rank) -> None:

@@ -18,7 +18,8 @@ from fusedpar.layouts import ModelDims, ParallelLayout
 
 CONFIG_KEY = "fusedpar"
 KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels", "layouts", "policy", "tp_priority",
-              "load_low", "load_high", "move_to_tp", "move_to_dp", "step_times", "latency_goal_s", "decode_steps")
+              "load_low", "load_high", "move_to_tp", "move_to_dp", "step_times", "latency_goal_s", "decode_steps",
+              "decode_step_times")
 # policy: how a step picks its layout. "threshold": base / shift by token count (the default); "dp": every
 # step of the workload is a DP step over the one "dp{P}" layout; "priority": two classes side by side, the
 # requests whose vLLM priority value is at most tp_priority in the TP/SP class (base / shift steps), the
@@ -30,7 +31,7 @@ KNOWN_KEYS = ("sequence_parallel_size", "shift_threshold", "fused_kernels", "lay
 POLICIES = ("threshold", "dp", "priority", "load", "auto")
 DP_POLICIES = ("dp", "priority", "load", "auto")  # the policies that run DP steps over a "dp{P}" layout
 TP_CLASS_POLICIES = ("priority", "load", "auto")  # the policies with a TP/SP class beside the DP ranks
-AUTO_KEYS = ("step_times", "latency_goal_s", "decode_steps")  # policy "auto" only
+AUTO_KEYS = ("step_times", "latency_goal_s", "decode_steps", "decode_step_times")  # policy "auto" only
 MOVE_KEYS = ("move_to_tp", "move_to_dp")  # live moves between the classes, each way
 MOVE_POLICIES = ("load", "auto")  # the policies whose placement moves live requests
 _DP_LAYOUT = re.compile(r"^dp(\d+)$")
@@ -101,6 +102,10 @@ class FusedparVllmConfig:
         tokens strictly increasing (empty: the engine measures them at start-up, dp_curves.py); the TTFT goal
         for waiting requests in seconds; the decode steps each placement looks ahead
         (fusedpar.layers.layout_policy.AutoPolicy). Empty / None otherwise.
+    decode_step_times: with policy "auto", the decode-step curves of the same two layouts: layout name ->
+        ((sequences, seconds), ...) points, a step of B sequences decoding one token each. Empty: the engine measures
+        them at start-up with the step-time curves when step_times is empty too (dp_curves.py); with step_times given,
+        decode steps are priced by step_times. Empty otherwise.
     """
 
     sequence_parallel_size: int
@@ -116,6 +121,7 @@ class FusedparVllmConfig:
     step_times: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     latency_goal_s: float | None = None
     decode_steps: int = 0
+    decode_step_times: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -230,7 +236,7 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
         elif value and policy not in MOVE_POLICIES:
             problems.append(f'{key}=true needs policy {" or ".join(map(json.dumps, MOVE_POLICIES))}, got policy '
                             f"{policy!r}")
-    step_times = _auto_problems(section, policy, layouts, problems)
+    step_times, decode_step_times = _auto_problems(section, policy, layouts, problems)
     _raise(problems)
     return FusedparVllmConfig(sequence_parallel_size=sp, shift_threshold=threshold, fused_kernels=fused,
                               layouts=tuple(layouts), policy=policy, tp_priority=tp_priority,
@@ -238,31 +244,49 @@ def parse_additional_config(additional_config) -> FusedparVllmConfig | None:
                               move_to_tp=moves["move_to_tp"] is True, move_to_dp=moves["move_to_dp"] is True,
                               step_times=step_times,
                               latency_goal_s=section.get("latency_goal_s"),
-                              decode_steps=section.get("decode_steps", 0), raw=dict(section))
+                              decode_steps=section.get("decode_steps", 0), decode_step_times=decode_step_times,
+                              raw=dict(section))
 
 
-def _curve_problem(name: str, points) -> str | None:
-    """What is wrong with one step-time curve of the section (None: nothing)."""
+def _curve_problem(name: str, points, key: str = "step_times", unit: str = "tokens") -> str | None:
+    """What is wrong with one curve of the section's `key` (None: nothing); unit: what its first coordinates
+    count."""
     if (not isinstance(points, list) or not points
             or not all(isinstance(p, list | tuple) and len(p) == 2 for p in points)):
-        return f"step_times[{name!r}] must be a list of [tokens, seconds] pairs, got {points!r}"
-    tokens = [n for n, _ in points]
-    if not all(_is_int(n) and n >= 1 for n in tokens) or any(b <= a for a, b in itertools.pairwise(tokens)):
-        return f"step_times[{name!r}] tokens must be strictly increasing ints >= 1, got {tokens}"
+        return f"{key}[{name!r}] must be a list of [{unit}, seconds] pairs, got {points!r}"
+    counts = [n for n, _ in points]
+    if not all(_is_int(n) and n >= 1 for n in counts) or any(b <= a for a, b in itertools.pairwise(counts)):
+        return f"{key}[{name!r}] {unit} must be strictly increasing ints >= 1, got {counts}"
     seconds = [t for _, t in points]
     if not all(isinstance(t, int | float) and not isinstance(t, bool) and 0 < t < float("inf") for t in seconds):
-        return f"step_times[{name!r}] seconds must be finite numbers > 0, got {seconds}"
+        return f"{key}[{name!r}] seconds must be finite numbers > 0, got {seconds}"
     return None
 
 
+def _curves(section: dict, key: str, what: str, unit: str, names: list[str], problems: list[str]):
+    """The section's curves under `key` as a tuple of (layout name, points) in the order of `names`; empty when the
+    key is absent or wrong (what is wrong appended to `problems`)."""
+    if key not in section:
+        return ()
+    curves = section[key]
+    if not isinstance(curves, dict) or sorted(curves) != sorted(names):
+        problems.append(f'policy "auto" needs {key} with the {what} curves of {names} (layout name -> '
+                        f"[[{unit}, seconds], ...]), got {curves!r}")
+        return ()
+    bad = [m for m in (_curve_problem(n, curves[n], key, unit) for n in names) if m]
+    problems.extend(bad)
+    return () if bad else tuple((n, tuple((int(a), float(b)) for a, b in curves[n])) for n in names)
+
+
 def _auto_problems(section: dict, policy: str, layouts: list, problems: list[str]):
-    """Append what is wrong with the keys of policy "auto" to `problems`; return its step_times as a tuple of
-    (layout name, points) in the order dp{P}, tp{P} (empty when they are wrong or the policy is not "auto")."""
+    """Append what is wrong with the keys of policy "auto" to `problems`; return its step_times and
+    decode_step_times, each a tuple of (layout name, points) in the order dp{P}, tp{P} (empty when absent, wrong or
+    the policy is not "auto")."""
     given = [k for k in AUTO_KEYS if k in section]
     if policy != "auto":
         if given:
             problems.append(f'{", ".join(given)} need policy "auto", got policy {policy!r}')
-        return ()
+        return (), ()
     dp = next((x for x in layouts if _DP_LAYOUT.match(x)), None)
     goal, steps = section.get("latency_goal_s"), section.get("decode_steps", 0)
     if not isinstance(goal, int | float) or isinstance(goal, bool) or not 0 < goal < float("inf"):
@@ -270,17 +294,12 @@ def _auto_problems(section: dict, policy: str, layouts: list, problems: list[str
                         f"waiting requests), got {goal!r}")
     if not _is_int(steps) or steps < 0:
         problems.append(f"decode_steps must be an int >= 0 (decode steps each placement looks ahead), got {steps!r}")
-    curves = section.get("step_times")
-    if dp is None or "step_times" not in section:
-        return ()  # without step_times the engine measures the curves at start-up (dp_curves.py)
+    if dp is None:
+        return (), ()
+    # without step_times the engine measures the curves at start-up (dp_curves.py)
     names = [dp, "tp" + dp[2:]]
-    if not isinstance(curves, dict) or sorted(curves) != sorted(names):
-        problems.append(f'policy "auto" needs step_times with the step-time curves of {names} (layout name -> '
-                        f"[[tokens, seconds], ...]), got {curves!r}")
-        return ()
-    bad = [m for m in (_curve_problem(n, curves[n]) for n in names) if m]
-    problems.extend(bad)
-    return () if bad else tuple((n, tuple((int(a), float(b)) for a, b in curves[n])) for n in names)
+    return (_curves(section, "step_times", "step-time", "tokens", names, problems),
+            _curves(section, "decode_step_times", "decode-step", "sequences", names, problems))
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ TP/SP steps side by side (policies "priority", "load" and "auto").
     requests, fusedpar.layers.layout_policy.LoadPolicy with its hysteresis band): DP ranks while the
     load is high, the TP/SP class while it is low. Policy "auto": likewise at the first step that finds it
     waiting, in the class whose layout fusedpar.layers.layout_policy.AutoPolicy answers from the section's
-    step-time curves and the queue then. Every other request is a DP request, the i-th DP
-    request placed on rank i % P. Whatever the policy, a request whose full KV need (prompt + max_tokens)
-    is more than one DP pool can ever hold joins the TP/SP class when the engine admits it, or, without a
-    TP/SP class (policy "dp"), is refused there (dp_kv.outgrows_dp_pool);
+    step-time and decode-step curves (or those measured at start-up) and the queue then. Every other request is a
+    DP request, the i-th DP request placed on rank i % P. Whatever the policy, a request whose full KV need
+    (prompt + max_tokens) is more than one DP pool can ever hold joins the TP/SP class when the engine admits it,
+    or, without a TP/SP class (policy "dp"), is refused there (dp_kv.outgrows_dp_pool);
   - KV pools: `kv_cache_manager` is a dp_kv.RoutingKVCacheManager of P DP pools and, with the TP/SP
     class, a TP pool on disjoint block ranges of every rank's buffer (dp_kv.KVSplit), so every
     allocation lands in the pool of the request's class and rank;
@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -71,7 +72,10 @@ from .config import parse_additional_config
 from .dp_handoff import take
 from .dp_kv import TP_CLASS, KVSplit, RoutingKVCacheManager, outgrows_dp_pool
 
+logger = logging.getLogger("vllm.fusedpar")
+
 TAG = "fusedpar_dp"
+DECODE_PROMPT_TOKENS = 8  # the prompt of each request of a measured decode step, where the token budget allows
 DP_STEP, TP_STEP = "dp", "tp"
 
 
@@ -250,26 +254,37 @@ class LoadAdmission(Admission):
 
 class AutoAdmission(Admission):
     """Where each request is served by step-time curves (policy "auto"): fusedpar's AutoPolicy between the DP
-    layout and the TP/SP layout, fed with the section's curves (layout name -> (tokens, seconds) points) and
-    asked at each step that finds requests waiting, with the queue then: the step's tokens (the running
-    requests' one token each and the waiting prompt tokens, within the engine's token budget), the running
-    and waiting requests and the waiting prompt tokens. The requests first seen waiting at that step join the
-    class it answers. Without moves placement moves nothing, so no switch cost enters the estimates. With moves
-    (moves True: move_to_tp / move_to_dp) it is asked at every step that finds requests running or waiting, since
-    a change of answer moves the running requests (MoveRule), and each change costs the seconds those moves would
-    take (switch_s of observe). Starts in the TP/SP class."""
+    layout and the TP/SP layout, fed with the section's curves (layout name -> (tokens, seconds) points) and its
+    decode-step curves (layout name -> (sequences, seconds) points, decode_step_times: the decode steps' prices; none:
+    decode steps are priced by the step-time curves) and asked at each step that finds requests waiting, with the
+    queue then: the step's tokens (the running requests' one token each and the waiting prompt tokens, within the
+    engine's token budget), the running and waiting requests and the waiting prompt tokens. The requests first seen
+    waiting at that step join the class it answers. Without moves placement moves nothing, so no switch cost enters
+    the estimates. With moves (moves True: move_to_tp / move_to_dp) it is asked at every step that finds requests
+    running or waiting, since a change of answer moves the running requests (MoveRule), and each change costs the
+    seconds those moves would take (switch_s of observe). Starts in the TP/SP class."""
 
     at_arrival = False
 
     def __init__(self, size: int, step_times, latency_goal_s: float, decode_steps: int, budget: int,
-                 moves: bool = False):
+                 moves: bool = False, decode_step_times=()):
         super().__init__(size)
         self.dp_layout, self.tp_layout = ParallelLayout(size, tp=1), ParallelLayout(size, tp=size)
-        curves = dict(step_times)
-        self.policy = AutoPolicy({self.dp_layout: curves[f"dp{size}"], self.tp_layout: curves[f"tp{size}"]},
-                                 latency_goal_s=latency_goal_s, decode_steps=decode_steps, initial=self.tp_layout)
+        curves, decode = dict(step_times), dict(decode_step_times)
+        self.names = {self.dp_layout: f"dp{size}", self.tp_layout: f"tp{size}"}
+        self.policy = AutoPolicy({lay: curves[name] for lay, name in self.names.items()},
+                                 latency_goal_s=latency_goal_s, decode_steps=decode_steps, initial=self.tp_layout,
+                                 decode_curves={lay: decode[name] for lay, name in self.names.items()} if decode
+                                 else None)
         self.budget, self.moves = budget, moves
         self.current = self.tp_layout
+
+    def policy_curves(self, key: str) -> dict[str, list[tuple[int, float]]]:
+        """The curves AutoPolicy prices steps by: key "step_times" (prefill steps) or "decode_step_times" (decode
+        steps), layout name -> (count, seconds) points, seconds rounded to the microsecond."""
+        curves = self.policy.curves if key == "step_times" else self.policy.decode_curves
+        return {self.names[lay]: [(n, round(t, 6)) for n, t in zip(c.tokens, c.seconds, strict=True)]
+                for lay, c in curves.items()}
 
     def observe(self, running: int, waiting: int, waiting_prefill_tokens: int = 0, switch_s: float = 0.0) -> None:
         if not waiting and not (self.moves and running):
@@ -284,15 +299,16 @@ class AutoAdmission(Admission):
         return TP_CLASS if self.current is self.tp_layout else next(self._ranks)
 
 
-def admission_of(cfg, size: int, budget: int = 1, step_times=None) -> Admission:
+def admission_of(cfg, size: int, budget: int = 1, step_times=None, decode_step_times=None) -> Admission:
     """The placement rule of the section's policy; budget: the engine's token budget per step
-    (max_num_batched_tokens), which policy "auto" estimates steps with; step_times: policy "auto"'s curves when
-    the section gives none (measured at start-up, dp_curves.py)."""
+    (max_num_batched_tokens), which policy "auto" estimates steps with; step_times, decode_step_times: policy
+    "auto"'s curves when the section gives none (measured at start-up, dp_curves.py). Without decode-step curves
+    decode steps are priced by the step-time curves."""
     if cfg.policy == "load":
         return LoadAdmission(size, cfg.load_low, cfg.load_high)
     if cfg.policy == "auto":
         return AutoAdmission(size, step_times or cfg.step_times, cfg.latency_goal_s, cfg.decode_steps, budget,
-                             moves_priced(cfg))
+                             moves_priced(cfg), decode_step_times or cfg.decode_step_times)
     return Admission(size, cfg.tp_priority if cfg.policy == "priority" else None)
 
 
@@ -521,9 +537,10 @@ class DPScheduler(Scheduler):
 
     # ---- policy "auto"'s curves, measured at start-up ---------------------------------------------------------
     def _measure_curves(self, executor) -> None:
-        """Measure policy "auto"'s step-time curves through the engine's executor (its workers and KV cache are up,
-        the engine serves nothing yet) and place requests by them (dp_curves.py): each point's requests, placed by
-        hand, run as the engine core runs a step (`_step`); the workers' stats are reset afterwards."""
+        """Measure policy "auto"'s step-time curves, and its decode-step curves unless the section gives them, through
+        the engine's executor (its workers and KV cache are up, the engine serves nothing yet) and place requests by
+        them (dp_curves.py): each point's requests, placed by hand, run as the engine core runs a step (`_step`); the
+        workers' stats are reset afterwards."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
@@ -531,34 +548,70 @@ class DPScheduler(Scheduler):
 
         vocab = self.vllm_config.model_config.get_vocab_size()
         budget = self.scheduler_config.max_num_batched_tokens
+        max_batch, prompt = self._decode_measure_bounds(budget)
 
-        def run_step(layout: str, tokens: int, index: int) -> float:
+        def add(layout: str, count: int, tokens: int, max_tokens: int, index: int) -> list[str]:
+            """Add `count` requests of `tokens` prompt tokens asking for max_tokens tokens, placed by hand: on the DP
+            ranks in turn for "dp{P}", in the TP/SP class for "tp{P}"."""
             dp = layout.startswith("dp")
-            count = self.dp_size if dp else 1
             rids = [f"fusedpar-measure-{index}-{r}" for r in range(count)]
             for r, rid in enumerate(rids):
-                ids = [(7 * index + 13 * r + 31 * t) % vocab for t in range(-(-tokens // count))]
-                params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-                self.placement[rid] = r if dp else TP_CLASS
+                ids = [(7 * index + 13 * r + 31 * t) % vocab for t in range(tokens)]
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+                self.placement[rid] = r % self.dp_size if dp else TP_CLASS
                 self.add_request(Request(rid, ids, params, None))
+            return rids
+
+        def timed_step(rids: list[str], what: str) -> float:
+            """The seconds of one step, which must finish `rids`; then the steps that retire them."""
             t0 = time.perf_counter()
             self._step(executor)
             seconds = time.perf_counter() - t0
             left = [rid for rid in rids if rid in self.requests]
             if left:
-                raise RuntimeError(f"requests {left} of a {tokens}-token step did not finish in that step")
+                raise RuntimeError(f"requests {left} of a {what} step did not finish in that step")
             for _ in range(2):  # the finished requests' ids reach the workers in the next (empty) step
                 if self.has_requests():
                     self._step(executor)
             if self.has_requests():
-                raise RuntimeError(f"the scheduler still holds requests after a {tokens}-token step and two more")
+                raise RuntimeError(f"the scheduler still holds requests after a {what} step and two more")
             return seconds
 
-        curves = measure_curves(run_step, self.dp_size, budget)
-        step_times = tuple((name, tuple(points)) for name, points in curves.items())
-        self.admission = admission_of(self.cfg, self.dp_size, budget, step_times)
+        def run_step(layout: str, tokens: int, index: int) -> float:
+            count = self.dp_size if layout.startswith("dp") else 1
+            rids = add(layout, count, -(-tokens // count), 1, index)
+            return timed_step(rids, f"{tokens}-token")
+
+        def run_decode(layout: str, sequences: int, index: int) -> float:
+            rids = add(layout, sequences, prompt, 2, index)
+            self._step(executor)  # their prefill, untimed
+            behind = [rid for rid in rids if rid not in self.requests or self.requests[rid].num_output_tokens != 1]
+            if behind:
+                raise RuntimeError(f"requests {behind} of a {sequences}-sequence decode step did not prefill "
+                                   "together in the step before it")
+            return timed_step(rids, f"{sequences}-sequence decode")
+
+        measured = measure_curves(run_step, self.dp_size, budget, max_batch=max_batch,
+                                  run_decode=None if self.cfg.decode_step_times else run_decode)
+        step_times, decode_step_times = (tuple((name, tuple(points)) for name, points in measured.get(key, {}).items())
+                                         for key in ("step_times", "decode_step_times"))
+        self.admission = admission_of(self.cfg, self.dp_size, budget, step_times, decode_step_times)
         self.alternation = Alternation()
         executor.collective_rpc("fusedpar_reset_stats")
+        logger.info("fusedpar auto: placing requests by the step-time curves %s and the decode-step curves %s",
+                    self.admission.policy_curves("step_times"), self.admission.policy_curves("decode_step_times"))
+
+    def _decode_measure_bounds(self, budget: int) -> tuple[int, int]:
+        """(the largest decode batch measured, the prompt tokens of each of its requests): at most max_num_seqs
+        requests whose short prompts prefill together within the token budget and whose KV (prompt and two tokens)
+        every pool of their class holds."""
+        cap = max(1, min(self.scheduler_config.max_num_seqs, budget))
+        prompt = max(1, min(DECODE_PROMPT_TOKENS, budget // cap))
+        per = -(-(prompt + 2) // self.block_size)  # blocks per request
+        kv = self.kv_cache_manager
+        dp_room = min(p.block_pool.get_num_free_blocks() for p in kv.dp_pools) // per * self.dp_size
+        tp_room = kv.tp_pool.block_pool.get_num_free_blocks() // per if kv.tp_pool is not None else dp_room
+        return max(1, min(cap, dp_room, tp_room)), prompt
 
     def _step(self, executor) -> None:
         """One step as vLLM's EngineCore.step runs it (vllm/v1/engine/core.py): schedule, execute, sample where the
