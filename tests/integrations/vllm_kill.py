@@ -4,10 +4,17 @@
 
 SPEC: {"model": dir, "tensor_parallel_size": 2, "fusedpar": {...} or null, "engine_args": {...},
        "prompts": [[token ids], ...], "max_tokens": 64, "rank": 1,
-       "when": "between" (kill, then generate) or "during" (kill `delay` seconds into a generate),
-       "delay": 2.0, "limit": 120}
+       "when": "between" (kill, then generate) or "during" (kill `delay` seconds into a generate) or "move"
+       (worker `rank` signals itself as the first KV move of direction `move` starts on it: "to_tp" (dp_move.move_kv)
+       or "to_dp" (dp_move.move_kv_to_dp); `signal`: "kill" (SIGKILL) or "stop" (SIGSTOP, a stalled worker)),
+       "delay": 2.0, "limit": 120, "arrivals": [engine step of each prompt] (when "move": served step by step,
+       vllm_engine.staggered), "end_within": 60}
 OUT:  {"killed_pid": pid, "error": "Type: message" or null, "seconds_to_error": s (from the kill),
-       "warmup_tokens": [...]}
+       "warmup_tokens": [...], and when "move": "signalled" (the hook fired), "workers_ended_s" (seconds from the
+       error until every worker process had ended by the engine's own shutdown, null if not within `end_within`)}
+
+The "move" hook wraps the move function in every worker after the warm-up, through the engine's collective_rpc (the
+CPU build spawns its workers, so a wrapper set here before the engine starts would not reach them).
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as in vllm_engine.py); the worker
 processes are its executor's children. A watchdog thread writes OUT with error null and exits the process
@@ -31,6 +38,25 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")
 
 
+def _hook_moves(worker, spec: dict, fired: str) -> None:
+    """Run in every worker (collective_rpc): wrap the move function of spec["move"]'s direction so that worker
+    spec["rank"] records its pid and the time in `fired` and signals itself as its first such move starts."""
+    from fusedpar.integrations.vllm import dp_move
+
+    name = {"to_tp": "move_kv", "to_dp": "move_kv_to_dp"}[spec["move"]]
+    inner, victim = getattr(dp_move, name), spec.get("rank", 1)
+    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[spec["signal"]]
+
+    def hooked(moves, caches, P, dp_offset, rank, *args, **kwargs):
+        if rank == victim and moves and not os.path.exists(fired):
+            _write(fired + ".tmp", {"pid": os.getpid(), "at": time.monotonic()})
+            os.replace(fired + ".tmp", fired)
+            os.kill(os.getpid(), sig)
+        return inner(moves, caches, P, dp_offset, rank, *args, **kwargs)
+
+    setattr(dp_move, name, hooked)
+
+
 def _write(path: str, result: dict) -> None:
     with open(path, "w") as f:
         json.dump(result, f)
@@ -39,6 +65,7 @@ def _write(path: str, result: dict) -> None:
 def run(spec: dict, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
+    when, fired = spec.get("when", "during"), out_path + ".fired"
     kwargs = {"additional_config": {"fusedpar": spec["fusedpar"]}} if spec.get("fusedpar") is not None else {}
     llm = LLM(spec["model"], tensor_parallel_size=spec.get("tensor_parallel_size", 2), dtype="float32",
               skip_tokenizer_init=True, max_model_len=256, seed=0, enforce_eager=True,
@@ -75,18 +102,45 @@ def run(spec: dict, out_path: str) -> None:
         end_workers()
         os._exit(3)
 
+    def watch_hook() -> None:
+        while not os.path.exists(fired):
+            time.sleep(0.05)
+        with open(fired) as f:
+            killed_at.append(json.load(f)["at"])
+
     threading.Thread(target=watchdog, daemon=True).start()
-    if spec.get("when", "during") == "between":
+    if when == "between":
         kill()
+    elif when == "move":
+        result["killed_pid"] = None
+        threading.Thread(target=watch_hook, daemon=True).start()
+        llm.collective_rpc(_hook_moves, args=(spec, fired))
     else:
         threading.Timer(spec.get("delay", 2.0), kill).start()
     try:
-        llm.generate(prompts, params, use_tqdm=False)
+        if when == "move":
+            from tests.integrations.vllm_engine import staggered
+
+            staggered(llm, "m", spec["prompts"], params, spec["arrivals"], None)
+        else:
+            llm.generate(prompts, params, use_tqdm=False)
     except Exception as e:  # the error the caller sees
+        errored = time.monotonic()
         result["error"] = f"{type(e).__name__}: {e}"
-        result["seconds_to_error"] = time.monotonic() - killed_at[0] if killed_at else None
+        if when == "move" and os.path.exists(fired):
+            with open(fired) as f:
+                hook = json.load(f)
+            result["killed_pid"], killed_at[:] = hook["pid"], [hook["at"]]
+        result["seconds_to_error"] = errored - killed_at[0] if killed_at else None
+        if when == "move":  # the engine's own shutdown ends every worker, the stalled one too
+            deadline = errored + spec.get("end_within", 60)
+            while any(h.proc.is_alive() for h in workers) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            alive = [h.proc.pid for h in workers if h.proc.is_alive()]
+            result["workers_ended_s"] = None if alive else time.monotonic() - errored
     else:
         result["seconds_to_error"] = None
+    result["signalled"] = os.path.exists(fired)
     _write(out_path, result)
     end_workers()
     os._exit(0)  # skip vLLM's teardown of the dead engine

@@ -20,13 +20,25 @@ KV pool of the engine can ever hold, before it reaches the engine core (dp_kv.ou
 from __future__ import annotations
 
 from .config import FusedparConfigError, FusedparVllmConfig, parse_additional_config
+from .dp_compat import INTERNALS, internals_of
 from .dp_kv import KVSplit, outgrows_dp_pool
 
 SCHEDULER = "fusedpar.integrations.vllm.dp_scheduler.DPScheduler"
 WORKER = "fusedpar.integrations.vllm.dp_worker.DPWorker"
 EXECUTOR = "fusedpar.integrations.vllm.dp_executor.DPExecutor"
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
-DP_VLLM_VERSION = "0.32."  # the vLLM whose scheduler internals the DP classes are written against
+
+
+def dp_version_problem(vllm_version: str, policy: str = "dp") -> str | None:
+    """What keeps the DP classes off vLLM `vllm_version` (None: a release they are written against, an entry of
+    dp_compat.INTERNALS); policy: the section's, named in the message."""
+    if internals_of(vllm_version) is not None:
+        return None
+    releases = " and ".join(sorted(INTERNALS))
+    needs = "; ".join(f"{r}'s {', '.join(i.names)}" for r, i in sorted(INTERNALS.items()))
+    return (f'policy "{policy}": a DP layout on vLLM {vllm_version} is not supported; DP layouts run on vLLM '
+            f"{releases} only (fusedpar's DP scheduler, worker and executor build on their scheduler internals: "
+            f'{needs}); policy "threshold" (base / shift steps) does not need them')
 
 
 def dp_engine_problems(vllm_config, vllm_version: str | None = None, *, policy: str = "dp") -> list[str]:
@@ -40,9 +52,9 @@ def dp_engine_problems(vllm_config, vllm_version: str | None = None, *, policy: 
         vllm_version = vllm.__version__
     cache, sched, par = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.parallel_config
     problems = []
-    if not vllm_version.startswith(DP_VLLM_VERSION):
-        problems.append(f"a DP layout on vLLM {vllm_version}: its scheduler, worker and executor classes build on "
-                        f"vLLM {DP_VLLM_VERSION}'s internals (KVCacheManager, SchedulerOutput, MultiprocExecutor)")
+    version = dp_version_problem(vllm_version, policy)
+    if version:
+        problems.append(version)
     if cache.enable_prefix_caching:
         problems.append("prefix caching with a DP layout (enable_prefix_caching=True); pass "
                         "enable_prefix_caching=False")

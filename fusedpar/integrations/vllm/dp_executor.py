@@ -20,7 +20,12 @@ queues a waiting call reads; until then the engine waits, and the error it final
 "Executor failed.") names no worker. `DPExecutor` watches the same process sentinels: the moment a
 worker dies it records which (`DeadWorker`) and cancels the output queues, so a call waiting on them
 (every rank's answer in a DP step, vLLM's one answer in a TP step) or any later call raises
-`WorkerDiedError` naming the dead worker at once; vLLM's monitor still shuts the other workers down.
+`WorkerDiedError` naming the dead worker at once; vLLM's monitor still shuts the other workers down. A worker that
+dies while a step moving KV between the classes is in flight is named as dying during that KV move.
+
+A worker that stalls (alive, not answering) during a KV move: the other ranks' move fails within its bound
+(dp_move.guarded), and the output rank's failure reaches the executor, which raises it as `KVMoveError` naming the
+stalled peer, marks itself failed and shuts down (vLLM's shutdown: the stalled worker gets SIGTERM, then SIGKILL).
 
 Policy "auto" with live moves charges each change of its answer the time the moves it makes would take: once
 its workers are up, the executor times scratch KV moves of two sizes on them (dp_move.time_moves) and leaves
@@ -30,6 +35,7 @@ beside itself (the scheduler of policy "auto" without step_times measures its cu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing.connection
 import threading
@@ -43,10 +49,20 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 from .config import parse_additional_config
 from .dp_handoff import leave
-from .dp_move import MOVE_PROBE_BYTES, MoveCost
+from .dp_move import MOVE_PROBE_BYTES, KVMoveError, MoveCost
 from .dp_scheduler import TAG, TP_STEP, moves_priced
 
 logger = logging.getLogger("vllm.fusedpar")
+
+
+# the fields of vLLM's ModelRunnerOutput a DP step merges, and those it drops (one rank's runner statistics); every
+# other field, whichever vLLM release defines it, must be unset in every rank's output
+_MERGED = ("req_ids", "req_id_to_index", "sampled_token_ids", "prompt_logprobs_dict", "num_nans_in_logits")
+_DROPPED = ("cudagraph_stats",)
+
+
+def _is_set(value) -> bool:
+    return value is not None and not (isinstance(value, (dict, list, tuple)) and not value)
 
 
 def merge_outputs(outputs: list) -> ModelRunnerOutput:
@@ -58,12 +74,11 @@ def merge_outputs(outputs: list) -> ModelRunnerOutput:
     for rank, out in enumerate(outputs):
         if not isinstance(out, ModelRunnerOutput):
             raise RuntimeError(f"fusedpar DP: rank {rank} answered {type(out).__name__}, not a ModelRunnerOutput")
-        unsupported = [name for name in ("logprobs", "pooler_output", "kv_connector_output", "ec_connector_output",
-                                         "aux_output_connector_output", "sampling_masks")
-                       if getattr(out, name, None) is not None]
-        if unsupported or out.prompt_token_id_logprobs_dict:
-            raise RuntimeError(f"fusedpar DP: rank {rank}'s output carries {unsupported or ['prompt logprobs']}, "
-                               "which DP steps do not merge in this version")
+        unsupported = [f.name for f in dataclasses.fields(out)
+                       if f.name not in _MERGED + _DROPPED and _is_set(getattr(out, f.name))]
+        if unsupported:
+            raise RuntimeError(f"fusedpar DP: rank {rank}'s output carries {unsupported}, which DP steps do not merge "
+                               "in this version")
         overlap = set(out.req_ids) & set(req_ids)
         if overlap:
             raise RuntimeError(f"fusedpar DP: requests {sorted(overlap)} ran on more than one rank")
@@ -76,6 +91,15 @@ def merge_outputs(outputs: list) -> ModelRunnerOutput:
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                              sampled_token_ids=sampled, prompt_logprobs_dict=prompt_logprobs,
                              num_nans_in_logits=nans or None)
+
+
+def moves_in_words(tag) -> str:
+    """The KV moves of a step's tag (dp_scheduler.DPTag; None: a step without one) in words, "" if it moves none."""
+    moves = getattr(tag, "moves", None)
+    if not moves:
+        return ""
+    where = "into the TP/SP class" if tag.mode == TP_STEP else "to DP ranks"
+    return f"requests {[m.request_id for m in moves]} {where}"
 
 
 @dataclass(frozen=True)
@@ -144,6 +168,7 @@ class DPExecutor(MultiprocExecutor):
     docstring)."""
 
     dead: tuple[DeadWorker, ...] = ()  # the workers the watcher found dead (set once, by its thread)
+    moving: str = ""  # the KV moves of the last step handed to the workers, in words ("" if none)
 
     def _init_executor(self) -> None:
         super()._init_executor()
@@ -164,10 +189,31 @@ class DPExecutor(MultiprocExecutor):
         """The error for `error` raised by a call of `method`: WorkerDiedError naming every dead worker when one
         died, else `error` itself."""
         dead = self.dead or dead_workers(getattr(self, "workers", None) or ())
+        during = f" during a KV move ({self.moving})" if self.moving else ""
         if not dead:
-            return error
-        return WorkerDiedError(f"fusedpar: worker {', '.join(map(str, dead))} died; {method} cannot complete and the "
-                               f"engine cannot go on ({type(error).__name__}: {error})")
+            if KVMoveError.PREFIX not in str(error):
+                return error
+            self._fail()  # a peer stalled in a move: the TP group's collectives are out of step for good
+            return KVMoveError(f"fusedpar: {method} failed{during}; the engine cannot go on and shuts down "
+                               f"({type(error).__name__}: {error})")
+        return WorkerDiedError(f"fusedpar: worker {', '.join(map(str, dead))} died{during}; {method} cannot complete "
+                               f"and the engine cannot go on ({type(error).__name__}: {error})")
+
+    def _fail(self) -> None:
+        """Mark the executor failed and shut it down behind the caller's error, as vLLM's monitor does for a dead
+        worker (a stalled worker ends by SIGKILL after vLLM's grace period)."""
+        if getattr(self, "is_failed", False):
+            return
+        self.is_failed = True
+
+        def stop() -> None:
+            self.shutdown()
+            callback = getattr(self, "failure_callback", None)
+            if callback is not None:
+                self.failure_callback = None
+                callback()
+
+        threading.Thread(target=stop, daemon=True, name="FusedparMoveFailed").start()
 
     def collective_rpc(self, method, *args, non_block: bool = False, **kwargs):
         name = method if isinstance(method, str) else getattr(method, "__name__", "a collective RPC")
@@ -182,6 +228,7 @@ class DPExecutor(MultiprocExecutor):
 
     def execute_model(self, scheduler_output, non_block: bool = False):
         tag = getattr(scheduler_output, TAG, None)
+        self.moving = moves_in_words(tag)
         if tag is None or tag.mode == TP_STEP:
             return super().execute_model(scheduler_output, non_block=non_block)
         if scheduler_output.has_structured_output_requests:

@@ -196,7 +196,10 @@ class RoutingKVCacheManager:
         self.pool_of(request_id).record_blocks_for_zeroing(request_id, start_token)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        return self.pool_of(running_request_id).get_num_common_prefix_blocks(running_request_id)
+        """No block is common to every request of a step (vLLM's cascade-attention prefix): a step's requests span
+        pools, prefix caching is off, and the request vLLM asks with (its first running one) may be of the class the
+        step leaves out."""
+        return [0] * self.dp_pools[0].num_kv_cache_groups
 
     # ---- every pool ------------------------------------------------------------------------------
     def new_step_starts(self) -> None:

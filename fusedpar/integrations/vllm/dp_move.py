@@ -17,10 +17,17 @@ backend's block layout, and gathers it on the destination rank, which joins the 
 [j h, j h + h)) and writes all kv heads of each token into its DP blocks through the DP view. The backend's layout
 of a block is read back by probing its own write once (`block_layout`): it places every element of a token's key
 and value somewhere in the block, and where is all a read needs.
+
+A peer that dies or stalls during a move: every collective of a move waits at most `move_timeout` (vLLM's
+distributed_timeout_seconds where set, else MOVE_TIMEOUT_S), and a move ends with a bounded barrier of the TP group
+(`group_settle`), so a rank whose part of a move already left (a scatter's source writes into its sockets and
+returns) still learns that a peer never finished it. `guarded` turns any failure of the move on this rank into
+KVMoveError naming the move, this rank and the peers it waited on.
 """
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -129,13 +136,78 @@ def time_moves(scatter: Callable[[torch.Tensor, list[torch.Tensor] | None, int],
     return out
 
 
-def group_scatter(tp_group) -> Callable[[torch.Tensor, list[torch.Tensor] | None, int], None]:
+MOVE_TIMEOUT_S = 60.0  # a move's bound on a missing peer where vLLM's distributed_timeout_seconds is not set
+
+
+def move_timeout(distributed_timeout_seconds: float | None) -> datetime.timedelta:
+    """How long each collective of a KV move waits for a peer: vLLM's distributed_timeout_seconds (its
+    ParallelConfig's bound on the device groups' collectives, which the moves run on) where set, else
+    MOVE_TIMEOUT_S."""
+    seconds = MOVE_TIMEOUT_S if distributed_timeout_seconds is None else float(distributed_timeout_seconds)
+    return datetime.timedelta(seconds=seconds)
+
+
+class KVMoveError(RuntimeError):
+    """A KV move between the classes that did not complete on this rank: a peer died or stalled during it. The
+    message starts with PREFIX and names the move, this rank and the peers it waited on."""
+
+    PREFIX = "fusedpar DP: KV move"
+
+
+def move_failure(moves, into_tp: bool, rank: int, P: int, seconds: float, timeout: datetime.timedelta,
+                 error: BaseException) -> KVMoveError:
+    """The error of a step's KV moves (dp_scheduler.KVMove: into the TP/SP class when into_tp, else to DP ranks)
+    that failed on TP rank `rank` of P after `seconds`: the peers it waited on are the group's other ranks."""
+    peers = [r for r in range(P) if r != rank]
+    who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {peers}"
+    what = ", ".join(f"{m.request_id} ({'from DP rank' if into_tp else 'to DP rank'} {m.rank})" for m in moves)
+    where = "into the TP/SP class" if into_tp else "from the TP/SP class to DP ranks"
+    return KVMoveError(f"{KVMoveError.PREFIX} {where} failed on rank {rank} after {seconds:.1f} s (bound "
+                       f"{timeout.total_seconds():.0f} s per collective): {who} died or stalled during it; moving "
+                       f"{what} ({type(error).__name__}: {error})")
+
+
+def guarded(run: Callable[[], int], settle: Callable[[], None], moves, into_tp: bool, rank: int, P: int,
+            timeout: datetime.timedelta) -> int:
+    """run() (a step's moves: move_kv or move_kv_to_dp), then settle() (group_settle: every rank finished its part),
+    returning run()'s bytes; any failure of either is raised as KVMoveError (move_failure)."""
+    start = time.monotonic()
+    try:
+        moved = run()
+        settle()
+    except Exception as e:
+        raise move_failure(moves, into_tp, rank, P, time.monotonic() - start, timeout, e) from e
+    return moved
+
+
+def _wait(work, timeout: datetime.timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+def group_settle(tp_group, timeout: datetime.timedelta | None = None) -> Callable[[], None]:
+    """A barrier of vLLM's TP GroupCoordinator (its device group, where the moves ran) whose wait is bounded by
+    `timeout` (RuntimeError past it): every rank reached it, so every rank's part of the moves before it is done."""
+    import torch.distributed as dist
+
+    def settle() -> None:
+        flag = torch.zeros(1)
+        _wait(dist.all_reduce(flag, group=tp_group.device_group, async_op=True), timeout)
+
+    return settle
+
+
+def group_scatter(tp_group, timeout: datetime.timedelta | None = None) -> Callable[[torch.Tensor, list[torch.Tensor]
+                                                                                   | None, int], None]:
     """`scatter` for move_kv over vLLM's TP GroupCoordinator (its device group: gloo on CPU), src a rank in the
-    group."""
+    group; its wait is bounded by `timeout` (RuntimeError past it; None: the group's own)."""
     import torch.distributed as dist
 
     def scatter(out: torch.Tensor, groups: list[torch.Tensor] | None, src: int) -> None:
-        dist.scatter(out, groups, src=tp_group.ranks[src], group=tp_group.device_group)
+        _wait(dist.scatter(out, groups, src=tp_group.ranks[src], group=tp_group.device_group, async_op=True),
+              timeout)
 
     return scatter
 
@@ -232,12 +304,14 @@ def move_kv_to_dp(moves, caches: Sequence[torch.Tensor], P: int, dp_offset: int,
     return moved
 
 
-def group_gather(tp_group) -> Callable[[torch.Tensor, list[torch.Tensor] | None, int], None]:
+def group_gather(tp_group, timeout: datetime.timedelta | None = None) -> Callable[[torch.Tensor, list[torch.Tensor]
+                                                                                 | None, int], None]:
     """`gather` for move_kv_to_dp over vLLM's TP GroupCoordinator (its device group: gloo on CPU), dst a rank in
-    the group."""
+    the group; its wait is bounded by `timeout` (RuntimeError past it; None: the group's own)."""
     import torch.distributed as dist
 
     def gather(part: torch.Tensor, parts: list[torch.Tensor] | None, dst: int) -> None:
-        dist.gather(part, parts, dst=tp_group.ranks[dst], group=tp_group.device_group)
+        _wait(dist.gather(part, parts, dst=tp_group.ranks[dst], group=tp_group.device_group, async_op=True),
+              timeout)
 
     return gather

@@ -41,16 +41,19 @@ TP/SP steps side by side (policies "priority", "load" and "auto").
     preemption is an error (give the engine more KV cache or fewer concurrent requests).
 The token budget (max_num_batched_tokens) and max_num_seqs stay engine-wide, as in TP.
 
-Where vLLM 0.32's scheduling loop leaves a request out of a step (vllm/v1/core/sched/scheduler.py,
-`Scheduler.schedule`): a running request for which `_reserve_prefill_lookahead` answers 0 tokens is
-skipped ("num_new_tokens == 0: continue"); a waiting request for which `_handle_blocked_waiting_request`
-answers False is skipped for the step and re-queued in its place. Both overrides answer for the other
-class only and defer to vLLM's otherwise; every step's output is checked to hold its class alone.
+How vLLM's scheduling loop leaves a request out of a step depends on its release (dp_compat.py, one entry per
+release): on 0.32 (vllm/v1/core/sched/scheduler.py, `Scheduler.schedule`) a running request for which
+`_reserve_prefill_lookahead` answers 0 tokens is skipped ("num_new_tokens == 0: continue") and a waiting request for
+which `_handle_blocked_waiting_request` answers False is skipped for the step and re-queued in its place; both
+overrides below answer for the other class only and defer to vLLM's otherwise. On 0.26 the loop asks no such
+question: for the step, the other class's running requests get a closed `next_decode_eligible_step` gate and its
+waiting requests leave the queues (dp_compat.excluded). Every step's output is checked to hold its class alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -63,6 +66,7 @@ from vllm.v1.request import RequestStatus
 from fusedpar.layers.layout_policy import AutoPolicy, LoadPolicy, StepFacts
 from fusedpar.layouts import ParallelLayout
 
+from . import dp_compat
 from .config import parse_additional_config
 from .dp_handoff import take
 from .dp_kv import TP_CLASS, KVSplit, RoutingKVCacheManager, outgrows_dp_pool
@@ -342,6 +346,11 @@ class DPScheduler(Scheduler):
             self._measure_curves(take(vllm_config, "executor", "executor"))
             self.curves_pending = False
 
+    @functools.cached_property
+    def vllm_internals(self) -> dp_compat.VllmInternals:
+        """The running vLLM release's entry of dp_compat.INTERNALS."""
+        return dp_compat.running()
+
     def _make_pool(self, kv_cache_config) -> KVCacheManager:
         # the arguments of vLLM's own manager (Scheduler.__init__), on one pool's blocks
         return KVCacheManager(
@@ -349,8 +358,7 @@ class DPScheduler(Scheduler):
             max_model_len=self.max_model_len,
             max_in_flight_tokens=self.vllm_config.max_in_flight_tokens,
             enable_caching=False,
-            use_eagle=self.use_eagle_block_drop,
-            num_prefill_lookahead=self.num_prefill_lookahead,
+            **dp_compat.pool_arguments(self.vllm_internals, self),
             log_stats=self.log_stats,
             enable_kv_cache_events=self.enable_kv_cache_events,
             dcp_world_size=self.dcp_world_size,
@@ -374,7 +382,7 @@ class DPScheduler(Scheduler):
     def _place_waiting(self) -> None:
         """Place the requests that wait unplaced (policies "load", "auto"), by the queue at the start of this
         step."""
-        waiting = list(itertools.chain(self.waiting, self.kv_holding_waiting))
+        waiting = list(dp_compat.waiting_requests(self.vllm_internals, self))
         prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in waiting)
         self.admission.observe(len(self.running), len(waiting), prefill, self._switch_seconds(waiting))
         for request in waiting:
@@ -399,10 +407,11 @@ class DPScheduler(Scheduler):
         return self._mode_of(request.request_id) == self.step_mode
 
     def _classes_with_requests(self) -> tuple[bool, bool]:
-        modes = {self._mode_of(r.request_id) for r in itertools.chain(self.running, self.waiting,
-                                                                        self.kv_holding_waiting)}
+        modes = {self._mode_of(r.request_id) for r in itertools.chain(
+            self.running, dp_compat.waiting_requests(self.vllm_internals, self))}
         return DP_STEP in modes, TP_STEP in modes
 
+    # vLLM's questions through which a step leaves the other class out, where its release asks them (dp_compat)
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         if not self._in_step(request):
             return 0  # vLLM's running loop skips the request for this step
@@ -437,7 +446,7 @@ class DPScheduler(Scheduler):
         """Move the requests MoveRule names from their DP pools into the TP pool (module docstring): free their DP
         blocks, place them in the TP/SP class, allocate TP blocks for their computed tokens and the next one."""
         kv = self.kv_cache_manager
-        waiting = list(itertools.chain(self.waiting, self.kv_holding_waiting))
+        waiting = list(dp_compat.waiting_requests(self.vllm_internals, self))
         moves = []
         for request in self.move_rule.candidates(self.admission, self.running, waiting, self.placement):
             if kv.tp_pool.block_pool.get_num_free_blocks() < self._blocks_needed(request):
@@ -494,7 +503,8 @@ class DPScheduler(Scheduler):
         if moves or to_dp:  # the moved requests run in this step, which copies their KV
             self.step_mode = self.alternation.last = TP_STEP if moves else DP_STEP
             moves = moves or to_dp
-        out = super().schedule(*args, **kwargs)
+        with dp_compat.excluded(self.vllm_internals, self, self._in_step):
+            out = super().schedule(*args, **kwargs)
         if moves:
             self._deliver_moves(out, moves)
         strays = sorted(rid for rid in out.num_scheduled_tokens if self._mode_of(rid) != self.step_mode)

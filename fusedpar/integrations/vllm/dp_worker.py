@@ -16,7 +16,8 @@
     made of it (dp_scheduler.as_new_request); in a DP step that moves requests from the TP/SP class to DP
     ranks, every rank sends its kv-head group of their TP blocks to the destination rank, which writes them
     into its DP blocks (dp_move.move_kv_to_dp), every rank drops their TP-step state, and the destination
-    takes each as a new request;
+    takes each as a new request; a peer that dies or stalls during a move fails it on every other rank within
+    a bounded time (dp_move.guarded: KVMoveError naming the move and the peer);
   - zeroes the DP blocks vLLM asked for on this rank as the P TP blocks each one is;
   - records the step for `stats(llm)`: steps, tokens and requests per class, switches between DP and TP
     steps, KV bytes moved, and tokens computed again that an earlier step had computed
@@ -147,7 +148,7 @@ class DPWorker(CPUWorker):
         then takes them as the step's new requests)."""
         from vllm.distributed import get_tp_group
 
-        from .dp_move import group_scatter, move_kv
+        from .dp_move import group_scatter, group_settle, guarded, move_kv, move_timeout
 
         state = self._fp_state()
         attns = [layer.attn for layer in state.model.dp_runner.layers]
@@ -156,8 +157,11 @@ class DPWorker(CPUWorker):
             attn = attns[layer]
             attn.impl.do_kv_cache_update(attn, key, value, attn.kv_cache, slots)
 
-        state.classes.kv_bytes_moved += move_kv(tag.moves, [a.kv_cache for a in attns], tag.size, tag.dp_offset,
-                                                rank, group_scatter(get_tp_group()), write)
+        tp, timeout = get_tp_group(), move_timeout(self.vllm_config.parallel_config.distributed_timeout_seconds)
+        state.classes.kv_bytes_moved += guarded(
+            lambda: move_kv(tag.moves, [a.kv_cache for a in attns], tag.size, tag.dp_offset, rank,
+                            group_scatter(tp, timeout), write),
+            group_settle(tp, timeout), tag.moves, True, rank, tag.size, timeout)
         state.classes.moved.update(m.request_id for m in tag.moves)
         mine = {m.request_id for m in tag.moves if m.rank == rank}
         return dataclasses.replace(so, finished_req_ids=set(so.finished_req_ids) | mine) if mine else so
@@ -167,7 +171,7 @@ class DPWorker(CPUWorker):
         blocks (dp_move.move_kv_to_dp: collective over the TP group)."""
         from vllm.distributed import get_tp_group
 
-        from .dp_move import block_layout, group_gather, move_kv_to_dp
+        from .dp_move import block_layout, group_gather, group_settle, guarded, move_kv_to_dp, move_timeout
 
         state = self._fp_state()
         attns = [layer.attn for layer in state.model.dp_runner.layers]
@@ -179,8 +183,11 @@ class DPWorker(CPUWorker):
                 attn.impl.do_kv_cache_update(attn, key, value, cache, slots)
 
             self._fp_block_layout = block_layout(write_into, caches[0].shape[1:], caches[0].dtype, caches[0].device)
-        state.classes.kv_bytes_moved += move_kv_to_dp(tag.moves, caches, tag.size, tag.dp_offset, rank,
-                                                      group_gather(get_tp_group()), self._fp_block_layout)
+        tp, timeout = get_tp_group(), move_timeout(self.vllm_config.parallel_config.distributed_timeout_seconds)
+        state.classes.kv_bytes_moved += guarded(
+            lambda: move_kv_to_dp(tag.moves, caches, tag.size, tag.dp_offset, rank, group_gather(tp, timeout),
+                                  self._fp_block_layout),
+            group_settle(tp, timeout), tag.moves, False, rank, tag.size, timeout)
         state.classes.moved.update(m.request_id for m in tag.moves)
 
     def fusedpar_kv_move_seconds(self, sizes) -> list[float]:
