@@ -23,11 +23,12 @@ whether it can take the step (a workspace, a group of more than one rank) and ot
 PlainComm's; the kernels route by size themselves. The GEMMs with nothing to exchange
 (column_parallel, qkv without the all-to-all, row_parallel over a group of one) run on the
 weight-streaming decode GEMM (fusedpar.kernels.gemv, SwiGLU in its epilogue) where it takes the
-shapes (gemv.takes: at most MAX_M rows, half-precision plain weights), on PlainComm's GEMM
-elsewhere. `should_use(x)` says whether a communicator can take hidden states x at all; `select`
-returns the first of several that can (callers list them fused first). Every choice depends on
-shapes only, so all ranks agree. Collective: every rank
-builds a FusedComm with the same arguments, in the same order.
+shapes (gemv.takes: at most MAX_M rows, half-precision plain weights) and the routing table's entry
+for the GPU routes that many rows there (fusedpar.kernels.routing: decode_gemm_max_rows, measured per
+GPU), on PlainComm's GEMM elsewhere. `should_use(x)` says whether a communicator can take hidden
+states x at all; `select` returns the first of several that can (callers list them fused first).
+Every choice depends on shapes and the routing table only, so all ranks agree. Collective: every
+rank builds a FusedComm with the same arguments, in the same order.
 
 One class per backend: a caller picks the communicator (ShiftParallelStack.enable_fused(comm=...));
 the layer benchmarks' cuBLAS + NCCL baseline is a PlainComm on the fused layer path.
@@ -68,6 +69,15 @@ def _skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
         return skinny_matmul(x, w)
     acc = skinny_matmul(x, w, out=x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32))
     return acc.add_(bias).to(x.dtype)
+
+
+def _on_decode_gemm(x: torch.Tensor, w, swiglu_block: int = 0) -> bool:
+    """Whether FusedComm runs x @ w^T (SwiGLU epilogue when swiglu_block > 0) on the decode GEMM: the kernel
+    takes the shapes (gemv.takes) and the routing table's entry for this GPU routes that many rows there
+    (routing.Thresholds.decode_gemm_max_rows). Shapes and the table only, so every rank decides alike."""
+    from fusedpar.kernels import gemv, routing
+
+    return gemv.takes(x, w, swiglu_block) and x.shape[0] <= routing.thresholds(x.device, 1).decode_gemm_max_rows
 
 
 def select(x: torch.Tensor, *comms):
@@ -236,7 +246,7 @@ class FusedComm:
         """As PlainComm.column_parallel; on the decode GEMM (SwiGLU in its epilogue) where it takes x and w."""
         from fusedpar.kernels import gemv
 
-        if not gemv.takes(x, w, swiglu_block):
+        if not _on_decode_gemm(x, w, swiglu_block):
             return self.plain.column_parallel(x, w, swiglu_block=swiglu_block)
         return gemv.skinny_matmul(x, w, swiglu_block=swiglu_block)
 
@@ -244,9 +254,7 @@ class FusedComm:
         """As PlainComm.qkv. Without the exchange, the GEMM of column_parallel (and the bias). After
         the exchange every row holds this rank's own block, so the bias added is that block of
         `bias` (out of place: the rows may be a view of the receive buffer)."""
-        from fusedpar.kernels import gemv
-
-        if not self._exchanges(mode) and gemv.takes(h, w):
+        if not self._exchanges(mode) and _on_decode_gemm(h, w):
             return _skinny_linear(h, w, bias)
         if self.qkv_ws is None or not self._exchanges(mode):
             return self.plain.qkv(h, w, mode, bias)
@@ -291,12 +299,10 @@ class FusedComm:
                      swiglu_block: int = 0) -> torch.Tensor:
         """As PlainComm.row_parallel; over a group of one, the decode GEMM where it takes act(x) and w
         (the residual added after, as PlainComm adds it)."""
-        from fusedpar.kernels import gemv
-
         # A separate pass, not a GEMM prologue: SwiGLU in the one-shot kernel's operand load was
         # slower than this + the kernel (fusedpar.kernels.gemm_all_reduce docstring).
         act = self.plain.swiglu(x, swiglu_block) if swiglu_block else x
-        if self.ctx.attention_group(mode).size == 1 and gemv.takes(act, w):  # nothing to reduce
+        if self.ctx.attention_group(mode).size == 1 and _on_decode_gemm(act, w):  # nothing to reduce
             y = _skinny_linear(act, w, None)
             return y if residual is None else residual + y
         ws = self.gemm_ar_ws[mode]

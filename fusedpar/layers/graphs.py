@@ -14,7 +14,7 @@ step is a shift-mode step, and every rank captures the same graphs in the same o
     static inputs   hidden [B, d]; int64 [2, B] = positions, cache slots; int32 = cu_seqlens_q
                     [B+1] (0..B), context_lens [B], block_tables [B, max_blocks]
     graph           for each layer: the shift-mode fused layer (the decode GEMM for qkv and
-                    gate_up + SwiGLU up to 64 rows, Triton attention with RoPE/q-k-norm/cache
+                    gate_up + SwiGLU where the routing table routes them, Triton attention with RoPE/q-k-norm/cache
                     write, one-shot GEMM + all-reduce for o and down);
                     cos/sin tables of a scaled RoPE are computed from the static positions inside
     static output   hidden [B, d]

@@ -69,8 +69,8 @@ class ScenarioResult:
 class FallbackFusedComm(FusedComm):
     """FusedComm without workspaces, so on any device: every stage takes the path of a group of one or
     of a step larger than the workspaces, its PlainComm fallback or, for half-precision GEMMs of at
-    most fusedpar.kernels.gemv.MAX_M rows with nothing to exchange, the decode GEMM (on the Triton
-    interpreter on CPU). Tests that fallback and routing logic on CPU."""
+    most fusedpar.kernels.gemv.MAX_M rows with nothing to exchange, the decode GEMM where the routing table
+    routes them (on the Triton interpreter on CPU). Tests that fallback and routing logic on CPU."""
 
     def _build_workspaces(self) -> None:
         pass

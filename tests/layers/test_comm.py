@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedpar.testing.dist import run_distributed
+from tests.conftest import decode_gemm_rows
 
 
 def _stages(rank, world, sp, tp, dtype):
@@ -87,7 +88,8 @@ def _one_rank_fused_comm():
 @pytest.fixture
 def skinny_calls(monkeypatch):
     """Records every gemv.skinny_matmul call (a's rows, w's shape, swiglu_block) and hands the kernel a
-    NaN-filled output, so an element it never writes fails the comparison."""
+    NaN-filled output, so an element it never writes fails the comparison; the routing table routes every
+    size the decode GEMM takes there."""
     from fusedpar.kernels import gemv
     from fusedpar.kernels.gemv.launch import out_columns
     from fusedpar.testing.numerics import poison_
@@ -101,7 +103,8 @@ def skinny_calls(monkeypatch):
         return real(a, w, poison_(out), swiglu_block=swiglu_block)
 
     monkeypatch.setattr(gemv, "skinny_matmul", poisoned)
-    return calls
+    with decode_gemm_rows(gemv.MAX_M):
+        yield calls
 
 
 def _operands(rows, dtype, seed, *, d=48, blocks=2, block=12):
@@ -190,3 +193,31 @@ def test_other_gemms_stay_on_the_plain_stages(skinny_calls):
     assert comm.qkv(o["h"], o["w_qkv"], "shift").shape == (3, 40) and len(skinny_calls) == 2
     assert comm.row_parallel(act, o["w_down"], "shift") is act and reduced == ["shift"]
     assert len(skinny_calls) == 2
+
+
+def test_a_routing_entry_without_the_decode_gemm_measurement_keeps_every_gemm_on_the_plain_stages(monkeypatch):
+    """decode_gemm_max_rows 0 (an entry of a GPU where perf/tools/bench_gemv.py has not shown the decode GEMM
+    ahead of cuBLAS; CPU takes DEFAULT's) sends nothing to it; a limit routes up to that many rows."""
+    from fusedpar.kernels import gemv, routing
+
+    calls = []
+    monkeypatch.setattr(gemv, "skinny_matmul", lambda a, w, out=None, *, swiglu_block=0: calls.append(a.shape[0]))
+    comm = _one_rank_fused_comm()
+    o = _operands(3, torch.bfloat16, seed=9)
+    entry = routing.thresholds(o["h"].device, 1)
+    plain = comm.plain
+    with decode_gemm_rows(0):
+        assert torch.equal(comm.column_parallel(o["h"], o["w_gate_up"], swiglu_block=o["block"]),
+                           plain.column_parallel(o["h"], o["w_gate_up"], swiglu_block=o["block"]))
+        assert torch.equal(comm.qkv(o["h"], o["w_qkv"], "shift"), plain.qkv(o["h"], o["w_qkv"], "shift"))
+        act = plain.column_parallel(o["h"], o["w_gate_up"], swiglu_block=o["block"])
+        assert torch.equal(comm.row_parallel(act, o["w_down"], "shift", residual=o["x"]),
+                           plain.row_parallel(act, o["w_down"], "shift", residual=o["x"]))
+    assert calls == []
+    if entry.decode_gemm_max_rows == 0:  # the table as shipped for this device
+        comm.column_parallel(o["h"], o["w_gate_up"])
+        assert calls == []
+    with decode_gemm_rows(2):
+        comm.column_parallel(o["h"][:2], o["w_gate_up"])
+        comm.column_parallel(o["h"], o["w_gate_up"])
+    assert calls == [2]

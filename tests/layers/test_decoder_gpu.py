@@ -54,8 +54,10 @@ DECODE_STEPS = [
 def test_fused_shift_decode_runs_the_decode_gemm_and_matches_the_plain_path(nccl_world, monkeypatch):
     """The fused layer path in shift mode (one GPU under a one-process torchrun; TP = world otherwise): the qkv
     and gate_up GEMMs of steps of at most MAX_M rows, and the o and down GEMMs where the shift group has one
-    rank, run on gemv.skinny_matmul; the 70-row step does not. bf16 results as accurate as the plain path's."""
+    rank, run on gemv.skinny_matmul with the routing table routing every size it takes there; the 70-row step does
+    not. bf16 results as accurate as the plain path's."""
     from fusedpar.kernels import gemv
+    from tests.conftest import decode_gemm_rows
 
     rank, world = nccl_world
     calls, real = [], gemv.skinny_matmul
@@ -67,8 +69,9 @@ def test_fused_shift_decode_runs_the_decode_gemm_and_matches_the_plain_path(nccl
     monkeypatch.setattr(gemv, "skinny_matmul", counted)
     cfg = DecoderConfig(hidden_size=1024, num_q_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=2048,
                         qkv_bias=True, rope_theta=1e6)
-    fused = run_layer_scenario(rank, world, cfg, 1, world, DECODE_STEPS, dtype=torch.bfloat16, block_size=16,
-                               fused=True)
+    with decode_gemm_rows(gemv.MAX_M):  # the routed path, whatever this GPU's routing entry says
+        fused = run_layer_scenario(rank, world, cfg, 1, world, DECODE_STEPS, dtype=torch.bfloat16, block_size=16,
+                                   fused=True)
     routed = calls[:]
     plain = run_layer_scenario(rank, world, cfg, 1, world, DECODE_STEPS, dtype=torch.bfloat16, block_size=16)
     assert calls == routed  # the reference path never routes

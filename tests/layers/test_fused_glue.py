@@ -138,7 +138,8 @@ def _half_fused_comm(ctx, cfg):
 
 
 def _run_counting(rank, world, cfg, sp, tp, ops):
-    """The scenario in fp16, with the number of gemv.skinny_matmul calls it made."""
+    """The scenario in fp16, with the number of gemv.skinny_matmul calls it made (the routing table routing
+    every size the decode GEMM takes there)."""
     from tests.conftest import _fix_interpreter_for_numpy_2_4
 
     _fix_interpreter_for_numpy_2_4()  # spawned ranks do not run conftest
@@ -150,9 +151,12 @@ def _run_counting(rank, world, cfg, sp, tp, ops):
         calls.append(swiglu_block)
         return real(a, w, out, swiglu_block=swiglu_block)
 
+    from tests.conftest import decode_gemm_rows
+
     gemv.skinny_matmul = counted
     try:
-        res = run_layer_scenario(rank, world, cfg, sp, tp, STEPS, dtype=torch.float16, fused_ops=ops).to_dict()
+        with decode_gemm_rows(gemv.MAX_M):
+            res = run_layer_scenario(rank, world, cfg, sp, tp, STEPS, dtype=torch.float16, fused_ops=ops).to_dict()
     finally:
         gemv.skinny_matmul = real
     return res, calls
