@@ -9,6 +9,8 @@ GPU: tests marked `gpu` run under torchrun (`bash perf/run_gpu.sh`) and use `ncc
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
 import os
 
@@ -18,6 +20,21 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@contextlib.contextmanager
+def decode_gemm_rows(max_rows: int):
+    """Inside: the routing table's decode_gemm_max_rows is max_rows on every device (fusedpar.kernels.routing), so
+    FusedComm's GEMMs with nothing to exchange take the decode GEMM up to that many rows whatever the table
+    measured (tests of the routed path; spawned ranks enter it themselves)."""
+    from fusedpar.kernels import routing
+
+    real = routing.thresholds
+    routing.thresholds = lambda device, world: dataclasses.replace(real(device, world), decode_gemm_max_rows=max_rows)
+    try:
+        yield
+    finally:
+        routing.thresholds = real
 
 
 def _fix_interpreter_for_numpy_2_4() -> None:

@@ -29,6 +29,10 @@ class Thresholds:
     two_shot_min_rows: gemm_all_reduce takes the two-shot kernel from this many rows.
     all_reduce_one_shot_max_bytes: all_reduce takes the one-shot kernel up to this size (graphs).
     measured: the benchmarks and results files behind the numbers.
+    decode_gemm_max_rows: the GEMMs with nothing to exchange (fusedpar.layers.comm: column_parallel, qkv
+        without the all-to-all, row_parallel over a group of one) run on the weight-streaming decode GEMM
+        (fusedpar.kernels.gemv) up to this many rows, where perf/tools/bench_gemv.py showed it ahead of
+        cuBLAS on that GPU; 0 (an entry without that measurement): cuBLAS at every size.
     """
 
     qkv_fused_rows: RowRanges
@@ -37,6 +41,7 @@ class Thresholds:
     two_shot_min_rows: int
     all_reduce_one_shot_max_bytes: int
     measured: str
+    decode_gemm_max_rows: int = 0
 
 
 def in_ranges(rows: int, ranges: RowRanges) -> bool:

@@ -8,9 +8,11 @@ Stages (rows = this rank's rows: m = n_pad / SP in base mode, n in shift mode; b
   o_proj_scattered(w, rows, num_tokens)  after o_target: o GEMM of the staged rows + TP reduce.
   o_proj(attn, w, mode, residual)  [n(_pad), q*hd] -> [residual +] o-projection [rows, d]: in base mode
                              head->seq all-to-all, GEMM, all-reduce over TP; in shift mode row_parallel.
+  column_parallel(x, w, swiglu_block)  [rows, K] -> act(x @ w^T): a GEMM on this rank's output
+                             columns, nothing exchanged; act = SwiGLU of the blocked gate_up output
+                             when swiglu_block > 0 (fusedpar.kernels.swiglu), else the identity.
   row_parallel(x, w, mode, residual, swiglu_block)  [residual +] act(x) @ w^T summed over the mode's
-                             group (TP in base, the shift group in shift); act = SwiGLU of the blocked
-                             gate_up output when swiglu_block > 0 (fusedpar.kernels.swiglu), else x.
+                             group (TP in base, the shift group in shift); act as in column_parallel.
   fuses_residual(rows, w, mode)  whether o_proj adds the residual inside a fused reduce (free).
 
 PlainComm: F.linear (FP8Weight.linear for FP8 weights) + fusedpar.collectives; any device and backend (gloo on
@@ -18,10 +20,15 @@ CPU, NCCL on CUDA).
 FusedComm: symmetric-memory workspaces (CUDA) + the fused Triton kernels, on bf16 / fp16 weights and on
 FP8Weight ones (the kernels' e4m3 variants). Each stage checks
 whether it can take the step (a workspace, a group of more than one rank) and otherwise runs its
-PlainComm's; the kernels route by size themselves. `should_use(x)` says whether a communicator can
-take hidden states x at all; `select` returns the first of several that can (callers list them
-fused first). Every choice depends on shapes only, so all ranks agree. Collective: every rank
-builds a FusedComm with the same arguments, in the same order.
+PlainComm's; the kernels route by size themselves. The GEMMs with nothing to exchange
+(column_parallel, qkv without the all-to-all, row_parallel over a group of one) run on the
+weight-streaming decode GEMM (fusedpar.kernels.gemv, SwiGLU in its epilogue) where it takes the
+shapes (gemv.takes: at most MAX_M rows, half-precision plain weights) and the routing table's entry
+for the GPU routes that many rows there (fusedpar.kernels.routing: decode_gemm_max_rows, measured per
+GPU), on PlainComm's GEMM elsewhere. `should_use(x)` says whether a communicator can take hidden
+states x at all; `select` returns the first of several that can (callers list them fused first).
+Every choice depends on shapes and the routing table only, so all ranks agree. Collective: every
+rank builds a FusedComm with the same arguments, in the same order.
 
 One class per backend: a caller picks the communicator (ShiftParallelStack.enable_fused(comm=...));
 the layer benchmarks' cuBLAS + NCCL baseline is a PlainComm on the fused layer path.
@@ -51,6 +58,26 @@ def _fp8_args(w, **extra) -> tuple[torch.Tensor, dict]:
     if isinstance(w, FP8Weight):
         return w.q, {"w_scale": w.scale, "w_tile": w.tile, **extra}
     return w, {}
+
+
+def _skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w^T + bias on the decode GEMM (fusedpar.kernels.gemv; the caller checked gemv.takes). The bias
+    is added to the fp32 result before its one rounding, as F.linear's GEMM epilogue adds it."""
+    from fusedpar.kernels.gemv import skinny_matmul
+
+    if bias is None:
+        return skinny_matmul(x, w)
+    acc = skinny_matmul(x, w, out=x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32))
+    return acc.add_(bias).to(x.dtype)
+
+
+def _on_decode_gemm(x: torch.Tensor, w, swiglu_block: int = 0) -> bool:
+    """Whether FusedComm runs x @ w^T (SwiGLU epilogue when swiglu_block > 0) on the decode GEMM: the kernel
+    takes the shapes (gemv.takes) and the routing table's entry for this GPU routes that many rows there
+    (routing.Thresholds.decode_gemm_max_rows). Shapes and the table only, so every rank decides alike."""
+    from fusedpar.kernels import gemv, routing
+
+    return gemv.takes(x, w, swiglu_block) and x.shape[0] <= routing.thresholds(x.device, 1).decode_gemm_max_rows
 
 
 def select(x: torch.Tensor, *comms):
@@ -84,6 +111,10 @@ class PlainComm:
     def qkv(self, h: torch.Tensor, w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         qkv = linear(h, w, bias)  # the base bias rows follow the base block order
         return seq_to_head_all_to_all(qkv, self.ctx.sp) if mode == StepMode.BASE else qkv
+
+    def column_parallel(self, x: torch.Tensor, w: torch.Tensor, *, swiglu_block: int = 0) -> torch.Tensor:
+        y = linear(x, w)
+        return self.swiglu(y, swiglu_block) if swiglu_block else y
 
     def o_target(self, mode: str, rows: int):
         return None
@@ -211,9 +242,20 @@ class FusedComm:
         return all_reduce(out, self.ctx.tp, self.tp_allreduce_ws, inplace=True)
 
     # ---- the stages ------------------------------------------------------------------------
+    def column_parallel(self, x: torch.Tensor, w: torch.Tensor, *, swiglu_block: int = 0) -> torch.Tensor:
+        """As PlainComm.column_parallel; on the decode GEMM (SwiGLU in its epilogue) where it takes x and w."""
+        from fusedpar.kernels import gemv
+
+        if not _on_decode_gemm(x, w, swiglu_block):
+            return self.plain.column_parallel(x, w, swiglu_block=swiglu_block)
+        return gemv.skinny_matmul(x, w, swiglu_block=swiglu_block)
+
     def qkv(self, h: torch.Tensor, w: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """As PlainComm.qkv. After the exchange every row holds this rank's own block, so the bias
-        added is that block of `bias` (out of place: the rows may be a view of the receive buffer)."""
+        """As PlainComm.qkv. Without the exchange, the GEMM of column_parallel (and the bias). After
+        the exchange every row holds this rank's own block, so the bias added is that block of
+        `bias` (out of place: the rows may be a view of the receive buffer)."""
+        if not self._exchanges(mode) and _on_decode_gemm(h, w):
+            return _skinny_linear(h, w, bias)
         if self.qkv_ws is None or not self._exchanges(mode):
             return self.plain.qkv(h, w, mode, bias)
         from fusedpar.kernels.ulysses import qkv_all_to_all
@@ -255,14 +297,19 @@ class FusedComm:
 
     def row_parallel(self, x: torch.Tensor, w: torch.Tensor, mode: str, *, residual: torch.Tensor | None = None,
                      swiglu_block: int = 0) -> torch.Tensor:
-        ws = self.gemm_ar_ws[mode]
-        if ws is None:  # a group of one
-            return self.plain.row_parallel(x, w, mode, residual=residual, swiglu_block=swiglu_block)
-        from fusedpar.kernels.gemm_all_reduce import gemm_all_reduce
-
+        """As PlainComm.row_parallel; over a group of one, the decode GEMM where it takes act(x) and w
+        (the residual added after, as PlainComm adds it)."""
         # A separate pass, not a GEMM prologue: SwiGLU in the one-shot kernel's operand load was
         # slower than this + the kernel (fusedpar.kernels.gemm_all_reduce docstring).
         act = self.plain.swiglu(x, swiglu_block) if swiglu_block else x
+        if self.ctx.attention_group(mode).size == 1 and _on_decode_gemm(act, w):  # nothing to reduce
+            y = _skinny_linear(act, w, None)
+            return y if residual is None else residual + y
+        ws = self.gemm_ar_ws[mode]
+        if ws is None:  # a group of one, or no workspace
+            return self.plain.row_parallel(act, w, mode, residual=residual)
+        from fusedpar.kernels.gemm_all_reduce import gemm_all_reduce
+
         q, fp8 = _fp8_args(w)
         return gemm_all_reduce(act, q, self.ctx.attention_group(mode), ws, residual=residual, **fp8)
 

@@ -13,8 +13,8 @@ P = SP*TP, q/kv = local heads per rank, hd = head_dim):
   shift (TP = P): x [n, d] on every rank; the same GEMMs with the shift views; all-reduces
         over the shift group. No all-to-all, no padding.
 Both modes compute exactly the heads HeadPlacement assigns to the rank, and read/write one
-PagedKVCache. The communication stages (qkv exchange, o-projection, row-parallel reduce) are a
-communicator's (fusedpar.layers.comm).
+PagedKVCache. The GEMMs and their communication stages (qkv exchange, gate_up with its SwiGLU,
+o-projection, row-parallel reduce) are a communicator's (fusedpar.layers.comm).
 
 `torch_fwd` is the reference path (and the CPU path): reference ops on PlainComm(reference=True).
 `fused_fwd` runs the same stages on the Triton norms and paged attention (whose stores may do the
@@ -175,8 +175,9 @@ class ShiftParallelDecoderLayer(nn.Module):
                 h = _norm(x, rep["post_norm"], cfg.rms_norm_eps)
             else:  # residual add + post-attention norm in one pass (attention zero-fills padding rows)
                 x, h = _add_norm(x, comm.o_proj(attn, w["o"], mode), rep["post_norm"], cfg.rms_norm_eps)
-        # SwiGLU of the [gate | up] blocks and the residual add ride on the down projection
-        return comm.row_parallel(linear(h, w["gate_up"]), w["down"], mode, residual=x, swiglu_block=self.act_block)
+        # SwiGLU of the [gate | up] blocks rides on the gate_up GEMM, the residual add on the down projection
+        act = comm.column_parallel(h, w["gate_up"], swiglu_block=self.act_block)
+        return comm.row_parallel(act, w["down"], mode, residual=x)
 
     def _fused_attention(self, qkv: torch.Tensor, step: StepState, cache: PagedKVCache, scatter=None
                          ) -> torch.Tensor | None:

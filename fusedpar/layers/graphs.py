@@ -13,8 +13,9 @@ What is captured, per batch size B (sizes <= the policy's shift threshold, so ev
 step is a shift-mode step, and every rank captures the same graphs in the same order):
     static inputs   hidden [B, d]; int64 [2, B] = positions, cache slots; int32 = cu_seqlens_q
                     [B+1] (0..B), context_lens [B], block_tables [B, max_blocks]
-    graph           for each layer: the shift-mode fused layer (cuBLAS qkv, Triton attention
-                    with RoPE/q-k-norm/cache write, one-shot GEMM + all-reduce for o and down);
+    graph           for each layer: the shift-mode fused layer (the decode GEMM for qkv and
+                    gate_up + SwiGLU where the routing table routes them, Triton attention with RoPE/q-k-norm/cache
+                    write, one-shot GEMM + all-reduce for o and down);
                     cos/sin tables of a scaled RoPE are computed from the static positions inside
     static output   hidden [B, d]
 A step of n <= B sequences uses the smallest captured B >= n. Rows n..B-1 are padding: they

@@ -67,8 +67,10 @@ class ScenarioResult:
 
 
 class FallbackFusedComm(FusedComm):
-    """FusedComm without workspaces, so on any device: every stage takes its PlainComm fallback (as a
-    group of one or a step larger than the workspaces does). Tests that fallback logic on CPU."""
+    """FusedComm without workspaces, so on any device: every stage takes the path of a group of one or
+    of a step larger than the workspaces, its PlainComm fallback or, for half-precision GEMMs of at
+    most fusedpar.kernels.gemv.MAX_M rows with nothing to exchange, the decode GEMM where the routing table
+    routes them (on the Triton interpreter on CPU). Tests that fallback and routing logic on CPU."""
 
     def _build_workspaces(self) -> None:
         pass
@@ -97,8 +99,8 @@ def run_layer_scenario(
     fused_ops: Callable[[ParallelContext, DecoderConfig], object] | None = None,
     fp8: FP8Scheme | None = None,
 ) -> ScenarioResult:
-    """fused_ops: optional factory of a stand-in for FusedComm (same qkv / o_proj / row_parallel
-    methods, e.g. plain collectives); the layers then run fused_fwd, on CPU too (the Triton
+    """fused_ops: optional factory of a stand-in for FusedComm (same qkv / column_parallel / o_proj /
+    row_parallel methods, e.g. plain collectives); the layers then run fused_fwd, on CPU too (the Triton
     attention needs TRITON_INTERPRET=1 there). Tests the fused layer's own logic without CUDA.
     fp8: quantise the seven projection weights with this scheme (FP8Weight), for the oracle and the stack alike."""
     layout = ParallelLayout(world_size, sp=sp, tp=tp)

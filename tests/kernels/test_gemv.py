@@ -168,6 +168,28 @@ def test_swiglu_block_must_divide_the_rows():
                            swiglu_block=6)
 
 
+def test_takes_decode_sized_half_precision_gemms_of_plain_weights():
+    """takes: the layers' routing predicate, from shapes and dtypes alone (the CPU tensors here stand for any
+    device)."""
+    from fusedpar.kernels.fp8 import FP8Scheme
+    from fusedpar.layers.fp8_weights import FP8Weight
+
+    def t(m, n=48, k=32, dtype=torch.bfloat16, w_dtype=None, k_w=None, block=0):
+        return gemv.takes(torch.empty((m, k), dtype=dtype), torch.empty((n, k_w or k), dtype=w_dtype or dtype),
+                          block)
+
+    for dtype in (torch.bfloat16, torch.float16):
+        assert all(t(m, dtype=dtype) for m in (1, 3, 17, gemv.MAX_M))
+    assert not t(0) and not t(gemv.MAX_M + 1)  # no rows; a batch for the persistent GEMM
+    assert not t(4, dtype=torch.float32) and not t(4, dtype=torch.float64)  # fp32 stays on the plain GEMM
+    assert not t(4, w_dtype=torch.float16)  # mixed dtypes
+    assert not t(4, k_w=31)  # inner dims differ: the plain GEMM reports it
+    assert t(4, n=48, block=12) and t(4, n=48, block=24) and not t(4, n=48, block=5) and not t(4, block=-1)
+    assert not gemv.takes(torch.empty((4, 32, 1), dtype=torch.bfloat16), torch.empty((48, 32), dtype=torch.bfloat16))
+    fp8 = FP8Weight.quantize(torch.randn(48, 32), FP8Scheme("channel"))
+    assert not gemv.takes(torch.empty((4, 32), dtype=torch.bfloat16), fp8)  # the FP8 GEMMs take those
+
+
 def test_deterministic_across_runs():
     """Partials of shared tiles are summed in program order: repeated runs agree bit for bit."""
     gen = torch.Generator().manual_seed(12)

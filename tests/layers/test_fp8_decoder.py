@@ -132,6 +132,9 @@ class KernelEntriesComm:
         return qkv_all_to_all(h, w.q, None, self.ctx.sp, options=UlyssesOptions(path="plain"), w_scale=w.scale,
                               w_tile=w.tile)
 
+    def column_parallel(self, x, w, *, swiglu_block=0):
+        return self.plain.column_parallel(x, w, swiglu_block=swiglu_block)
+
     def o_target(self, mode, rows):
         return None
 

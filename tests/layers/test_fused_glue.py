@@ -8,7 +8,8 @@ check under torchrun: the q/k/v bias, the scaled-RoPE cos/sin tables handed to t
 kernel, the SwiGLU block width handed to the down projection and both residual branches around
 the o projection, and base mode's two plans for the return all-to-all (a local attention output,
 or the attention storing its rows through a ScatterOut), in base, shift and mixed steps against
-the fp64 oracle.
+the fp64 oracle. In fp16 it checks which GEMMs the layer hands to the decode GEMM
+(fusedpar.kernels.gemv) and that the layer stays as accurate as on PlainComm.
 """
 
 import os
@@ -121,3 +122,64 @@ def test_spin_timeouts_names_the_workspaces_whose_wait_gave_up():
     assert fk.spin_timeouts() == ["all_to_all_o_proj", "gemm_all_reduce[shift]"]
     fk.o_ws, fk.gemm_ar_ws = ws(0), {"base": ws(0), "shift": None}
     assert fk.spin_timeouts() == []
+
+
+# ---- half precision: the decode-sized GEMMs on the decode GEMM ---------------------------------------------
+
+HALF_REL_TOL = 5e-3  # fp16 layers vs the fp64 oracle
+
+
+def _half_plain_comm(ctx, cfg):
+    return PlainComm(ctx)
+
+
+def _half_fused_comm(ctx, cfg):
+    return FallbackFusedComm(ctx, cfg, max_tokens=64, dtype=torch.float16)
+
+
+def _run_counting(rank, world, cfg, sp, tp, ops):
+    """The scenario in fp16, with the number of gemv.skinny_matmul calls it made (the routing table routing
+    every size the decode GEMM takes there)."""
+    from tests.conftest import _fix_interpreter_for_numpy_2_4
+
+    _fix_interpreter_for_numpy_2_4()  # spawned ranks do not run conftest
+    from fusedpar.kernels import gemv
+
+    calls, real = [], gemv.skinny_matmul
+
+    def counted(a, w, out=None, *, swiglu_block=0):
+        calls.append(swiglu_block)
+        return real(a, w, out, swiglu_block=swiglu_block)
+
+    from tests.conftest import decode_gemm_rows
+
+    gemv.skinny_matmul = counted
+    try:
+        with decode_gemm_rows(gemv.MAX_M):
+            res = run_layer_scenario(rank, world, cfg, sp, tp, STEPS, dtype=torch.float16, fused_ops=ops).to_dict()
+    finally:
+        gemv.skinny_matmul = real
+    return res, calls
+
+
+# swiglu_block of each decode-GEMM call of one layer and step, in call order: qkv, then o and down over a group
+# of one, and gate_up with SwiGLU (the layer's block width: intermediate_size / (SP * TP))
+@pytest.mark.parametrize(("sp", "tp", "per_layer_step"), [(1, 1, [0, 0, 16, 0]), (1, 2, [0, 8])],
+                         ids=["one_rank", "tp2"])
+def test_half_precision_decode_gemms_take_the_decode_gemm_and_match_the_plain_path(sp, tp, per_layer_step):
+    """fp16 layers on a FusedComm without workspaces: the qkv and gate_up GEMMs (SwiGLU in the epilogue, the
+    layer's block width) and, over a group of one, the o and down GEMMs run on the decode GEMM; the layer
+    output is as accurate against the fp64 oracle as the PlainComm layer path's."""
+    cfg = DecoderConfig(**BASE_CFG, qkv_bias=True)
+    world = sp * tp
+    plain = run_distributed(_run_counting, world, cfg, sp, tp, _half_plain_comm)
+    fused = run_distributed(_run_counting, world, cfg, sp, tp, _half_fused_comm)
+    for (f, f_calls), (p, p_calls) in zip(fused, plain, strict=True):
+        assert p_calls == []
+        assert f_calls == per_layer_step * 2 * len(STEPS), f_calls  # two layers
+        for i, (rf, rp) in enumerate(zip(f["steps"], p["steps"], strict=True)):
+            where = f"rank {f['rank']} step {i} ({rf['mode']})"
+            assert rf["rel_error"] < HALF_REL_TOL, f"{where}: {rf['rel_error']:.3g}"
+            assert rf["rel_error"] < 2 * rp["rel_error"] + 1e-3, \
+                f"{where}: {rf['rel_error']:.3g} vs plain {rp['rel_error']:.3g}"
+        assert f["cache_rel_error"] < HALF_REL_TOL

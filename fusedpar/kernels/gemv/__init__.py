@@ -17,7 +17,7 @@ results run to run, whatever order the programs finish in.
 
 Modules: kernels (@triton.jit), config (SkinnyConfig, GPU_TABLE, pick_config), launch (checks and
 launcher), ops (torch.library ops `torch.ops.fusedpar.skinny_matmul` / `skinny_matmul_out` with fake
-impls), this module (`skinny_matmul`).
+impls), this module (`skinny_matmul`, and `takes`: whether a caller's GEMM belongs here).
 
 CPU: under TRITON_INTERPRET=1 (set before the first import) the kernels run on the interpreter: tl.dot
 for fp16 / fp32, CUDA-core products (SkinnyConfig.dot=False) for bf16, which the interpreter's tl.dot
@@ -31,7 +31,23 @@ import torch
 from fusedpar.kernels.gemv import ops as _ops  # noqa: F401  (registers torch.ops.fusedpar.skinny_matmul*)
 from fusedpar.kernels.gemv.config import GPU_TABLE, MAX_M, SkinnyConfig, choose_programs, pick_config
 
-__all__ = ["GPU_TABLE", "MAX_M", "SkinnyConfig", "choose_programs", "pick_config", "skinny_matmul"]
+__all__ = ["GPU_TABLE", "MAX_M", "SkinnyConfig", "choose_programs", "pick_config", "skinny_matmul", "takes"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def takes(a: torch.Tensor, w: object, swiglu_block: int = 0) -> bool:
+    """Whether a decode layer's GEMM a @ w^T (with the SwiGLU epilogue when swiglu_block > 0) belongs on
+    skinny_matmul: a [M, K] with 1 <= M <= MAX_M, w a plain [N, K] tensor (not a quantised weight) of a's
+    dtype, fp16 or bf16, and with SwiGLU N a multiple of 2 * swiglu_block. Reads shapes and dtypes only,
+    so every rank of a group decides alike; fp32 stays on the plain GEMM."""
+    if not isinstance(w, torch.Tensor) or a.dim() != 2 or w.dim() != 2:
+        return False
+    if not 1 <= a.shape[0] <= MAX_M or a.shape[1] != w.shape[1]:
+        return False
+    if a.dtype not in _HALF or w.dtype != a.dtype:
+        return False
+    return swiglu_block == 0 or (swiglu_block > 0 and w.shape[0] % (2 * swiglu_block) == 0)
 
 
 def skinny_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
