@@ -77,7 +77,7 @@ def _on_decode_gemm(x: torch.Tensor, w, swiglu_block: int = 0) -> bool:
     (routing.Thresholds.decode_gemm_max_rows). Shapes and the table only, so every rank decides alike."""
     from fusedpar.kernels import gemv, routing
 
-    return gemv.takes(x, w, swiglu_block) and x.shape[0] <= routing.thresholds(x.device, 1).decode_gemm_max_rows
+    return x.shape[0] <= routing.thresholds(x.device, 1).decode_gemm_max_rows and gemv.takes(x, w, swiglu_block)
 
 
 def select(x: torch.Tensor, *comms):

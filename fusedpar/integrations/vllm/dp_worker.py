@@ -142,39 +142,42 @@ class DPWorker(CPUWorker):
             state.model.dp_runner.vocab.idle(dep.hidden_size, dep.dtype, dep.device)
         return super().execute_model(own)
 
+    def _run_moves(self, tag: DPTag, rank: int, into_tp: bool, move) -> None:
+        """Run the step's KV moves, move(tp_group, timeout) -> bytes written on this rank, bounded and settled
+        (dp_move.guarded: KVMoveError when a peer dies or stalls), and count them in this rank's stats."""
+        from vllm.distributed import get_tp_group
+
+        from .dp_move import group_settle, guarded, move_timeout
+
+        state = self._fp_state()
+        tp, timeout = get_tp_group(), move_timeout(self.vllm_config.parallel_config.distributed_timeout_seconds)
+        state.classes.kv_bytes_moved += guarded(lambda: move(tp, timeout), group_settle(tp, timeout), tag.moves,
+                                                into_tp, rank, tag.size, timeout)
+        state.classes.moved.update(m.request_id for m in tag.moves)
+
     def _move_in(self, so, tag: DPTag, rank: int):
         """Copy the KV of the step's moves into this rank's TP blocks; the SchedulerOutput the model runner gets:
         on a source rank the moved requests are finished first (vLLM's model runner drops their DP-step state,
         then takes them as the step's new requests)."""
-        from vllm.distributed import get_tp_group
+        from .dp_move import group_scatter, move_kv
 
-        from .dp_move import group_scatter, group_settle, guarded, move_kv, move_timeout
-
-        state = self._fp_state()
-        attns = [layer.attn for layer in state.model.dp_runner.layers]
+        attns = [layer.attn for layer in self._fp_state().model.dp_runner.layers]
 
         def write(layer: int, key, value, slots) -> None:  # the backend's own KV write (its block layout)
             attn = attns[layer]
             attn.impl.do_kv_cache_update(attn, key, value, attn.kv_cache, slots)
 
-        tp, timeout = get_tp_group(), move_timeout(self.vllm_config.parallel_config.distributed_timeout_seconds)
-        state.classes.kv_bytes_moved += guarded(
-            lambda: move_kv(tag.moves, [a.kv_cache for a in attns], tag.size, tag.dp_offset, rank,
-                            group_scatter(tp, timeout), write),
-            group_settle(tp, timeout), tag.moves, True, rank, tag.size, timeout)
-        state.classes.moved.update(m.request_id for m in tag.moves)
+        self._run_moves(tag, rank, True, lambda tp, timeout: move_kv(
+            tag.moves, [a.kv_cache for a in attns], tag.size, tag.dp_offset, rank, group_scatter(tp, timeout), write))
         mine = {m.request_id for m in tag.moves if m.rank == rank}
         return dataclasses.replace(so, finished_req_ids=set(so.finished_req_ids) | mine) if mine else so
 
     def _move_out(self, tag: DPTag, rank: int) -> None:
         """Gather the KV of a DP step's moves (from the TP/SP class to DP ranks) into their destination ranks' DP
         blocks (dp_move.move_kv_to_dp: collective over the TP group)."""
-        from vllm.distributed import get_tp_group
+        from .dp_move import block_layout, group_gather, move_kv_to_dp
 
-        from .dp_move import block_layout, group_gather, group_settle, guarded, move_kv_to_dp, move_timeout
-
-        state = self._fp_state()
-        attns = [layer.attn for layer in state.model.dp_runner.layers]
+        attns = [layer.attn for layer in self._fp_state().model.dp_runner.layers]
         caches = [a.kv_cache for a in attns]
         if getattr(self, "_fp_block_layout", None) is None:
             attn = attns[0]
@@ -183,12 +186,8 @@ class DPWorker(CPUWorker):
                 attn.impl.do_kv_cache_update(attn, key, value, cache, slots)
 
             self._fp_block_layout = block_layout(write_into, caches[0].shape[1:], caches[0].dtype, caches[0].device)
-        tp, timeout = get_tp_group(), move_timeout(self.vllm_config.parallel_config.distributed_timeout_seconds)
-        state.classes.kv_bytes_moved += guarded(
-            lambda: move_kv_to_dp(tag.moves, caches, tag.size, tag.dp_offset, rank, group_gather(tp, timeout),
-                                  self._fp_block_layout),
-            group_settle(tp, timeout), tag.moves, False, rank, tag.size, timeout)
-        state.classes.moved.update(m.request_id for m in tag.moves)
+        self._run_moves(tag, rank, False, lambda tp, timeout: move_kv_to_dp(
+            tag.moves, caches, tag.size, tag.dp_offset, rank, group_gather(tp, timeout), self._fp_block_layout))
 
     def fusedpar_kv_move_seconds(self, sizes) -> list[float]:
         """Seconds of one KV move of each size in `sizes` (bytes), the slowest rank's (dp_move.time_moves);
